@@ -1,0 +1,206 @@
+"""Typed configuration: a YAML file mapped onto msgspec structs, then env vars, then flags.
+
+Every leaf has a dotted name (``server.url``, ``timeouts.lookup_ms``) and an environment variable
+(``LMCACHE_SERVER_URL``, ``LMCACHE_TIMEOUTS_LOOKUP_MS``); ``LMCACHE_URL`` is a short alias for the
+server url. Precedence: defaults < file < environment < command-line flags. Any problem raises one
+``ConfigError`` whose message names the source and the key.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+import yaml
+
+from lmcache_core.errors import ConfigError
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1,
+               "uint8": 1}
+DTypeName = Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "uint8"]
+Positive = Annotated[int, msgspec.Meta(gt=0)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 2**10, "ki": 2**10, "m": 1000**2,
+          "mb": 1000**2, "mib": 2**20, "mi": 2**20, "g": 1000**3, "gb": 1000**3, "gib": 2**30,
+          "gi": 2**30, "t": 1000**4, "tb": 1000**4, "tib": 2**40, "ti": 2**40}
+ENV_PREFIX = "LMCACHE_"
+URL_ENV = "LMCACHE_URL"
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from ``1073741824``, ``"1GiB"``, ``"512 MiB"`` or ``"2GB"``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"size must not be negative, got {value}")
+        return value
+    match = _SIZE_RE.match(str(value))
+    if not match:
+        raise ValueError(f"not a size: {value!r} (try 4GiB, 512MiB or a byte count)")
+    number, unit = match.groups()
+    return int(float(number) * _UNITS[(unit or "").lower()])
+
+
+class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class ModelConfig(_Section):
+    """The model whose KV cache is stored; it sizes the pool's chunk slots."""
+
+    name: str = "meta-llama/Llama-3.1-8B"
+    num_layers: Positive = 32
+    num_kv_heads: Positive = 8
+    head_dim: Positive = 128
+    dtype: DTypeName = "bfloat16"
+    use_mla: bool = False
+
+    def chunk_bytes(self, chunk_size: int, world_size: int = 1) -> int:
+        """Bytes of one rank's chunk: all layers, K and V (one latent for MLA)."""
+        kv = 1 if self.use_mla else 2
+        heads = 1 if self.use_mla else max(1, self.num_kv_heads // world_size)
+        return kv * self.num_layers * chunk_size * heads * self.head_dim * DTYPE_BYTES[self.dtype]
+
+
+class ServerConfig(_Section):
+    url: str = "tcp://127.0.0.1:5555"
+    pool_size: int | str = "4GiB"
+    eviction: Literal["lru"] = "lru"
+    workers: Positive = 2
+    max_request_bytes: Positive = 16 * 2**20
+    max_keys_per_request: Positive = 65536
+    reap_timeout_s: PositiveFloat = 60.0
+
+    def __post_init__(self) -> None:
+        self.pool_size = parse_size(self.pool_size)
+        if not self.url.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"url must start with tcp:// or ipc://, got {self.url!r}")
+
+    @property
+    def pool_bytes(self) -> int:
+        return parse_size(self.pool_size)
+
+
+class TimeoutConfig(_Section):
+    connect_s: PositiveFloat = 5.0
+    request_s: PositiveFloat = 30.0
+    lookup_ms: Positive = 2000
+    lock_ttl_s: PositiveFloat = 300.0
+
+
+class LMCacheConfig(_Section):
+    """Everything one server or client needs; ``configs/*.yaml`` map onto it."""
+
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    world_size: Positive = 1
+    chunk_size: Positive = 256
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    timeouts: TimeoutConfig = msgspec.field(default_factory=TimeoutConfig)
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.model.chunk_bytes(self.chunk_size, self.world_size)
+
+
+def leaf_keys(cls: type[msgspec.Struct] = LMCacheConfig, prefix: str = "") -> list[str]:
+    """Every dotted key of the config, in declaration order."""
+    keys: list[str] = []
+    for field in msgspec.structs.fields(cls):
+        if isinstance(field.type, type) and issubclass(field.type, msgspec.Struct):
+            keys += leaf_keys(field.type, f"{prefix}{field.name}.")
+        else:
+            keys.append(prefix + field.name)
+    return keys
+
+
+def env_name(key: str) -> str:
+    return ENV_PREFIX + key.upper().replace(".", "_")
+
+
+def load_config(path: str | os.PathLike[str] | None = None,
+                overrides: Mapping[str, Any] | None = None,
+                environ: Mapping[str, str] | None = None) -> LMCacheConfig:
+    """Defaults, then the YAML file at ``path``, then ``LMCACHE_*`` variables, then ``overrides``."""
+    raw = _read_yaml(Path(path)) if path is not None else {}
+    source = str(path) if path is not None else "defaults"
+    env = os.environ if environ is None else environ
+    for key in leaf_keys():
+        if env_name(key) in env:
+            _set(raw, key, _parse_scalar(env[env_name(key)]))
+            source = f"{source} + ${env_name(key)}"
+    if URL_ENV in env:
+        _set(raw, "server.url", env[URL_ENV])
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            _set(raw, key, value)
+    config = _convert(raw, source)
+    _check_pool(config, source)
+    return config
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{path}: YAML syntax error{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(data).__name__}")
+    return data
+
+
+def _parse_scalar(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _set(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = raw
+    for part in parents:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = node[part] = {}
+        node = child
+    node[leaf] = value
+
+
+def _convert(raw: dict[str, Any], source: str) -> LMCacheConfig:
+    try:
+        return msgspec.convert(raw, LMCacheConfig)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        key = ""
+        if " - at `$." in message:
+            message, _, where = message.rpartition(" - at `$.")
+            key = where.rstrip("`")
+        if message.startswith("Object contains unknown field"):
+            field = message.split("`")[1]
+            key, message = (f"{key}.{field}" if key else field), "unknown key"
+        if message.startswith("Object missing required field"):
+            message = "missing required key " + message.split("`")[1]
+        raise ConfigError(f"{source}: {key or '<top level>'}: {message}") from None
+
+
+def _check_pool(config: LMCacheConfig, source: str) -> None:
+    if config.server.pool_bytes < config.chunk_bytes:
+        raise ConfigError(
+            f"{source}: server.pool_size: {config.server.pool_bytes} bytes is smaller than one "
+            f"chunk ({config.chunk_bytes} bytes for {config.model.name} at chunk_size "
+            f"{config.chunk_size})")

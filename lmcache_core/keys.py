@@ -1,0 +1,106 @@
+"""Chunk keys and the prefix-chain hashing that names them.
+
+A chunk of ``chunk_size`` tokens is named by ``h_i = blake3(h_{i-1} || tokens_i as big-endian
+uint32)``, starting from LMCache's ``NONE_HASH``, so one 32-byte hash names the whole prefix and our
+hashes agree with LMCache's. Only complete chunks are hashed. In vLLM's hash mode a block hash already
+covers its prefix, so a chunk is named by the hash of its last block (``striding_block_hashes``).
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from array import array
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+from blake3 import blake3
+
+#: LMCache's seed of the chain: blake3(int64_be(0) || uint32_be(0)).
+NONE_HASH: bytes = blake3(struct.pack(">qI", 0, 0)).digest()
+HASH_BYTES = 32
+MAX_TOKEN_ID = 2**32 - 1
+
+
+class ChunkKey(NamedTuple):
+    """The identity of one stored chunk: one tensor-parallel rank's shard of one prefix chunk."""
+
+    model_name: str
+    world_size: int
+    kv_rank: int
+    chunk_hash: bytes
+
+    def short(self) -> str:
+        """A human-sized form for tables and logs."""
+        return f"{self.chunk_hash[:6].hex()}@{self.kv_rank}/{self.world_size}"
+
+
+def _token_bytes(token_ids: Sequence[int] | Any) -> bytes:
+    """Tokens as big-endian uint32 bytes; accepts a list, an array, a numpy array or a tensor."""
+    if hasattr(token_ids, "numpy"):  # a torch tensor, converted without importing torch here
+        token_ids = token_ids.detach().cpu().numpy()
+    if hasattr(token_ids, "astype"):  # numpy: one vectorized conversion
+        if token_ids.size and (token_ids.min() < 0 or token_ids.max() > MAX_TOKEN_ID):
+            raise ValueError("token ids must fit in uint32 (0 .. 4294967295)")
+        return bytes(token_ids.astype(">u4").tobytes())
+    try:
+        packed = array("I", token_ids)
+    except OverflowError as exc:
+        raise ValueError("token ids must fit in uint32 (0 .. 4294967295)") from exc
+    except TypeError as exc:
+        raise ValueError(f"token ids must be integers: {exc}") from exc
+    if packed.itemsize != 4:  # pragma: no cover - platforms where C int is not 32 bits
+        raise RuntimeError("unsupported platform: C unsigned int is not 32 bits")
+    if sys.byteorder == "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def chain_hashes(token_ids: Sequence[int] | Any, chunk_size: int,
+                 prefix: bytes = NONE_HASH) -> list[bytes]:
+    """The prefix-chain hash of every complete chunk of ``token_ids``; a partial tail is ignored."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    data = memoryview(_token_bytes(token_ids))
+    step = chunk_size * 4
+    hashes: list[bytes] = []
+    for start in range(0, len(data) - step + 1, step):
+        hasher = blake3(prefix)
+        hasher.update(data[start:start + step])
+        prefix = hasher.digest()
+        hashes.append(prefix)
+    return hashes
+
+
+def striding_block_hashes(block_hashes: Sequence[bytes], blocks_in_chunk: int) -> Iterable[bytes]:
+    """One hash per complete chunk: the hash of each chunk's last vLLM block."""
+    if blocks_in_chunk <= 0:
+        raise ValueError(f"blocks_in_chunk must be positive, got {blocks_in_chunk}")
+    return block_hashes[blocks_in_chunk - 1::blocks_in_chunk]
+
+
+def block_hash_bytes(block_hash: Any) -> bytes:
+    """vLLM's ``BlockHash`` is bytes; older versions wrap it. Take the bytes either way."""
+    if isinstance(block_hash, bytes | bytearray | memoryview):
+        return bytes(block_hash)
+    inner = getattr(block_hash, "hash_value", None)
+    if inner is not None:
+        return inner if isinstance(inner, bytes) else str(inner).encode()
+    raise TypeError(f"cannot use {type(block_hash).__name__} as a block hash")
+
+
+class TokenDatabase:
+    """Turns token ids into chunk hashes for one chunk size (the client-side half of a lookup)."""
+
+    def __init__(self, chunk_size: int) -> None:
+        if chunk_size <= 0:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        self.chunk_size = chunk_size
+
+    def chunk_hashes(self, token_ids: Sequence[int] | Any) -> list[bytes]:
+        """Hashes of the complete chunks of ``token_ids``."""
+        return chain_hashes(token_ids, self.chunk_size)
+
+    def chunk_offsets(self, num_chunks: int) -> list[int]:
+        """The end offset (in tokens) of each of the first ``num_chunks`` chunks."""
+        return [(i + 1) * self.chunk_size for i in range(num_chunks)]
