@@ -75,6 +75,10 @@ class ServerError(LMCacheError):
     code = ErrorCode.INTERNAL
 
 
+class BindError(LMCacheError, OSError):
+    """The server cannot listen on its url (address in use, bad path, permission)."""
+
+
 class LMCacheTimeoutError(LMCacheError, TimeoutError):
     """A wait ran past its timeout (connect, request, lookup)."""
 

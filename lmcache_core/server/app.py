@@ -1,0 +1,77 @@
+"""``CacheServer``: builds the pool, engine, registry and transport from a config, and runs them.
+
+Lifecycle (what ``lmcache serve`` drives): ``start()`` binds and starts serving; a housekeeping thread
+expires lookup locks past their TTL and reaps workers that died; ``stop()`` answers new requests with
+SHUTTING_DOWN, lets in-flight copies finish, unmaps every worker's shared memory and closes the socket.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import zmq
+
+from lmcache_core.config import LMCacheConfig
+from lmcache_core.engine import CacheEngine
+from lmcache_core.protocol.codec import Limits
+from lmcache_core.server.handlers import CacheHandlers
+from lmcache_core.server.registry import KVRegistry
+from lmcache_core.storage.pool import MemoryPool
+from lmcache_core.transport.server import MessageQueueServer
+
+logger = logging.getLogger(__name__)
+HOUSEKEEPING_INTERVAL_S = 1.0
+
+
+class CacheServer:
+    """One ``lmcache serve`` instance."""
+
+    def __init__(self, config: LMCacheConfig, context: zmq.Context[Any] | None = None) -> None:
+        self.config = config
+        self.pool = MemoryPool.from_bytes(config.server.pool_bytes, config.chunk_bytes)
+        self.engine = CacheEngine(self.pool, config.chunk_size,
+                                  lock_ttl_s=config.timeouts.lock_ttl_s)
+        self.transport = MessageQueueServer(
+            config.server.url, {}, context=context, workers=config.server.workers,
+            limits=Limits(config.server.max_request_bytes, config.server.max_keys_per_request))
+        self.handlers = CacheHandlers(config, self.engine, KVRegistry(
+            lambda request: self.handlers.open_mapping(request), config.server.reap_timeout_s),
+            self.transport.counters, config.server.url)
+        self.registry = self.handlers.registry
+        self.transport.routes = self.handlers.routes()
+        self._stop = threading.Event()
+        self._housekeeper = threading.Thread(target=self._housekeep, name="lmcache-housekeeping",
+                                             daemon=True)
+
+    @property
+    def url(self) -> str:
+        return self.transport.bound_url
+
+    def start(self) -> str:
+        """Bind and serve; returns the bound url."""
+        url = self.transport.start()
+        self.handlers.url = url
+        self._housekeeper.start()
+        logger.info("serving on %s", url)
+        return url
+
+    def stop(self, drain_timeout_s: float = 10.0) -> None:
+        """Finish in-flight work, release shared memory, close the socket. Idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self.transport.stop(drain_timeout_s)
+        self.registry.close_all()
+        logger.info("stopped")
+
+    def _housekeep(self) -> None:
+        while not self._stop.wait(HOUSEKEEPING_INTERVAL_S):
+            try:
+                expired = self.engine.expire_locks()
+                if expired:
+                    logger.info("released %d lookup lock(s) past their TTL", expired)
+                self.registry.reap()
+            except Exception:
+                logger.exception("housekeeping failed")

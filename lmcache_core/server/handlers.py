@@ -1,0 +1,208 @@
+"""Request handlers of ``lmcache serve``: each op's payload in, its reply out, over one CacheEngine.
+
+Handlers raise ``LMCacheError`` subclasses for anything the client got wrong; the transport's single
+error boundary turns those into typed ``ErrorReply``s. Store and retrieve run on worker threads; the
+byte copies run outside the engine's lock, between its ``begin_*`` and ``finish_*``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from lmcache_core import __version__
+from lmcache_core.config import LMCacheConfig
+from lmcache_core.engine import CacheEngine
+from lmcache_core.errors import IncompatibleError, ProtocolError
+from lmcache_core.keys import ChunkKey
+from lmcache_core.kv.cuda_events import copy_context
+from lmcache_core.kv.mapped import MappedKVCache
+from lmcache_core.protocol import messages as m
+from lmcache_core.protocol.ops import RequestType
+from lmcache_core.server.registry import KVRegistry, Registration
+from lmcache_core.transport.server import Route, ServerCounters
+
+MAX_HASH_BYTES = 64
+
+
+def _check_hashes(hashes: Sequence[bytes]) -> None:
+    if any(not 0 < len(h) <= MAX_HASH_BYTES for h in hashes):
+        raise ProtocolError(f"chunk hashes must be 1..{MAX_HASH_BYTES} bytes long")
+
+
+def _chunk_blocks(block_ids: Sequence[int], indices: Sequence[int], per_chunk: int) -> list[int]:
+    """The block ids of the chunks at ``indices`` (one slice per chunk, not per block)."""
+    if len(indices) * per_chunk == len(block_ids):
+        return list(block_ids)
+    out: list[int] = []
+    for i in indices:
+        out += block_ids[i * per_chunk:(i + 1) * per_chunk]
+    return out
+
+
+class CacheHandlers:
+    """The op handlers of one server, sharing its engine, registry and config."""
+
+    def __init__(self, config: LMCacheConfig, engine: CacheEngine, registry: KVRegistry,
+                 counters: ServerCounters, url: str) -> None:
+        self.config = config
+        self.engine = engine
+        self.registry = registry
+        self.counters = counters
+        self.url = url
+        self.started = time.monotonic()
+
+    def routes(self) -> dict[RequestType, Route]:
+        return {
+            RequestType.PING: Route(self.ping),
+            RequestType.GET_CHUNK_SIZE: Route(self.get_chunk_size),
+            RequestType.REGISTER_KV_CACHE: Route(self.register_kv_cache, blocking=True),
+            RequestType.UNREGISTER_KV_CACHE: Route(self.unregister_kv_cache, blocking=True),
+            RequestType.STORE: Route(self.store, blocking=True),
+            RequestType.RETRIEVE: Route(self.retrieve, blocking=True),
+            RequestType.LOOKUP: Route(self.lookup),
+            RequestType.FREE_LOOKUP_LOCKS: Route(self.free_lookup_locks),
+            RequestType.END_SESSION: Route(self.end_session),
+            RequestType.CLEAR: Route(self.clear),
+            RequestType.SERVER_INFO: Route(self.server_info),
+            RequestType.LIST_CHUNKS: Route(self.list_chunks),
+        }
+
+    # ------------------------------------------------------------------ control
+
+    def ping(self, request: m.PingRequest, _client: bytes) -> m.PingReply:
+        if request.instance_id is not None:
+            self.registry.touch(request.instance_id)
+        return m.PingReply(version=__version__, chunk_size=self.config.chunk_size,
+                           uptime_s=time.monotonic() - self.started, pid=os.getpid())
+
+    def get_chunk_size(self, _request: m.NoArgs, _client: bytes) -> m.ChunkSizeReply:
+        return m.ChunkSizeReply(chunk_size=self.config.chunk_size)
+
+    def register_kv_cache(self, request: m.RegisterKVCacheRequest,
+                          _client: bytes) -> m.RegisterKVCacheReply:
+        if request.world_size < 1 or not 0 <= request.kv_rank < request.world_size:
+            raise ProtocolError(
+                f"kv_rank {request.kv_rank} is outside world size {request.world_size}")
+        registration = self.registry.register(request)
+        mapped = registration.mapped
+        return m.RegisterKVCacheReply(chunk_bytes=mapped.chunk_bytes,
+                                      blocks_per_chunk=mapped.blocks_per_chunk)
+
+    def open_mapping(self, request: m.RegisterKVCacheRequest) -> MappedKVCache:
+        """Map a worker's tensors and check its chunks fit this server's slots."""
+        mapped = MappedKVCache.open(request.layers, request.layout, request.block_size,
+                                    self.config.chunk_size)
+        if mapped.chunk_bytes > self.engine.pool.slot_bytes:
+            mapped.close()
+            raise IncompatibleError(
+                f"a chunk of this KV cache is {mapped.chunk_bytes} bytes but the server's slots hold "
+                f"{self.engine.pool.slot_bytes} (set the model in the server's config to match)")
+        return mapped
+
+    def unregister_kv_cache(self, request: m.UnregisterKVCacheRequest,
+                            _client: bytes) -> m.OkReply:
+        self.registry.unregister(request.instance_id)
+        return m.OkReply()
+
+    # ------------------------------------------------------------------ data path
+
+    def store(self, request: m.StoreRequest, _client: bytes) -> m.StoreReply:
+        _check_hashes(request.chunk_hashes)
+        with self.registry.lease(request.instance_id) as reg:
+            per_chunk = self._check_blocks(reg, request.chunk_hashes, request.block_ids)
+            keys = self._keys(reg, request.chunk_hashes)
+            plan = self.engine.begin_store(keys, reg.mapped.chunk_bytes)
+            ok = False
+            try:
+                if plan.writes:
+                    indices = [w[0] for w in plan.writes]
+                    blocks = _chunk_blocks(request.block_ids, indices, per_chunk)
+                    with copy_context(request.event_handle, reg.mapped):
+                        reg.mapped.gather(blocks, [w[2] for w in plan.writes])
+                ok = True
+            finally:
+                self.engine.finish_store(plan, ok)
+        return m.StoreReply(stored=len(plan.writes), already_present=plan.already_present,
+                            skipped_full=plan.skipped_full)
+
+    def retrieve(self, request: m.RetrieveRequest, _client: bytes) -> m.RetrieveReply:
+        _check_hashes(request.chunk_hashes)
+        with self.registry.lease(request.instance_id) as reg:
+            per_chunk = self._check_blocks(reg, request.chunk_hashes, request.block_ids)
+            keys = self._keys(reg, request.chunk_hashes)
+            plan = self.engine.begin_retrieve(keys, request.lookup_id)
+            try:
+                if plan.found:
+                    indices = [f[0] for f in plan.found]
+                    blocks = _chunk_blocks(request.block_ids, indices, per_chunk)
+                    with copy_context(request.event_handle, reg.mapped):
+                        reg.mapped.scatter([f[2] for f in plan.found], blocks)
+            finally:
+                self.engine.finish_retrieve(plan)
+        return m.RetrieveReply(retrieved=len(plan.found), missing=list(plan.missing))
+
+    @staticmethod
+    def _keys(reg: Registration, hashes: Sequence[bytes]) -> list[ChunkKey]:
+        model, world, rank = reg.model_name, reg.world_size, reg.kv_rank
+        return [ChunkKey(model, world, rank, h) for h in hashes]
+
+    @staticmethod
+    def _check_blocks(reg: Registration, hashes: Sequence[bytes], block_ids: Sequence[int]) -> int:
+        per_chunk: int = reg.mapped.blocks_per_chunk
+        if len(block_ids) != len(hashes) * per_chunk:
+            raise ProtocolError(
+                f"{len(hashes)} chunks need {len(hashes) * per_chunk} block ids "
+                f"({per_chunk} per chunk), got {len(block_ids)}")
+        return per_chunk
+
+    def lookup(self, request: m.LookupRequest, _client: bytes) -> m.LookupReply:
+        _check_hashes(request.chunk_hashes)
+        if request.world_size < 1:
+            raise ProtocolError(f"world_size must be >= 1, got {request.world_size}")
+        hits = self.engine.lookup(request.model_name, request.world_size, request.chunk_hashes,
+                                  request.lookup_id, request.lock)
+        return m.LookupReply(hit_chunks=hits)
+
+    def free_lookup_locks(self, request: m.LookupIdRequest, _client: bytes) -> m.ReleasedReply:
+        return m.ReleasedReply(released=self.engine.free_lookup_locks(request.lookup_id))
+
+    def end_session(self, request: m.LookupIdRequest, _client: bytes) -> m.ReleasedReply:
+        return m.ReleasedReply(released=self.engine.end_session(request.lookup_id))
+
+    # ------------------------------------------------------------------ admin
+
+    def clear(self, request: m.ClearRequest, _client: bytes) -> m.ClearReply:
+        removed, kept = self.engine.clear(request.force)
+        return m.ClearReply(removed=removed, kept_locked=kept)
+
+    def server_info(self, _request: m.NoArgs, _client: bytes) -> m.ServerInfoReply:
+        stats: dict[str, Any] = dict(self._engine_stats())
+        stats.update(registered_instances=len(self.registry), reaped_instances=self.registry.reaped,
+                     requests=self.counters.requests, errors=self.counters.errors)
+        return m.ServerInfoReply(
+            version=__version__, url=self.url, pid=os.getpid(), chunk_size=self.config.chunk_size,
+            uptime_s=time.monotonic() - self.started, pool_bytes=self.engine.pool.nbytes,
+            slot_bytes=self.engine.pool.slot_bytes, eviction=self.config.server.eviction,
+            stats=m.ServerStats(**stats))
+
+    def _engine_stats(self) -> dict[str, int]:
+        stats = self.engine.stats()
+        return stats if isinstance(stats, dict) else dict(vars(stats))
+
+    def list_chunks(self, request: m.ListChunksRequest, _client: bytes) -> m.ChunkListReply:
+        if request.limit < 0:
+            raise ProtocolError(f"limit must be >= 0, got {request.limit}")
+        rows, total = self.engine.list_chunks(request.model_name, request.limit, request.sort)
+        return m.ChunkListReply(chunks=[self._chunk_info(r) for r in rows], total=total)
+
+    @staticmethod
+    def _chunk_info(row: Any) -> m.ChunkInfo:
+        if isinstance(row, m.ChunkInfo):
+            return row
+        key: ChunkKey = row.key
+        return m.ChunkInfo(chunk_hash=key.chunk_hash, model_name=key.model_name,
+                           world_size=key.world_size, kv_rank=key.kv_rank, tier=row.tier,
+                           nbytes=row.nbytes, locks=row.locks, hits=row.hits, age_s=row.age_s)

@@ -1,0 +1,139 @@
+"""MessageQueueClient / MessageQueueServer over real tcp:// and ipc:// sockets."""
+
+import threading
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from lmcache_core.errors import (
+    ConnectionClosedError,
+    LMCacheTimeoutError,
+    ServerError,
+    ServerUnreachableError,
+    UnknownOperationError,
+)
+from lmcache_core.protocol import RequestType
+from lmcache_core.protocol import messages as m
+from lmcache_core.transport import MessageQueueClient, MessageQueueServer, Route
+
+
+def _ping(_p, _c):
+    return m.PingReply(version="t", chunk_size=16, uptime_s=0.0, pid=0)
+
+
+@pytest.fixture
+def release():
+    return threading.Event()
+
+
+@pytest.fixture(params=["tcp", "ipc"])
+def server(request, tmp_path, release):
+    def slow_store(p, _c):
+        release.wait(5)
+        return m.StoreReply(stored=len(p.chunk_hashes))
+
+    def boom(_p, _c):
+        raise RuntimeError("kaboom")
+
+    url = "tcp://127.0.0.1:0" if request.param == "tcp" else f"ipc://{tmp_path}/s.sock"
+    srv = MessageQueueServer(url, {
+        RequestType.PING: Route(_ping),
+        RequestType.STORE: Route(slow_store, blocking=True),
+        RequestType.CLEAR: Route(boom),
+    }, workers=2)
+    srv.start()
+    yield srv
+    release.set()
+    srv.stop(1.0)
+
+
+def test_round_trip_and_a_slow_store_does_not_delay_ping(server, release):
+    with MessageQueueClient(server.bound_url) as client:
+        assert client.wait_until_reachable(2).chunk_size == 16
+        store = client.submit_request(RequestType.STORE, [m.StoreRequest(
+            instance_id=1, chunk_hashes=[b"x"], block_ids=[0])])
+        start = time.perf_counter()
+        client.wait_until_reachable(2)
+        assert time.perf_counter() - start < 0.5 and not store.query()
+        release.set()
+        assert store.result(2) == m.StoreReply(stored=1)
+
+
+def test_errors_come_back_typed_and_the_server_keeps_serving(server):
+    with MessageQueueClient(server.bound_url) as client:
+        with pytest.raises(ServerError, match="RuntimeError: kaboom"):
+            client.submit_request(RequestType.CLEAR, [m.ClearRequest()]).result(2)
+        with pytest.raises(UnknownOperationError):
+            client.submit_request(RequestType.LOOKUP, [m.LookupRequest(
+                model_name="m", world_size=1, lookup_id="a", chunk_hashes=[])]).result(2)
+        assert client.wait_until_reachable(2)
+    assert server.counters.errors == 2
+
+
+def test_raw_garbage_gets_error_replies(server):
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 2000)
+    sock.connect(server.bound_url)
+    try:
+        for frames in ([b"\x05", msgspec.msgpack.encode(24)],          # LMCache noop, not ours
+                       [b"\x06", b"\xc1", b""],
+                       [b"\x07", msgspec.msgpack.encode("lmc.ping"), b"not msgpack"]):
+            sock.send_multipart(frames)
+            reply = sock.recv_multipart()
+            assert reply[:2] == frames[:2]
+            error = msgspec.msgpack.decode(reply[2], type=m.ErrorReply)
+            assert error.code in {"bad_request", "unknown_op"}
+    finally:
+        sock.close(0)
+    with MessageQueueClient(server.bound_url) as client:
+        assert client.wait_until_reachable(2)
+
+
+def test_many_requests_in_flight(server):
+    with MessageQueueClient(server.bound_url) as client:
+        futures = [client.submit_request(RequestType.PING, [m.PingRequest()]) for _ in range(2000)]
+        assert all(f.result(5).chunk_size == 16 for f in futures)
+
+
+def test_unreachable_and_timeouts():
+    with MessageQueueClient("tcp://127.0.0.1:9", request_timeout_s=0.2) as client:
+        start = time.perf_counter()
+        future = client.submit_request(RequestType.PING, [m.PingRequest()])
+        with pytest.raises(LMCacheTimeoutError):
+            future.result(5)  # the client's own deadline fails it, well before 5 s
+        assert time.perf_counter() - start < 1.0
+        with pytest.raises(ServerUnreachableError, match="127.0.0.1:9"):
+            client.wait_until_reachable(0.2)
+
+
+def test_close_fails_pending_and_later_requests():
+    client = MessageQueueClient("tcp://127.0.0.1:9", request_timeout_s=30)
+    future = client.submit_request(RequestType.PING, [m.PingRequest()])
+    callbacks = []
+    future.add_done_callback(lambda f: callbacks.append(f.query()))
+    client.close()
+    with pytest.raises(ConnectionClosedError):
+        future.result(1)
+    assert callbacks == [True]
+    with pytest.raises(ConnectionClosedError):
+        client.submit_request(RequestType.PING, [m.PingRequest()]).result(1)
+
+
+def test_stop_finishes_in_flight_work(tmp_path, release):
+    def slow(p, _c):
+        time.sleep(0.3)
+        return m.StoreReply(stored=1)
+
+    srv = MessageQueueServer("tcp://127.0.0.1:0", {RequestType.STORE: Route(slow, blocking=True),
+                                                   RequestType.PING: Route(_ping)})
+    srv.start()
+    with MessageQueueClient(srv.bound_url) as client:
+        future = client.submit_request(RequestType.STORE, [m.StoreRequest(
+            instance_id=1, chunk_hashes=[b"x"], block_ids=[0])])
+        client.wait_until_reachable(2)
+        srv.stop(5)
+        assert future.result(2) == m.StoreReply(stored=1)

@@ -1,0 +1,69 @@
+from pathlib import Path
+
+import pytest
+
+from lmcache_core.config import LMCacheConfig, env_name, leaf_keys, load_config, parse_size
+from lmcache_core.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_shipped_configs_load():
+    llama = load_config(ROOT / "configs/llama8b.yaml")
+    assert (llama.model.num_layers, llama.model.num_kv_heads, llama.model.head_dim) == (32, 8, 128)
+    assert llama.chunk_size == 256 and llama.world_size == 1
+    assert llama.chunk_bytes == 32 * 2**20
+    tiny = load_config(ROOT / "configs/tiny.yaml")
+    assert tiny.server.pool_bytes >= tiny.chunk_bytes
+
+
+def test_defaults_without_file():
+    assert load_config(None, environ={}) == LMCacheConfig()
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ("chunk_size: [1\n", "YAML syntax error (line"),
+    ("chunk_sise: 3\n", "chunk_sise: unknown key"),
+    ("server:\n  workerz: 2\n", "server.workerz: unknown key"),
+    ("chunk_size: abc\n", "chunk_size: Expected `int`"),
+    ("chunk_size: 0\n", "chunk_size: Expected `int` >= 1"),
+    ("server:\n  pool_size: 1KiB\n", "server.pool_size: 1024 bytes is smaller than one chunk"),
+    ("server:\n  pool_size: lots\n", "not a size"),
+    ("server:\n  url: http://x\n", "must start with tcp:// or ipc://"),
+    ("- 1\n- 2\n", "top level must be a mapping"),
+])
+def test_bad_files_name_file_and_key(tmp_path, text, needle):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={})
+    message = str(info.value)
+    assert message.startswith(str(path)) and needle in message and "\n" not in message
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config("/nonexistent/x.yaml")
+
+
+def test_precedence_file_env_flags(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("chunk_size: 64\nserver:\n  url: tcp://127.0.0.1:7000\n")
+    env = {"LMCACHE_CHUNK_SIZE": "128", "LMCACHE_TIMEOUTS_LOOKUP_MS": "50"}
+    config = load_config(path, environ=env)
+    assert config.chunk_size == 128 and config.timeouts.lookup_ms == 50
+    assert config.server.url == "tcp://127.0.0.1:7000"
+    config = load_config(path, {"chunk_size": 32, "server.url": None}, environ=env)
+    assert config.chunk_size == 32
+    assert load_config(None, environ={"LMCACHE_URL": "ipc:///tmp/a"}).server.url == "ipc:///tmp/a"
+    with pytest.raises(ConfigError, match=r"\$LMCACHE_CHUNK_SIZE"):
+        load_config(path, environ={"LMCACHE_CHUNK_SIZE": "-4"})
+
+
+def test_sizes_and_names():
+    assert parse_size("4GiB") == 4 * 2**30 and parse_size("512 MiB") == 512 * 2**20
+    assert parse_size(100) == 100 and parse_size("2GB") == 2 * 10**9
+    with pytest.raises(ValueError):
+        parse_size("-1")
+    assert "server.url" in leaf_keys() and "timeouts.lock_ttl_s" in leaf_keys()
+    assert env_name("timeouts.lookup_ms") == "LMCACHE_TIMEOUTS_LOOKUP_MS"

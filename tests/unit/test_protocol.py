@@ -1,0 +1,109 @@
+import msgspec
+import pytest
+
+from lmcache_core.errors import (
+    NotRegisteredError,
+    ProtocolError,
+    RequestTooLargeError,
+    UnknownOperationError,
+)
+from lmcache_core.protocol import (
+    OPS,
+    Limits,
+    RequestType,
+    decode_reply,
+    decode_request,
+    encode_reply,
+    encode_request,
+    error_reply,
+)
+from lmcache_core.protocol import messages as m
+
+SAMPLES: dict[RequestType, m.Message] = {
+    RequestType.PING: m.PingRequest(instance_id=7),
+    RequestType.GET_CHUNK_SIZE: m.NoArgs(),
+    RequestType.REGISTER_KV_CACHE: m.RegisterKVCacheRequest(
+        instance_id=1, model_name="m", world_size=2, kv_rank=1, block_size=16, layout="flash_attn",
+        layers=[m.TensorDescriptor(kind="shm", dtype="bfloat16", shape=[2, 8, 16, 4, 32],
+                                   stride=[16384, 2048, 128, 32, 1], shm_name="seg",
+                                   segment_nbytes=65536)]),
+    RequestType.UNREGISTER_KV_CACHE: m.UnregisterKVCacheRequest(instance_id=1),
+    RequestType.STORE: m.StoreRequest(instance_id=1, chunk_hashes=[b"a" * 32],
+                                      block_ids=[1, 2, 3, 4], request_ids=["r"]),
+    RequestType.RETRIEVE: m.RetrieveRequest(instance_id=1, chunk_hashes=[b"a" * 32],
+                                            block_ids=[1, 2, 3, 4], lookup_id="r"),
+    RequestType.LOOKUP: m.LookupRequest(model_name="m", world_size=2, lookup_id="r",
+                                        chunk_hashes=[b"a" * 32, b"b" * 32]),
+    RequestType.FREE_LOOKUP_LOCKS: m.LookupIdRequest(lookup_id="r"),
+    RequestType.END_SESSION: m.LookupIdRequest(lookup_id="r"),
+    RequestType.CLEAR: m.ClearRequest(force=True),
+    RequestType.SERVER_INFO: m.NoArgs(),
+    RequestType.LIST_CHUNKS: m.ListChunksRequest(model_name="m", limit=5, sort="hits"),
+}
+
+
+def test_every_op_has_a_sample_and_round_trips():
+    assert set(SAMPLES) == set(OPS) == set(RequestType)
+    for uid, (op, payload) in enumerate(SAMPLES.items()):
+        frames = encode_request(uid, op, [payload])
+        decoded = decode_request(frames)
+        assert decoded.op is op and decoded.payload == payload
+        assert msgspec.msgpack.decode(decoded.uid_frame) == uid
+
+
+def test_reply_round_trip_and_typed_errors():
+    frames = encode_reply(b"\x01", b"\xa3op", m.LookupReply(hit_chunks=3))
+    assert frames[:2] == [b"\x01", b"\xa3op"]
+    assert decode_reply(RequestType.LOOKUP, frames[2:]) == m.LookupReply(hit_chunks=3)
+    err = encode_reply(b"\x01", b"", error_reply(NotRegisteredError("instance 9 unknown")))
+    with pytest.raises(NotRegisteredError, match="instance 9 unknown"):
+        decode_reply(RequestType.STORE, err[2:])
+    with pytest.raises(ProtocolError):
+        decode_reply(RequestType.STORE, [b"\xc1"])
+
+
+def test_op_frames_are_strings_in_our_namespace():
+    # LMCache 0.5.6 uses int ids 1-33 and bare snake_case names; ours must not collide.
+    for op in RequestType:
+        assert op.value.startswith("lmc.")
+
+
+@pytest.mark.parametrize(("frames", "error"), [
+    ([], ProtocolError),
+    ([b"\x00"], ProtocolError),
+    ([b"\x00", b"\xc1", b"\x80"], ProtocolError),                       # op frame not msgpack
+    ([b"\x00", msgspec.msgpack.encode(6), b"\x80"], UnknownOperationError),  # LMCache legacy id
+    ([b"\x00", msgspec.msgpack.encode("store"), b"\x80"], UnknownOperationError),
+    ([b"\x00", msgspec.msgpack.encode("lmc.nope"), b"\x80"], UnknownOperationError),
+    ([b"\x00", msgspec.msgpack.encode("lmc.ping")], ProtocolError),      # missing payload
+    ([b"\x00", msgspec.msgpack.encode("lmc.ping"), b"\x80", b"\x80"], ProtocolError),
+    ([b"\x00", msgspec.msgpack.encode("lmc.lookup"), msgspec.msgpack.encode({"x": 1})],
+     ProtocolError),
+    ([b"\x00", msgspec.msgpack.encode("lmc.lookup"),
+      msgspec.msgpack.encode({"model_name": 1, "world_size": 1, "lookup_id": "a",
+                              "chunk_hashes": []})], ProtocolError),     # wrong type
+    ([b"\x00", msgspec.msgpack.encode("lmc.clear"), b"garbage!"], ProtocolError),
+])
+def test_malformed_requests_raise_typed_errors(frames, error):
+    with pytest.raises(error):
+        decode_request(frames)
+
+
+def test_limits():
+    many = m.LookupRequest(model_name="m", world_size=1, lookup_id="x",
+                           chunk_hashes=[b"h" * 32] * 11)
+    frames = encode_request(0, RequestType.LOOKUP, [many])
+    assert decode_request(frames, Limits(max_keys_per_request=11)).payload == many
+    with pytest.raises(RequestTooLargeError, match="at most 10 per request"):
+        decode_request(frames, Limits(max_keys_per_request=10))
+    with pytest.raises(RequestTooLargeError, match="bytes"):
+        decode_request(frames, Limits(max_request_bytes=100))
+
+
+def test_no_pickle_anywhere():
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    for path in [*root.glob("lmcache_core/**/*.py"), *root.glob("lmcache_cli/**/*.py")]:
+        text = path.read_text()
+        assert "import pickle" not in text and "from pickle" not in text, path
