@@ -35,7 +35,7 @@ class ChunkKey(NamedTuple):
         return f"{self.chunk_hash[:6].hex()}@{self.kv_rank}/{self.world_size}"
 
 
-def _token_bytes(token_ids: Sequence[int] | Any) -> bytes:
+def _token_bytes(token_ids: Any) -> bytes:
     """Tokens as big-endian uint32 bytes; accepts a list, an array, a numpy array or a tensor."""
     if hasattr(token_ids, "numpy"):  # a torch tensor, converted without importing torch here
         token_ids = token_ids.detach().cpu().numpy()

@@ -27,7 +27,7 @@ _encoder = msgspec.msgpack.Encoder()
 _decode_any = msgspec.msgpack.Decoder().decode
 _request_decoders = {op: msgspec.msgpack.Decoder(spec.request) for op, spec in OPS.items()}
 _reply_decoders = {
-    op: msgspec.msgpack.Decoder(spec.reply | ErrorReply) for op, spec in OPS.items()  # type: ignore[operator]
+    op: msgspec.msgpack.Decoder(spec.reply | ErrorReply) for op, spec in OPS.items()
 }
 _ops_by_name = {op.value: op for op in RequestType}
 
@@ -37,6 +37,9 @@ class Limits(NamedTuple):
 
     max_request_bytes: int = 16 * 2**20
     max_keys_per_request: int = 65536
+
+
+DEFAULT_LIMITS = Limits()
 
 
 class DecodedRequest(NamedTuple):
@@ -67,10 +70,11 @@ def decode_uid(frame: bytes) -> int:
     return uid
 
 
-def decode_request(frames: Sequence[bytes], limits: Limits = Limits()) -> DecodedRequest:
+def decode_request(frames: Sequence[bytes], limits: Limits | None = None) -> DecodedRequest:
     """Parse ``[uid, op, payload]`` (the ROUTER identity already removed) into a typed request."""
     if len(frames) < 2:
         raise ProtocolError(f"a request needs at least [uid, op] frames, got {len(frames)}")
+    limits = limits or DEFAULT_LIMITS
     uid_frame, op_frame, *payload_frames = frames
     size = sum(len(f) for f in frames)
     if size > limits.max_request_bytes:
@@ -122,7 +126,7 @@ def decode_reply(op: RequestType, frames: Sequence[bytes]) -> Reply:
         raise ProtocolError(f"bad {op.value} reply: {exc}") from exc
     if isinstance(reply, ErrorReply):
         raise error_from_code(reply.code, reply.message)
-    return reply  # type: ignore[no-any-return]
+    return reply
 
 
 def decode_error_reply(frames: Sequence[bytes]) -> LMCacheError | None:

@@ -8,7 +8,9 @@ boundary (``_answer``). Worker threads hand replies back through a deque and an 
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import functools
 import logging
 import os
 import threading
@@ -64,10 +66,10 @@ class MessageQueueServer:
 
     def __init__(self, url: str, routes: Mapping[RequestType, Route], *,
                  context: zmq.Context[Any] | None = None, workers: int = 2,
-                 limits: Limits = Limits(), name: str = "lmcache-server") -> None:
+                 limits: Limits | None = None, name: str = "lmcache-server") -> None:
         self.url = url
         self.routes = dict(routes)
-        self.limits = limits
+        self.limits = limits or Limits()
         self.counters = ServerCounters()
         self._context = context if context is not None else zmq.Context.instance()
         self._name = name
@@ -195,7 +197,7 @@ class MessageQueueServer:
         else:
             self._in_flight += 1
             job = self._workers.submit(self._answer, route, request, identity)
-            job.add_done_callback(lambda f, ident=identity: self._on_done(ident, f))
+            job.add_done_callback(functools.partial(self._on_done, identity))
 
     def _on_done(self, identity: bytes, job: Future[list[bytes]]) -> None:
         self._done.append([identity, *job.result()])
@@ -233,7 +235,5 @@ class MessageQueueServer:
 
     def _remove_ipc_file(self) -> None:
         if self.bound_url.startswith("ipc://"):
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(self.bound_url[len("ipc://"):])
-            except OSError:
-                pass

@@ -6,6 +6,7 @@ readable. Cheaper than an inproc socket pair and needs no socket per caller thre
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 
@@ -14,16 +15,13 @@ class Waker:
         self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
 
     def wake(self) -> None:
-        try:
+        # A saturated counter (or a closed loop) means a wake-up is pending or pointless anyway.
+        with contextlib.suppress(BlockingIOError, OSError):
             os.eventfd_write(self.fd, 1)
-        except (BlockingIOError, OSError):  # counter saturated or closed: a wake-up is pending anyway
-            pass
 
     def drain(self) -> None:
-        try:
+        with contextlib.suppress(BlockingIOError):
             os.eventfd_read(self.fd)
-        except BlockingIOError:
-            pass
 
     def close(self) -> None:
         if self.fd >= 0:

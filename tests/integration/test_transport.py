@@ -63,7 +63,7 @@ def test_round_trip_and_a_slow_store_does_not_delay_ping(server, release):
 
 def test_errors_come_back_typed_and_the_server_keeps_serving(server):
     with MessageQueueClient(server.bound_url) as client:
-        with pytest.raises(ServerError, match="RuntimeError: kaboom"):
+        with pytest.raises(ServerError, match=r"RuntimeError: kaboom"):
             client.submit_request(RequestType.CLEAR, [m.ClearRequest()]).result(2)
         with pytest.raises(UnknownOperationError):
             client.submit_request(RequestType.LOOKUP, [m.LookupRequest(
@@ -106,7 +106,7 @@ def test_unreachable_and_timeouts():
         with pytest.raises(LMCacheTimeoutError):
             future.result(5)  # the client's own deadline fails it, well before 5 s
         assert time.perf_counter() - start < 1.0
-        with pytest.raises(ServerUnreachableError, match="127.0.0.1:9"):
+        with pytest.raises(ServerUnreachableError, match=r"127\.0\.0\.1:9"):
             client.wait_until_reachable(0.2)
 
 
