@@ -1,0 +1,508 @@
+"""CacheEngine: the cache's index and policy over the L1 memory pool (no sockets, no KV layouts).
+
+Callers copy bytes in and out of slot views; the engine decides which slot holds which chunk, who
+may see it and when it may go. One lock guards everything and is held only for dict work; the
+copies run outside it, between ``begin_*`` and ``finish_*``. An entry's life:
+
+* **writing**: ``begin_store`` reserved a slot. Invisible to lookups and retrieves, never evicted,
+  and a second store of the same key counts as already present.
+* **resident**: ``finish_store(ok=True)`` committed it; lookups see it from that moment.
+* **locked**: a lookup holds it for a coming retrieve (one lock per lookup id, with a TTL). Locked
+  entries are never evicted, so all ranks of a reported prefix stay until the retrieve.
+* **being read**: ``begin_retrieve`` pinned it (a reader count) until ``finish_retrieve``; neither
+  eviction nor ``clear(force=True)`` takes it mid-copy.
+
+LRU order: hits are touched (and new chunks committed) from the last chunk to the first, so a
+prefix's head is the most recently used and eviction eats prefixes from the tail, which keeps what
+remains of a prefix usable.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from lmcache_core.errors import IncompatibleError, ProtocolError
+from lmcache_core.keys import ChunkKey
+from lmcache_core.protocol.messages import ChunkInfo
+from lmcache_core.storage.pool import MemoryPool
+
+if TYPE_CHECKING:
+    import torch
+
+SORTS = ("age", "hits", "size", "key")
+_Key = tuple[str, int, int, bytes]  # a ChunkKey is one; lookup probes with plain tuples
+MEMORY_TIER = "memory"
+
+
+class _Entry:
+    """One resident chunk: where it lives and who holds it."""
+
+    __slots__ = ("created", "hits", "key", "locks", "nbytes", "readers", "slot")
+
+    def __init__(self, key: ChunkKey, slot: int, nbytes: int, created: float) -> None:
+        self.key = key
+        self.slot = slot
+        self.nbytes = nbytes
+        self.created = created
+        self.locks = 0  # lookup ids holding a lock on it
+        self.readers = 0  # retrieves copying out of it right now
+        self.hits = 0
+
+
+class _LockSet:
+    """The entries one lookup id has locked, and the generation that may expire them."""
+
+    __slots__ = ("entries", "seq")
+
+    def __init__(self, entries: dict[ChunkKey, _Entry], seq: int) -> None:
+        self.entries = entries
+        self.seq = seq
+
+
+@dataclass(slots=True)
+class _Counters:
+    """The monotonically growing counters ``stats()`` reports (names as in ``ServerStats``)."""
+
+    lookups: int = 0
+    lookup_hit_chunks: int = 0
+    lookup_miss_chunks: int = 0
+    stores: int = 0
+    stored_chunks: int = 0
+    store_skipped_full: int = 0
+    retrieves: int = 0
+    retrieved_chunks: int = 0
+    retrieve_missing: int = 0
+    evictions: int = 0
+    locks_expired: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class StorePlan:
+    """What ``begin_store`` reserved: write into ``writes`` (index, key, slot view), then finish.
+
+    ``stored``/``already_present``/``skipped_full`` fill a ``StoreReply`` directly.
+    """
+
+    nbytes: int
+    writes: list[tuple[int, ChunkKey, torch.Tensor]]
+    already_present: int = 0
+    skipped_full: int = 0
+    keys: list[ChunkKey] = field(default_factory=list, repr=False)
+    slots: list[int] = field(default_factory=list, repr=False)
+    done: bool = False
+
+    @property
+    def stored(self) -> int:
+        return len(self.writes)
+
+
+@dataclass(slots=True, eq=False)
+class RetrievePlan:
+    """What ``begin_retrieve`` found: copy out of ``found`` (index, key, slot view), then finish.
+
+    ``missing`` are request indexes that are not resident (fills ``RetrieveReply.missing``).
+    """
+
+    lookup_id: str
+    found: list[tuple[int, ChunkKey, torch.Tensor]]
+    missing: list[int]
+    entries: list[_Entry] = field(default_factory=list, repr=False)
+    done: bool = False
+
+    @property
+    def retrieved(self) -> int:
+        return len(self.found)
+
+
+class CacheEngine:
+    """Index, locks and LRU eviction of chunks in one ``MemoryPool``; thread-safe."""
+
+    def __init__(self, pool: MemoryPool, chunk_size: int, lock_ttl_s: float = 300.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if chunk_size <= 0:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        if lock_ttl_s <= 0:
+            raise ValueError(f"lock_ttl_s must be positive, got {lock_ttl_s}")
+        self.pool = pool
+        self.chunk_size = chunk_size
+        self.lock_ttl_s = lock_ttl_s
+        self._clock = clock
+        self._mutex = threading.Lock()
+        # Resident entries in LRU order (front = least recently used). Keys are ChunkKeys; a plain
+        # 4-tuple finds the same entry, which is what lets lookup skip building ChunkKeys.
+        self._entries: OrderedDict[_Key, _Entry] = OrderedDict()
+        self._writing: dict[ChunkKey, int] = {}  # key -> reserved slot, while a store copies in
+        self._locks: dict[str, _LockSet] = {}
+        self._expiry: list[tuple[float, int, str]] = []  # min-heap of (deadline, seq, lookup_id)
+        self._seq = itertools.count()
+        self._bytes_used = 0
+        self._n = _Counters()
+
+    # ------------------------------------------------------------------ lookup
+
+    def lookup(self, model_name: str, world_size: int, chunk_hashes: Sequence[bytes],
+               lookup_id: str, lock: bool = True) -> int:
+        """How many leading chunks every rank ``0..world_size-1`` holds; lock them when ``lock``.
+
+        A locking re-lookup under the same ``lookup_id`` first drops that id's previous locks, so a
+        scheduler that asks again never doubles its hold. Hits are LRU-touched and counted.
+        """
+        if world_size < 1:
+            raise ProtocolError(f"world_size must be at least 1, got {world_size}")
+        get = self._entries.get
+        ranks = range(world_size)
+        hit: list[_Entry] = []
+        append = hit.append
+        with self._mutex:
+            now = self._clock()
+            if self._expiry and self._expiry[0][0] <= now:
+                self._expire_due(now)
+            if lock and lookup_id in self._locks:
+                self._release_all(lookup_id)
+            chunks = 0
+            for chunk_hash in chunk_hashes:
+                for rank in ranks:
+                    entry = get((model_name, world_size, rank, chunk_hash))
+                    if entry is None:
+                        break
+                    append(entry)
+                else:
+                    chunks += 1
+                    continue
+                break
+            del hit[chunks * world_size:]
+            if hit:
+                self._touch_hits(hit, lookup_id if lock else None, now)
+            total = len(chunk_hashes)
+            if chunks < total:
+                self._lookup_miss(model_name, world_size, chunk_hashes, chunks)
+            n = self._n
+            n.lookups += 1
+            n.lookup_hit_chunks += chunks
+            n.lookup_miss_chunks += total - chunks
+        return chunks
+
+    def _touch_hits(self, hit: list[_Entry], lookup_id: str | None, now: float) -> None:
+        """LRU-touch and count the hits (tail first); lock them for ``lookup_id`` if given."""
+        move = self._entries.move_to_end
+        if lookup_id is None:
+            for entry in reversed(hit):
+                move(entry.key)
+                entry.hits += 1
+            return
+        held: dict[ChunkKey, _Entry] = {}
+        for entry in reversed(hit):
+            move(entry.key)
+            entry.hits += 1
+            entry.locks += 1
+            held[entry.key] = entry
+        if len(held) != len(hit):  # a hash repeated in the request: one lock per key, not two
+            for entry in hit:
+                entry.locks -= 1
+            for entry in held.values():
+                entry.locks += 1
+        self._hold(lookup_id, held, now)
+
+    def _lookup_miss(self, model_name: str, world_size: int, chunk_hashes: Sequence[bytes],
+                     first_missing: int) -> None:
+        """Where every lookup miss passes (under the lock): the hook for lower tiers.
+
+        A disk or Redis tier would queue a prefetch of ``chunk_hashes[first_missing:]`` here (never
+        load inline: this runs under the engine lock). Without tiers there is nothing to do.
+        """
+
+    # ------------------------------------------------------------------ locks
+
+    def _hold(self, lookup_id: str, held: dict[ChunkKey, _Entry], now: float) -> None:
+        seq = next(self._seq)
+        self._locks[lookup_id] = _LockSet(held, seq)
+        heapq.heappush(self._expiry, (now + self.lock_ttl_s, seq, lookup_id))
+        if len(self._expiry) > 2 * len(self._locks) + 64:
+            self._compact_expiry()
+
+    def _compact_expiry(self) -> None:
+        """Drop heap items of lock sets already released, so the heap tracks live locks only."""
+        live = {lookup_id: ls.seq for lookup_id, ls in self._locks.items()}
+        self._expiry = [item for item in self._expiry if live.get(item[2]) == item[1]]
+        heapq.heapify(self._expiry)
+
+    def _release_all(self, lookup_id: str) -> int:
+        held = self._locks.pop(lookup_id, None)
+        if held is None:
+            return 0
+        for entry in held.entries.values():
+            entry.locks -= 1
+        return len(held.entries)
+
+    def _expire_due(self, now: float) -> int:
+        expiry = self._expiry
+        expired = 0
+        while expiry and expiry[0][0] <= now:
+            _, seq, lookup_id = heapq.heappop(expiry)
+            held = self._locks.get(lookup_id)
+            if held is not None and held.seq == seq:
+                expired += self._release_all(lookup_id)
+        self._n.locks_expired += expired
+        return expired
+
+    def expire_locks(self) -> int:
+        """Release every lock older than ``lock_ttl_s``; returns how many key locks went."""
+        with self._mutex:
+            return self._expire_due(self._clock())
+
+    def free_lookup_locks(self, lookup_id: str) -> int:
+        """Release whatever ``lookup_id`` still locks (its chunks that were not retrieved)."""
+        with self._mutex:
+            return self._release_all(lookup_id)
+
+    def end_session(self, lookup_id: str) -> int:
+        """A request is over: release its remaining locks (unlike LMCache, which keeps them)."""
+        return self.free_lookup_locks(lookup_id)
+
+    # ------------------------------------------------------------------ store
+
+    def begin_store(self, keys: Sequence[ChunkKey], nbytes: int) -> StorePlan:
+        """Reserve a slot for each key not yet present, evicting LRU entries when the pool is full.
+
+        Keys resident or being written count as ``already_present``; keys no slot can be found for
+        count as ``skipped_full`` (earlier keys, the prefix's head, get slots first). Never raises
+        for a full pool: the caller reports what was stored and vLLM recomputes the rest.
+        """
+        pool = self.pool
+        if not 0 < nbytes <= pool.slot_bytes:
+            raise IncompatibleError(
+                f"a chunk of {nbytes} bytes does not fit the pool's {pool.slot_bytes}-byte slots")
+        plan = StorePlan(nbytes, [])
+        with self._mutex:
+            now = self._clock()
+            if self._expiry and self._expiry[0][0] <= now:
+                self._expire_due(now)
+            new = self._claim_new(keys, plan)
+            shortfall = len(new) - pool.num_free
+            if shortfall > 0:
+                self._make_room(shortfall)
+            self._reserve(new, plan)
+            self._n.stores += 1
+            self._n.store_skipped_full += plan.skipped_full
+        view = pool.view
+        plan.writes = [(index, key, view(slot, nbytes))
+                      for (index, key), slot in zip(new, plan.slots, strict=True)]
+        return plan
+
+    def _claim_new(self, keys: Sequence[ChunkKey], plan: StorePlan) -> list[tuple[int, ChunkKey]]:
+        """The (index, key) pairs to write; marks them as being written (slot -1 for now)."""
+        entries, writing = self._entries, self._writing
+        new: list[tuple[int, ChunkKey]] = []
+        for index, key in enumerate(keys):
+            if key in writing or key in entries:
+                plan.already_present += 1
+            else:
+                writing[key] = -1
+                new.append((index, key))
+        return new
+
+    def _reserve(self, new: list[tuple[int, ChunkKey]], plan: StorePlan) -> None:
+        """Give each claimed key a slot, in request order; unclaim the ones that got none."""
+        allocate, writing = self.pool.allocate, self._writing
+        for count, (_, key) in enumerate(new):
+            slot = allocate()
+            if slot is None:
+                for _, rest in new[count:]:
+                    del writing[rest]
+                plan.skipped_full = len(new) - count
+                del new[count:]
+                return
+            writing[key] = slot
+            plan.keys.append(key)
+            plan.slots.append(slot)
+
+    def finish_store(self, plan: StorePlan, ok: bool = True) -> None:
+        """Commit the plan's chunks (visible to lookups from now on), or free them when not ``ok``.
+
+        Calling it twice for one plan does nothing the second time.
+        """
+        with self._mutex:
+            if plan.done:
+                return
+            plan.done = True
+            writing, pool = self._writing, self.pool
+            if not ok:
+                for key, slot in zip(plan.keys, plan.slots, strict=True):
+                    del writing[key]
+                    pool.free(slot)
+                return
+            now, entries, nbytes = self._clock(), self._entries, plan.nbytes
+            for key, slot in zip(reversed(plan.keys), reversed(plan.slots), strict=True):
+                del writing[key]
+                entries[key] = _Entry(key, slot, nbytes, now)
+            self._bytes_used += nbytes * len(plan.keys)
+            self._n.stored_chunks += len(plan.keys)
+
+    # ------------------------------------------------------------------ eviction
+
+    def _make_room(self, count: int) -> int:
+        """Evict up to ``count`` LRU entries that are neither locked nor being read; one pass."""
+        victims: list[_Entry] = []
+        for entry in self._entries.values():
+            if not entry.locks and not entry.readers:
+                victims.append(entry)
+                if len(victims) >= count:
+                    break
+        for entry in victims:
+            self._evict_one(entry)
+        return len(victims)
+
+    def _evict_one(self, entry: _Entry) -> None:
+        """Every eviction passes here: the hook where a lower tier would take the chunk's bytes."""
+        self._drop(entry)
+        self._n.evictions += 1
+
+    def _drop(self, entry: _Entry) -> None:
+        del self._entries[entry.key]
+        self.pool.free(entry.slot)
+        self._bytes_used -= entry.nbytes
+
+    # ------------------------------------------------------------------ retrieve
+
+    def begin_retrieve(self, keys: Sequence[ChunkKey], lookup_id: str = "") -> RetrievePlan:
+        """Find the resident keys and pin them (a reader count) so nothing frees them mid-copy."""
+        plan = RetrievePlan(lookup_id, [], [])
+        found, missing = plan.entries, plan.missing
+        indexes: list[int] = []
+        get = self._entries.get
+        with self._mutex:
+            for index, key in enumerate(keys):
+                entry = get(key)
+                if entry is None:
+                    missing.append(index)
+                else:
+                    entry.readers += 1
+                    found.append(entry)
+                    indexes.append(index)
+            move = self._entries.move_to_end
+            for entry in reversed(found):
+                move(entry.key)
+            n = self._n
+            n.retrieves += 1
+            n.retrieved_chunks += len(found)
+            n.retrieve_missing += len(missing)
+        view = self.pool.view
+        plan.found = [(index, entry.key, view(entry.slot, entry.nbytes))
+                      for index, entry in zip(indexes, found, strict=True)]
+        return plan
+
+    def finish_retrieve(self, plan: RetrievePlan) -> None:
+        """Unpin the plan's entries and release ``plan.lookup_id``'s lock on exactly those keys.
+
+        The retrieve consumed the lookup's lock for this rank; the other ranks' keys stay locked
+        until their own retrieves. Calling it twice for one plan does nothing the second time.
+        """
+        with self._mutex:
+            if plan.done:
+                return
+            plan.done = True
+            for entry in plan.entries:
+                entry.readers -= 1
+            held = self._locks.get(plan.lookup_id)
+            if held is None:
+                return
+            for entry in plan.entries:
+                locked = held.entries.pop(entry.key, None)
+                if locked is not None:
+                    locked.locks -= 1
+            if not held.entries:
+                del self._locks[plan.lookup_id]
+
+    # ------------------------------------------------------------------ admin
+
+    def clear(self, force: bool = False) -> tuple[int, int]:
+        """Drop resident chunks; returns ``(removed, kept)``.
+
+        Unforced, locked chunks stay; forced, they go with their locks. Chunks being read or
+        written always stay (``kept`` counts the resident ones kept).
+        """
+        removed = kept = 0
+        with self._mutex:
+            for entry in list(self._entries.values()):
+                if entry.readers or (entry.locks and not force):
+                    kept += 1
+                else:
+                    self._drop(entry)
+                    removed += 1
+            if force:
+                self._purge_locks()
+        return removed, kept
+
+    def _purge_locks(self) -> None:
+        """Forget locks on entries that are gone, so a re-stored key starts unlocked."""
+        entries = self._entries
+        for lookup_id, held in list(self._locks.items()):
+            held.entries = {key: entry for key, entry in held.entries.items()
+                            if entries.get(key) is entry}
+            if not held.entries:
+                del self._locks[lookup_id]
+
+    def stats(self) -> dict[str, int]:
+        """The engine's share of ``ServerStats``: ``ServerStats(**engine.stats(), ...)``."""
+        with self._mutex:
+            out = asdict(self._n)
+            out.update(
+                chunks=len(self._entries),
+                bytes_used=self._bytes_used,
+                slots_total=self.pool.num_slots,
+                slots_used=self.pool.num_used,
+                locks_held=sum(len(held.entries) for held in self._locks.values()),
+            )
+        return out
+
+    def list_chunks(self, model_name: str | None = None, limit: int = 100,
+                    sort: str = "age") -> tuple[list[ChunkInfo], int]:
+        """Up to ``limit`` resident chunks (of ``model_name`` if given) and how many match in all.
+
+        Sorts: ``age`` newest first, ``hits`` most first, ``size`` largest first, ``key`` by
+        (model, chunk hash, world size, rank) so a chunk's ranks sit together.
+        """
+        if sort not in SORTS:
+            raise ProtocolError(f"sort must be one of {', '.join(SORTS)}, got {sort!r}")
+        with self._mutex:
+            now = self._clock()
+            rows = [(entry.key, entry.nbytes, entry.locks, entry.hits, now - entry.created)
+                    for entry in self._entries.values()
+                    if model_name is None or entry.key[0] == model_name]
+        rows.sort(key=_SORT_KEYS[sort])
+        return [_chunk_info(*row) for row in rows[:max(limit, 0)]], len(rows)
+
+    def is_resident(self, key: ChunkKey) -> bool:
+        """Whether ``key`` is committed (visible to lookups)."""
+        with self._mutex:
+            return key in self._entries
+
+    def locks_of(self, lookup_id: str) -> list[ChunkKey]:
+        """The keys ``lookup_id`` holds a lock on (for inspection and tests)."""
+        with self._mutex:
+            held = self._locks.get(lookup_id)
+            return list(held.entries) if held is not None else []
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+_Row = tuple[ChunkKey, int, int, int, float]
+_SORT_KEYS: dict[str, Callable[[_Row], Any]] = {
+    "age": lambda row: row[4],
+    "hits": lambda row: (-row[3], row[4]),
+    "size": lambda row: (-row[1], row[4]),
+    "key": lambda row: (row[0][0], row[0][3], row[0][1], row[0][2]),
+}
+
+
+def _chunk_info(key: ChunkKey, nbytes: int, locks: int, hits: int, age_s: float) -> ChunkInfo:
+    return ChunkInfo(chunk_hash=key[3], model_name=key[0], world_size=key[1], kv_rank=key[2],
+                     tier=MEMORY_TIER, nbytes=nbytes, locks=locks, hits=hits, age_s=age_s)

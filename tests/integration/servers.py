@@ -1,0 +1,87 @@
+"""Start real ``lmcache serve`` processes for tests, and stop them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from lmcache_core.errors import LMCacheError
+from lmcache_core.transport.client import MessageQueueClient
+
+TINY = {
+    "model": {"name": "tiny", "num_layers": 2, "num_kv_heads": 4, "head_dim": 32, "dtype": "float16"},
+    "world_size": 1,
+    "chunk_size": 64,
+    "server": {"pool_size": "8MiB", "workers": 2, "reap_timeout_s": 60},
+    "timeouts": {"connect_s": 2, "request_s": 10, "lookup_ms": 1000, "lock_ttl_s": 60},
+}
+
+
+class ServerProcess:
+    """An ``lmcache serve`` child process on an ipc:// socket in a temp dir."""
+
+    def __init__(self, tmp: Path, overrides: dict | None = None, name: str = "srv") -> None:
+        config = _merge(TINY, overrides or {})
+        config["server"].setdefault("url", f"ipc://{tmp}/{name}.sock")
+        self.url = config["server"]["url"]
+        self.config_path = tmp / f"{name}.yaml"
+        self.config_path.write_text(yaml.safe_dump(config))
+        self.log_path = tmp / f"{name}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 20.0) -> ServerProcess:
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "lmcache_cli", "serve", "-c", str(self.config_path)],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"})
+        self.wait_ready(timeout_s)
+        return self
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with MessageQueueClient(self.url, connect_timeout_s=0.5) as client:
+            while time.monotonic() < deadline:
+                assert self.proc is not None
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.log()}")
+                try:
+                    client.wait_until_reachable(0.5)
+                    return
+                except LMCacheError:
+                    continue
+        raise RuntimeError(f"server did not answer within {timeout_s}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+            raise
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
