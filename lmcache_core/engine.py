@@ -148,8 +148,10 @@ class CacheEngine:
     # ------------------------------------------------------------------ lookup
 
     def lookup(self, model_name: str, world_size: int, chunk_hashes: Sequence[bytes],
-               lookup_id: str, lock: bool = True) -> int:
+               lookup_id: str, lock: bool = True, ranks: Sequence[int] | None = None) -> int:
         """How many leading chunks every rank ``0..world_size-1`` holds; lock them when ``lock``.
+
+        ``ranks`` narrows the check to those ranks (an in-process engine holds only its own rank).
 
         A locking re-lookup under the same ``lookup_id`` first drops that id's previous locks, so a
         scheduler that asks again never doubles its hold. Hits are LRU-touched and counted.
@@ -157,7 +159,8 @@ class CacheEngine:
         if world_size < 1:
             raise ProtocolError(f"world_size must be at least 1, got {world_size}")
         get = self._entries.get
-        ranks = range(world_size)
+        if ranks is None:
+            ranks = range(world_size)
         hit: list[_Entry] = []
         append = hit.append
         with self._mutex:
@@ -177,7 +180,7 @@ class CacheEngine:
                     chunks += 1
                     continue
                 break
-            del hit[chunks * world_size:]
+            del hit[chunks * len(ranks):]
             if hit:
                 self._touch_hits(hit, lookup_id if lock else None, now)
             total = len(chunk_hashes)
