@@ -17,7 +17,6 @@ from lmcache_core.config import LMCacheConfig
 from lmcache_core.engine import CacheEngine
 from lmcache_core.errors import IncompatibleError, ProtocolError
 from lmcache_core.keys import ChunkKey
-from lmcache_core.kv.cuda_events import copy_context
 from lmcache_core.kv.mapped import MappedKVCache
 from lmcache_core.protocol import messages as m
 from lmcache_core.protocol.ops import RequestType
@@ -120,7 +119,7 @@ class CacheHandlers:
                 if plan.writes:
                     indices = [w[0] for w in plan.writes]
                     blocks = _chunk_blocks(request.block_ids, indices, per_chunk)
-                    with copy_context(request.event_handle, reg.mapped):
+                    with reg.copy_stream.run(request.event_handle):
                         reg.mapped.gather(blocks, [w[2] for w in plan.writes])
                 ok = True
             finally:
@@ -138,7 +137,7 @@ class CacheHandlers:
                 if plan.found:
                     indices = [f[0] for f in plan.found]
                     blocks = _chunk_blocks(request.block_ids, indices, per_chunk)
-                    with copy_context(request.event_handle, reg.mapped):
+                    with reg.copy_stream.run(request.event_handle):
                         reg.mapped.scatter([f[2] for f in plan.found], blocks)
             finally:
                 self.engine.finish_retrieve(plan)

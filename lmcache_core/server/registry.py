@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from lmcache_core.errors import NotRegisteredError
+from lmcache_core.kv.cuda_events import CopyStream
 from lmcache_core.protocol.messages import RegisterKVCacheRequest
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class Registration:
         self.pid = request.pid
         self.local = bool(request.pid) and request.hostname == HOSTNAME
         self.mapped = mapped
+        self.copy_stream = CopyStream(getattr(mapped, "device", None))
         self.last_seen = now
         self.leases = 0
         self.retired = False

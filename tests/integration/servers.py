@@ -18,7 +18,8 @@ TINY = {
     "model": {"name": "tiny", "num_layers": 2, "num_kv_heads": 4, "head_dim": 32, "dtype": "float16"},
     "world_size": 1,
     "chunk_size": 64,
-    "server": {"pool_size": "8MiB", "workers": 2, "reap_timeout_s": 60},
+    "server": {"pool_size": "8MiB", "workers": 2, "reap_timeout_s": 60,
+               "max_keys_per_request": 1000},
     "timeouts": {"connect_s": 2, "request_s": 10, "lookup_ms": 1000, "lock_ttl_s": 60},
 }
 
@@ -85,3 +86,59 @@ def _merge(base: dict, extra: dict) -> dict:
         else:
             out[key] = value
     return out
+
+
+class WorkerProcess:
+    """A ``kv_worker.py`` child: a stand-in vLLM worker driven by JSON lines."""
+
+    def __init__(self, url: str, *, rank: int = 0, world_size: int = 1, num_blocks: int = 64,
+                 block_size: int = 16, model: str = "tiny", layers: int = 2, heads: int = 4,
+                 head_dim: int = 32, dtype: str = "float16") -> None:
+        import json
+
+        spec = {"url": url, "rank": rank, "world_size": world_size, "num_blocks": num_blocks,
+                "block_size": block_size, "model": model, "layers": layers, "heads": heads,
+                "head_dim": head_dim, "dtype": dtype}
+        script = Path(__file__).with_name("kv_worker.py")
+        self.proc = subprocess.Popen([sys.executable, str(script), json.dumps(spec)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.hello = self._read(30)
+        if not self.hello.get("ready"):
+            raise RuntimeError(f"worker failed to start: {self.hello}")
+
+    def __call__(self, cmd: str, timeout_s: float = 30, **args: object) -> dict:
+        import json
+
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"cmd": cmd, **args}) + "\n")
+        self.proc.stdin.flush()
+        return self._read(timeout_s)
+
+    def _read(self, timeout_s: float) -> dict:
+        import json
+        import selectors
+
+        assert self.proc.stdout is not None
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            if not sel.select(timeout_s):
+                raise TimeoutError(f"worker gave no answer within {timeout_s}s")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker exited ({self.proc.wait(5)})")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self("quit", timeout_s=10)
+            except (RuntimeError, TimeoutError, BrokenPipeError, OSError):
+                pass
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(5)

@@ -1,0 +1,110 @@
+"""CUDA IPC handles of tensor storages: export on the worker, open on the server.
+
+Nothing here touches CUDA at import time. Devices are matched by UUID, not index, because the
+worker and the server may see different ``CUDA_VISIBLE_DEVICES``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lmcache_core.errors import IncompatibleError
+from lmcache_core.kv.tensors import dtype_name, span_elems
+from lmcache_core.protocol.messages import CudaIpcHandle, TensorDescriptor
+
+StorageKey = tuple[bytes, int]
+
+
+def require_cuda(what: str) -> None:
+    """IncompatibleError naming ``what`` unless CUDA is usable in this process."""
+    if not torch.cuda.is_available():
+        raise IncompatibleError(f"{what} needs CUDA, but torch.cuda.is_available() is False here")
+
+
+def device_uuid(device: torch.device | int) -> str:
+    """The UUID string of a CUDA device, as carried in ``TensorDescriptor.device_uuid``."""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def device_index_by_uuid(uuid: str) -> int:
+    """The local index of the CUDA device with this UUID; IncompatibleError if none."""
+    require_cuda("opening a CUDA KV cache")
+    seen = []
+    for index in range(torch.cuda.device_count()):
+        found = device_uuid(index)
+        if found == uuid:
+            return index
+        seen.append(found)
+    raise IncompatibleError(
+        f"no CUDA device with UUID {uuid} is visible to this process (visible: {seen}); run the "
+        "server on the worker's host with that GPU visible")
+
+
+def export_storage(tensor: torch.Tensor) -> CudaIpcHandle:
+    """The IPC handle of ``tensor``'s storage (``UntypedStorage._share_cuda_()``)."""
+    (device, handle, size_bytes, offset_bytes, rc_handle, rc_offset, event_handle,
+     event_sync) = tensor.untyped_storage()._share_cuda_()
+    return CudaIpcHandle(
+        device=int(device),
+        handle=bytes(handle),
+        storage_nbytes=int(size_bytes),
+        storage_offset_bytes=int(offset_bytes),
+        ref_counter_handle=bytes(rc_handle),
+        ref_counter_offset=int(rc_offset),
+        event_handle=None if event_handle is None else bytes(event_handle),
+        event_sync_required=bool(event_sync),
+    )
+
+
+def cuda_descriptor(tensor: torch.Tensor, handle: CudaIpcHandle) -> TensorDescriptor:
+    """A ``kind="cuda"`` descriptor of ``tensor`` whose storage was exported as ``handle``."""
+    return TensorDescriptor(
+        kind="cuda",
+        dtype=dtype_name(tensor.dtype),
+        shape=list(tensor.shape),
+        stride=list(tensor.stride()),
+        offset_bytes=int(tensor.storage_offset()) * tensor.element_size(),
+        segment_nbytes=handle.storage_nbytes,
+        cuda=handle,
+        device_uuid=device_uuid(tensor.device),
+    )
+
+
+def open_storage(handle: CudaIpcHandle, device_index: int) -> torch.UntypedStorage:
+    """Map another process's storage on local device ``device_index``."""
+    require_cuda("opening a CUDA IPC handle")
+    torch.cuda._lazy_init()
+    return torch.UntypedStorage._new_shared_cuda(
+        device_index,
+        handle.handle,
+        handle.storage_nbytes,
+        handle.storage_offset_bytes,
+        handle.ref_counter_handle,
+        handle.ref_counter_offset,
+        handle.event_handle,
+        handle.event_sync_required,
+    )
+
+
+def open_cuda_tensor(
+    desc: TensorDescriptor,
+    dtype: torch.dtype,
+    cache: dict[StorageKey, torch.UntypedStorage],
+) -> torch.Tensor:
+    """The tensor ``desc`` names, its storage opened once per (handle, offset) via ``cache``."""
+    if desc.cuda is None:
+        raise IncompatibleError("a kind='cuda' tensor descriptor carries no CUDA IPC handle")
+    handle = desc.cuda
+    key = (handle.handle, handle.storage_offset_bytes)
+    storage = cache.get(key)
+    if storage is None:
+        storage = open_storage(handle, device_index_by_uuid(desc.device_uuid))
+        cache[key] = storage
+    itemsize = dtype.itemsize
+    span = span_elems(desc.shape, desc.stride) * itemsize
+    if desc.offset_bytes % itemsize or desc.offset_bytes + span > storage.nbytes():
+        raise IncompatibleError(
+            f"CUDA tensor {desc.shape} at offset {desc.offset_bytes} ({span} bytes) does not fit "
+            f"its shared storage of {storage.nbytes()} bytes")
+    view = torch.empty((0,), dtype=dtype, device=storage.device)
+    return view.set_(storage, desc.offset_bytes // itemsize, desc.shape, desc.stride)

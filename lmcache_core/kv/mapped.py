@@ -1,0 +1,206 @@
+"""Server side: a worker's KV caches mapped from their descriptors, with gather/scatter.
+
+``MappedKVCache.open`` attaches each distinct shared-memory segment once and views every layer in
+it (zero-copy; layers of one segment share one storage, so equally spaced layers are copied with
+one op per chunk), or opens CUDA IPC handles on the GPU whose UUID the worker reported.
+``close()`` drops every view and segment at once, so the pages are unmapped right away unless a
+copy still running in another thread holds a view (then when that copy ends).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from lmcache_core.errors import IncompatibleError, NotRegisteredError, ProtocolError
+from lmcache_core.kv.copy import BlockCopier, BlockIds
+from lmcache_core.kv.cuda_ipc import StorageKey, open_cuda_tensor, require_cuda
+from lmcache_core.kv.layout import kv_geometry
+from lmcache_core.kv.shm import SharedSegment
+from lmcache_core.kv.tensors import parse_dtype
+from lmcache_core.protocol.messages import KVLayoutName, TensorDescriptor
+
+
+class MappedKVCache:
+    """One registered worker's per-layer KV tensors, mapped into this process."""
+
+    def __init__(
+        self,
+        copier: BlockCopier,
+        segments: Sequence[SharedSegment] = (),
+        cuda_storages: Sequence[torch.UntypedStorage] = (),
+    ) -> None:
+        self._copier: BlockCopier | None = copier
+        self._segments = list(segments)
+        self._cuda_storages = list(cuda_storages)
+        self._info = _Frozen(copier)  # figures stay readable after close()
+
+    @classmethod
+    def open(
+        cls,
+        layers: Sequence[TensorDescriptor],
+        layout: KVLayoutName,
+        block_size: int,
+        chunk_size: int,
+    ) -> MappedKVCache:
+        """Map ``layers`` (in layer order). IncompatibleError/NotRegisteredError/ProtocolError
+        name what does not fit; nothing stays mapped after a failure."""
+        descs = list(layers)
+        dtype = _check_descriptors(descs, layout, block_size, chunk_size)
+        segments: dict[str, SharedSegment] = {}
+        storages: dict[StorageKey, torch.UntypedStorage] = {}
+        try:
+            if descs[0].kind == "shm":
+                tensors = [_open_shm_tensor(d, dtype, segments) for d in descs]
+            else:
+                require_cuda("a KV cache shared with kind='cuda'")
+                tensors = [open_cuda_tensor(d, dtype, storages) for d in descs]
+            copier = BlockCopier(tensors, layout, chunk_size)
+        except BaseException:
+            for segment in segments.values():
+                segment.close()
+            raise
+        return cls(copier, list(segments.values()), list(storages.values()))
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def closed(self) -> bool:
+        return self._copier is None
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self._info.chunk_bytes
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        return self._info.blocks_per_chunk
+
+    @property
+    def num_blocks(self) -> int:
+        return self._info.num_blocks
+
+    @property
+    def num_layers(self) -> int:
+        return self._info.num_layers
+
+    @property
+    def block_size(self) -> int:
+        return self._info.block_size
+
+    @property
+    def chunk_size(self) -> int:
+        return self._info.chunk_size
+
+    @property
+    def layout(self) -> KVLayoutName:
+        return self._info.layout
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._info.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._info.device
+
+    @property
+    def stacked(self) -> bool:
+        """True when one op per chunk covers every layer."""
+        return self._info.stacked
+
+    @property
+    def shm_names(self) -> list[str]:
+        return [s.name for s in self._segments]
+
+    @property
+    def layers(self) -> list[torch.Tensor]:
+        """The mapped per-layer tensors (keep no reference past close())."""
+        return self._live().layers
+
+    # ------------------------------------------------------------------ copies
+
+    def gather(self, block_ids: BlockIds, slots: Sequence[torch.Tensor]) -> None:
+        """Copy chunk ``i``'s blocks of every layer into ``slots[i]`` (flat uint8 tensors)."""
+        self._live().gather(block_ids, slots)
+
+    def scatter(self, slots: Sequence[torch.Tensor], block_ids: BlockIds) -> None:
+        """Copy ``slots[i]`` into chunk ``i``'s blocks of every layer."""
+        self._live().scatter(slots, block_ids)
+
+    def _live(self) -> BlockCopier:
+        copier = self._copier
+        if copier is None:
+            raise NotRegisteredError("this KV cache was unregistered (its mapping is closed)")
+        return copier
+
+    # ------------------------------------------------------------------ teardown
+
+    def close(self) -> None:
+        """Drop all views and unmap now (idempotent)."""
+        self._copier = None
+        self._cuda_storages.clear()
+        for segment in self._segments:
+            segment.close()
+
+    def __enter__(self) -> MappedKVCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return (f"MappedKVCache({self.layout}, {self.num_layers} layers, {self.num_blocks} blocks, "
+                f"chunk {self.chunk_bytes} bytes, {self.device}, {state})")
+
+
+class _Frozen:
+    """The copier's figures without its tensors, so a closed cache still reports them."""
+
+    def __init__(self, src: BlockCopier) -> None:
+        self.chunk_bytes = src.chunk_bytes
+        self.blocks_per_chunk = src.blocks_per_chunk
+        self.num_blocks = src.num_blocks
+        self.num_layers = src.num_layers
+        self.block_size = src.block_size
+        self.chunk_size = src.chunk_size
+        self.layout: KVLayoutName = src.layout
+        self.dtype = src.dtype
+        self.device = src.device
+        self.stacked = src.stacked
+
+
+def _check_descriptors(
+    descs: list[TensorDescriptor], layout: KVLayoutName, block_size: int, chunk_size: int,
+) -> torch.dtype:
+    if not descs:
+        raise ProtocolError("a KV cache registration needs at least one layer")
+    if block_size <= 0 or chunk_size <= 0 or chunk_size % block_size:
+        raise IncompatibleError(
+            f"chunk size {chunk_size} is not a positive multiple of the KV block size "
+            f"{block_size}")
+    first = descs[0]
+    for i, d in enumerate(descs):
+        if (d.kind, d.dtype, d.shape, d.stride) != (first.kind, first.dtype, first.shape,
+                                                     first.stride):
+            raise IncompatibleError(
+                f"KV layer {i} ({d.kind}, {d.dtype}, {d.shape}, stride {d.stride}) differs from "
+                f"layer 0 ({first.kind}, {first.dtype}, {first.shape}, stride {first.stride})")
+    geometry = kv_geometry(first.shape, layout)
+    if geometry.block_size != block_size:
+        raise IncompatibleError(
+            f"KV layer shape {first.shape} ({layout}) has block size {geometry.block_size}, but "
+            f"the registration says {block_size}")
+    return parse_dtype(first.dtype)
+
+
+def _open_shm_tensor(
+    desc: TensorDescriptor, dtype: torch.dtype, segments: dict[str, SharedSegment],
+) -> torch.Tensor:
+    segment = segments.get(desc.shm_name)
+    if segment is None:
+        segment = SharedSegment.attach(desc.shm_name, expected_min_nbytes=desc.segment_nbytes)
+        segments[desc.shm_name] = segment
+    return segment.tensor(dtype, desc.shape, desc.stride, desc.offset_bytes)

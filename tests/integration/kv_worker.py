@@ -1,0 +1,112 @@
+"""A vLLM-worker stand-in for integration tests, run as its own process.
+
+It allocates KV caches in shared memory, registers them through ``LMCacheMPWorkerAdapter`` and
+obeys JSON-line commands on stdin, answering one JSON line each on stdout:
+  {"cmd": "fill", "blocks": [...], "seed": 1}            random bytes into those blocks
+  {"cmd": "zero", "blocks": [...]}
+  {"cmd": "digest", "blocks": [...]}                     -> {"digest": hex} over the blocks, in order
+  {"cmd": "store"|"retrieve", "req": id, "keys": tokens-or-hex-hashes, "blocks": [...]}
+      -> {"finished": bool, "failed": reason-or-null}     (waits for get_finished, bounded)
+  {"cmd": "batch_store", "reqs": [...], "keys": [[...]...], "blocks": [[...]...]}
+  {"cmd": "quit"}
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+from blake3 import blake3
+
+from lmcache_core.integration.vllm.vllm_multi_process_adapter import (
+    LMCacheMPWorkerAdapter,
+    LoadStoreOp,
+)
+from lmcache_core.kv.share import allocate_shared_kv_caches, release_shared_kv_caches
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    shape = [2, spec["num_blocks"], spec["block_size"], spec["heads"], spec["head_dim"]]
+    caches, segment = allocate_shared_kv_caches(spec["layers"], shape, DTYPES[spec["dtype"]])
+    adapter = LMCacheMPWorkerAdapter(spec["url"], None, spec["model"], spec["world_size"],
+                                     spec["rank"], spec["block_size"], heartbeat_interval_s=1.0)
+    adapter.register_kv_caches(caches)
+    layers = list(caches.values())
+    reply({"ready": True, "chunk_size": adapter.chunk_size, "instance_id": adapter.instance_id})
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command["cmd"] == "quit":
+            break
+        reply(handle(adapter, layers, command))
+    adapter.shutdown()
+    release_shared_kv_caches()
+    del segment
+    reply({"bye": True})
+
+
+def handle(adapter: LMCacheMPWorkerAdapter, layers: list[torch.Tensor], c: dict) -> dict:
+    cmd = c["cmd"]
+    if cmd == "fill":
+        gen = torch.Generator().manual_seed(c["seed"])
+        for layer in layers:
+            view = layer[:, c["blocks"]]
+            layer[:, c["blocks"]] = torch.randint(-100, 100, view.shape, generator=gen).to(layer.dtype)
+        return {"ok": True}
+    if cmd == "zero":
+        for layer in layers:
+            layer[:, c["blocks"]] = 0
+        return {"ok": True}
+    if cmd == "digest":
+        hasher = blake3()
+        for layer in layers:
+            hasher.update(layer[:, c["blocks"]].contiguous().view(torch.uint8).numpy().tobytes())
+        return {"digest": hasher.hexdigest()}
+    if cmd in ("store", "retrieve"):
+        op = LoadStoreOp(block_hashes=keys(c["keys"]), block_ids=c["blocks"])
+        submit = adapter.submit_store_request if cmd == "store" else adapter.submit_retrieve_request
+        submit(c["req"], op, None)
+        return wait(adapter, [c["req"]], cmd)
+    if cmd == "batch_store":
+        ops = [LoadStoreOp(block_hashes=keys(k), block_ids=b)
+               for k, b in zip(c["keys"], c["blocks"], strict=True)]
+        adapter.batched_submit_store_requests(c["reqs"], ops, None)
+        return wait(adapter, c["reqs"], "store")
+    if cmd == "get_finished":
+        stores, retrieves = adapter.get_finished(set(c["engine_finished"]))
+        return {"stores": sorted(stores or []), "retrieves": sorted(retrieves or []),
+                "stores_none": stores is None, "retrieves_none": retrieves is None}
+    if cmd == "submit_store":  # submit without waiting (for get_finished ordering tests)
+        adapter.submit_store_request(c["req"], LoadStoreOp(keys(c["keys"]), c["blocks"]), None)
+        return {"ok": True}
+    return {"error": f"unknown command {cmd}"}
+
+
+def keys(raw: list) -> list:
+    return [bytes.fromhex(k) for k in raw] if raw and isinstance(raw[0], str) else raw
+
+
+def wait(adapter: LMCacheMPWorkerAdapter, reqs: list[str], kind: str) -> dict:
+    pending = set(reqs)
+    deadline = time.monotonic() + 20
+    while pending and time.monotonic() < deadline:
+        stores, retrieves = adapter.get_finished(set(reqs) if kind == "store" else set())
+        pending -= (stores or set()) if kind == "store" else (retrieves or set())
+        if pending:
+            time.sleep(0.002)
+    failures = adapter.failed_stores if kind == "store" else adapter.failed_retrieves
+    return {"finished": not pending, "failed": {r: failures.get(r) for r in reqs if r in failures},
+            "load_errors": sorted(adapter.get_block_ids_with_load_errors())}
+
+
+def reply(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""A real ``lmcache serve`` process with real worker processes over shared memory."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from lmcache_core.errors import RequestTooLargeError
+from lmcache_core.keys import chain_hashes
+from lmcache_core.protocol import RequestType
+from lmcache_core.protocol import messages as m
+from lmcache_core.transport.client import MessageQueueClient
+from tests.integration.servers import ServerProcess, WorkerProcess
+
+CHUNK = 64  # tokens; 4 blocks of 16
+CHUNK_BYTES = 2 * 2 * CHUNK * 4 * 32 * 2  # K/V x layers x tokens x heads x dim x fp16 = 64 KiB
+
+
+def tokens(n_chunks: int, seed: int = 0) -> list[int]:
+    return [(seed * 7919 + i) % 50000 for i in range(n_chunks * CHUNK)]
+
+
+def blocks(first_chunk: int, n_chunks: int) -> list[int]:
+    return list(range(first_chunk * 4, (first_chunk + n_chunks) * 4))
+
+
+@pytest.fixture
+def server(tmp_path):
+    srv = ServerProcess(tmp_path).start()
+    yield srv
+    srv.kill()
+
+
+@pytest.fixture
+def client(server):
+    with MessageQueueClient(server.url) as c:
+        yield c
+
+
+def lookup(client, toks, world_size=1, lookup_id="q", lock=False, model="tiny") -> int:
+    reply = client.call(RequestType.LOOKUP, m.LookupRequest(
+        model_name=model, world_size=world_size, lookup_id=lookup_id,
+        chunk_hashes=chain_hashes(toks, CHUNK), lock=lock), m.LookupReply)
+    return reply.hit_chunks
+
+
+def info(client) -> m.ServerInfoReply:
+    return client.call(RequestType.SERVER_INFO, m.NoArgs(), m.ServerInfoReply)
+
+
+def test_store_lookup_retrieve_byte_exact(server, client):
+    worker = WorkerProcess(server.url)
+    try:
+        toks = tokens(4)
+        worker("fill", blocks=blocks(0, 4), seed=1)
+        stored = worker("digest", blocks=blocks(0, 4))["digest"]
+        assert worker("store", req="a", keys=toks, blocks=blocks(0, 4))["finished"]
+        assert lookup(client, toks) == 4
+        assert lookup(client, toks[:3 * CHUNK] + [1] * CHUNK) == 3
+        assert lookup(client, [9] + toks[1:]) == 0
+        worker("zero", blocks=blocks(8, 4))
+        assert lookup(client, toks, lookup_id="a", lock=True) == 4
+        result = worker("retrieve", req="a", keys=toks, blocks=blocks(8, 4))
+        assert result["finished"] and not result["failed"]
+        assert worker("digest", blocks=blocks(8, 4))["digest"] == stored
+        stats = info(client).stats
+        assert stats.chunks == 4 and stats.stored_chunks == 4 and stats.retrieved_chunks == 4
+        assert stats.locks_held == 0  # the retrieve consumed the lookup's locks
+        assert stats.registered_instances == 1
+    finally:
+        worker.close()
+    deadline = time.monotonic() + 5
+    while info(client).stats.registered_instances and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert info(client).stats.registered_instances == 0  # shutdown unregistered (and unmapped)
+
+
+def test_two_ranks_count_a_chunk_only_when_both_stored(server, client):
+    ranks = [WorkerProcess(server.url, rank=r, world_size=2) for r in range(2)]
+    try:
+        toks = tokens(4, seed=3)
+        for r, worker in enumerate(ranks):
+            worker("fill", blocks=blocks(0, 4), seed=10 + r)
+        assert ranks[0]("store", req="a", keys=toks, blocks=blocks(0, 4))["finished"]
+        assert lookup(client, toks, world_size=2) == 0
+        assert ranks[1]("store", req="a", keys=toks[:2 * CHUNK], blocks=blocks(0, 2))["finished"]
+        assert lookup(client, toks, world_size=2) == 2
+        assert ranks[1]("store", req="a", keys=toks, blocks=blocks(0, 4))["finished"]
+        assert lookup(client, toks, world_size=2) == 4
+        assert lookup(client, toks, world_size=1) == 0  # keys carry the world size
+        # each rank gets its own shard back
+        assert lookup(client, toks, world_size=2, lookup_id="r", lock=True) == 4
+        for r, worker in enumerate(ranks):
+            want = worker("digest", blocks=blocks(0, 4))["digest"]
+            worker("zero", blocks=blocks(4, 4))
+            assert worker("retrieve", req="r", keys=toks, blocks=blocks(4, 4))["finished"]
+            assert worker("digest", blocks=blocks(4, 4))["digest"] == want
+    finally:
+        for worker in ranks:
+            worker.close()
+
+
+def test_eviction_never_takes_a_locked_chunk(tmp_path):
+    srv = ServerProcess(tmp_path, {"server": {"pool_size": 4 * CHUNK_BYTES}}).start()
+    worker = WorkerProcess(srv.url)
+    try:
+        with MessageQueueClient(srv.url) as client:
+            a, b = tokens(4, seed=1), tokens(4, seed=2)
+            worker("fill", blocks=blocks(0, 8), seed=5)
+            assert worker("store", req="a", keys=a, blocks=blocks(0, 4))["finished"]
+            assert lookup(client, a, lookup_id="hold", lock=True) == 4
+            result = worker("store", req="b", keys=b, blocks=blocks(4, 4))
+            assert result["finished"] and "pool is full" in result["failed"]["b"]
+            assert lookup(client, a) == 4 and lookup(client, b) == 0
+            assert info(client).stats.store_skipped_full == 4
+            client.call(RequestType.FREE_LOOKUP_LOCKS, m.LookupIdRequest(lookup_id="hold"),
+                        m.ReleasedReply)
+            assert not worker("store", req="b2", keys=b, blocks=blocks(4, 4))["failed"]
+            assert lookup(client, b) == 4 and lookup(client, a) == 0
+            assert info(client).stats.evictions == 4
+    finally:
+        worker.close()
+        srv.kill()
+
+
+def test_bad_input_gets_typed_errors_while_another_client_is_served(server, client):
+    stop = threading.Event()
+    pings: list[float] = []
+
+    def keep_pinging() -> None:
+        with MessageQueueClient(server.url) as other:
+            while not stop.is_set():
+                start = time.perf_counter()
+                other.wait_until_reachable(5)
+                pings.append(time.perf_counter() - start)
+
+    pinger = threading.Thread(target=keep_pinging)
+    pinger.start()
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.setsockopt(zmq.RCVTIMEO, 5000)
+    raw.connect(server.url)
+    try:
+        cases = [
+            [b"\x01", b"not msgpack", b""],
+            [b"\x02", msgspec.msgpack.encode("lmc.nope"), b"\x80"],
+            [b"\x03", msgspec.msgpack.encode(8), b"\x80"],  # LMCache's LOOKUP id: not ours
+            [b"\x04", msgspec.msgpack.encode("lmc.lookup"), msgspec.msgpack.encode([1, 2])],
+            [b"\x05", msgspec.msgpack.encode("lmc.store"), msgspec.msgpack.encode(
+                {"instance_id": "x", "chunk_hashes": [], "block_ids": []})],
+            [b"\x06", msgspec.msgpack.encode("lmc.store"), msgspec.msgpack.encode(
+                {"instance_id": 123, "chunk_hashes": [b"h" * 32], "block_ids": [0, 1, 2, 3]})],
+            [b"\x07", msgspec.msgpack.encode("lmc.ping")],
+            [b"\x08", msgspec.msgpack.encode("lmc.lookup"), b"\x00" * (17 * 2**20)],
+        ]
+        codes = []
+        for frames in cases:
+            raw.send_multipart(frames)
+            reply = raw.recv_multipart()
+            assert reply[:2] == frames[:2]
+            codes.append(msgspec.msgpack.decode(reply[2], type=m.ErrorReply).code)
+        assert codes == ["bad_request", "unknown_op", "unknown_op", "bad_request", "bad_request",
+                         "not_registered", "bad_request", "too_large"]
+    finally:
+        raw.close(0)
+        stop.set()
+        pinger.join(10)
+    assert pings and max(pings) < 2.0
+    with pytest.raises(RequestTooLargeError):
+        lookup(client, tokens(1001))  # the test config allows 1000 keys per request
+    assert info(client).stats.errors >= len(cases)
+
+
+def test_sigterm_stops_cleanly(tmp_path):
+    srv = ServerProcess(tmp_path).start()
+    worker = WorkerProcess(srv.url)
+    try:
+        assert srv.stop(signal.SIGTERM) == 0
+        assert "stopped" in srv.log()
+    finally:
+        worker.kill()
