@@ -1,0 +1,204 @@
+"""The seed adapters against a real server: a scheduler adapter here, worker processes beside it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import zmq
+from blake3 import blake3
+
+from lmcache_core.errors import ServerUnreachableError
+from lmcache_core.integration.vllm.vllm_multi_process_adapter import (
+    LMCacheMPSchedulerAdapter,
+    get_lmcache_chunk_size,
+)
+from lmcache_core.protocol import RequestType
+from lmcache_core.protocol import messages as m
+from tests.integration.servers import ServerProcess, WorkerProcess
+
+CHUNK, BLOCK = 64, 16
+PER_CHUNK = CHUNK // BLOCK
+
+
+def tokens(n_chunks: int, seed: int = 0) -> list[int]:
+    return [(seed * 104729 + i * 31) % 32000 for i in range(n_chunks * CHUNK)]
+
+
+def block_hashes(n_blocks: int, seed: int = 0) -> list[bytes]:
+    """vLLM-style block hashes: each covers its whole prefix."""
+    out, prev = [], seed.to_bytes(8, "big")
+    for i in range(n_blocks):
+        prev = blake3(prev + i.to_bytes(4, "big")).digest()
+        out.append(prev)
+    return out
+
+
+def blocks(first_chunk: int, n_chunks: int) -> list[int]:
+    return list(range(first_chunk * PER_CHUNK, (first_chunk + n_chunks) * PER_CHUNK))
+
+
+def wait_lookup(adapter: LMCacheMPSchedulerAdapter, request_id: str, keys: list) -> int:
+    adapter.maybe_submit_lookup_request(request_id, keys)
+    deadline = time.monotonic() + 10
+    while (result := adapter.check_lookup_result(request_id)) is None:
+        assert time.monotonic() < deadline, "lookup never finished"
+        time.sleep(0.001)
+    return result
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = ServerProcess(tmp_path_factory.mktemp("adapters")).start()
+    yield srv
+    srv.kill()
+
+
+@pytest.fixture(scope="module")
+def ranks(server):
+    workers = [WorkerProcess(server.url, rank=r, world_size=2, num_blocks=64) for r in range(2)]
+    yield workers
+    for worker in workers:
+        worker.close()
+
+
+@pytest.fixture
+def scheduler(server):
+    adapter = LMCacheMPSchedulerAdapter(server.url, zmq.Context.instance(), "tiny", 2, 0, BLOCK)
+    yield adapter
+    adapter.close()
+
+
+def test_token_mode_prefixes_and_byte_exact_retrieve(ranks, scheduler):
+    toks = tokens(8, seed=1)
+    for r, worker in enumerate(ranks):
+        worker("fill", blocks=blocks(0, 8), seed=100 + r)
+        assert worker("store", req="t-store", keys=toks, blocks=blocks(0, 8))["finished"]
+    assert scheduler.num_blocks_per_chunk() == PER_CHUNK
+    assert wait_lookup(scheduler, "t1", toks) == 8 * CHUNK
+    shared3 = toks[:3 * CHUNK] + tokens(5, seed=99)
+    assert wait_lookup(scheduler, "t2", shared3) == 3 * CHUNK
+    assert wait_lookup(scheduler, "t3", toks[:CHUNK - 1]) == 0  # shorter than a chunk
+    for r, worker in enumerate(ranks):  # t1's lookup locked all 8 chunks of both ranks
+        want = worker("digest", blocks=blocks(0, 8))["digest"]
+        worker("zero", blocks=blocks(8, 8))
+        result = worker("retrieve", req="t1", keys=toks, blocks=blocks(8, 8))
+        assert result["finished"] and not result["failed"] and not result["load_errors"]
+        assert worker("digest", blocks=blocks(8, 8))["digest"] == want
+    for request_id in ("t1", "t2", "t3"):
+        scheduler.end_session(request_id).result(5)
+    assert server_stats(scheduler).locks_held == 0
+
+
+def test_hash_mode_and_a_rank_missing_a_chunk(ranks, scheduler):
+    hashes = block_hashes(8 * PER_CHUNK, seed=2)
+    hex_hashes = [h.hex() for h in hashes]
+    ranks[0]("fill", blocks=blocks(0, 8), seed=7)
+    ranks[1]("fill", blocks=blocks(0, 8), seed=8)
+    assert ranks[0]("store", req="h", keys=hex_hashes, blocks=blocks(0, 8))["finished"]
+    # rank 1 stores chunks 0-1 and 3-7 but not chunk 2
+    assert ranks[1]("store", req="h", keys=hex_hashes[:2 * PER_CHUNK], blocks=blocks(0, 2))["finished"]
+    assert ranks[1]("store", req="h", keys=hex_hashes[3 * PER_CHUNK:], blocks=blocks(3, 5))["finished"]
+    assert wait_lookup(scheduler, "h1", hashes) == 2 * CHUNK
+    assert ranks[1]("store", req="h", keys=hex_hashes, blocks=blocks(0, 8))["finished"]
+    assert wait_lookup(scheduler, "h2", hashes) == 8 * CHUNK
+    assert wait_lookup(scheduler, "h2", hashes[:4]) == 8 * CHUNK  # one lookup per request id
+    scheduler.cleanup_lookup_result("h2")
+    assert wait_lookup(scheduler, "h2", hashes[:2 * PER_CHUNK]) == 2 * CHUNK
+    for request_id in ("h1", "h2"):
+        scheduler.end_session(request_id).result(5)
+
+
+def test_batched_store_covers_every_request(ranks, scheduler):
+    prompts = [tokens(2, seed=20 + i) for i in range(3)]
+    for worker in ranks:
+        worker("fill", blocks=blocks(0, 6), seed=3)
+        result = worker("batch_store", reqs=["b0", "b1", "b2"], keys=prompts,
+                        blocks=[blocks(2 * i, 2) for i in range(3)])
+        assert result["finished"] and not result["failed"]
+    for i, prompt in enumerate(prompts):
+        assert wait_lookup(scheduler, f"bl{i}", prompt) == 2 * CHUNK
+        scheduler.end_session(f"bl{i}").result(5)
+
+
+def test_get_finished_waits_for_both_store_and_engine(server, ranks):
+    worker = ranks[0]
+    toks = tokens(1, seed=40)
+    os.kill(server.proc.pid, signal.SIGSTOP)  # the store cannot complete while the server is frozen
+    try:
+        worker("submit_store", req="g1", keys=toks, blocks=blocks(0, 1))
+        early = worker("get_finished", engine_finished=["g1"])
+        assert early["stores_none"] and early["retrieves_none"]
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    # the engine finished g1 before its store completed: it is reported later, without naming it again
+    deadline = time.monotonic() + 10
+    while not (late := worker("get_finished", engine_finished=[]))["stores"]:
+        assert time.monotonic() < deadline
+    assert late["stores"] == ["g1"]
+    # a store that completed before the engine finished its request waits for the engine
+    worker("submit_store", req="g2", keys=toks, blocks=blocks(0, 1))
+    time.sleep(0.3)
+    assert worker("get_finished", engine_finished=[])["stores_none"]
+    assert worker("get_finished", engine_finished=["g2"])["stores"] == ["g2"]
+    assert worker("get_finished", engine_finished=["g2"])["stores_none"]  # reported once
+
+
+def test_pending_lookup_never_blocks(server, scheduler):
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        scheduler.maybe_submit_lookup_request("p", tokens(2, seed=50))
+        start = time.perf_counter()
+        for _ in range(1000):
+            assert scheduler.check_lookup_result("p") is None
+        per_call = (time.perf_counter() - start) / 1000
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    assert per_call < 200e-6
+    scheduler.end_session("p").result(5)
+
+
+def test_constructor_errors(server, tmp_path):
+    with pytest.raises(ValueError, match=r"chunk size 64 .* vLLM block size 48"):
+        LMCacheMPSchedulerAdapter(server.url, zmq.Context.instance(), "tiny", 1, 0, 48)
+    start = time.monotonic()
+    url = f"ipc://{tmp_path}/nobody.sock"
+    with pytest.raises(ServerUnreachableError, match="nobody.sock"):
+        LMCacheMPSchedulerAdapter(url, zmq.Context.instance(), "tiny", 1, 0, BLOCK,
+                                  connect_timeout_s=0.5)
+    assert time.monotonic() - start < 3
+
+
+def test_killing_a_worker_hangs_nobody(server, scheduler):
+    victim = WorkerProcess(server.url, rank=0, world_size=1, num_blocks=16)
+    survivor = WorkerProcess(server.url, rank=0, world_size=1, num_blocks=16)
+    try:
+        toks = tokens(2, seed=60)
+        victim("fill", blocks=blocks(0, 2), seed=1)
+        assert victim("store", req="k", keys=toks, blocks=blocks(0, 2))["finished"]
+        before = server_stats(scheduler).registered_instances
+        victim.kill()
+        start = time.monotonic()
+        survivor("fill", blocks=blocks(0, 2), seed=2)
+        assert survivor("store", req="k2", keys=tokens(2, seed=61), blocks=blocks(0, 2))["finished"]
+        one_rank = LMCacheMPSchedulerAdapter(server.url, zmq.Context.instance(), "tiny", 1, 0, BLOCK)
+        try:
+            assert wait_lookup(one_rank, "k", toks) == 2 * CHUNK
+            one_rank.end_session("k").result(5)
+        finally:
+            one_rank.close()
+        assert time.monotonic() - start < 10
+        deadline = time.monotonic() + 10  # the server notices the dead process and unmaps it
+        while server_stats(scheduler).registered_instances >= before:
+            assert time.monotonic() < deadline, "dead worker was never reaped"
+            time.sleep(0.1)
+    finally:
+        survivor.close()
+
+
+def server_stats(adapter: LMCacheMPSchedulerAdapter) -> m.ServerStats:
+    assert get_lmcache_chunk_size(adapter.mq_client) == CHUNK
+    reply = adapter.mq_client.call(RequestType.SERVER_INFO, m.NoArgs(), m.ServerInfoReply)
+    return reply.stats
