@@ -1,9 +1,10 @@
-"""``MessageQueueClient``: a DEALER socket driven by one background I/O thread.
+"""``MessageQueueClient``: a DEALER socket shared by caller threads and one background I/O thread.
 
-Callers on any thread encode their request, queue it and wake the I/O thread through an eventfd; the
-thread owns the socket (ZMQ sockets are single-threaded), sends, receives, matches replies to futures
-by request id and fails every request still unanswered at its deadline. Nothing here sleeps: the
-thread blocks only in ``poll`` with a timeout equal to the next deadline.
+Callers encode and send their request themselves, under a lock (no thread hop on the way out). The
+I/O thread waits on the socket's file descriptor with the OS poller, never inside a zmq call, so it
+holds no socket state while a caller sends; when the descriptor fires it takes the lock, receives
+every queued reply, matches replies to futures by request id and fails requests past their deadline.
+Nothing sleeps: the thread blocks only in ``poll`` with a timeout equal to the next deadline.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import select
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from typing import Any, NamedTuple, TypeVar
 
@@ -34,6 +35,7 @@ from lmcache_core.transport.waker import Waker
 logger = logging.getLogger(__name__)
 R = TypeVar("R", bound=m.Reply)
 _RECV_BATCH = 256
+_IDLE_WAKE_S = 1.0  # with nothing pending the thread still looks at the clock this often
 
 
 class _Pending(NamedTuple):
@@ -41,12 +43,6 @@ class _Pending(NamedTuple):
     op_frame: bytes
     future: MessagingFuture[Any]
     deadline: float
-
-
-class _Outgoing(NamedTuple):
-    uid: int
-    frames: list[bytes]
-    pending: _Pending
 
 
 class MessageQueueClient:
@@ -65,11 +61,13 @@ class MessageQueueClient:
         self._context = context if context is not None else zmq.Context.instance()
         self._socket = self._open_socket(server_url)
         self._uids = itertools.count()
-        self._outbox: deque[_Outgoing] = deque()
+        self._lock = threading.Lock()  # guards the socket, _pending, _deadlines and _closed
         self._pending: dict[int, _Pending] = {}
         self._deadlines: list[tuple[float, int]] = []
+        self._next_wake = 0.0  # the latest time the I/O thread will look at deadlines again
+        self._closed = False
         self._waker = Waker()
-        self._closing = threading.Event()
+        self._thread_state = threading.local()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -91,12 +89,9 @@ class MessageQueueClient:
 
     def submit_request(self, op: RequestType, payloads: Sequence[Any],
                        timeout_s: float | None = None) -> MessagingFuture[Any]:
-        """Queue one request; returns at once. The future fails after ``timeout_s`` (default: the
+        """Send one request; returns at once. The future fails after ``timeout_s`` (default: the
         client's request timeout) if no reply came."""
         future: MessagingFuture[Any] = MessagingFuture(f"{op.value} to {self.server_url}")
-        if self._closing.is_set():
-            future.set_exception(ConnectionClosedError(f"client for {self.server_url} is closed"))
-            return future
         uid = next(self._uids)
         try:
             frames = encode_request(uid, op, payloads)
@@ -104,20 +99,79 @@ class MessageQueueClient:
             future.set_exception(exc)
             return future
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.request_timeout_s)
-        self._outbox.append(_Outgoing(uid, frames, _Pending(op, frames[1], future, deadline)))
-        self._waker.wake()
-        if not self._thread.is_alive():  # closed between the check above and the append
-            future.set_exception(ConnectionClosedError(f"client for {self.server_url} is closed"))
+        with self._lock:
+            error = self._send_locked(frames)
+            if error is None:
+                self._pending[uid] = _Pending(op, frames[1], future, deadline)
+                heapq.heappush(self._deadlines, (deadline, uid))
+                # A send can move arrived replies into the socket without the fd firing again
+                # (ZMQ_FD is edge-triggered), and an early deadline must shorten the thread's wait.
+                wake = deadline < self._next_wake or bool(self._events() & zmq.POLLIN)
+        if error is not None:
+            future.set_exception(error)
+        elif wake:
+            self._waker.wake()
         return future
+
+    def _send_locked(self, frames: list[bytes]) -> LMCacheError | None:
+        if self._closed:
+            return ConnectionClosedError(f"client for {self.server_url} is closed")
+        try:
+            self._socket.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            return ServerUnreachableError(
+                f"send queue to {self.server_url} is full: the server is not reading")
+        except zmq.ZMQError as exc:
+            return ServerUnreachableError(f"cannot send to {self.server_url}: {exc}")
+        return None
+
+    def _events(self) -> int:
+        return int(self._socket.get(zmq.EVENTS))
 
     def call(self, op: RequestType, payload: Any, reply_type: type[R],
              timeout_s: float | None = None) -> R:
         """Send one request and wait for its reply (at most the request timeout)."""
-        reply = self.submit_request(op, [payload], timeout_s).result(
-            (timeout_s if timeout_s is not None else self.request_timeout_s) + 1.0)
+        timeout = timeout_s if timeout_s is not None else self.request_timeout_s
+        future = self.submit_request(op, [payload], timeout)
+        self.wait(future, timeout)
+        reply = future.result(0) if future.query() else future.result(timeout + 1.0)
         if not isinstance(reply, reply_type):
             raise LMCacheError(f"{op.value}: expected {reply_type.__name__}, got {reply!r}")
         return reply
+
+    def wait(self, future: MessagingFuture[Any], timeout_s: float) -> bool:
+        """Wait until ``future`` is done (True) or ``timeout_s`` passed (False), receiving replies on
+        this thread when the I/O thread is not already at it: a reply then reaches its caller
+        without a hop between threads (a wake-up costs tens of microseconds)."""
+        local = self._local()
+        future.add_done_callback(lambda _f: local.waker.wake())
+        deadline = time.monotonic() + timeout_s
+        while not future.query():
+            self.poll_replies()
+            remaining = deadline - time.monotonic()
+            if future.query() or remaining <= 0:
+                break
+            local.poller.poll(max(1, int(remaining * 1000) + 1))
+            local.waker.drain()
+        return future.query()
+
+    def poll_replies(self) -> None:
+        """Receive whatever replies have arrived, now, on this thread; never blocks (if the I/O
+        thread holds the socket, it is receiving them anyway)."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            done = [] if self._closed else self._receive_locked()
+        finally:
+            self._lock.release()
+        _settle(done)
+
+    def _local(self) -> _WaitState:
+        state: _WaitState | None = getattr(self._thread_state, "wait", None)
+        if state is None:
+            state = _WaitState(self._socket.getsockopt(zmq.FD))
+            self._thread_state.wait = state
+        return state
 
     def wait_until_reachable(self, timeout_s: float | None = None) -> m.PingReply:
         """Ping until the server answers; ``ServerUnreachableError`` naming the url if it never does."""
@@ -131,13 +185,14 @@ class MessageQueueClient:
 
     @property
     def in_flight(self) -> int:
-        return len(self._pending) + len(self._outbox)
+        return len(self._pending)
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Stop the I/O thread, close the socket, fail what is still waiting. Idempotent."""
-        if self._closing.is_set():
-            return
-        self._closing.set()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         self._waker.wake()
         self._thread.join(timeout_s)
 
@@ -150,84 +205,100 @@ class MessageQueueClient:
     # ------------------------------------------------------------------ I/O thread
 
     def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._socket, zmq.POLLIN)
-        poller.register(self._waker.fd, zmq.POLLIN)
+        poller = select.poll()
+        poller.register(self._socket.getsockopt(zmq.FD), select.POLLIN)  # type: ignore[arg-type]
+        poller.register(self._waker.fd, select.POLLIN)
         try:
-            while not self._closing.is_set():
-                events = dict(poller.poll(self._poll_timeout_ms()))
-                if self._waker.fd in events:
-                    self._waker.drain()
-                self._flush_outbox()
-                if self._socket in events:
-                    self._receive_replies()
-                self._expire(time.monotonic())
+            while True:
+                with self._lock:
+                    if self._closed:
+                        break
+                    done = self._receive_locked()
+                    now = time.monotonic()
+                    done += self._expire_locked(now)
+                    timeout_ms = self._wait_ms_locked(now)
+                _settle(done)  # outside the lock: done-callbacks may send requests
+                poller.poll(timeout_ms)
+                self._waker.drain()
         except Exception:  # the thread must never die silently: fail everyone waiting
             logger.exception("lmcache client I/O thread for %s failed", self.server_url)
         finally:
             self._shutdown()
 
-    def _poll_timeout_ms(self) -> int:
+    def _wait_ms_locked(self, now: float) -> int:
         while self._deadlines and self._deadlines[0][1] not in self._pending:
             heapq.heappop(self._deadlines)
-        if not self._deadlines:
-            return -1
-        return max(0, int((self._deadlines[0][0] - time.monotonic()) * 1000) + 1)
+        self._next_wake = self._deadlines[0][0] if self._deadlines else now + _IDLE_WAKE_S
+        return max(0, int((self._next_wake - now) * 1000) + 1)
 
-    def _flush_outbox(self) -> None:
-        while self._outbox:
-            item = self._outbox.popleft()
-            try:
-                self._socket.send_multipart(item.frames, zmq.NOBLOCK)
-            except zmq.Again:
-                item.pending.future.set_exception(ServerUnreachableError(
-                    f"send queue to {self.server_url} is full: the server is not reading"))
-                continue
-            self._pending[item.uid] = item.pending
-            heapq.heappush(self._deadlines, (item.pending.deadline, item.uid))
-
-    def _receive_replies(self) -> None:
+    def _receive_locked(self) -> list[_Outcome]:
+        done: list[_Outcome] = []
         for _ in range(_RECV_BATCH):
-            try:
-                frames = self._socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._resolve(frames)
+            if not self._events() & zmq.POLLIN:
+                break
+            outcome = self._resolve(self._socket.recv_multipart(zmq.NOBLOCK))
+            if outcome is not None:
+                done.append(outcome)
+        else:
+            self._waker.wake()  # more queued: come back after settling this batch
+        return done
 
-    def _resolve(self, frames: list[bytes]) -> None:
+    def _resolve(self, frames: list[bytes]) -> _Outcome | None:
         try:
             uid = decode_uid(frames[0])
         except LMCacheError as exc:
             logger.warning("dropping a reply from %s with a bad uid frame: %s", self.server_url, exc)
-            return
+            return None
         pending = self._pending.pop(uid, None)
         if pending is None:  # answered after its deadline, or not ours
             logger.debug("dropping a late reply for request %d", uid)
-            return
+            return None
         if len(frames) < 2 or frames[1] != pending.op_frame:
-            pending.future.set_exception(LMCacheError(
-                f"reply to {pending.op.value} echoed another op: {frames[1:2]!r}"))
-            return
+            return pending.future, LMCacheError(
+                f"reply to {pending.op.value} echoed another op: {frames[1:2]!r}")
         try:
-            pending.future.set_result(decode_reply(pending.op, frames[2:]))
+            return pending.future, decode_reply(pending.op, frames[2:])
         except LMCacheError as exc:
-            pending.future.set_exception(exc)
+            return pending.future, exc
 
-    def _expire(self, now: float) -> None:
+    def _expire_locked(self, now: float) -> list[_Outcome]:
+        done: list[_Outcome] = []
         while self._deadlines and self._deadlines[0][0] <= now:
             _, uid = heapq.heappop(self._deadlines)
             pending = self._pending.pop(uid, None)
             if pending is not None:
-                pending.future.set_exception(LMCacheTimeoutError(
-                    f"{pending.op.value} to {self.server_url}: no reply within the request timeout"))
+                done.append((pending.future, LMCacheTimeoutError(
+                    f"{pending.op.value} to {self.server_url}: no reply within the request timeout")))
+        return done
 
     def _shutdown(self) -> None:
-        self._closing.set()
-        error = ConnectionClosedError(f"client for {self.server_url} was closed")
-        for pending in self._pending.values():
-            pending.future.set_exception(error)
-        while self._outbox:
-            self._outbox.popleft().pending.future.set_exception(error)
-        self._pending.clear()
-        self._socket.close(0)
+        with self._lock:
+            self._closed = True
+            error = ConnectionClosedError(f"client for {self.server_url} was closed")
+            done: list[_Outcome] = [(p.future, error) for p in self._pending.values()]
+            self._pending.clear()
+            self._socket.close(0)
+        _settle(done)
         self._waker.close()
+
+
+_Outcome = tuple[MessagingFuture[Any], Any]
+
+
+class _WaitState:
+    """A waiting caller thread's own poller: the socket's fd plus a waker its future rings."""
+
+    def __init__(self, zmq_fd: Any) -> None:
+        self.waker = Waker()
+        self.poller = select.poll()
+        self.poller.register(zmq_fd, select.POLLIN)
+        self.poller.register(self.waker.fd, select.POLLIN)
+
+
+def _settle(outcomes: list[_Outcome]) -> None:
+    """Resolve futures: an exception fails one, anything else is its result."""
+    for future, value in outcomes:
+        if isinstance(value, BaseException):
+            future.set_exception(value)
+        else:
+            future.set_result(value)

@@ -27,3 +27,6 @@ class Waker:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+    def __del__(self) -> None:  # per-thread wakers of waiting callers go with their thread
+        self.close()

@@ -1,0 +1,309 @@
+#!/usr/bin/env python3
+"""Benchmark ``lmcache serve`` against floors measured in the same run, and print the ratios.
+
+- lookup round trip for a 16k-token prompt (64 chunks, all hits) vs a bare pyzmq DEALER/ROUTER echo
+  of a frame of the same size, both across two processes;
+- store and retrieve GB/s of Llama-8B-shaped chunks (32 layers, 8 kv heads x 128, bf16, 256 tokens =
+  32 MiB) through shared memory vs a plain torch gather/scatter of the same blocks in one process;
+- the scheduler adapter's ``check_lookup_result`` on a pending lookup, and a batched store of 32
+  requests x 1 chunk vs 32 single stores.
+
+Usage: python scripts/bench_server.py [--chunks 8] [--rounds 5] [--lookups 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+import zmq
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+ECHO = """
+import sys, zmq
+sock = zmq.Context.instance().socket(zmq.ROUTER)
+sock.bind(sys.argv[1])
+print("ready", flush=True)
+while True:
+    sock.send_multipart(sock.recv_multipart())
+"""
+LAYERS, HEADS, DIM, BLOCK, CHUNK = 32, 8, 128, 16, 256
+PER_CHUNK = CHUNK // BLOCK
+
+
+def main() -> None:
+    args = parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="lmcache-bench-"))
+    echo = start_echo(f"ipc://{workdir}/echo.sock")
+    server = start_server(workdir, args)
+    try:
+        run(args, workdir, server_url=f"ipc://{workdir}/server.sock", echo_url=f"ipc://{workdir}/echo.sock")
+    finally:
+        server.send_signal(signal.SIGTERM)
+        echo.kill()
+        server.wait(30)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--chunks", type=int, default=8, help="chunks per store/retrieve request")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--lookups", type=int, default=2000)
+    parser.add_argument("--lookup-chunks", type=int, default=64, help="64 x 256 = a 16k-token prompt")
+    return parser.parse_args()
+
+
+def start_echo(url: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-c", ECHO, url], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def start_server(workdir: Path, args: argparse.Namespace) -> subprocess.Popen[bytes]:
+    slots = max(args.chunks, args.lookup_chunks) + 8
+    config = yaml.safe_load((ROOT / "configs/llama8b.yaml").read_text())
+    config["server"].update(url=f"ipc://{workdir}/server.sock", pool_size=slots * 32 * 2**20)
+    path = workdir / "bench.yaml"
+    path.write_text(yaml.safe_dump(config))
+    log = (workdir / "server.log").open("wb")
+    return subprocess.Popen([sys.executable, "-m", "lmcache_cli", "serve", "-c", str(path),
+                             "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT)
+
+
+def run(args: argparse.Namespace, workdir: Path, server_url: str, echo_url: str) -> None:
+    import torch
+
+    from lmcache_core.integration.vllm.vllm_multi_process_adapter import (
+        LMCacheMPSchedulerAdapter,
+        LMCacheMPWorkerAdapter,
+        LoadStoreOp,
+    )
+    from lmcache_core.keys import chain_hashes
+    from lmcache_core.kv.share import allocate_shared_kv_caches
+    from lmcache_core.protocol import RequestType
+    from lmcache_core.protocol import messages as m
+
+    ctx = zmq.Context.instance()
+    n_blocks = max(args.chunks, args.lookup_chunks) * PER_CHUNK * 2
+    caches, _segment = allocate_shared_kv_caches(LAYERS, [2, n_blocks, BLOCK, HEADS, DIM], torch.bfloat16)
+    for layer in caches.values():
+        layer.uniform_()
+    worker = wait_for(lambda: LMCacheMPWorkerAdapter(server_url, ctx, "bench", 1, 0, BLOCK))
+    worker.register_kv_caches(caches)
+    scheduler = LMCacheMPSchedulerAdapter(server_url, ctx, "bench", 1, 0, BLOCK)
+    client = worker.mq_client
+    chunk_bytes = LAYERS * 2 * CHUNK * HEADS * DIM * 2
+    print(f"torch threads {torch.get_num_threads()}, chunk {chunk_bytes / 2**20:.0f} MiB, "
+          f"{args.chunks} chunks per request ({args.chunks * chunk_bytes / 2**20:.0f} MiB)\n")
+
+    # ---- lookup vs echo
+    prompt = list(range(args.lookup_chunks * CHUNK))
+    hashes = chain_hashes(prompt, CHUNK)
+    wait_store(worker, "lk", LoadStoreOp(prompt, list(range(args.lookup_chunks * PER_CHUNK))))
+    request = m.LookupRequest(model_name="bench", world_size=1, lookup_id="bench", chunk_hashes=hashes,
+                              lock=False)
+    assert client.call(RequestType.LOOKUP, request, m.LookupReply).hit_chunks == args.lookup_chunks
+    lookup_us = timed(lambda: client.call(RequestType.LOOKUP, request, m.LookupReply), args.lookups)
+    frame_bytes = len(__import__("msgspec").msgpack.encode(request))
+    echo_us = echo_times(ctx, echo_url, frame_bytes, args.lookups)
+    hash_us = timed(lambda: chain_hashes(prompt, CHUNK), 200)
+    adapter_us = timed(lambda: scheduler_lookup(scheduler, prompt), min(args.lookups, 500))
+    print(f"lookup, {len(prompt)} tokens = {len(hashes)} chunks, all hits (p50 of {args.lookups}):")
+    report("  bare zmq echo, same frame size", echo_us, "us")
+    report("  lmcache lookup round trip", lookup_us, "us", floor=echo_us, target="<= 2.0x")
+    report("  + client-side hashing of the prompt", hash_us, "us")
+    report("  scheduler adapter submit..result (hash+rtt)", adapter_us, "us")
+
+    # ---- check_lookup_result on a pending lookup
+    pid = server_pid(client)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        scheduler.maybe_submit_lookup_request("pending", prompt)
+        pending_us = timed(lambda: scheduler.check_lookup_result("pending"), 20000)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    report("  check_lookup_result on a pending lookup", pending_us, "us", target="< 20 us")
+    scheduler.end_session("pending").result(10)
+
+    # ---- store / retrieve vs raw gather / scatter
+    print(f"\nstore / retrieve, {args.chunks} x 32 MiB chunks per request (median of {args.rounds}):")
+    src_blocks = list(range(args.chunks * PER_CHUNK))
+    dst_blocks = list(range(args.chunks * PER_CHUNK, 2 * args.chunks * PER_CHUNK))
+    nbytes = args.chunks * chunk_bytes
+    raw_gather, raw_scatter = raw_copy_rates(list(caches.values()), src_blocks, args.chunks, args.rounds)
+    store_s, retrieve_s = [], []
+    for r in range(args.rounds + 1):
+        client.call(RequestType.CLEAR, m.ClearRequest(force=True), m.ClearReply)
+        toks = [r * 7 + 1] + list(range(args.chunks * CHUNK - 1))
+        store_s.append(wait_store(worker, f"s{r}", LoadStoreOp(toks, src_blocks)))
+        retrieve_s.append(wait_retrieve(scheduler, worker, f"s{r}", toks, dst_blocks))
+    check_equal(caches, src_blocks, dst_blocks)
+    store_gbs = nbytes / statistics.median(store_s[1:]) / 1e9
+    retrieve_gbs = nbytes / statistics.median(retrieve_s[1:]) / 1e9
+    report("  raw torch gather (index_select)", raw_gather, "GB/s")
+    report("  lmcache store", store_gbs, "GB/s", floor=raw_gather, target=">= 0.7x")
+    report("  raw torch scatter (index_copy_)", raw_scatter, "GB/s")
+    report("  lmcache retrieve", retrieve_gbs, "GB/s", floor=raw_scatter, target=">= 0.7x")
+
+    # ---- batched vs single stores
+    client.call(RequestType.CLEAR, m.ClearRequest(force=True), m.ClearReply)
+    n = 32
+    ops = [LoadStoreOp([1000 + i] + list(range(CHUNK - 1)), list(range(i * PER_CHUNK, (i + 1) * PER_CHUNK)))
+           for i in range(n)]
+    start = time.perf_counter()
+    worker.batched_submit_store_requests([f"b{i}" for i in range(n)], ops, None)
+    drain(worker, {f"b{i}" for i in range(n)})
+    batched = time.perf_counter() - start
+    client.call(RequestType.CLEAR, m.ClearRequest(force=True), m.ClearReply)
+    start = time.perf_counter()
+    for i, op in enumerate(ops):
+        worker.submit_store_request(f"u{i}", op, None)
+    drain(worker, {f"u{i}" for i in range(n)})
+    single = time.perf_counter() - start
+    print(f"\n{n} requests x 1 chunk: batched {batched * 1e3:.1f} ms (1 round trip) vs "
+          f"single {single * 1e3:.1f} ms ({n} round trips): {single / batched:.2f}x")
+    worker.shutdown()
+    scheduler.close()
+
+
+def wait_for(make):  # the server may still be starting
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return make()
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+
+
+def server_pid(client) -> int:
+    from lmcache_core.protocol import RequestType
+    from lmcache_core.protocol import messages as m
+
+    return client.call(RequestType.PING, m.PingRequest(), m.PingReply).pid
+
+
+def spin_until(ready) -> None:
+    """Poll like a scheduler loop would, letting the client's I/O thread take the GIL between polls
+    (a bare busy loop would hold it for the whole 5 ms switch interval)."""
+    while not ready():
+        time.sleep(0)
+
+
+def scheduler_lookup(scheduler, prompt: list[int]) -> None:
+    scheduler.maybe_submit_lookup_request("adapter", prompt)
+    spin_until(lambda: scheduler.check_lookup_result("adapter") is not None)
+    scheduler.cleanup_lookup_result("adapter")
+
+
+def wait_store(worker, request_id: str, op) -> float:
+    start = time.perf_counter()
+    worker.submit_store_request(request_id, op, None)
+    drain(worker, {request_id})
+    if request_id in worker.failed_stores:
+        raise SystemExit(f"store failed: {worker.failed_stores[request_id]}")
+    return time.perf_counter() - start
+
+
+def wait_retrieve(scheduler, worker, request_id: str, toks: list[int], blocks: list[int]) -> float:
+    from lmcache_core.integration.vllm.vllm_multi_process_adapter import LoadStoreOp
+
+    scheduler.cleanup_lookup_result(request_id)
+    scheduler.maybe_submit_lookup_request(request_id, toks)
+    spin_until(lambda: scheduler.check_lookup_result(request_id) is not None)
+    start = time.perf_counter()
+    worker.submit_retrieve_request(request_id, LoadStoreOp(toks, blocks), None)
+    spin_until(lambda: request_id in (worker.get_finished(set())[1] or set()))
+    if request_id in worker.failed_retrieves:
+        raise SystemExit(f"retrieve failed: {worker.failed_retrieves[request_id]}")
+    return time.perf_counter() - start
+
+
+def drain(worker, request_ids: set[str]) -> None:
+    left = set(request_ids)
+
+    def settled() -> bool:
+        stores, _ = worker.get_finished(left)
+        left.difference_update(stores or set())
+        return not left
+
+    spin_until(settled)
+
+
+def raw_copy_rates(layers, blocks: list[int], chunks: int, rounds: int) -> tuple[float, float]:
+    """A plain per-chunk torch gather/scatter of the same blocks into/out of a chunk-sized buffer."""
+    import torch
+
+    index = torch.tensor(blocks).view(chunks, PER_CHUNK)
+    stacked = torch.stack([layer.view(2, layer.shape[1], -1) for layer in layers[:1]])  # shape probe
+    del stacked
+    bufs = [torch.empty(LAYERS, 2, PER_CHUNK, BLOCK * HEADS * DIM, dtype=torch.bfloat16) for _ in range(chunks)]
+    views = [layer.view(2, layer.shape[1], -1) for layer in layers]
+    gathers, scatters = [], []
+    for _ in range(rounds + 1):
+        start = time.perf_counter()
+        for c in range(chunks):
+            for li, view in enumerate(views):
+                torch.index_select(view, 1, index[c], out=bufs[c][li])
+        gathers.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        for c in range(chunks):
+            for li, view in enumerate(views):
+                view.index_copy_(1, index[c], bufs[c][li])
+        scatters.append(time.perf_counter() - start)
+    nbytes = sum(b.numel() * b.element_size() for b in bufs)
+    return nbytes / statistics.median(gathers[1:]) / 1e9, nbytes / statistics.median(scatters[1:]) / 1e9
+
+
+def check_equal(caches, src: list[int], dst: list[int]) -> None:
+    for layer in caches.values():
+        if not (layer[:, src].view(-1).view(__import__("torch").int16) ==
+                layer[:, dst].view(-1).view(__import__("torch").int16)).all():
+            raise SystemExit("retrieved bytes differ from the stored ones")
+
+
+def echo_times(ctx, url: str, frame_bytes: int, n: int) -> float:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(url)
+    frames = [b"\x01", b"\xaalmc.lookup", os.urandom(frame_bytes)]
+
+    def once() -> None:
+        sock.send_multipart(frames)
+        sock.recv_multipart()
+
+    try:
+        return timed(once, n)
+    finally:
+        sock.close(0)
+
+
+def timed(fn, n: int) -> float:
+    """p50 of n calls, in microseconds (after n/10 warm-up calls)."""
+    for _ in range(max(1, n // 10)):
+        fn()
+    samples = []
+    for _ in range(n):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples) * 1e6
+
+
+def report(label: str, value: float, unit: str, floor: float | None = None, target: str = "") -> None:
+    ratio = f"  ratio {value / floor:.2f}x" if floor else ""
+    print(f"{label:48s} {value:10.2f} {unit}{ratio}{'  (target ' + target + ')' if target else ''}")
+
+
+if __name__ == "__main__":
+    main()
