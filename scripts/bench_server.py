@@ -55,7 +55,8 @@ def main() -> None:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--chunks", type=int, default=8, help="chunks per store/retrieve request")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--lookups", type=int, default=2000)
@@ -144,7 +145,7 @@ def run(args: argparse.Namespace, workdir: Path, server_url: str, echo_url: str)
     store_s, retrieve_s = [], []
     for r in range(args.rounds + 1):
         client.call(RequestType.CLEAR, m.ClearRequest(force=True), m.ClearReply)
-        toks = [r * 7 + 1] + list(range(args.chunks * CHUNK - 1))
+        toks = [r * 7 + 1, *range(args.chunks * CHUNK - 1)]
         store_s.append(wait_store(worker, f"s{r}", LoadStoreOp(toks, src_blocks)))
         retrieve_s.append(wait_retrieve(scheduler, worker, f"s{r}", toks, dst_blocks))
     check_equal(caches, src_blocks, dst_blocks)
@@ -155,23 +156,26 @@ def run(args: argparse.Namespace, workdir: Path, server_url: str, echo_url: str)
     report("  raw torch scatter (index_copy_)", raw_scatter, "GB/s")
     report("  lmcache retrieve", retrieve_gbs, "GB/s", floor=raw_scatter, target=">= 0.7x")
 
-    # ---- batched vs single stores
-    client.call(RequestType.CLEAR, m.ClearRequest(force=True), m.ClearReply)
+    # ---- batched vs single stores: with copies, then of chunks already cached (pure round trips)
     n = 32
-    ops = [LoadStoreOp([1000 + i] + list(range(CHUNK - 1)), list(range(i * PER_CHUNK, (i + 1) * PER_CHUNK)))
+    ops = [LoadStoreOp([1000 + i, *range(CHUNK - 1)], list(range(i * PER_CHUNK, (i + 1) * PER_CHUNK)))
            for i in range(n)]
-    start = time.perf_counter()
-    worker.batched_submit_store_requests([f"b{i}" for i in range(n)], ops, None)
-    drain(worker, {f"b{i}" for i in range(n)})
-    batched = time.perf_counter() - start
-    client.call(RequestType.CLEAR, m.ClearRequest(force=True), m.ClearReply)
-    start = time.perf_counter()
-    for i, op in enumerate(ops):
-        worker.submit_store_request(f"u{i}", op, None)
-    drain(worker, {f"u{i}" for i in range(n)})
-    single = time.perf_counter() - start
-    print(f"\n{n} requests x 1 chunk: batched {batched * 1e3:.1f} ms (1 round trip) vs "
-          f"single {single * 1e3:.1f} ms ({n} round trips): {single / batched:.2f}x")
+    for label, clear in (("new chunks (copy-bound)", True), ("chunks already cached (round trips)", False)):
+        times = {}
+        for mode in ("batched", "single"):
+            if clear:
+                client.call(RequestType.CLEAR, m.ClearRequest(force=True), m.ClearReply)
+            ids = [f"{mode}{label[:3]}{i}" for i in range(n)]
+            start = time.perf_counter()
+            if mode == "batched":
+                worker.batched_submit_store_requests(ids, ops, None)
+            else:
+                for request_id, op in zip(ids, ops, strict=True):
+                    worker.submit_store_request(request_id, op, None)
+            drain(worker, set(ids))
+            times[mode] = time.perf_counter() - start
+        print(f"\n{n} requests x 1 chunk, {label}: batched {times['batched'] * 1e3:.2f} ms (1 round trip)"
+              f" vs single {times['single'] * 1e3:.2f} ms ({n}): {times['single'] / times['batched']:.2f}x")
     worker.shutdown()
     scheduler.close()
 
@@ -245,9 +249,8 @@ def raw_copy_rates(layers, blocks: list[int], chunks: int, rounds: int) -> tuple
     import torch
 
     index = torch.tensor(blocks).view(chunks, PER_CHUNK)
-    stacked = torch.stack([layer.view(2, layer.shape[1], -1) for layer in layers[:1]])  # shape probe
-    del stacked
-    bufs = [torch.empty(LAYERS, 2, PER_CHUNK, BLOCK * HEADS * DIM, dtype=torch.bfloat16) for _ in range(chunks)]
+    bufs = [torch.empty(LAYERS, 2, PER_CHUNK, BLOCK * HEADS * DIM, dtype=torch.bfloat16)
+            for _ in range(chunks)]
     views = [layer.view(2, layer.shape[1], -1) for layer in layers]
     gathers, scatters = [], []
     for _ in range(rounds + 1):

@@ -54,7 +54,7 @@ class SharedSegment:
         self._name = name
         self._mmap: mmap.mmap | None = mapping
         self._nbytes = nbytes
-        self._owner = owner
+        self._owner_pid = os.getpid() if owner else 0
         self._base: torch.Tensor | None = None  # uint8 over the whole mapping, made lazily
 
     # ------------------------------------------------------------------ construction
@@ -129,8 +129,8 @@ class SharedSegment:
 
     @property
     def owner(self) -> bool:
-        """True when this process created the segment."""
-        return self._owner
+        """True when this process created the segment (a forked child is not its owner)."""
+        return self._owner_pid == os.getpid()
 
     @property
     def closed(self) -> bool:
@@ -209,7 +209,7 @@ class SharedSegment:
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
-        role = "owner" if self._owner else "attached"
+        role = "owner" if self.owner else "attached"
         return f"SharedSegment({self._name!r}, {self._nbytes} bytes, {role}, {state})"
 
 

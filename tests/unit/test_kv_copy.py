@@ -194,7 +194,7 @@ def test_slot_checks() -> None:
 
 def test_layer_and_chunk_checks() -> None:
     layers = _layers("flash_attn", _canonical(), False)
-    with pytest.raises(IncompatibleError, match="chunk size 18 .* block size 4"):
+    with pytest.raises(IncompatibleError, match=r"chunk size 18 .* block size 4"):
         BlockCopier(layers, "flash_attn", 18)
     with pytest.raises(IncompatibleError, match="layer 1"):
         BlockCopier([layers[0], layers[1].float()], "flash_attn", CHUNK)
@@ -215,3 +215,59 @@ def test_stack_layers_rules() -> None:
     spaced = torch.zeros(4, 10)[:, :6].reshape(4, 2, 3)  # a gap after each layer is fine
     stacked = stack_layers(list(spaced.unbind(0)))
     assert stacked is not None and stacked.stride()[0] == 10
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("one_storage", [True, False])
+def test_wide_copies_are_bit_exact_on_arbitrary_bytes(layout: KVLayoutName,
+                                                      one_storage: bool) -> None:
+    """Scatters reinterpret rows as 16-byte elements; any bit pattern (NaNs too) survives."""
+    planes = 1 if layout == "mla" else 2
+    g = torch.Generator().manual_seed(11)
+    raw = torch.randint(0, 256, (L, planes, NB, BS, H * D * 2), generator=g, dtype=torch.uint8)
+    data = raw.view(torch.bfloat16)
+    src = _layers(layout, data, one_storage)
+    wide = BlockCopier(src, layout, CHUNK)
+    narrow = BlockCopier(src, layout, CHUNK, allow_wide=False)
+    assert wide.scatter_dtype == torch.complex128 and narrow.scatter_dtype == torch.bfloat16
+    ids = _ids(12, 3)
+    a, b = _slots(wide, 3), _slots(narrow, 3)
+    wide.gather(ids, a)
+    narrow.gather(ids, b)
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    for allow_wide in (True, False):
+        dst = [torch.zeros_like(t) for t in src]
+        BlockCopier(dst, layout, CHUNK, allow_wide=allow_wide).scatter(a, ids)
+        block_dim = 1 if layout == "flash_attn" else 0
+        idx = torch.tensor(ids)
+        for s_layer, d_layer in zip(src, dst, strict=True):
+            assert torch.equal(s_layer.index_select(block_dim, idx).view(torch.uint8),
+                               d_layer.index_select(block_dim, idx).view(torch.uint8))
+
+
+def test_slot_not_aligned_for_wide_copies_falls_back() -> None:
+    data = _canonical(seed=13)
+    copier = BlockCopier(_layers("flash_attn", data, True), "flash_attn", CHUNK)
+    ids = _ids(14, 1)
+    pool = torch.zeros(copier.chunk_bytes + 16, dtype=torch.uint8)
+    odd = pool[2: 2 + copier.chunk_bytes]  # aligned for bf16, not for 16-byte elements
+    assert odd.data_ptr() % 16 == 2
+    copier.gather(ids, [odd])
+    ref = _slots(copier, 1)
+    copier.gather(ids, ref)
+    assert torch.equal(odd, ref[0][: copier.chunk_bytes])
+    dst = _layers("flash_attn", torch.zeros_like(data), True)
+    BlockCopier(dst, "flash_attn", CHUNK).scatter([odd], ids)
+    idx = torch.tensor(ids)
+    assert all(torch.equal(d.index_select(1, idx), s.index_select(1, idx))
+               for d, s in zip(dst, _layers("flash_attn", data, True), strict=True))
+
+
+def test_rows_too_narrow_for_wide_copies() -> None:
+    layers = [torch.randn(8, 1, 3).to(torch.bfloat16) for _ in range(2)]  # 6-byte rows
+    copier = BlockCopier(layers, "mla", 2)
+    assert copier.scatter_dtype == torch.bfloat16
+    slot = torch.empty(copier.chunk_bytes, dtype=torch.uint8)
+    copier.gather([5, 1], [slot])
+    want = torch.stack([t[[5, 1]].reshape(1, 2, 3) for t in layers])
+    assert torch.equal(slot.view(torch.bfloat16).view(2, 1, 2, 3), want)
