@@ -7,6 +7,7 @@ closed only when the last lease ends: a reaped worker never pulls memory out fro
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -53,6 +54,13 @@ class Registration:
         except PermissionError:
             return False
         return False
+
+
+def _unlink_segments(names: list[str]) -> None:
+    for name in names:
+        with contextlib.suppress(OSError):
+            os.unlink(f"/dev/shm/{name}")
+            logger.info("unlinked shared memory %s of a dead worker", name)
 
 
 class KVRegistry:
@@ -117,14 +125,19 @@ class KVRegistry:
         """Drop registrations whose process is gone or that were silent past the reap timeout."""
         now = self._clock()
         with self._lock:
-            dead = [r for r in self._by_id.values()
-                    if r.process_gone() or now - r.last_seen > self._reap_timeout_s]
+            gone = [r for r in self._by_id.values() if r.process_gone()]
+            silent = [r for r in self._by_id.values()
+                      if r not in gone and now - r.last_seen > self._reap_timeout_s]
+            dead = gone + silent
             for registration in dead:
                 del self._by_id[registration.instance_id]
         for registration in dead:
-            logger.warning("reaped KV cache instance %d (%s rank %d): worker gone or silent",
-                           registration.instance_id, registration.model_name, registration.kv_rank)
+            logger.warning("reaped KV cache instance %d (%s rank %d): worker %s",
+                           registration.instance_id, registration.model_name, registration.kv_rank,
+                           "process exited" if registration in gone else "silent")
             self._retire(registration)
+        for registration in gone:  # a killed worker never unlinked its shared memory: do it for it
+            _unlink_segments(getattr(registration.mapped, "shm_names", []))
         self.reaped += len(dead)
         return [r.instance_id for r in dead]
 

@@ -37,7 +37,8 @@ def main() -> None:
                                      spec["rank"], spec["block_size"], heartbeat_interval_s=1.0)
     adapter.register_kv_caches(caches)
     layers = list(caches.values())
-    reply({"ready": True, "chunk_size": adapter.chunk_size, "instance_id": adapter.instance_id})
+    reply({"ready": True, "chunk_size": adapter.chunk_size, "instance_id": adapter.instance_id,
+           "shm_name": segment.name})
     for line in sys.stdin:
         command = json.loads(line)
         if command["cmd"] == "quit":

@@ -194,6 +194,7 @@ def test_killing_a_worker_hangs_nobody(server, scheduler):
         while server_stats(scheduler).registered_instances >= before:
             assert time.monotonic() < deadline, "dead worker was never reaped"
             time.sleep(0.1)
+        assert not os.path.exists(f"/dev/shm/{victim.hello['shm_name']}")  # unlinked for it
     finally:
         survivor.close()
 
