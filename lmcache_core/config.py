@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -92,6 +93,51 @@ class TimeoutConfig(_Section):
     lock_ttl_s: PositiveFloat = 300.0
 
 
+class DiskConfig(_Section):
+    """The L2 disk tier (optional): chunk files in ``path``, at most ``max_size`` bytes of them."""
+
+    path: str
+    max_size: int | str = "16GiB"
+    write_through: bool = False  # write every stored chunk behind, not only those near eviction
+    queue_size: Positive = 1024  # chunk writes waiting for the writer; beyond it they are dropped
+
+    def __post_init__(self) -> None:
+        if not self.path.strip():
+            raise ValueError("path: must name a directory")
+        try:
+            self.max_size = parse_size(self.max_size)
+        except ValueError as exc:
+            raise ValueError(f"max_size: {exc}") from None
+        if self.max_size <= 0:
+            raise ValueError("max_size: must be positive")
+
+    @property
+    def max_bytes(self) -> int:
+        return parse_size(self.max_size)
+
+
+class RemoteConfig(_Section):
+    """The L3 Redis/Valkey tier (optional), shared by every server that names the same url."""
+
+    url: str  # redis://, rediss://, valkey://, valkeys://, unix://; redis+cluster:// for a cluster
+    queue_size: Positive = 256  # chunk writes waiting for the writer; beyond it they are dropped
+    timeout_ms: Positive = 500  # socket connect/read timeout of every Redis call
+    key_prefix: str = "lmcache"
+    ttl_s: Positive | None = None  # expire chunks in Redis after this long (None: Redis decides)
+    cluster: bool = False
+    retry_interval_s: PositiveFloat = 1.0  # how often a down Redis is probed
+
+    def __post_init__(self) -> None:
+        from lmcache_core.storage.remote import parse_url
+
+        try:
+            parse_url(self.url)
+        except ConfigError as exc:
+            raise ValueError(str(exc).replace("remote.url: ", "url: ", 1)) from None
+        if not self.key_prefix or ":" in self.key_prefix:
+            raise ValueError("key_prefix: must be non-empty and hold no ':'")
+
+
 class LMCacheConfig(_Section):
     """Everything one server or client needs; ``configs/*.yaml`` map onto it."""
 
@@ -100,6 +146,8 @@ class LMCacheConfig(_Section):
     chunk_size: Positive = 256
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     timeouts: TimeoutConfig = msgspec.field(default_factory=TimeoutConfig)
+    disk: DiskConfig | None = None
+    remote: RemoteConfig | None = None
 
     @property
     def chunk_bytes(self) -> int:
@@ -110,11 +158,21 @@ def leaf_keys(cls: type[msgspec.Struct] = LMCacheConfig, prefix: str = "") -> li
     """Every dotted key of the config, in declaration order."""
     keys: list[str] = []
     for field in msgspec.structs.fields(cls):
-        if isinstance(field.type, type) and issubclass(field.type, msgspec.Struct):
-            keys += leaf_keys(field.type, f"{prefix}{field.name}.")
+        section = _section_type(field.type)
+        if section is not None:
+            keys += leaf_keys(section, f"{prefix}{field.name}.")
         else:
             keys.append(prefix + field.name)
     return keys
+
+
+def _section_type(annotation: Any) -> type[msgspec.Struct] | None:
+    """The struct of a section field (``X`` or an optional ``X | None``), else None."""
+    if isinstance(annotation, type):
+        return annotation if issubclass(annotation, msgspec.Struct) else None
+    structs = [a for a in typing.get_args(annotation)
+               if isinstance(a, type) and issubclass(a, msgspec.Struct)]
+    return structs[0] if len(structs) == 1 else None
 
 
 def env_name(key: str) -> str:
@@ -139,6 +197,7 @@ def load_config(path: str | os.PathLike[str] | None = None,
             _set(raw, key, value)
     config = _convert(raw, source)
     _check_pool(config, source)
+    _check_tiers(config, source)
     return config
 
 
@@ -194,7 +253,11 @@ def _convert(raw: dict[str, Any], source: str) -> LMCacheConfig:
             field = message.split("`")[1]
             key, message = (f"{key}.{field}" if key else field), "unknown key"
         if message.startswith("Object missing required field"):
-            message = "missing required key " + message.split("`")[1]
+            field = message.split("`")[1]
+            key, message = (f"{key}.{field}" if key else field), "missing required key"
+        field, sep, rest = message.partition(": ")
+        if key and sep and f"{key}.{field}" in leaf_keys():  # a section's check naming its field
+            key, message = f"{key}.{field}", rest
         raise ConfigError(f"{source}: {key or '<top level>'}: {message}") from None
 
 
@@ -204,3 +267,11 @@ def _check_pool(config: LMCacheConfig, source: str) -> None:
             f"{source}: server.pool_size: {config.server.pool_bytes} bytes is smaller than one "
             f"chunk ({config.chunk_bytes} bytes for {config.model.name} at chunk_size "
             f"{config.chunk_size})")
+
+
+def _check_tiers(config: LMCacheConfig, source: str) -> None:
+    remote = config.remote
+    if remote is not None and remote.timeout_ms >= config.timeouts.lookup_ms:
+        raise ConfigError(
+            f"{source}: remote.timeout_ms: {remote.timeout_ms} ms must be shorter than "
+            f"timeouts.lookup_ms ({config.timeouts.lookup_ms} ms), or a slow Redis eats whole lookups")

@@ -15,6 +15,10 @@ copies run outside it, between ``begin_*`` and ``finish_*``. An entry's life:
 LRU order: hits are touched (and new chunks committed) from the last chunk to the first, so a
 prefix's head is the most recently used and eviction eats prefixes from the tail, which keeps what
 remains of a prefix usable.
+
+Lower tiers (optional ``disk``/``remote``): committed stores are queued for them (write-behind,
+never blocking); ``lookup_tiers`` loads the rest of a prefix from them into reserved slots outside
+the lock and commits and locks it before answering. Without tiers every path above is unchanged.
 """
 
 from __future__ import annotations
@@ -24,17 +28,23 @@ import itertools
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lmcache_core.errors import IncompatibleError, ProtocolError
 from lmcache_core.keys import ChunkKey
 from lmcache_core.protocol.messages import ChunkInfo
+from lmcache_core.storage import record
 from lmcache_core.storage.pool import MemoryPool
 
 if TYPE_CHECKING:
     import torch
+
+    from lmcache_core.storage.disk import DiskTier
+    from lmcache_core.storage.remote import RemoteTier
 
 SORTS = ("age", "hits", "size", "key")
 _Key = tuple[str, int, int, bytes]  # a ChunkKey is one; lookup probes with plain tuples
@@ -125,7 +135,8 @@ class CacheEngine:
     """Index, locks and LRU eviction of chunks in one ``MemoryPool``; thread-safe."""
 
     def __init__(self, pool: MemoryPool, chunk_size: int, lock_ttl_s: float = 300.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, *, disk: DiskTier | None = None,
+                 remote: RemoteTier | None = None) -> None:
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         if lock_ttl_s <= 0:
@@ -144,6 +155,14 @@ class CacheEngine:
         self._seq = itertools.count()
         self._bytes_used = 0
         self._n = _Counters()
+        # Lower tiers (None: memory only, and no code path below touches them).
+        self._disk = disk
+        self._remote = remote
+        self._spill_ahead = max(1, pool.num_slots // 4)  # slots kept saved on disk ahead of eviction
+        if disk is not None:
+            disk.bind(self._pinned, self._spill_candidates)
+        if remote is not None:
+            remote.bind(self._pinned)
 
     # ------------------------------------------------------------------ lookup
 
@@ -158,31 +177,10 @@ class CacheEngine:
         """
         if world_size < 1:
             raise ProtocolError(f"world_size must be at least 1, got {world_size}")
-        get = self._entries.get
         if ranks is None:
             ranks = range(world_size)
-        hit: list[_Entry] = []
-        append = hit.append
         with self._mutex:
-            now = self._clock()
-            if self._expiry and self._expiry[0][0] <= now:
-                self._expire_due(now)
-            if lock and lookup_id in self._locks:
-                self._release_all(lookup_id)
-            chunks = 0
-            for chunk_hash in chunk_hashes:
-                for rank in ranks:
-                    entry = get((model_name, world_size, rank, chunk_hash))
-                    if entry is None:
-                        break
-                    append(entry)
-                else:
-                    chunks += 1
-                    continue
-                break
-            del hit[chunks * len(ranks):]
-            if hit:
-                self._touch_hits(hit, lookup_id if lock else None, now)
+            chunks = self._lookup_locked(model_name, world_size, chunk_hashes, lookup_id, lock, ranks)
             total = len(chunk_hashes)
             if chunks < total:
                 self._lookup_miss(model_name, world_size, chunk_hashes, chunks)
@@ -190,6 +188,33 @@ class CacheEngine:
             n.lookups += 1
             n.lookup_hit_chunks += chunks
             n.lookup_miss_chunks += total - chunks
+        return chunks
+
+    def _lookup_locked(self, model_name: str, world_size: int, chunk_hashes: Sequence[bytes],
+                       lookup_id: str, lock: bool, ranks: Sequence[int]) -> int:
+        """``lookup``'s work under the lock, without its counters (a tiered re-lookup uses it too)."""
+        get = self._entries.get
+        hit: list[_Entry] = []
+        append = hit.append
+        now = self._clock()
+        if self._expiry and self._expiry[0][0] <= now:
+            self._expire_due(now)
+        if lock and lookup_id in self._locks:
+            self._release_all(lookup_id)
+        chunks = 0
+        for chunk_hash in chunk_hashes:
+            for rank in ranks:
+                entry = get((model_name, world_size, rank, chunk_hash))
+                if entry is None:
+                    break
+                append(entry)
+            else:
+                chunks += 1
+                continue
+            break
+        del hit[chunks * len(ranks):]
+        if hit:
+            self._touch_hits(hit, lookup_id if lock else None, now)
         return chunks
 
     def _touch_hits(self, hit: list[_Entry], lookup_id: str | None, now: float) -> None:
@@ -215,10 +240,11 @@ class CacheEngine:
 
     def _lookup_miss(self, model_name: str, world_size: int, chunk_hashes: Sequence[bytes],
                      first_missing: int) -> None:
-        """Where every lookup miss passes (under the lock): the hook for lower tiers.
+        """Where every lookup miss passes (under the lock, so nothing slow may happen here).
 
-        A disk or Redis tier would queue a prefetch of ``chunk_hashes[first_missing:]`` here (never
-        load inline: this runs under the engine lock). Without tiers there is nothing to do.
+        Lower tiers are not consulted here: ``lookup`` stays memory-only and fast; a caller that may
+        wait (the server's lookup route when a tier is configured) calls ``lookup_tiers``, which
+        loads from disk and Redis outside the lock.
         """
 
     # ------------------------------------------------------------------ locks
@@ -347,6 +373,8 @@ class CacheEngine:
                 entries[key] = _Entry(key, slot, nbytes, now)
             self._bytes_used += nbytes * len(plan.keys)
             self._n.stored_chunks += len(plan.keys)
+        if plan.keys and (self._disk is not None or self._remote is not None):
+            self._write_behind(plan.keys)
 
     # ------------------------------------------------------------------ eviction
 
@@ -363,9 +391,14 @@ class CacheEngine:
         return len(victims)
 
     def _evict_one(self, entry: _Entry) -> None:
-        """Every eviction passes here: the hook where a lower tier would take the chunk's bytes."""
+        """Every eviction passes here (under the lock, so no I/O): the disk tier's writer has
+        already saved the chunks nearest eviction (``_spill_candidates``); one it had not got to
+        is counted as ``disk_evicted_unsaved``."""
         self._drop(entry)
         self._n.evictions += 1
+        disk = self._disk
+        if disk is not None and not disk.contains(entry.key):
+            disk.count_evicted_unsaved()
 
     def _drop(self, entry: _Entry) -> None:
         del self._entries[entry.key]
@@ -423,6 +456,234 @@ class CacheEngine:
             if not held.entries:
                 del self._locks[plan.lookup_id]
 
+    # ------------------------------------------------------------------ lower tiers (disk, remote)
+    # Tier I/O never runs under ``_mutex``: a lookup reserves slots under it (as a store does),
+    # loads into them outside it, and commits under it again. The writers of both tiers take bytes
+    # through ``_pinned``, which holds a reader count so the slot cannot be evicted mid-copy.
+
+    @property
+    def has_tiers(self) -> bool:
+        """Whether a disk or remote tier is attached (lookups then go through ``lookup_tiers``)."""
+        return self._disk is not None or self._remote is not None
+
+    @property
+    def disk(self) -> DiskTier | None:
+        return self._disk
+
+    @property
+    def remote(self) -> RemoteTier | None:
+        return self._remote
+
+    def lookup_tiers(self, model_name: str, world_size: int, chunk_hashes: Sequence[bytes],
+                     lookup_id: str, lock: bool = True, ranks: Sequence[int] | None = None,
+                     timeout_s: float = 1.0) -> int:
+        """``lookup``, then bring the rest of the prefix from disk and Redis into memory.
+
+        Blocks for at most about ``timeout_s``. The chunks memory lacks right after the hits are
+        found in the disk index (no I/O) or asked of Redis in one pipelined round trip; the longest
+        prefix available for every rank gets pool slots (evicting as a store would), is read in
+        (disk here, Redis on the remote tier's threads at the same time) and checksummed, then
+        committed; a final locked re-lookup counts and locks what is resident. So a reported hit
+        is always in memory and locked, exactly as after a plain ``lookup``; a load that misses
+        the deadline is not counted now and lands in memory (unlocked) when it completes.
+        """
+        hits = self.lookup(model_name, world_size, chunk_hashes, lookup_id, lock, ranks)
+        if hits == len(chunk_hashes) or not self.has_tiers:
+            return hits
+        deadline = time.monotonic() + timeout_s
+        rank_list = range(world_size) if ranks is None else ranks
+        wanted = self._not_resident(model_name, world_size, chunk_hashes[hits:], rank_list)
+        loads = self._plan_loads(wanted, deadline)
+        if loads:
+            self._load(loads, deadline)
+        with self._mutex:
+            chunks = self._lookup_locked(model_name, world_size, chunk_hashes, lookup_id, lock,
+                                         rank_list)
+            n = self._n
+            n.lookup_hit_chunks += chunks - hits
+            n.lookup_miss_chunks -= chunks - hits
+        return chunks
+
+    def _not_resident(self, model_name: str, world_size: int, chunk_hashes: Sequence[bytes],
+                      ranks: Sequence[int]) -> list[list[ChunkKey]]:
+        """Per chunk, the keys of ``ranks`` neither resident nor being written (at most a pool's
+        worth of keys: more could not be loaded at once anyway)."""
+        budget = self.pool.num_slots
+        out: list[list[ChunkKey]] = []
+        entries, writing = self._entries, self._writing
+        with self._mutex:
+            for chunk_hash in chunk_hashes:
+                missing = [ChunkKey(model_name, world_size, rank, chunk_hash) for rank in ranks
+                           if (model_name, world_size, rank, chunk_hash) not in entries
+                           and ChunkKey(model_name, world_size, rank, chunk_hash) not in writing]
+                budget -= len(missing)
+                if budget < 0:
+                    break
+                out.append(missing)
+        return out
+
+    def _plan_loads(self, wanted: list[list[ChunkKey]],
+                    deadline: float) -> list[tuple[ChunkKey, int, bool]]:
+        """``(key, nbytes, from_disk)`` for the longest run of chunks every missing key of which
+        is on disk or in Redis (one pipelined STRLEN for those not on disk)."""
+        disk, remote = self._disk, self._remote
+        slot_bytes = self.pool.slot_bytes
+        lengths: dict[ChunkKey, int] = {}
+        if remote is not None and not remote.down:
+            ask = [key for chunk in wanted for key in chunk if disk is None or not disk.contains(key)]
+            if ask:
+                try:
+                    found = self._wait(remote, remote.run(remote.lengths, ask, deadline), deadline)
+                except RuntimeError:  # the tier is shutting down
+                    found = None
+                if found:
+                    lengths = dict(zip(ask, found, strict=True))
+        loads: list[tuple[ChunkKey, int, bool]] = []
+        for chunk in wanted:
+            found_all = len(loads)
+            for key in chunk:
+                nbytes = disk.nbytes_of(key) if disk is not None else None
+                if nbytes is not None and 0 < nbytes <= slot_bytes:
+                    loads.append((key, nbytes, True))
+                    continue
+                length = lengths.get(key, 0)
+                nbytes = length - record.header_bytes(key)
+                if length and 0 < nbytes <= slot_bytes:
+                    loads.append((key, nbytes, False))
+                    continue
+                del loads[found_all:]
+                return loads
+        return loads
+
+    @staticmethod
+    def _wait(remote: RemoteTier, future: Any, deadline: float) -> Any:
+        try:
+            return future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            remote.count_lookup_timeout()
+            return None
+
+    def _load(self, loads: list[tuple[ChunkKey, int, bool]], deadline: float) -> None:
+        """Reserve slots for ``loads`` (in order, as far as the pool allows) and fill them."""
+        sizes = {key: (nbytes, from_disk) for key, nbytes, from_disk in loads}
+        plan = StorePlan(self.pool.slot_bytes, [])
+        with self._mutex:
+            new = self._claim_new([key for key, _, _ in loads], plan)
+            shortfall = len(new) - self.pool.num_free
+            if shortfall > 0:
+                self._make_room(shortfall)
+            self._reserve(new, plan)
+        disk_items: list[tuple[ChunkKey, int, int]] = []
+        remote_items: list[tuple[ChunkKey, int, int]] = []
+        for key, slot in zip(plan.keys, plan.slots, strict=True):
+            nbytes, from_disk = sizes[key]
+            (disk_items if from_disk else remote_items).append((key, slot, nbytes))
+        remote, future = self._remote, None
+        if remote_items and remote is not None:
+            try:
+                future = remote.run(self._load_remote, remote_items, deadline)
+            except RuntimeError:  # the tier is shutting down
+                self._commit_loads(remote_items, [0] * len(remote_items), from_disk=False)
+        if disk_items:
+            self._load_disk(disk_items, deadline)
+        if future is not None and remote is not None:
+            self._wait(remote, future, deadline)
+
+    def _load_disk(self, items: list[tuple[ChunkKey, int, int]], deadline: float) -> None:
+        disk = self._disk
+        got = [0] * len(items)
+        try:
+            for i, (key, slot, nbytes) in enumerate(items):
+                if disk is None or time.monotonic() >= deadline:
+                    break
+                got[i] = disk.read_into(key, self._slot_memory(slot, nbytes))
+        finally:
+            self._commit_loads(items, got, from_disk=True)
+
+    def _load_remote(self, items: list[tuple[ChunkKey, int, int]], deadline: float) -> None:
+        """On the remote tier's thread: GET into the slots, then commit (even after the caller
+        stopped waiting: the chunks are then simply warm in memory)."""
+        remote = self._remote
+        got = [0] * len(items)
+        try:
+            if remote is not None:
+                got = remote.fetch_into([key for key, _, _ in items],
+                                        [self._slot_memory(slot, nbytes) for _, slot, nbytes in items],
+                                        deadline)
+        finally:
+            self._commit_loads(items, got, from_disk=False)
+
+    def _slot_memory(self, slot: int, nbytes: int) -> memoryview:
+        return memoryview(self.pool.view(slot, nbytes).numpy())  # type: ignore[arg-type]
+
+    def _commit_loads(self, items: list[tuple[ChunkKey, int, int]], got: list[int],
+                      from_disk: bool) -> None:
+        """Make the loaded chunks resident (a short or failed load frees its slot)."""
+        loaded: list[ChunkKey] = []
+        with self._mutex:
+            now, entries, writing, pool = self._clock(), self._entries, self._writing, self.pool
+            for (key, slot, nbytes), n in zip(reversed(items), reversed(got), strict=True):
+                del writing[key]
+                if n == nbytes:
+                    entries[key] = _Entry(key, slot, nbytes, now)
+                    self._bytes_used += nbytes
+                    loaded.append(key)
+                else:
+                    pool.free(slot)
+        disk = self._disk
+        if loaded and disk is not None and not from_disk:
+            if disk.write_through:
+                disk.submit(loaded)
+            else:
+                disk.notify()
+
+    def _write_behind(self, keys: Sequence[ChunkKey]) -> None:
+        """After a store commits: queue the chunks for Redis, and for disk (write-through) or wake
+        the disk writer to keep the coldest chunks saved. Never blocks."""
+        if self._remote is not None:
+            self._remote.submit(keys)
+        disk = self._disk
+        if disk is not None:
+            if disk.write_through:
+                disk.submit(keys)
+            else:
+                disk.notify()
+
+    @contextmanager
+    def _pinned(self, key: ChunkKey) -> Iterator[memoryview | None]:
+        """A resident chunk's bytes, pinned (not evictable) for the ``with`` block; None if gone."""
+        with self._mutex:
+            entry = self._entries.get(key)
+            if entry is not None:
+                entry.readers += 1
+        if entry is None:
+            yield None
+            return
+        try:
+            yield self._slot_memory(entry.slot, entry.nbytes)
+        finally:
+            with self._mutex:
+                entry.readers -= 1
+
+    def _spill_candidates(self, limit: int) -> list[ChunkKey]:
+        """Up to ``limit`` chunks among those next in line for eviction that are not on disk yet.
+
+        "Next in line": the least recently used ``_spill_ahead - free slots`` entries, so the
+        writer starts saving once the pool is three quarters full and stays ahead of eviction.
+        """
+        disk = self._disk
+        if disk is None:
+            return []
+        out: list[ChunkKey] = []
+        with self._mutex:
+            at_risk = self._spill_ahead - self.pool.num_free
+            for count, key in enumerate(self._entries):
+                if count >= at_risk or len(out) >= limit:
+                    break
+                if not disk.contains(key):  # type: ignore[arg-type]
+                    out.append(key)  # type: ignore[arg-type]
+        return out
+
     # ------------------------------------------------------------------ admin
 
     def clear(self, force: bool = False) -> tuple[int, int]:
@@ -463,6 +724,10 @@ class CacheEngine:
                 slots_used=self.pool.num_used,
                 locks_held=sum(len(held.entries) for held in self._locks.values()),
             )
+        if self._disk is not None:
+            out.update(self._disk.stats())
+        if self._remote is not None:
+            out.update(self._remote.stats())
         return out
 
     def list_chunks(self, model_name: str | None = None, limit: int = 100,
@@ -495,6 +760,39 @@ class CacheEngine:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    # ---- in-process async lookup (lookup_client)
+    # The engine's half of lmcache_core.lookup_client: a worker's LMCacheAsyncLookupServer calls
+    # these from its thread, for this engine's own rank only.
+
+    def async_lookup_and_prefetch(self, lookup_id: str, hashes: Sequence[bytes],
+                                  offsets: Sequence[int] | None = None, pin: bool = True,
+                                  request_configs: dict[str, Any] | None = None, *,
+                                  model_name: str = "", world_size: int = 1, worker_id: int = 0,
+                                  on_result: Callable[[str, int], None] | None = None) -> int:
+        """Count rank ``worker_id``'s cached prefix of ``hashes``, pin it when ``pin``, and answer.
+
+        Returns the hit tokens and passes them to ``on_result(lookup_id, num_hit_tokens)`` (the
+        server's ``send_response_to_scheduler``). ``offsets[i]`` is the end in tokens of chunk ``i``
+        (without them a chunk counts ``chunk_size``). Lower-tier hits are queued for prefetch by
+        ``lookup``'s miss hook; ``request_configs`` is accepted for LMCache compatibility.
+        """
+        if not 0 <= worker_id < world_size:
+            raise ProtocolError(f"worker_id {worker_id} must be in [0, world_size={world_size})")
+        if offsets is not None and len(offsets) != len(hashes):
+            raise ProtocolError(f"{len(offsets)} offsets for {len(hashes)} chunk hashes")
+        chunks = self.lookup(model_name, world_size, hashes, lookup_id, lock=pin, ranks=(worker_id,))
+        if not chunks:
+            tokens = 0
+        else:
+            tokens = int(offsets[chunks - 1]) if offsets is not None else chunks * self.chunk_size
+        if on_result is not None:
+            on_result(lookup_id, tokens)
+        return tokens
+
+    def cleanup_memory_objs(self, lookup_id: str) -> int:
+        """Release what ``lookup_id``'s async lookup pinned (it was cancelled or timed out)."""
+        return self.free_lookup_locks(lookup_id)
 
 
 _Row = tuple[ChunkKey, int, int, int, float]

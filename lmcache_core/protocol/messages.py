@@ -7,9 +7,12 @@ client can talk to a newer server.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
+
+#: A chunk hash on the wire: LMCache's are 32 bytes; vLLM block hashes may differ, but stay small.
+ChunkHash = Annotated[bytes, msgspec.Meta(min_length=1, max_length=64)]
 
 
 class Message(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -86,7 +89,7 @@ class StoreRequest(Message):
     """Copy the blocks of these chunks (``blocks_per_chunk`` ids each, in order) into the cache."""
 
     instance_id: int
-    chunk_hashes: list[bytes]
+    chunk_hashes: list[ChunkHash]
     block_ids: list[int]
     event_handle: bytes = b""
     request_ids: list[str] = []
@@ -99,7 +102,7 @@ class RetrieveRequest(Message):
     """Copy these chunks into the given blocks; releases ``lookup_id``'s locks on them."""
 
     instance_id: int
-    chunk_hashes: list[bytes]
+    chunk_hashes: list[ChunkHash]
     block_ids: list[int]
     event_handle: bytes = b""
     lookup_id: str = ""
@@ -115,7 +118,7 @@ class LookupRequest(Message):
     model_name: str
     world_size: int
     lookup_id: str
-    chunk_hashes: list[bytes]
+    chunk_hashes: list[ChunkHash]
     lock: bool = True
 
     def num_keys(self) -> int:
@@ -227,6 +230,27 @@ class ServerStats(msgspec.Struct, kw_only=True):
     reaped_instances: int = 0
     requests: int = 0
     errors: int = 0
+    # disk tier (zeros without one)
+    disk_chunks: int = 0
+    disk_bytes: int = 0
+    disk_loaded_chunks: int = 0
+    disk_written_chunks: int = 0
+    disk_write_dropped: int = 0
+    disk_evicted_unsaved: int = 0
+    disk_corrupt: int = 0
+    disk_deleted: int = 0
+    disk_errors: int = 0
+    # remote (Redis/Valkey) tier (zeros without one)
+    remote_loaded_chunks: int = 0
+    remote_written_chunks: int = 0
+    remote_write_dropped: int = 0
+    remote_write_failed: int = 0
+    remote_corrupt: int = 0
+    remote_errors: int = 0
+    remote_outages: int = 0
+    remote_lookup_timeouts: int = 0
+    remote_queued: int = 0
+    remote_down: int = 0
 
 
 class ServerInfoReply(Reply):

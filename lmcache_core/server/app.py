@@ -3,13 +3,18 @@
 Lifecycle (what ``lmcache serve`` drives): ``start()`` binds and starts serving; a housekeeping thread
 expires lookup locks past their TTL and reaps workers that died; ``stop()`` answers new requests with
 SHUTTING_DOWN, lets in-flight copies finish, unmaps every worker's shared memory and closes the socket.
+
+Lower tiers come from the config's optional ``disk`` and ``remote`` sections; with either, lookups run
+on the worker pool (they may read disk or wait on Redis, bounded by ``timeouts.lookup_ms``) and the
+pool gets two more threads for them. ``start()`` starts the tiers' writer threads, ``stop()`` drains
+their queues (bounded) after the transport has stopped.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -18,8 +23,12 @@ from lmcache_core.engine import CacheEngine
 from lmcache_core.protocol.codec import Limits
 from lmcache_core.server.handlers import CacheHandlers
 from lmcache_core.server.registry import KVRegistry
+from lmcache_core.storage.disk import DiskTier
 from lmcache_core.storage.pool import MemoryPool
 from lmcache_core.transport.server import MessageQueueServer
+
+if TYPE_CHECKING:
+    from lmcache_core.storage.remote import RemoteTier
 
 logger = logging.getLogger(__name__)
 HOUSEKEEPING_INTERVAL_S = 1.0
@@ -31,10 +40,13 @@ class CacheServer:
     def __init__(self, config: LMCacheConfig, context: zmq.Context[Any] | None = None) -> None:
         self.config = config
         self.pool = MemoryPool.from_bytes(config.server.pool_bytes, config.chunk_bytes)
+        self.disk, self.remote = build_tiers(config)
         self.engine = CacheEngine(self.pool, config.chunk_size,
-                                  lock_ttl_s=config.timeouts.lock_ttl_s)
+                                  lock_ttl_s=config.timeouts.lock_ttl_s, disk=self.disk,
+                                  remote=self.remote)
+        workers = config.server.workers + (2 if self.engine.has_tiers else 0)
         self.transport = MessageQueueServer(
-            config.server.url, {}, context=context, workers=config.server.workers,
+            config.server.url, {}, context=context, workers=workers,
             limits=Limits(config.server.max_request_bytes, config.server.max_keys_per_request))
         self.handlers = CacheHandlers(config, self.engine, KVRegistry(
             lambda request: self.handlers.open_mapping(request), config.server.reap_timeout_s),
@@ -53,6 +65,9 @@ class CacheServer:
         """Bind and serve; returns the bound url."""
         url = self.transport.start()
         self.handlers.url = url
+        for tier in (self.disk, self.remote):
+            if tier is not None:
+                tier.start()
         self._housekeeper.start()
         logger.info("serving on %s", url)
         return url
@@ -63,6 +78,9 @@ class CacheServer:
             return
         self._stop.set()
         self.transport.stop(drain_timeout_s)
+        for tier in (self.remote, self.disk):
+            if tier is not None:
+                tier.stop(drain_timeout_s)
         self.registry.close_all()
         logger.info("stopped")
 
@@ -75,3 +93,19 @@ class CacheServer:
                 self.registry.reap()
             except Exception:
                 logger.exception("housekeeping failed")
+
+
+def build_tiers(config: LMCacheConfig) -> tuple[DiskTier | None, RemoteTier | None]:
+    """The disk and remote tiers the config asks for (None for each it does not)."""
+    disk = None
+    if config.disk is not None:
+        disk = DiskTier(config.disk.path, config.disk.max_bytes, config.disk.write_through,
+                        config.disk.queue_size)
+    remote = None
+    if config.remote is not None:
+        from lmcache_core.storage.remote import RemoteTier  # imports redis: only when asked for
+
+        cfg = config.remote
+        remote = RemoteTier(cfg.url, cfg.queue_size, cfg.timeout_ms, cfg.key_prefix, cfg.ttl_s,
+                            cfg.cluster, cfg.retry_interval_s)
+    return disk, remote

@@ -23,13 +23,6 @@ from lmcache_core.protocol.ops import RequestType
 from lmcache_core.server.registry import KVRegistry, Registration
 from lmcache_core.transport.server import Route, ServerCounters
 
-MAX_HASH_BYTES = 64
-
-
-def _check_hashes(hashes: Sequence[bytes]) -> None:
-    if any(not 0 < len(h) <= MAX_HASH_BYTES for h in hashes):
-        raise ProtocolError(f"chunk hashes must be 1..{MAX_HASH_BYTES} bytes long")
-
 
 def _chunk_blocks(block_ids: Sequence[int], indices: Sequence[int], per_chunk: int) -> list[int]:
     """The block ids of the chunks at ``indices`` (one slice per chunk, not per block)."""
@@ -61,7 +54,8 @@ class CacheHandlers:
             RequestType.UNREGISTER_KV_CACHE: Route(self.unregister_kv_cache, blocking=True),
             RequestType.STORE: Route(self.store, blocking=True),
             RequestType.RETRIEVE: Route(self.retrieve, blocking=True),
-            RequestType.LOOKUP: Route(self.lookup),
+            # With a disk or remote tier a lookup may read files or wait on Redis: off the loop.
+            RequestType.LOOKUP: Route(self.lookup, blocking=self.engine.has_tiers),
             RequestType.FREE_LOOKUP_LOCKS: Route(self.free_lookup_locks),
             RequestType.END_SESSION: Route(self.end_session),
             RequestType.CLEAR: Route(self.clear),
@@ -109,7 +103,6 @@ class CacheHandlers:
     # ------------------------------------------------------------------ data path
 
     def store(self, request: m.StoreRequest, _client: bytes) -> m.StoreReply:
-        _check_hashes(request.chunk_hashes)
         with self.registry.lease(request.instance_id) as reg:
             per_chunk = self._check_blocks(reg, request.chunk_hashes, request.block_ids)
             keys = self._keys(reg, request.chunk_hashes)
@@ -128,7 +121,6 @@ class CacheHandlers:
                             skipped_full=plan.skipped_full)
 
     def retrieve(self, request: m.RetrieveRequest, _client: bytes) -> m.RetrieveReply:
-        _check_hashes(request.chunk_hashes)
         with self.registry.lease(request.instance_id) as reg:
             per_chunk = self._check_blocks(reg, request.chunk_hashes, request.block_ids)
             keys = self._keys(reg, request.chunk_hashes)
@@ -158,12 +150,22 @@ class CacheHandlers:
         return per_chunk
 
     def lookup(self, request: m.LookupRequest, _client: bytes) -> m.LookupReply:
-        _check_hashes(request.chunk_hashes)
         if request.world_size < 1:
             raise ProtocolError(f"world_size must be >= 1, got {request.world_size}")
-        hits = self.engine.lookup(request.model_name, request.world_size, request.chunk_hashes,
-                                  request.lookup_id, request.lock)
+        if self.engine.has_tiers:
+            hits = self.engine.lookup_tiers(request.model_name, request.world_size,
+                                            request.chunk_hashes, request.lookup_id, request.lock,
+                                            timeout_s=self.tier_budget_s)
+        else:
+            hits = self.engine.lookup(request.model_name, request.world_size, request.chunk_hashes,
+                                      request.lookup_id, request.lock)
         return m.LookupReply(hit_chunks=hits)
+
+    @property
+    def tier_budget_s(self) -> float:
+        """How long a lookup may spend on disk and Redis: 80 % of the lookup timeout, so the
+        reply still reaches a client that waits ``timeouts.lookup_ms``."""
+        return self.config.timeouts.lookup_ms / 1000 * 0.8
 
     def free_lookup_locks(self, request: m.LookupIdRequest, _client: bytes) -> m.ReleasedReply:
         return m.ReleasedReply(released=self.engine.free_lookup_locks(request.lookup_id))

@@ -1,4 +1,6 @@
-"""Storage: the L1 memory pool (lower tiers such as disk and Redis will live here too)."""
+"""Storage: the L1 memory pool (``pool``), and the optional lower tiers: ``disk`` (L2, chunk files)
+and ``remote`` (L3, Redis/Valkey), which share the self-checking ``record`` format. The tiers are
+imported by name where configured, so a memory-only server never imports redis."""
 
 from lmcache_core.storage.pool import MemoryPool
 

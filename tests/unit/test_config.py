@@ -67,3 +67,37 @@ def test_sizes_and_names():
         parse_size("-1")
     assert "server.url" in leaf_keys() and "timeouts.lock_ttl_s" in leaf_keys()
     assert env_name("timeouts.lookup_ms") == "LMCACHE_TIMEOUTS_LOOKUP_MS"
+
+
+def test_tiers_are_off_by_default_and_optional(tmp_path):
+    default = load_config(None, environ={})
+    assert default.disk is None and default.remote is None
+    path = tmp_path / "tiers.yaml"
+    path.write_text("disk:\n  path: /tmp/lmc\n  max_size: 2GiB\n  write_through: true\n"
+                    "remote:\n  url: valkey://cache:6379\n  timeout_ms: 300\n")
+    config = load_config(path, environ={})
+    assert config.disk is not None and config.disk.max_bytes == 2 * 2**30 and config.disk.write_through
+    assert config.remote is not None and config.remote.url == "valkey://cache:6379"
+    env = {"LMCACHE_REMOTE_URL": "redis+cluster://a:7000", "LMCACHE_DISK_PATH": "/d"}
+    config = load_config(None, environ=env)
+    assert config.remote is not None and config.remote.url == "redis+cluster://a:7000"
+    assert config.disk is not None and config.disk.path == "/d"
+    assert {"disk.path", "remote.url", "remote.timeout_ms"} <= set(leaf_keys())
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ("disk:\n  max_size: 1GiB\n", "disk.path: missing required key"),
+    ("disk:\n  path: /x\n  max_size: lots\n", "disk.max_size: not a size"),
+    ("disk:\n  path: /x\n  max_size: 0\n", "disk.max_size: must be positive"),
+    ("disk:\n  path: /x\n  sise: 1\n", "disk.sise: unknown key"),
+    ("remote:\n  url: http://x\n", "remote.url: scheme 'http'"),
+    ("remote:\n  url: redis://x\n  key_prefix: 'a:b'\n", "remote.key_prefix: must be"),
+    ("remote:\n  url: redis://x\n  timeout_ms: 0\n", "remote.timeout_ms: Expected `int` >= 1"),
+    ("remote:\n  url: redis://x\n  timeout_ms: 3000\n", "remote.timeout_ms: 3000 ms must be shorter"),
+])
+def test_bad_tier_settings_name_the_key(tmp_path, text, needle):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={})
+    assert str(info.value).startswith(str(path)) and needle in str(info.value)

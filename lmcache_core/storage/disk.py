@@ -1,0 +1,434 @@
+"""The L2 disk tier: one self-checking file per chunk in one directory, capped, LRU-deleted.
+
+Files are written behind, never on a request's path: a writer thread takes chunk keys from a
+bounded queue (every store when ``write_through``; a full queue drops the write and counts it) and,
+in any mode, keeps the coldest part of the memory pool saved ahead of eviction (``spill``), so that
+when memory evicts a chunk its bytes are already here and eviction never waits on a disk write. The
+writer pins the memory entry while it copies (``source``), so the bytes cannot change under it.
+
+A file is written to a temp name in the same directory and renamed over its final name, so a reader
+never sees half a file; each holds a ``record`` (header with key, size and blake3 checksum, then the
+payload). At start the directory is re-indexed from the headers (size checked against the header;
+leftover temp files deleted). The payload checksum is checked on every read, into the destination
+slot, before the chunk is committed: a truncated or corrupted file is deleted, counted
+(``disk_corrupt``), logged, and reported as a miss, never served.
+
+The index is an in-memory LRU (``contains`` is a dict lookup, safe to call under the engine's lock);
+file I/O and unlinks happen outside this tier's own lock, which only guards dict work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from blake3 import blake3
+
+from lmcache_core.errors import ConfigError
+from lmcache_core.keys import ChunkKey
+from lmcache_core.storage import record
+
+logger = logging.getLogger(__name__)
+
+SUFFIX = ".lmkv"
+TMP_PREFIX = ".tmp-"
+_HEAD_READ = 4096  # one read covers any header (44 bytes + hash + model name)
+_MAX_LOGGED_AT_START = 10
+
+#: Gives the writer a chunk's bytes while it stays pinned in memory (None: no longer resident).
+Source = Callable[[ChunkKey], AbstractContextManager[memoryview | None]]
+#: The memory chunks nearest eviction that are not on disk yet (at most ``limit``).
+ColdKeys = Callable[[int], list[ChunkKey]]
+
+
+class _File:
+    __slots__ = ("header_len", "name", "nbytes", "size")
+
+    def __init__(self, name: str, header_len: int, nbytes: int, size: int) -> None:
+        self.name = name
+        self.header_len = header_len
+        self.nbytes = nbytes
+        self.size = size
+
+
+@dataclass(slots=True)
+class DiskCounters:
+    """What the disk tier reports in ``ServerStats`` (names as there)."""
+
+    disk_loaded_chunks: int = 0
+    disk_written_chunks: int = 0
+    disk_write_dropped: int = 0
+    disk_evicted_unsaved: int = 0
+    disk_corrupt: int = 0
+    disk_deleted: int = 0
+    disk_errors: int = 0
+
+
+def file_name(key: ChunkKey) -> str:
+    """``<hash hex>.<world>.<rank>.<model tag>.lmkv``: readable, and unique per key."""
+    model_tag = blake3(key.model_name.encode()).hexdigest(6)
+    return f"{key.chunk_hash.hex()}.{key.world_size}.{key.kv_rank}.{model_tag}{SUFFIX}"
+
+
+class DiskTier:
+    """Chunk files under ``path``, at most ``max_bytes`` of them (file sizes), LRU-deleted."""
+
+    name = "disk"
+
+    def __init__(self, path: str | os.PathLike[str], max_bytes: int, write_through: bool = False,
+                 queue_size: int = 1024) -> None:
+        if max_bytes <= 0:
+            raise ConfigError(f"disk.max_size must be positive, got {max_bytes}")
+        self.path = Path(path)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"disk.path: cannot create {self.path}: {exc.strerror}") from None
+        if not os.access(self.path, os.W_OK | os.X_OK):
+            raise ConfigError(f"disk.path: {self.path} is not writable")
+        self.max_bytes = max_bytes
+        self.write_through = write_through
+        self.n = DiskCounters()
+        self._mutex = threading.Lock()
+        self._index: OrderedDict[ChunkKey, _File] = OrderedDict()  # front = least recently used
+        self._bytes = 0  # file bytes indexed plus bytes reserved by writes in progress
+        self._queue: queue.Queue[ChunkKey] = queue.Queue(maxsize=queue_size)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._source: Source | None = None
+        self._cold: ColdKeys | None = None
+        self._failing = False  # a write error was logged; log the next only after a success
+        self.reindex()
+
+    # ------------------------------------------------------------------ index
+
+    def reindex(self) -> int:
+        """(Re)build the index from the directory's headers; returns how many chunks it holds."""
+        found: list[tuple[float, ChunkKey, _File]] = []
+        bad = 0
+        for dirent in os.scandir(self.path):
+            name = dirent.name
+            if name.startswith(TMP_PREFIX):
+                _unlink(self.path / name)  # a write that never got renamed: a crash mid-write
+                continue
+            if not name.endswith(SUFFIX) or not dirent.is_file(follow_symlinks=False):
+                continue
+            try:
+                stat = dirent.stat(follow_symlinks=False)
+                key, meta = self._read_meta(name, stat.st_size)
+            except record.RecordError as exc:
+                bad += 1
+                self.n.disk_corrupt += 1
+                if bad <= _MAX_LOGGED_AT_START:
+                    logger.warning("disk tier: dropping %s: %s", self.path / name, exc)
+                _unlink(self.path / name)
+                continue
+            except OSError:
+                continue  # vanished meanwhile
+            found.append((stat.st_mtime, key, meta))
+        if bad > _MAX_LOGGED_AT_START:
+            logger.warning("disk tier: dropped %d bad files in %s in all", bad, self.path)
+        found.sort(key=lambda item: item[0])
+        with self._mutex:
+            self._index = OrderedDict((key, meta) for _, key, meta in found)
+            self._bytes = sum(meta.size for _, _, meta in found)
+            victims = self._over_cap(0)
+        self._delete(victims)
+        if found:
+            logger.info("disk tier: %d chunks (%.1f MiB) indexed in %s", len(self._index),
+                        self._bytes / 2**20, self.path)
+        return len(self._index)
+
+    def _read_meta(self, name: str, size: int) -> tuple[ChunkKey, _File]:
+        with open(self.path / name, "rb") as f:
+            head = f.read(_HEAD_READ)
+        header = record.parse_header(head)
+        if size != header.length + header.nbytes:
+            raise record.RecordError(
+                f"file is {size} bytes, its header says {header.length + header.nbytes} (truncated?)")
+        if file_name(header.key) != name:
+            raise record.RecordError(f"file name does not match the key it holds ({header.key.short()})")
+        return header.key, _File(name, header.length, header.nbytes, size)
+
+    def contains(self, key: ChunkKey) -> bool:
+        """Whether a file for ``key`` is indexed (a dict lookup: no I/O, no lock)."""
+        return key in self._index
+
+    def nbytes_of(self, key: ChunkKey) -> int | None:
+        """The payload size of ``key``'s file, or None when there is none."""
+        meta = self._index.get(key)
+        return None if meta is None else meta.nbytes
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    @property
+    def bytes_used(self) -> int:
+        return self._bytes
+
+    def lru_keys(self) -> list[ChunkKey]:
+        """The indexed keys, least recently used first."""
+        with self._mutex:
+            return list(self._index)
+
+    # ------------------------------------------------------------------ read
+
+    def read_into(self, key: ChunkKey, out: memoryview) -> int:
+        """Load ``key``'s payload into ``out``; its byte count, or 0 for a miss.
+
+        A missing file is a quiet miss; a bad one is dropped (deleted, counted, logged). ``out`` may
+        hold garbage after a failed read: the caller only commits a slot whose read returned > 0.
+        """
+        with self._mutex:
+            meta = self._index.get(key)
+            if meta is None:
+                return 0
+            self._index.move_to_end(key)
+        if meta.nbytes > out.nbytes:
+            return 0
+        path = self.path / meta.name
+        try:
+            with open(path, "rb", buffering=0) as f:
+                head = f.read(meta.header_len)
+                header = record.parse_header(head)
+                payload = out[:header.nbytes]
+                if header.nbytes != meta.nbytes:
+                    raise record.RecordError("the header changed since the file was indexed")
+                got = _read_fully(f, payload)
+                if got != header.nbytes:
+                    raise record.RecordError(
+                        f"payload is {got} bytes, the header says {header.nbytes} (truncated)")
+                if f.read(1):
+                    raise record.RecordError("file is longer than its header says")
+                record.verify(header, payload, key)
+        except FileNotFoundError:
+            self._forget(key, meta)
+            return 0
+        except record.RecordError as exc:
+            self._drop_bad(key, meta, str(exc))
+            return 0
+        except OSError as exc:
+            self._io_error(f"cannot read {path}", exc)
+            return 0
+        with contextlib.suppress(OSError):
+            os.utime(path)  # so a restart's re-index keeps the LRU order
+        self.n.disk_loaded_chunks += 1
+        return meta.nbytes
+
+    def _forget(self, key: ChunkKey, meta: _File) -> bool:
+        with self._mutex:
+            if self._index.get(key) is not meta:
+                return False
+            del self._index[key]
+            self._bytes -= meta.size
+            return True
+
+    def _drop_bad(self, key: ChunkKey, meta: _File, why: str) -> None:
+        if self._forget(key, meta):
+            _unlink(self.path / meta.name)
+            self.n.disk_corrupt += 1
+            logger.warning("disk tier: dropped %s (%s): %s", self.path / meta.name, key.short(), why)
+
+    # ------------------------------------------------------------------ write
+
+    def write(self, key: ChunkKey, payload: memoryview) -> bool:
+        """Write ``key``'s file now (temp file, then an atomic rename); True once it is indexed."""
+        if key in self._index:
+            return True
+        nbytes = payload.nbytes
+        header = record.encode_header(key, payload)
+        size = len(header) + nbytes
+        if size > self.max_bytes:
+            return False
+        with self._mutex:
+            victims = self._over_cap(size)
+            self._bytes += size  # reserved, so concurrent writers respect the cap too
+        self._delete(victims)
+        name = file_name(key)
+        tmp = self.path / f"{TMP_PREFIX}{uuid.uuid4().hex}{SUFFIX}"
+        try:
+            with open(tmp, "wb", buffering=0) as f:
+                _write_fully(f, memoryview(header))
+                _write_fully(f, payload)
+            os.replace(tmp, self.path / name)
+        except OSError as exc:
+            with self._mutex:
+                self._bytes -= size
+            _unlink(tmp)
+            self._io_error(f"cannot write {self.path / name}", exc)
+            return False
+        with self._mutex:
+            old = self._index.pop(key, None)
+            if old is not None:
+                self._bytes -= old.size
+            self._index[key] = _File(name, len(header), nbytes, size)
+        self.n.disk_written_chunks += 1
+        if self._failing:
+            self._failing = False
+            logger.info("disk tier: writing to %s again", self.path)
+        return True
+
+    def _over_cap(self, incoming: int) -> list[_File]:
+        """Pop LRU files until ``incoming`` more bytes fit (under the lock); the caller unlinks."""
+        victims: list[_File] = []
+        index = self._index
+        while index and self._bytes + incoming > self.max_bytes:
+            _, meta = index.popitem(last=False)
+            self._bytes -= meta.size
+            victims.append(meta)
+        return victims
+
+    def _delete(self, victims: Iterable[_File]) -> None:
+        for meta in victims:
+            _unlink(self.path / meta.name)
+            self.n.disk_deleted += 1
+
+    def _io_error(self, what: str, exc: OSError) -> None:
+        self.n.disk_errors += 1
+        if not self._failing:
+            self._failing = True
+            logger.warning("disk tier: %s: %s (further errors are only counted until it works)",
+                           what, exc.strerror or exc)
+
+    def remove(self, key: ChunkKey) -> bool:
+        """Delete ``key``'s file if there is one."""
+        meta = self._index.get(key)
+        if meta is None or not self._forget(key, meta):
+            return False
+        _unlink(self.path / meta.name)
+        return True
+
+    # ------------------------------------------------------------------ writer thread
+
+    def bind(self, source: Source, cold: ColdKeys | None = None) -> None:
+        """Where the writer takes bytes from (the engine's pinned view) and what is near eviction."""
+        self._source = source
+        self._cold = cold
+
+    def submit(self, keys: Iterable[ChunkKey]) -> int:
+        """Queue keys to be written behind; a full queue drops (and counts) the rest. Never blocks."""
+        dropped = 0
+        put = self._queue.put_nowait
+        for key in keys:
+            if key in self._index:
+                continue
+            try:
+                put(key)
+            except queue.Full:
+                dropped += 1
+        if dropped:
+            self.n.disk_write_dropped += dropped
+        return dropped
+
+    def notify(self) -> None:
+        """Memory filled up a bit: let the writer save what is nearest eviction."""
+        self._wake.set()
+
+    def count_evicted_unsaved(self) -> None:
+        self.n.disk_evicted_unsaved += 1
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="lmcache-disk-writer", daemon=True)
+        self._thread.start()
+
+    def stop(self, drain_timeout_s: float = 10.0) -> None:
+        """Write what is queued (for at most ``drain_timeout_s``), then end the writer."""
+        thread = self._thread
+        if thread is None:
+            return
+        deadline = time.monotonic() + drain_timeout_s
+        while not self._queue.empty() and time.monotonic() < deadline and thread.is_alive():
+            time.sleep(0.01)
+        self._stop.set()
+        self._wake.set()
+        thread.join(max(0.0, deadline - time.monotonic()) + 1.0)
+        self._thread = None
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until the queue is written (tests, shutdown); True if it emptied in time."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._queue.unfinished_tasks == 0:
+                return True
+            time.sleep(0.005)
+        return False
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                key = self._queue.get(timeout=0.25)
+            except queue.Empty:
+                key = None
+            try:
+                if key is not None:
+                    self._write_from_source(key)
+                if self._wake.is_set() or key is None:
+                    self._wake.clear()
+                    self._spill()
+            except Exception:  # the writer must outlive any one bad chunk
+                logger.exception("disk tier: writer failed on a chunk")
+            finally:
+                if key is not None:
+                    self._queue.task_done()
+
+    def _spill(self) -> None:
+        if self._cold is None:
+            return
+        for key in self._cold(64):
+            if self._stop.is_set():
+                return
+            self._write_from_source(key)
+
+    def _write_from_source(self, key: ChunkKey) -> None:
+        if key in self._index or self._source is None:
+            return
+        with self._source(key) as payload:
+            if payload is not None:
+                self.write(key, payload)
+
+    def stats(self) -> dict[str, int]:
+        out = asdict(self.n)
+        out.update(disk_chunks=len(self._index), disk_bytes=self._bytes)
+        return out
+
+
+def _read_fully(f: object, out: memoryview) -> int:
+    readinto = f.readinto  # type: ignore[attr-defined]
+    got = 0
+    while got < out.nbytes:
+        n = readinto(out[got:])
+        if not n:
+            break
+        got += n
+    return got
+
+
+def _write_fully(f: object, data: memoryview) -> None:
+    write = f.write  # type: ignore[attr-defined]
+    done = 0
+    while done < data.nbytes:
+        done += write(data[done:])
+
+
+def _unlink(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+
+
+def iter_files(path: Path) -> Iterator[Path]:
+    """The chunk files under ``path`` (for tools and tests)."""
+    return (p for p in sorted(path.iterdir()) if p.name.endswith(SUFFIX))

@@ -1,0 +1,443 @@
+"""The L3 remote tier: chunks in Redis or Valkey (one node or a cluster), shared by every server.
+
+Keys carry the format version, the model, world size, rank and chunk hash in hex::
+
+    <prefix>:v1:<model>:<world_size>:<kv_rank>:<hash hex>
+
+so servers on different machines that use the same Redis find each other's chunks. Values are
+``record``s (header with the key, size and a blake3 checksum, then the bytes): a bad value is
+counted, logged, deleted and never served.
+
+* **Writes** go behind, never on a store's path: ``submit`` puts keys on a bounded queue (a full
+  queue drops the write and counts it, ``remote_write_dropped``); a writer thread pins each chunk in
+  memory only while it builds the value, then pipelines SETs.
+* **Lookups** run on this tier's own two threads so the caller can wait at most its budget
+  (``Future.result(timeout)``): ``lengths`` asks for every wanted key in one pipelined round trip
+  (STRLEN: presence and size at once), ``fetch_into`` GETs the values of the prefix in pipelined
+  batches, verifies them and copies them into the caller's slots.
+* **Faults:** every client call has socket timeouts (``timeout_ms``) and one immediate retry on a
+  connection error (a connection that a Redis restart left dead is replaced transparently). The
+  first failure marks the tier down and logs one warning; while down, lookups skip it at once and
+  the writer only probes (PING) every ``retry_interval_s``; the first success logs one line and
+  resumes. Failures are counted (``remote_errors``), outages too (``remote_outages``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any, TypeVar
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.connection import Encoder, PythonRespSerializer
+from redis.exceptions import RedisClusterException, RedisError
+from redis.retry import Retry
+
+from lmcache_core.errors import ConfigError
+from lmcache_core.keys import ChunkKey
+from lmcache_core.storage import record
+from lmcache_core.storage.disk import Source
+from lmcache_core.storage.record import Buffer
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_SCHEMES = {"redis": "redis", "rediss": "rediss", "valkey": "redis", "valkeys": "rediss",
+            "unix": "unix"}
+_FAULTS: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError)
+MAX_BATCH_BYTES = 8 * 2**20  # per pipelined GET/SET batch: big pipelines of big values are slower
+MAX_BATCH_KEYS = 64
+_PACK_CUTOFF = 6000  # redis-py's default: larger arguments go out as separate buffers
+
+
+def parse_url(url: str) -> tuple[str, bool]:
+    """``(redis-py url, cluster)`` from a redis://, rediss://, valkey://, valkeys://, unix:// url;
+    ``redis+cluster://`` (or ``valkey+cluster://``...) names a cluster."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        raise ConfigError(f"remote.url: {url!r} is not a url (try redis://host:6379)")
+    base, plus, flavour = scheme.lower().partition("+")
+    if base not in _SCHEMES or (plus and flavour != "cluster") or (plus and base == "unix"):
+        raise ConfigError(
+            f"remote.url: scheme {scheme!r} is not one of redis://, rediss://, valkey://, valkeys://, "
+            "unix:// (add +cluster, e.g. redis+cluster://, for a cluster)")
+    return f"{_SCHEMES[base]}://{rest}", bool(plus)
+
+
+@dataclass(slots=True)
+class RemoteCounters:
+    """What the remote tier reports in ``ServerStats`` (names as there)."""
+
+    remote_loaded_chunks: int = 0
+    remote_written_chunks: int = 0
+    remote_write_dropped: int = 0
+    remote_write_failed: int = 0
+    remote_corrupt: int = 0
+    remote_errors: int = 0
+    remote_outages: int = 0
+    remote_lookup_timeouts: int = 0
+
+
+class RemoteTier:
+    """A Redis/Valkey client with a write-behind queue and an outage breaker."""
+
+    name = "remote"
+
+    def __init__(self, url: str, queue_size: int = 256, timeout_ms: int = 500,
+                 key_prefix: str = "lmcache", ttl_s: int | None = None, cluster: bool = False,
+                 retry_interval_s: float = 1.0, client_options: dict[str, Any] | None = None) -> None:
+        self.url, url_cluster = parse_url(url)
+        self.display_url = _without_password(url)
+        self.cluster = cluster or url_cluster
+        self.timeout_s = timeout_ms / 1000
+        self.key_prefix = f"{key_prefix}:v{record.FORMAT_VERSION}:"
+        self.ttl_s = ttl_s
+        self.retry_interval_s = retry_interval_s
+        self._client_options = dict(client_options or {})
+        self.n = RemoteCounters()
+        self._client: Any = None
+        self._closed = False
+        self._client_lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        self._down = False
+        self._down_since = 0.0
+        self._failures_in_outage = 0
+        self._queue: queue.Queue[ChunkKey] = queue.Queue(maxsize=queue_size)
+        self._source: Source | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lookups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lmcache-remote")
+        self._last_corrupt_log = 0.0
+        self._last_refused_log = 0.0
+        self._buffers: list[bytearray] = []  # the writer's reused value buffers (one per batch slot)
+
+    # ------------------------------------------------------------------ client and health
+
+    def redis_key(self, key: ChunkKey) -> bytes:
+        return (f"{self.key_prefix}{key.model_name}:{key.world_size}:{key.kv_rank}:"
+                f"{key.chunk_hash.hex()}").encode()
+
+    def client(self) -> Any:
+        """The redis-py client, made on first use (a cluster client connects when made)."""
+        client = self._client
+        if client is not None:
+            return client
+        with self._client_lock:
+            if self._closed:
+                raise redis.exceptions.ConnectionError("the remote tier is stopped")
+            if self._client is None:
+                options: dict[str, Any] = dict(
+                    socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
+                    retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)))
+                options.update(self._client_options)
+                if self.cluster:
+                    self._client = RedisCluster.from_url(self.url, **options)
+                else:
+                    # redis-py's own packer sends a large value as is; hiredis's copies it first.
+                    options.setdefault("command_packer", PythonRespSerializer(
+                        _PACK_CUTOFF, Encoder("utf-8", "strict", False).encode))
+                    self._client = redis.Redis.from_url(self.url, health_check_interval=0, **options)
+            return self._client
+
+    @property
+    def down(self) -> bool:
+        return self._down
+
+    def _fault(self, what: str, exc: BaseException) -> None:
+        if self._closed:
+            return
+        with self._state_lock:
+            self.n.remote_errors += 1
+            if self._down:
+                self._failures_in_outage += 1
+                return
+            self._down = True
+            self._down_since = time.monotonic()
+            self._failures_in_outage = 1
+            self.n.remote_outages += 1
+        logger.warning("remote tier %s unavailable (%s: %s); serving from memory and disk, "
+                       "retrying every %.1fs", self.display_url, what, _reason(exc),
+                       self.retry_interval_s)
+
+    def _ok(self) -> None:
+        if not self._down:
+            return
+        with self._state_lock:
+            if not self._down:
+                return
+            self._down = False
+            outage = time.monotonic() - self._down_since
+            failures = self._failures_in_outage
+        logger.info("remote tier %s reachable again after %.1fs (%d failed call(s) meanwhile)",
+                    self.display_url, outage, failures)
+
+    def probe(self) -> bool:
+        """PING; marks the tier up or down. True if Redis answered."""
+        try:
+            self.client().ping()
+        except _FAULTS as exc:
+            self._fault("ping", exc)
+            return False
+        self._ok()
+        return True
+
+    # ------------------------------------------------------------------ lookup side
+
+    def run(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """Run ``fn(*args)`` on this tier's lookup threads (so a caller can bound its wait)."""
+        return self._lookups.submit(fn, *args)
+
+    def lengths(self, keys: Sequence[ChunkKey], deadline: float) -> list[int] | None:
+        """Record length of each key in Redis (0: absent), in one pipelined round trip.
+
+        None when the tier is down, the deadline passed before it started, or the call failed.
+        """
+        if self._down or time.monotonic() >= deadline or not keys:
+            return None
+        try:
+            pipe = self.client().pipeline(transaction=False)
+            for key in keys:
+                pipe.strlen(self.redis_key(key))
+            found = pipe.execute()
+        except _FAULTS as exc:
+            self._fault("lookup", exc)
+            return None
+        self._ok()
+        return [int(n) for n in found]
+
+    def fetch_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview],
+                   deadline: float) -> list[int]:
+        """GET each key's record into its ``outs`` slot, verified; bytes loaded per key (0: none).
+
+        Pipelined in batches of at most ``MAX_BATCH_BYTES``; stops early (zeros for the rest) once
+        the deadline has passed or the tier went down.
+        """
+        loaded = [0] * len(keys)
+        start = 0
+        while start < len(keys):
+            if self._down or time.monotonic() >= deadline:
+                break
+            end, size = start, 0
+            while end < len(keys) and (end == start or size + outs[end].nbytes <= MAX_BATCH_BYTES):
+                size += outs[end].nbytes
+                end += 1
+            rkeys = [self.redis_key(k) for k in keys[start:end]]
+            try:
+                pipe = self.client().pipeline(transaction=False)
+                for rkey in rkeys:
+                    pipe.get(rkey)
+                values = pipe.execute(raise_on_error=False)
+            except _FAULTS as exc:
+                self._fault("fetch", exc)
+                break
+            self._ok()
+            for i, value in enumerate(values, start):
+                if isinstance(value, bytes | bytearray):
+                    loaded[i] = self._decode(keys[i], rkeys[i - start], value, outs[i])
+            start = end
+        self.n.remote_loaded_chunks += sum(1 for n in loaded if n)
+        return loaded
+
+    def _decode(self, key: ChunkKey, rkey: bytes, value: bytes | bytearray, out: memoryview) -> int:
+        try:
+            return record.decode_into(value, key, out)
+        except record.RecordError as exc:
+            self.n.remote_corrupt += 1
+            now = time.monotonic()
+            if now - self._last_corrupt_log > 10.0:
+                self._last_corrupt_log = now
+                logger.warning("remote tier: dropped bad value %s: %s", rkey.decode(errors="replace"),
+                               exc)
+            with contextlib.suppress(*_FAULTS):
+                self.client().delete(rkey)
+            return 0
+
+    def count_lookup_timeout(self) -> None:
+        self.n.remote_lookup_timeouts += 1
+
+    # ------------------------------------------------------------------ write side
+
+    def bind(self, source: Source) -> None:
+        """Where the writer takes a chunk's bytes from (the engine's pinned view)."""
+        self._source = source
+
+    def submit(self, keys: Iterable[ChunkKey]) -> int:
+        """Queue keys to be written behind; a full queue drops (and counts) the rest. Never blocks."""
+        dropped = 0
+        put = self._queue.put_nowait
+        for key in keys:
+            try:
+                put(key)
+            except queue.Full:
+                dropped += 1
+        if dropped:
+            self.n.remote_write_dropped += dropped
+        return dropped
+
+    def put(self, key: ChunkKey, payload: memoryview) -> bool:
+        """Write one chunk now (tools and tests); True if Redis took it."""
+        try:
+            self._set_many([(self.redis_key(key), record.encode(key, payload))])
+        except _FAULTS as exc:
+            self._fault("store", exc)
+            return False
+        return True
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="lmcache-remote-writer", daemon=True)
+        self._thread.start()
+
+    def stop(self, drain_timeout_s: float = 5.0) -> None:
+        """Write what is queued (for at most ``drain_timeout_s`` while Redis is up), then end."""
+        thread = self._thread
+        if thread is not None:
+            deadline = time.monotonic() + drain_timeout_s
+            while (self._queue.unfinished_tasks and not self._down and thread.is_alive()
+                   and time.monotonic() < deadline):
+                time.sleep(0.01)
+            self._stop.set()
+            thread.join(max(0.0, deadline - time.monotonic()) + 2 * self.timeout_s + 1.0)
+            self._thread = None
+        self._lookups.shutdown(wait=False)
+        with self._client_lock:
+            self._closed = True
+            client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(*_FAULTS):
+                client.close()
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every queued write is done (tests); True if the queue emptied in time."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._queue.unfinished_tasks == 0:
+                return True
+            time.sleep(0.005)
+        return False
+
+    def _run(self) -> None:
+        if self.probe():  # an unreachable Redis is reported at start, not at the first request
+            logger.info("remote tier: %s, keys %s...", self.display_url, self.key_prefix)
+        while not self._stop.is_set():
+            if self._down:
+                if self._stop.wait(self.retry_interval_s):
+                    return
+                self.probe()
+                continue
+            try:
+                key = self._queue.get(timeout=0.25)
+            except queue.Empty:
+                continue
+            batch = [key]
+            while len(batch) < MAX_BATCH_KEYS:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                self._write_batch(batch)
+            except Exception:  # the writer must outlive any one bad batch
+                logger.exception("remote tier: writer failed on a batch")
+            finally:
+                for _ in batch:
+                    self._queue.task_done()
+
+    def _write_batch(self, batch: list[ChunkKey]) -> None:
+        """SET the batch's chunks still in memory, ``MAX_BATCH_BYTES`` of values at a time."""
+        if self._source is None:
+            return
+        values: list[tuple[bytes, Buffer]] = []
+        size = 0
+        for i, key in enumerate(batch):
+            with self._source(key) as payload:
+                if payload is None:  # evicted before its turn: nothing to write
+                    continue
+                value = self._encode(key, payload, len(values))
+            values.append((self.redis_key(key), value))
+            size += len(value)
+            if size >= MAX_BATCH_BYTES or i == len(batch) - 1:
+                if not self._flush_values(values, batch[i + 1:]):
+                    return
+                values, size = [], 0
+        if values:
+            self._flush_values(values, [])
+
+    def _encode(self, key: ChunkKey, payload: memoryview, index: int) -> Buffer:
+        """The record, in the writer's reused buffer ``index`` when the packer sends buffers as
+        they are (no fresh pages per chunk, no second copy); a bytes object otherwise."""
+        if self.cluster:
+            return record.encode(key, payload)
+        while len(self._buffers) <= index:
+            self._buffers.append(bytearray())
+        size = record.encode_into(key, payload, self._buffers[index])
+        return memoryview(self._buffers[index])[:size]
+
+    def _flush_values(self, values: list[tuple[bytes, Buffer]], rest: list[ChunkKey]) -> bool:
+        try:
+            results = self._set_many(values)
+        except _FAULTS as exc:
+            self._fault("store", exc)
+            # Redis is away: retry these (by key) once it is back, as far as the queue has room.
+            redo = [self._key_of(rkey) for rkey, _ in values] + rest
+            self.submit(k for k in redo if k is not None)
+            return False
+        self._ok()
+        failed = sum(1 for r in results if isinstance(r, Exception))
+        if failed:
+            self.n.remote_write_failed += failed
+            now = time.monotonic()
+            if now - self._last_refused_log > 10.0:  # e.g. Redis is full (maxmemory, noeviction)
+                self._last_refused_log = now
+                logger.warning("remote tier: Redis refused %d write(s): %s", failed,
+                               next(r for r in results if isinstance(r, Exception)))
+        self.n.remote_written_chunks += len(results) - failed
+        return True
+
+    def _set_many(self, values: list[tuple[bytes, Buffer]]) -> list[Any]:
+        pipe = self.client().pipeline(transaction=False)
+        for rkey, value in values:
+            pipe.set(rkey, value, ex=self.ttl_s)
+        results: list[Any] = pipe.execute(raise_on_error=False)
+        for r in results:  # a connection fault inside the pipeline: raise it as one
+            if isinstance(r, redis.exceptions.ConnectionError | redis.exceptions.TimeoutError):
+                raise r
+        return results
+
+    def _key_of(self, rkey: bytes) -> ChunkKey | None:
+        text = rkey.decode()[len(self.key_prefix):]
+        try:
+            rest, hexhash = text.rsplit(":", 1)
+            rest, rank = rest.rsplit(":", 1)
+            model, world = rest.rsplit(":", 1)
+            return ChunkKey(model, int(world), int(rank), bytes.fromhex(hexhash))
+        except ValueError:
+            return None
+
+    def stats(self) -> dict[str, int]:
+        out = asdict(self.n)
+        out.update(remote_queued=self._queue.qsize(), remote_down=int(self._down))
+        return out
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _without_password(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, host = rest.rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    return f"{scheme}{sep}{userinfo.split(':', 1)[0]}:***@{host}"

@@ -1,0 +1,443 @@
+"""Lower tiers against a real ``redis-server``: in-process engines first, then ``lmcache serve`` pairs.
+
+The Redis fixture starts Debian's ``redis-server`` on 127.0.0.1, a free port, a temp dir, no
+persistence; it fails (never skips) when the binary is missing and ``CI`` is set.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+
+from lmcache_core.engine import CacheEngine
+from lmcache_core.keys import ChunkKey, chain_hashes
+from lmcache_core.protocol import RequestType
+from lmcache_core.protocol import messages as m
+from lmcache_core.storage import MemoryPool, record
+from lmcache_core.storage.disk import DiskTier, file_name
+from lmcache_core.storage.remote import RemoteTier
+from lmcache_core.transport.client import MessageQueueClient
+from tests.integration.servers import ServerProcess, WorkerProcess
+
+pytestmark = pytest.mark.redis
+
+SLOT = 4096
+NBYTES = 4000
+CHUNK = 64  # tokens: 4 blocks of 16 in the servers' tiny model
+LOOKUP_MS = 1000
+
+
+# ---------------------------------------------------------------- a real redis-server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisServer:
+    """One ``redis-server`` child; ``stop``/``start`` restart it on the same port (data lost)."""
+
+    def __init__(self, binary: str, workdir: Path, cluster: bool = False) -> None:
+        self.binary = binary
+        self.workdir = workdir
+        self.cluster = cluster
+        self.port = _free_port()
+        self.url = f"redis{'+cluster' if cluster else ''}://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> RedisServer:
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "no", "--dir", str(self.workdir), "--protected-mode", "no"]
+        if self.cluster:  # a one-node cluster holding every slot
+            args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.exceptions.ConnectionError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("redis-server did not start") from None
+                time.sleep(0.02)
+        if self.cluster:
+            client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+            while b"cluster_state:ok" not in client.execute_command("CLUSTER", "INFO"):
+                assert time.monotonic() < deadline, "the cluster never became ok"
+                time.sleep(0.02)
+        client.close()
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, socket_timeout=2)
+
+
+def _redis_binary() -> str:
+    binary = shutil.which("redis-server") or ("/usr/bin/redis-server"
+                                              if os.path.exists("/usr/bin/redis-server") else None)
+    if binary is None:
+        message = "redis-server is not installed (scripts/setup --dev installs it)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return binary
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(_redis_binary(), tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_up(redis_server: RedisServer) -> RedisServer:
+    """The module's Redis, running and empty."""
+    if redis_server.proc is None or redis_server.proc.poll() is not None:
+        redis_server.start()
+    with redis_server.client() as c:
+        c.flushall()
+    return redis_server
+
+
+# ---------------------------------------------------------------- in-process engines
+
+
+def key(i: int, rank: int = 0, world: int = 1) -> ChunkKey:
+    return ChunkKey("m", world, rank, bytes([i, 0x5A]) * 16)
+
+
+def pattern(i: int) -> torch.Tensor:
+    return (torch.arange(NBYTES, dtype=torch.int64) * (i + 3) % 251).to(torch.uint8)
+
+
+def engine(remote: RemoteTier | None = None, disk: DiskTier | None = None,
+           slots: int = 16) -> CacheEngine:
+    return CacheEngine(MemoryPool(SLOT, slots, pin=False), chunk_size=16, disk=disk, remote=remote)
+
+
+def store(e: CacheEngine, keys: list[ChunkKey]) -> None:
+    plan = e.begin_store(keys, NBYTES)
+    for _, k, view in plan.writes:
+        view.copy_(pattern(k.chunk_hash[0]))
+    e.finish_store(plan)
+
+
+def retrieve_ok(e: CacheEngine, keys: list[ChunkKey], lookup_id: str) -> bool:
+    plan = e.begin_retrieve(keys, lookup_id)
+    try:
+        return not plan.missing and all(torch.equal(view, pattern(k.chunk_hash[0]))
+                                        for _, k, view in plan.found)
+    finally:
+        e.finish_retrieve(plan)
+
+
+def tier(url: str, **kw: object) -> RemoteTier:
+    kw.setdefault("timeout_ms", 200)
+    kw.setdefault("retry_interval_s", 0.1)
+    return RemoteTier(url, **kw)  # type: ignore[arg-type]
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.01)
+
+
+def test_two_engines_share_chunks_through_redis(redis_up: RedisServer) -> None:
+    a_tier, b_tier = tier(redis_up.url), tier(redis_up.url.replace("redis://", "valkey://"))
+    a, b = engine(a_tier), engine(b_tier)
+    a_tier.start()
+    try:
+        keys = [key(i) for i in range(4)]
+        store(a, keys)
+        assert a_tier.flush(5) and a.stats()["remote_written_chunks"] == 4
+        with redis_up.client() as c:
+            rkey = f"lmcache:v{record.FORMAT_VERSION}:m:1:0:{keys[0].chunk_hash.hex()}".encode()
+            assert c.exists(rkey) and c.strlen(rkey) == record.header_bytes(keys[0]) + NBYTES
+        hashes = [k.chunk_hash for k in keys] + [key(9).chunk_hash]
+        assert b.lookup("m", 1, hashes, "q") == 0
+        assert b.lookup_tiers("m", 1, hashes, "q", timeout_s=2) == 4
+        assert set(b.locks_of("q")) == set(keys)  # resident and locked when the reply goes out
+        assert retrieve_ok(b, keys, "q")
+        stats = b.stats()
+        assert stats["remote_loaded_chunks"] == 4 and stats["remote_errors"] == 0
+        assert stats["lookup_hit_chunks"] == 4
+    finally:
+        a_tier.stop()
+        b_tier.stop()
+
+
+def test_cluster_url(tmp_path: Path) -> None:
+    cluster = RedisServer(_redis_binary(), tmp_path, cluster=True).start()
+    a_tier, b_tier = tier(cluster.url), tier(cluster.url.replace("redis+", "valkey+"))
+    try:
+        a, b = engine(a_tier), engine(b_tier)
+        a_tier.start()
+        keys = [key(i) for i in range(3)]
+        store(a, keys)
+        assert a_tier.flush(5) and a.stats()["remote_written_chunks"] == 3
+        assert b.lookup_tiers("m", 1, [k.chunk_hash for k in keys], "c", timeout_s=2) == 3
+        assert retrieve_ok(b, keys, "c") and b.stats()["remote_errors"] == 0
+    finally:
+        a_tier.stop()
+        b_tier.stop()
+        cluster.stop()
+
+
+def test_bad_values_are_never_served(redis_up: RedisServer) -> None:
+    t = tier(redis_up.url)
+    e = engine(t)
+    keys = [key(i) for i in range(3)]
+    good = [record.encode(k, memoryview(pattern(k.chunk_hash[0]).numpy())) for k in keys]
+    flipped = bytearray(good[1])
+    flipped[-7] ^= 0x10
+    with redis_up.client() as c:
+        c.set(t.redis_key(keys[0]), good[0])
+        c.set(t.redis_key(keys[1]), bytes(flipped))
+        c.set(t.redis_key(keys[2]), good[1])  # an intact record, but of another key
+    try:
+        assert e.lookup_tiers("m", 1, [k.chunk_hash for k in keys], "q", timeout_s=2) == 1
+        assert not e.is_resident(keys[1]) and not e.is_resident(keys[2])
+        assert e.stats()["remote_corrupt"] == 2
+        with redis_up.client() as c:
+            assert not c.exists(t.redis_key(keys[1]))  # deleted so nobody fetches it again
+    finally:
+        t.stop()
+
+
+def test_full_queue_drops_writes_without_blocking(redis_up: RedisServer) -> None:
+    t = tier(redis_up.url, queue_size=2)  # writer not started: the queue only fills
+    e = engine(t)
+    start = time.perf_counter()
+    store(e, [key(i) for i in range(5)])
+    assert time.perf_counter() - start < 0.5
+    assert e.stats()["remote_write_dropped"] == 3 and e.stats()["remote_queued"] == 2
+    t.start()
+    try:
+        assert t.flush(5) and e.stats()["remote_written_chunks"] == 2
+    finally:
+        t.stop()
+
+
+def test_redis_down_then_back(redis_up: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="lmcache_core.storage.remote")
+    t = tier(redis_up.url)
+    e = engine(t)
+    t.start()
+    try:
+        store(e, [key(0)])
+        assert t.flush(5)
+        redis_up.stop()
+        hashes = [key(0).chunk_hash, key(1).chunk_hash]
+        for i in range(20):  # memory keeps serving; every lookup answers within its budget
+            start = time.monotonic()
+            assert e.lookup_tiers("m", 1, hashes, f"d{i}", timeout_s=0.5) == 1
+            assert time.monotonic() - start < 0.6
+        store(e, [key(2)])  # queued while down
+        wait_for(lambda: e.stats()["remote_down"] == 1)
+        warnings = [r for r in caplog.records if "unavailable" in r.getMessage()]
+        assert len(warnings) == 1  # once per outage, not per request
+        assert e.stats()["remote_outages"] == 1 and e.stats()["remote_errors"] >= 1
+
+        redis_up.start()  # same port, empty
+        wait_for(lambda: e.stats()["remote_down"] == 0)
+        assert any("reachable again" in r.getMessage() for r in caplog.records)
+        wait_for(lambda: e.stats()["remote_written_chunks"] >= 2)  # the queued write went out
+        other = engine(tier(redis_up.url))
+        assert other.lookup_tiers("m", 1, [key(2).chunk_hash], "o", timeout_s=2) == 1
+    finally:
+        t.stop()
+
+
+def test_hung_redis_costs_a_lookup_at_most_its_budget(redis_up: RedisServer) -> None:
+    t = tier(redis_up.url, timeout_ms=2000)  # sockets would wait longer than the lookup may
+    e = engine(t)
+    assert redis_up.proc is not None
+    t.probe()  # connected before the freeze
+    os.kill(redis_up.proc.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        assert e.lookup_tiers("m", 1, [key(5).chunk_hash], "h", timeout_s=0.3) == 0
+        assert time.monotonic() - start < 0.5
+        assert e.stats()["remote_lookup_timeouts"] == 1
+        start = time.monotonic()
+        assert e.lookup("m", 1, [key(5).chunk_hash], "h") == 0  # the memory path never waits
+        assert time.monotonic() - start < 0.05
+    finally:
+        os.kill(redis_up.proc.pid, signal.SIGCONT)
+        t.stop()
+
+
+def test_disk_first_then_redis_in_one_prefix(redis_up: RedisServer, tmp_path: Path) -> None:
+    t = tier(redis_up.url)
+    disk = DiskTier(tmp_path, 1 << 20)
+    e = engine(t, disk)
+    keys = [key(i) for i in range(4)]
+    disk.write(keys[0], memoryview(pattern(0).numpy()))
+    disk.write(keys[1], memoryview(pattern(1).numpy()))
+    for k in keys[2:]:
+        assert t.put(k, memoryview(pattern(k.chunk_hash[0]).numpy()))
+    try:
+        assert e.lookup_tiers("m", 1, [k.chunk_hash for k in keys], "p", timeout_s=2) == 4
+        assert retrieve_ok(e, keys, "p")
+        stats = e.stats()
+        assert stats["disk_loaded_chunks"] == 2 and stats["remote_loaded_chunks"] == 2
+    finally:
+        t.stop()
+
+
+# ---------------------------------------------------------------- lmcache serve processes
+
+
+def tokens(n_chunks: int, seed: int) -> list[int]:
+    return [(seed * 7919 + i) % 50000 for i in range(n_chunks * CHUNK)]
+
+
+def blocks(first_chunk: int, n_chunks: int) -> list[int]:
+    return list(range(first_chunk * 4, (first_chunk + n_chunks) * 4))
+
+
+def lookup(client: MessageQueueClient, toks: list[int], lookup_id: str = "q",
+           lock: bool = False) -> int:
+    reply = client.call(RequestType.LOOKUP, m.LookupRequest(
+        model_name="tiny", world_size=1, lookup_id=lookup_id, chunk_hashes=chain_hashes(toks, CHUNK),
+        lock=lock), m.LookupReply)
+    return reply.hit_chunks
+
+
+def stats(client: MessageQueueClient) -> m.ServerStats:
+    return client.call(RequestType.SERVER_INFO, m.NoArgs(), m.ServerInfoReply).stats
+
+
+def _in_parallel(*jobs: Callable[[], object]) -> list[object]:
+    results: list[object] = [None] * len(jobs)
+    errors: list[BaseException] = []
+
+    def run(i: int, job: Callable[[], object]) -> None:
+        try:
+            results[i] = job()
+        except BaseException as exc:  # re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i, job)) for i, job in enumerate(jobs)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_two_servers_share_redis_and_disk_survives_restart(redis_up: RedisServer,
+                                                            tmp_path: Path) -> None:
+    remote = {"url": redis_up.url, "timeout_ms": 200, "retry_interval_s": 0.2}
+    disk_dir = tmp_path / "disk"
+    a_cfg = {"remote": remote, "disk": {"path": str(disk_dir), "max_size": "64MiB",
+                                        "write_through": True}}
+    srv_a = ServerProcess(tmp_path, a_cfg, name="a")
+    srv_b = ServerProcess(tmp_path, {"remote": remote}, name="b")
+    _in_parallel(srv_a.start, srv_b.start)
+    workers: list[WorkerProcess] = []
+    try:
+        wa, wb = _in_parallel(lambda: WorkerProcess(srv_a.url), lambda: WorkerProcess(srv_b.url))
+        workers += [wa, wb]  # type: ignore[list-item]
+        assert isinstance(wa, WorkerProcess) and isinstance(wb, WorkerProcess)
+        with MessageQueueClient(srv_a.url) as ca, MessageQueueClient(srv_b.url) as cb:
+            # A chunk stored through server A is a hit and retrieves byte-exact through server B.
+            toks = tokens(4, seed=1)
+            wa("fill", blocks=blocks(0, 4), seed=7)
+            want = wa("digest", blocks=blocks(0, 4))["digest"]
+            assert wa("store", req="s", keys=toks, blocks=blocks(0, 4))["finished"]
+            wait_for(lambda: stats(ca).remote_written_chunks == 4 and stats(ca).disk_chunks == 4)
+            assert lookup(cb, toks, "r", lock=True) == 4
+            wb("zero", blocks=blocks(0, 4))
+            result = wb("retrieve", req="r", keys=toks, blocks=blocks(0, 4))
+            assert result["finished"] and not result["failed"]
+            assert wb("digest", blocks=blocks(0, 4))["digest"] == want
+            assert stats(cb).remote_loaded_chunks == 4
+
+            # A hung Redis: a lookup waits (bounded) on a worker thread; pings are not delayed.
+            assert redis_up.proc is not None
+            os.kill(redis_up.proc.pid, signal.SIGSTOP)
+            try:
+                start = time.monotonic()
+                pending = cb.submit_request(RequestType.LOOKUP, [m.LookupRequest(
+                    model_name="tiny", world_size=1, lookup_id="hung", lock=False,
+                    chunk_hashes=chain_hashes(tokens(1, seed=9), CHUNK))], timeout_s=5)
+                cb.call(RequestType.PING, m.PingRequest(), m.PingReply)
+                ping_s = time.monotonic() - start
+                assert cb.wait(pending, 5)
+                lookup_s = time.monotonic() - start
+                assert pending.result(0).hit_chunks == 0
+            finally:
+                os.kill(redis_up.proc.pid, signal.SIGCONT)
+            assert ping_s < 0.15 and ping_s < lookup_s < LOOKUP_MS / 1000
+            wait_for(lambda: not stats(cb).remote_down)
+
+            # Redis restarts during the run: lookups answer within their timeout meanwhile.
+            redis_up.stop()
+            fresh = tokens(2, seed=2)
+            for client in (ca, cb):
+                start = time.monotonic()
+                assert lookup(client, fresh) == 0
+                assert lookup(client, toks) == 4  # memory still serves
+                assert time.monotonic() - start < 2 * LOOKUP_MS / 1000
+            assert stats(cb).remote_errors >= 1
+            redis_up.start()
+            wa("fill", blocks=blocks(4, 2), seed=8)
+            want2 = wa("digest", blocks=blocks(4, 2))["digest"]
+            assert wa("store", req="s2", keys=fresh, blocks=blocks(4, 2))["finished"]
+            wait_for(lambda: stats(ca).remote_written_chunks == 6)  # it reconnected by itself
+            wait_for(lambda: not stats(cb).remote_down)  # B's writer probes every 0.2 s
+            assert lookup(cb, fresh, "r2", lock=True) == 2
+            assert wb("retrieve", req="r2", keys=fresh, blocks=blocks(4, 2))["finished"]
+            assert wb("digest", blocks=blocks(4, 2))["digest"] == want2
+            assert srv_a.log().count("unavailable") == 1  # one warning for A's one outage
+
+        # Disk tier across a restart of server A (Redis lost the first prefix when it restarted),
+        # with one of its files corrupted meanwhile: the prefix stops there, nothing bad is served.
+        wa.close()
+        assert srv_a.stop() == 0
+        bad = disk_dir / file_name(ChunkKey("tiny", 1, 0, chain_hashes(toks, CHUNK)[2]))
+        data = bytearray(bad.read_bytes())
+        data[-1] ^= 0xFF
+        bad.write_bytes(bytes(data))
+        srv_a.start()
+        wc = WorkerProcess(srv_a.url)
+        workers.append(wc)
+        with MessageQueueClient(srv_a.url) as ca:
+            assert lookup(ca, toks, "after", lock=True) == 2
+            assert wc("retrieve", req="after", keys=toks[:2 * CHUNK], blocks=blocks(0, 2))["finished"]
+            wa_first_two = wc("digest", blocks=blocks(0, 2))["digest"]
+            s = stats(ca)
+            assert s.disk_loaded_chunks == 3 and s.disk_corrupt == 1 and not bad.exists()
+        wc("fill", blocks=blocks(0, 4), seed=7)  # the same bytes A stored at first
+        assert wc("digest", blocks=blocks(0, 2))["digest"] == wa_first_two
+    finally:
+        for worker in workers:
+            worker.close()
+        srv_a.kill()
+        srv_b.kill()
