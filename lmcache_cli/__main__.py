@@ -2,4 +2,5 @@
 
 from lmcache_cli.main import run
 
-run()
+if __name__ == "__main__":  # guarded: store-bench's spawned workers import this module as __mp_main__
+    run()

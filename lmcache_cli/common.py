@@ -1,21 +1,27 @@
 """What every command shares: the -c/--config and --url options, config loading, user errors.
 
 User errors (bad config, unreachable server, bad input file) print one line on stderr and exit with
-a code; they never show a traceback. Nothing here imports torch.
+a code: 2 for bad usage (flags, config, input files), 1 for a failure at run time (server unreachable,
+an error reply, a failed check). They never show a traceback. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
 
 from lmcache_core.config import URL_ENV, LMCacheConfig, load_config
-from lmcache_core.errors import ConfigError
+from lmcache_core.errors import ConfigError, LMCacheError
+
+if TYPE_CHECKING:
+    from lmcache_core.protocol.messages import PingReply
+    from lmcache_core.transport.client import MessageQueueClient
 
 console = Console()
 err_console = Console(stderr=True)
@@ -25,15 +31,35 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 ConfigOption = Annotated[Path | None, typer.Option(
     "--config", "-c", help="YAML config file (see configs/).", show_default=False)]
 UrlOption = Annotated[str | None, typer.Option(
-    "--url", envvar=URL_ENV, help="Server url, e.g. tcp://127.0.0.1:5555 or ipc:///run/lmcache.sock.",
-    show_default=False)]
-JsonOption = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
+    "--url", envvar=URL_ENV, help="Server url, e.g. tcp://127.0.0.1:5555 or ipc:///run/lmcache.sock "
+    f"(default: the config's server.url; env {URL_ENV}).", show_default=False)]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
+
+
+def error_line(message: str) -> None:
+    """One line on stderr, prefixed ``error:`` (the message is printed as is, never as markup)."""
+    from rich.text import Text
+
+    lines = str(message).strip().splitlines()
+    err_console.print(Text.assemble(("error: ", "bold red"), lines[0] if lines else "unknown error"),
+                      soft_wrap=True)
 
 
 def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:
-    """Print one line on stderr and exit."""
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    """Print one line on stderr and exit with ``code``."""
+    error_line(message)
     raise typer.Exit(code)
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn lmcache's own errors into one line and an exit code (ConfigError 2, the rest 1)."""
+    try:
+        yield
+    except ConfigError as exc:
+        fail(str(exc), EXIT_USAGE)
+    except LMCacheError as exc:
+        fail(str(exc), EXIT_FAILURE)
 
 
 def config_from(path: Path | None, overrides: Mapping[str, Any] | None = None) -> LMCacheConfig:
@@ -44,13 +70,59 @@ def config_from(path: Path | None, overrides: Mapping[str, Any] | None = None) -
         fail(str(exc), EXIT_USAGE)
 
 
+@contextmanager
+def connect(cfg: LMCacheConfig, timeout_s: float | None = None
+            ) -> Iterator[tuple[MessageQueueClient, PingReply]]:
+    """A client of the config's server and its first ping's reply; exit 1 naming the url if no
+    server answers within the connect timeout. Errors inside the block exit as ``user_errors``."""
+    from lmcache_core.transport.client import MessageQueueClient
+
+    wait_s = timeout_s if timeout_s is not None else cfg.timeouts.connect_s
+    with user_errors(), MessageQueueClient(
+            cfg.server.url, connect_timeout_s=wait_s, request_timeout_s=cfg.timeouts.request_s,
+            name="lmcache-cli") as client:
+        yield client, client.wait_until_reachable(wait_s)
+
+
 def print_json(data: Any) -> None:
-    """JSON on stdout (bytes as hex), for scripts."""
+    """JSON on stdout, one line, for scripts; bytes (chunk hashes) as hex strings."""
     import msgspec
 
-    def enc_hook(obj: Any) -> Any:
-        if isinstance(obj, bytes):
-            return obj.hex()
-        raise NotImplementedError(type(obj))
+    sys.stdout.write(msgspec.json.encode(_hex_bytes(data)).decode() + "\n")
+    sys.stdout.flush()
 
-    sys.stdout.write(msgspec.json.encode(data, enc_hook=enc_hook).decode() + "\n")
+
+def _hex_bytes(data: Any) -> Any:
+    import msgspec
+
+    if isinstance(data, bytes | bytearray | memoryview):
+        return bytes(data).hex()
+    if isinstance(data, msgspec.Struct):
+        data = msgspec.structs.asdict(data)
+    if isinstance(data, dict):
+        return {k: _hex_bytes(v) for k, v in data.items()}
+    if isinstance(data, list | tuple):
+        return [_hex_bytes(v) for v in data]
+    return data
+
+
+def human_bytes(nbytes: float) -> str:
+    """``1.5 GiB``, ``64.0 KiB``, ``512 B``."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_age(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``2h10m``, ``4d03h``."""
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"

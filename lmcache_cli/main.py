@@ -1,14 +1,25 @@
-"""The ``lmcache`` command: a thin Typer app; each command lives in its own module."""
+"""The ``lmcache`` command: a thin Typer app; each command lives in its own module.
+
+Exit codes everywhere: 0 ok, 1 a failure at run time (server unreachable, error reply, failed
+verification), 2 bad usage (flags, config, input files). Errors are one line on stderr. Importing
+this module (and running ping, lookup, inspect-chunks) never imports torch.
+"""
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated
 
 import typer
 
+from lmcache_cli import inspect_chunks as inspect_cmd
+from lmcache_cli import lookup as lookup_cmd
 from lmcache_cli import ping as ping_cmd
 from lmcache_cli import serve as serve_cmd
+from lmcache_cli import store_bench as bench_cmd
+from lmcache_cli.common import EXIT_FAILURE, EXIT_USAGE, error_line
 from lmcache_core import __version__
+from lmcache_core.errors import ConfigError, LMCacheError
 
 app = typer.Typer(
     name="lmcache",
@@ -16,9 +27,13 @@ app = typer.Typer(
     no_args_is_help=True,
     rich_markup_mode="rich",
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 app.command("serve")(serve_cmd.serve)
 app.command("ping")(ping_cmd.ping)
+app.command("lookup")(lookup_cmd.lookup)
+app.command("inspect-chunks")(inspect_cmd.inspect_chunks)
+app.command("store-bench")(bench_cmd.store_bench)
 
 
 def _version(value: bool) -> None:
@@ -29,11 +44,25 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def main(
-    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+    version: Annotated[bool, typer.Option("--version", "-V", callback=_version, is_eager=True,
                                           help="Print the version and exit.")] = False,
 ) -> None:
-    """KV-cache server and toolkit for LLM serving beside vLLM."""
+    """KV-cache server and toolkit for LLM serving beside vLLM.
+
+    Every command takes [bold]-c/--config[/] FILE (YAML, see configs/) and [bold]--url[/]
+    (or LMCACHE_URL). Exit codes: 0 ok, 1 failure, 2 bad usage.
+
+    Example: [cyan]lmcache serve -c configs/tiny.yaml &  lmcache ping -c configs/tiny.yaml[/]
+    """
 
 
 def run() -> None:
-    app()
+    """Entry point: the app, with lmcache's errors as one line on stderr (never a traceback)."""
+    try:
+        app()
+    except ConfigError as exc:
+        error_line(str(exc))
+        sys.exit(EXIT_USAGE)
+    except LMCacheError as exc:
+        error_line(str(exc))
+        sys.exit(EXIT_FAILURE)

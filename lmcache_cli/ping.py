@@ -25,13 +25,13 @@ def ping(
     url: UrlOption = None,
     count: Annotated[int, typer.Option("--count", "-n", min=1, help="Round trips to time.")] = 1,
     timeout: Annotated[float | None, typer.Option(
-        help="Seconds to wait for each answer (default: the config's connect timeout).",
+        min=0.001, help="Seconds to wait for each answer (default: the config's timeouts.connect_s).",
         show_default=False)] = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Check that a server answers, and how fast.
+    """Check that a server answers, and how fast: exit 0 healthy, 1 unreachable, 2 bad usage.
 
-    Example: lmcache ping --url tcp://127.0.0.1:5555 --count 10
+    Example: [cyan]lmcache ping --url tcp://127.0.0.1:5555 --count 10[/]
     """
     from lmcache_core.errors import LMCacheError
     from lmcache_core.transport.client import MessageQueueClient
@@ -39,18 +39,21 @@ def ping(
     cfg = config_from(config, {"server.url": url})
     wait_s = timeout if timeout is not None else cfg.timeouts.connect_s
     rtts: list[float] = []
-    with MessageQueueClient(cfg.server.url, connect_timeout_s=wait_s,
-                            request_timeout_s=wait_s) as client:
-        try:
+    try:
+        with MessageQueueClient(cfg.server.url, connect_timeout_s=wait_s, request_timeout_s=wait_s,
+                                name="lmcache-ping") as client:
             for _ in range(count):
                 start = time.perf_counter()
                 reply = client.wait_until_reachable(wait_s)
                 rtts.append((time.perf_counter() - start) * 1e3)
-        except LMCacheError as exc:
-            fail(str(exc), EXIT_FAILURE)
-    summary = {"url": cfg.server.url, "version": reply.version, "chunk_size": reply.chunk_size,
-               "uptime_s": round(reply.uptime_s, 3), "pid": reply.pid, "count": count,
-               "rtt_ms_min": round(min(rtts), 3), "rtt_ms_median": round(statistics.median(rtts), 3),
+    except LMCacheError as exc:
+        if as_json:
+            print_json({"ok": False, "url": cfg.server.url, "error": str(exc)})
+        fail(str(exc), EXIT_FAILURE)
+    summary = {"ok": True, "url": cfg.server.url, "version": reply.version,
+               "chunk_size": reply.chunk_size, "uptime_s": round(reply.uptime_s, 3),
+               "pid": reply.pid, "count": count, "rtt_ms_min": round(min(rtts), 3),
+               "rtt_ms_median": round(statistics.median(rtts), 3),
                "rtt_ms_max": round(max(rtts), 3)}
     if as_json:
         print_json(summary)

@@ -4,56 +4,80 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 import threading
-from typing import Annotated
+from enum import Enum
+from typing import Annotated, Any
 
 import typer
 from rich.panel import Panel
 
-from lmcache_cli.common import EXIT_FAILURE, ConfigOption, UrlOption, config_from, console, fail
+from lmcache_cli.common import (
+    EXIT_USAGE,
+    ConfigOption,
+    UrlOption,
+    config_from,
+    console,
+    fail,
+    human_bytes,
+    user_errors,
+)
+from lmcache_cli.config_flags import merge, parse_sets, with_config_flags
+from lmcache_core.errors import ConfigError
 
 
+class LogLevel(str, Enum):
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
+
+
+@with_config_flags
 def serve(
     config: ConfigOption = None,
     url: UrlOption = None,
-    chunk_size: Annotated[int | None, typer.Option(help="Tokens per chunk.",
-                                                   show_default=False)] = None,
-    pool_size: Annotated[str | None, typer.Option(help="Memory pool size, e.g. 4GiB.",
-                                                  show_default=False)] = None,
-    workers: Annotated[int | None, typer.Option(help="Copy threads for store/retrieve.",
-                                                show_default=False)] = None,
+    set_: Annotated[list[str] | None, typer.Option(
+        "--set", metavar="KEY=VALUE",
+        help="Override any config key, e.g. --set timeouts.lock_ttl_s=60 (repeatable).",
+        show_default=False)] = None,
     print_config: Annotated[bool, typer.Option(
         "--print-config", help="Print the merged config as YAML and exit.")] = False,
-    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+    log_level: Annotated[LogLevel, typer.Option(help="Log level.", case_sensitive=False)
+                         ] = LogLevel.info,
+    config_overrides: dict[str, Any] | None = None,
 ) -> None:
-    """Start the KV-cache server (binds 127.0.0.1 by default).
+    """Start the KV-cache server (binds 127.0.0.1 by default); every config key has a flag.
 
-    Example: lmcache serve -c configs/llama8b.yaml
+    Stops cleanly (exit 0) on SIGINT or SIGTERM.
+
+    Example: [cyan]lmcache serve -c configs/llama8b.yaml --pool-size 16GiB[/]
     """
-    cfg = config_from(config, {"server.url": url, "chunk_size": chunk_size,
-                               "server.pool_size": pool_size, "server.workers": workers})
+    try:
+        sets = parse_sets(set_ or [])
+    except ConfigError as exc:
+        fail(str(exc), EXIT_USAGE)
+    cfg = config_from(config, merge(sets, config_overrides, {"server.url": url}))
     if print_config:
         import msgspec
         import yaml
 
-        console.print(yaml.safe_dump(msgspec.to_builtins(cfg), sort_keys=False), highlight=False)
+        sys.stdout.write(yaml.safe_dump(msgspec.to_builtins(cfg), sort_keys=False))
+        sys.stdout.flush()
         return
-    _setup_logging(log_level)
+    _setup_logging(log_level.value)
     from lmcache_core import __version__
-    from lmcache_core.errors import LMCacheError
     from lmcache_core.server.app import CacheServer
 
-    try:
+    with user_errors():
         server = CacheServer(cfg)
         bound = server.start()
-    except LMCacheError as exc:
-        fail(str(exc), EXIT_FAILURE)
     slots = server.pool.num_slots
     console.print(Panel.fit(
         f"[bold]lmcache serve[/] {__version__}\n"
         f"url         {bound}\nmodel       {cfg.model.name} (world size {cfg.world_size})\n"
-        f"chunk size  {cfg.chunk_size} tokens = {_mib(cfg.chunk_bytes)}\n"
-        f"pool        {_mib(server.pool.nbytes)} = {slots} chunks, {cfg.server.eviction} eviction",
+        f"chunk size  {cfg.chunk_size} tokens = {human_bytes(cfg.chunk_bytes)}\n"
+        f"pool        {human_bytes(server.pool.nbytes)} = {slots} chunks, {cfg.server.eviction} eviction",
         title="ready", border_style="green"), highlight=False)
     _run_until_signal(server)
 
@@ -78,6 +102,3 @@ def _setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(name)s: %(message)s", datefmt="%H:%M:%S",
                         handlers=[RichHandler(console=console, show_path=False)])
 
-
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"

@@ -1,0 +1,426 @@
+"""The ``lmcache`` commands against a real ``lmcache serve``: outputs, exit codes, error lines.
+
+Most runs are subprocesses (``python -m lmcache_cli``), so exit codes, stderr and the no-torch rule
+are checked as a user sees them; input errors that need no server use Typer's CliRunner in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from lmcache_cli import store_bench
+from lmcache_cli.config_flags import config_flags
+from lmcache_cli.main import app
+from lmcache_core import __version__
+from lmcache_core.config import leaf_keys
+from tests.integration.servers import TINY, ServerProcess
+
+ROOT = Path(__file__).resolve().parents[2]
+CHUNK = TINY["chunk_size"]
+runner = CliRunner()
+
+
+class Result:
+    def __init__(self, proc: subprocess.CompletedProcess[str]) -> None:
+        self.code = proc.returncode
+        self.out = proc.stdout
+        self.err = proc.stderr
+
+    def json(self) -> Any:
+        return json.loads(self.out)
+
+    def one_error_line(self) -> str:
+        lines = [line for line in self.err.splitlines() if line.strip()]
+        assert "Traceback" not in self.err, self.err
+        assert len(lines) == 1 and lines[0].startswith("error: "), self.err
+        return lines[0]
+
+
+def cli(*args: str, env: dict[str, str] | None = None, stdin: str | None = None,
+        importtime: bool = False, timeout: float = 60) -> Result:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
+    cmd = [sys.executable, *(["-X", "importtime"] if importtime else []), "-m", "lmcache_cli", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, input=stdin,
+                          cwd=ROOT, env={**base, "COLUMNS": "200", **(env or {})})
+    return Result(proc)
+
+
+def assert_no_torch(result: Result) -> None:
+    modules = {line.split("|")[-1].strip() for line in result.err.splitlines()
+               if line.startswith("import time:")}
+    assert modules, "run with importtime=True"
+    assert "torch" not in modules and "numpy" not in modules, sorted(modules)
+
+
+@pytest.fixture(scope="module")
+def workdir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="lmcli", dir="/tmp"))  # short: ipc paths max 107 bytes
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def server(workdir: Path) -> Iterator[ServerProcess]:
+    srv = ServerProcess(workdir, name="cli").start()
+    yield srv
+    srv.kill()
+
+
+@pytest.fixture(scope="module")
+def cfg(server: ServerProcess) -> str:
+    return str(server.config_path)
+
+
+@pytest.fixture(scope="module")
+def bench(server: ServerProcess, cfg: str, workdir: Path) -> dict[str, Any]:
+    """One small CPU store-bench run (its JSON report), and the prompts it stored."""
+    tokens = workdir / "stored.json"
+    result = cli("store-bench", "-c", cfg, "--gpus", "cpu", "--chunks", "4", "--rounds", "2",
+                 "--warmup", "1", "--lookups", "3", "--tokens-out", str(tokens), "--json")
+    assert result.code == 0, result.err
+    return {"report": result.json(), "tokens": tokens, "err": result.err}
+
+
+# ---------------------------------------------------------------------- everywhere
+
+
+def test_version_and_every_help_has_an_example() -> None:
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output.strip() == f"lmcache {__version__}"
+    for command in ("serve", "ping", "lookup", "inspect-chunks", "store-bench"):
+        result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200"})
+        assert result.exit_code == 0, result.output
+        assert "Example: lmcache " + command in result.output, result.output
+        assert "--config" in result.output and "--url" in result.output
+
+
+def test_shell_completion_is_offered() -> None:
+    result = runner.invoke(app, ["--help"], env={"COLUMNS": "200"})
+    assert "--install-completion" in result.output and "--show-completion" in result.output
+
+
+def test_unknown_flag_is_a_usage_error() -> None:
+    assert runner.invoke(app, ["ping", "--nope"]).exit_code == 2
+    assert runner.invoke(app, ["ping", "--count", "0"]).exit_code == 2
+
+
+@pytest.mark.parametrize("command", [["ping"], ["lookup", "--tokens", "-"], ["inspect-chunks"],
+                                     ["store-bench", "--gpus", "cpu"], ["serve"]])
+def test_bad_config_is_one_line_and_exit_2(command: list[str], workdir: Path) -> None:
+    bad = workdir / "bad.yaml"
+    bad.write_text("model:\n  num_layerz: 2\n")
+    result = cli(*command, "-c", str(bad), stdin="[1, 2]")
+    assert result.code == 2
+    assert "model.num_layerz: unknown key" in result.one_error_line()
+
+
+@pytest.mark.parametrize("command", [["ping"], ["lookup", "--tokens", "-"], ["inspect-chunks"],
+                                     ["store-bench", "--gpus", "cpu"]])
+def test_unreachable_server_is_one_line_and_exit_1(command: list[str], workdir: Path) -> None:
+    url = f"ipc://{workdir}/nobody.sock"
+    result = cli(*command, "--url", url, env={"LMCACHE_TIMEOUTS_CONNECT_S": "0.3"},
+                 stdin="[1, 2]")
+    assert result.code == 1
+    assert f"no lmcache server answered at {url}" in result.one_error_line()
+
+
+# ---------------------------------------------------------------------- ping
+
+
+def test_ping_json_count_and_no_torch(server: ServerProcess, cfg: str) -> None:
+    result = cli("ping", "-c", cfg, "--count", "3", "--json", importtime=True)
+    assert result.code == 0, result.err
+    assert_no_torch(result)
+    data = json.loads(result.out)
+    assert data["ok"] is True and data["count"] == 3 and data["chunk_size"] == CHUNK
+    assert 0 < data["rtt_ms_min"] <= data["rtt_ms_median"] <= data["rtt_ms_max"]
+
+
+def test_ping_table_and_url_from_environment(server: ServerProcess) -> None:
+    result = cli("ping", env={"LMCACHE_URL": server.url})
+    assert result.code == 0 and result.out.startswith(f"ok {server.url}: rtt"), result.err
+
+
+def test_ping_unreachable_json_says_why(workdir: Path) -> None:
+    result = cli("ping", "--url", f"ipc://{workdir}/nobody.sock", "--timeout", "0.3", "--json")
+    assert result.code == 1
+    data = json.loads(result.out)
+    assert data["ok"] is False and "no lmcache server answered" in data["error"]
+
+
+# ---------------------------------------------------------------------- lookup
+
+
+@pytest.mark.parametrize(("content", "expected"), [
+    (None, "no such file"),
+    ("[1, 2", "not valid JSON (line 1, column 6)"),
+    ("[1, -1]", "prompt, position 1: -1 is not a token id"),
+    ("[[1], [2, 4294967296]]", "prompt 1, position 1: 4294967296 is not a token id"),
+    ("[1, 2.5]", "position 1: 2.5 is not a token id"),
+    ('[1, "7"]', 'position 1: "7" is not a token id'),
+    ("[true]", "position 0: true is not a token id"),
+    ('{"tokens": [1]}', "expected a list of token ids, a list of such lists, or"),
+    ('{"prompts": []}', '"prompts" is empty'),
+    ('"hello"', "got a string"),
+])
+def test_lookup_bad_tokens_file_is_one_line_and_exit_2(content: str | None, expected: str,
+                                                       tmp_path: Path) -> None:
+    path = tmp_path / "tokens.json"
+    if content is not None:
+        path.write_text(content)
+    result = runner.invoke(app, ["lookup", "--tokens", str(path), "--url", "ipc:///nonexistent"])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: {path}: "), result.stderr
+    assert expected in lines[0]
+
+
+def test_lookup_misses_json_and_no_torch(server: ServerProcess, cfg: str) -> None:
+    prompts = {"prompts": [list(range(7, 7 + 3 * CHUNK + 5)), [1, 2, 3]]}
+    result = cli("lookup", "-c", cfg, "--tokens", "-", "--json", stdin=json.dumps(prompts),
+                 importtime=True)
+    assert result.code == 0, result.err
+    assert_no_torch(result)
+    data = json.loads(result.out)
+    assert data["model"] == TINY["model"]["name"] and data["chunk_size"] == CHUNK
+    first, second = data["prompts"]
+    assert (first["tokens"], first["full_chunks"], first["hit_chunks"]) == (3 * CHUNK + 5, 3, 0)
+    assert first["lookup_ms"] > 0
+    assert (second["full_chunks"], second["hit_chunks"], second["lookup_ms"]) == (0, 0, None)
+
+
+def test_lookup_finds_what_store_bench_stored_and_leaves_no_locks(
+        bench: dict[str, Any], cfg: str) -> None:
+    stored = json.loads(bench["tokens"].read_text())["prompts"]
+    assert len(stored) == 3 and all(len(p) == 4 * CHUNK for p in stored)  # warm-up + 2 rounds
+    result = cli("lookup", "-c", cfg, "--tokens", str(bench["tokens"]), "--json")
+    assert result.code == 0, result.err
+    rows = result.json()["prompts"]
+    assert [(r["full_chunks"], r["hit_chunks"], r["hit_tokens"]) for r in rows] == [
+        (4, 4, 4 * CHUNK)] * 3
+    table = cli("lookup", "-c", cfg, "--tokens", str(bench["tokens"]))
+    assert table.code == 0 and "hit chunks" in table.out and "100%" in table.out
+    other = cli("lookup", "-c", cfg, "--tokens", str(bench["tokens"]), "--model", "other",
+                "--json")
+    assert [r["hit_chunks"] for r in other.json()["prompts"]] == [0, 0, 0]
+    wider = cli("lookup", "-c", cfg, "--tokens", str(bench["tokens"]), "--world-size", "2",
+                "--json")
+    assert [r["hit_chunks"] for r in wider.json()["prompts"]] == [0, 0, 0]  # rank 1 holds none
+    summary = cli("inspect-chunks", "-c", cfg, "--json").json()["summary"]
+    assert summary["locks_held"] == 0
+
+
+# ---------------------------------------------------------------------- store-bench
+
+
+def test_store_bench_report(bench: dict[str, Any]) -> None:
+    report = bench["report"]
+    assert report["ok"] is True and report["world_size"] == 1 and report["chunks"] == 4
+    assert "no CUDA" not in bench["err"]  # --gpus cpu was asked for: no note
+    (worker,) = report["workers"]
+    chunk_bytes = report["chunk_bytes"]
+    assert chunk_bytes == 2 * 2 * CHUNK * 4 * 32 * 2  # K+V, 2 layers, 4 heads x 32 dim, fp16
+    assert worker["device"] == "cpu" and worker["mismatched_bytes"] == 0
+    assert worker["verified_bytes"] == 3 * 4 * chunk_bytes  # every round, warm-up included
+    for key in ("store_gbps", "retrieve_gbps", "raw_gather_gbps", "raw_scatter_gbps",
+                "store_p50_ms", "store_p99_ms", "retrieve_p50_ms", "lookup_p50_ms",
+                "store_vs_raw", "retrieve_vs_raw"):
+        assert worker[key] > 0, key
+    assert worker["store_p50_ms"] <= worker["store_p99_ms"]
+    assert report["total"]["verified_bytes"] == worker["verified_bytes"]
+
+
+def test_store_bench_table_and_the_cpu_default(server: ServerProcess, cfg: str) -> None:
+    if store_bench._cuda_devices():
+        pytest.skip("CUDA is visible: the default is the GPUs")
+    result = cli("store-bench", "-c", cfg, "--chunks", "2", "--rounds", "1", "--warmup", "0",
+                 "--lookups", "1")
+    assert result.code == 0, result.err
+    assert result.err.strip().splitlines()[0] == (
+        "no CUDA device found: running on CPU (as --gpus cpu)")
+    for text in ("store GB/s", "raw gather GB/s", "store / raw", "retrieve / raw",
+                 "lookup p50 / p99 ms", "ok: every byte matched"):
+        assert text in result.out
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--gpus", "0,x"], "expected GPU indices like 0,1"),
+    (["--gpus", "0,0"], "listed once"),
+    (["--chunks", "100000"], "lower --chunks"),
+    (["--block-size", "3"], "does not divide the server's chunk size"),
+])
+def test_store_bench_bad_usage_exit_2(args: list[str], expected: str, cfg: str) -> None:
+    result = cli("store-bench", "-c", cfg, *args)
+    assert result.code == 2
+    assert expected in result.one_error_line()
+
+
+def test_store_bench_model_larger_than_the_server_slots_exit_2(server: ServerProcess) -> None:
+    result = cli("store-bench", "-c", str(ROOT / "configs/llama8b.yaml"), "--gpus", "cpu",
+                 "--url", server.url)
+    assert result.code == 2
+    assert "holds 65536-byte chunks: use the server's config" in result.one_error_line()
+
+
+def test_store_bench_gpu_missing_exit_2(cfg: str) -> None:
+    if store_bench._cuda_devices():
+        pytest.skip("CUDA is visible")
+    result = cli("store-bench", "-c", cfg, "--gpus", "0")
+    assert result.code == 2 and "GPU 0 is not visible" in result.one_error_line()
+
+
+def test_store_bench_exit_1_when_bytes_differ(monkeypatch: pytest.MonkeyPatch, cfg: str) -> None:
+    """The verdict, without corrupting a real server: the workers' results are faked."""
+    def fake_run(specs: list[Any], show_progress: bool) -> tuple[dict[int, Any], dict[int, str]]:
+        rnd = {name: [0.001, 0.002] for name in ("store", "retrieve", "gather", "scatter")}
+        result = {"rounds": [rnd], "lookup_ops": [0.0002], "lookup_hits_ok": True,
+                  "lookup_hits_min": 2, "verified_bytes": 100, "mismatched_bytes": 3,
+                  "already_present": 0, "problems": ["round 0: 3 of 100 bytes differ"],
+                  "torch_threads": 1}
+        return {0: result}, {}
+
+    monkeypatch.setattr(store_bench, "_run_workers", fake_run)
+    result = runner.invoke(app, ["store-bench", "-c", cfg, "--gpus", "cpu", "--chunks", "2",
+                                 "--json"])
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.stdout)
+    assert report["ok"] is False and report["workers"][0]["mismatched_bytes"] == 3
+
+
+def test_store_bench_parent_needs_no_torch_and_a_worker_error_exits_1(cfg: str) -> None:
+    """The parent (checks, spawning, report) without torch; the workers are faked in-process."""
+    code = (
+        "import sys\n"
+        "from lmcache_cli import store_bench\n"
+        "from lmcache_cli.main import app\n"
+        "store_bench._run_workers = lambda specs, show_progress: ({}, {0: 'boom: it broke'})\n"
+        "try:\n"
+        f"    app(['store-bench', '-c', {cfg!r}, '--gpus', 'cpu', '--chunks', '2'])\n"
+        "except SystemExit as exc:\n"
+        "    print('exit', exc.code, 'torch' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          timeout=60, env={**os.environ, "COLUMNS": "200"})
+    assert proc.stdout.strip().splitlines()[-1] == "exit 1 False", proc.stdout + proc.stderr
+    assert "worker 0: boom: it broke" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------------- inspect-chunks
+
+
+def test_inspect_chunks_json_filters_and_sorts(bench: dict[str, Any], cfg: str) -> None:
+    result = cli("inspect-chunks", "-c", cfg, "--json", importtime=True)
+    assert result.code == 0, result.err
+    assert_no_torch(result)
+    data = result.json()
+    assert data["summary"]["total"] >= 12 and data["summary"]["slots_total"] == 128
+    chunk = data["chunks"][0]
+    assert set(chunk) >= {"chunk_hash", "model_name", "kv_rank", "world_size", "tier", "nbytes",
+                          "locks", "hits", "age_s"}
+    assert len(bytes.fromhex(chunk["chunk_hash"])) == 32
+    assert 0 < data["summary"]["pool_use"] <= 1 and data["summary"]["hit_rate"] is not None
+    by_hits = cli("inspect-chunks", "-c", cfg, "--json", "--sort", "hits", "--limit", "5").json()
+    hits = [c["hits"] for c in by_hits["chunks"]]
+    assert len(hits) == 5 and hits == sorted(hits, reverse=True)
+    none = cli("inspect-chunks", "-c", cfg, "--json", "--model", "no-such-model").json()
+    assert none["chunks"] == [] and none["summary"]["total"] == 0
+
+
+def test_inspect_chunks_table(bench: dict[str, Any], cfg: str) -> None:
+    result = cli("inspect-chunks", "-c", cfg, "--limit", "3", "--sort", "size")
+    assert result.code == 0, result.err
+    for text in ("key", "model", "rank", "tier", "bytes", "locks", "hits", "age",
+                 "3 of ", "chunk(s) shown", "slots", "hit rate"):
+        assert text in result.out
+    assert runner.invoke(app, ["inspect-chunks", "--sort", "weight"]).exit_code == 2
+
+
+# ---------------------------------------------------------------------- serve
+
+
+def test_every_config_key_has_a_serve_flag() -> None:
+    assert {f.key for f in config_flags()} | {"server.url"} == set(leaf_keys())
+
+
+def test_serve_print_config_merges_file_set_and_flags(cfg: str) -> None:
+    result = cli("serve", "-c", cfg, "--print-config", "--set", "server.workers=7",
+                 "--set", "timeouts.lock_ttl_s=9.5", "--workers", "3", "--pool-size", "16MiB",
+                 "--model-use-mla", "--model-dtype", "bfloat16", "--url", "tcp://127.0.0.1:7000",
+                 env={"LMCACHE_TIMEOUTS_LOOKUP_MS": "77"})
+    assert result.code == 0, result.err
+    merged = yaml.safe_load(result.out)
+    assert merged["server"]["workers"] == 3  # the flag beats --set
+    assert merged["server"]["pool_size"] == 16 * 2**20
+    assert merged["server"]["url"] == "tcp://127.0.0.1:7000"
+    assert merged["timeouts"] == {**TINY["timeouts"], "lock_ttl_s": 9.5, "lookup_ms": 77}
+    assert merged["model"]["use_mla"] is True and merged["model"]["dtype"] == "bfloat16"
+    assert merged["model"]["name"] == TINY["model"]["name"]
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--set", "nope=1"], "unknown config key 'nope'"),
+    (["--set", "server.workers"], "expected key=value"),
+    (["--set", "server.workers=many"], "--set server.workers=many: expected an integer"),
+    (["--set", "model.use_mla=perhaps"], "expected true or false"),
+    (["--chunk-size", "0"], "chunk_size: Expected `int` >= 1"),
+    (["--pool-size", "1KiB"], "server.pool_size"),
+])
+def test_serve_bad_overrides_exit_2(args: list[str], expected: str, cfg: str) -> None:
+    result = runner.invoke(app, ["serve", "-c", cfg, "--print-config", *args])
+    assert result.exit_code == 2, result.output
+    assert expected in result.stderr, result.stderr
+
+
+def test_serve_flag_of_the_wrong_type_exit_2(cfg: str) -> None:
+    assert runner.invoke(app, ["serve", "-c", cfg, "--workers", "many"]).exit_code == 2
+    assert runner.invoke(app, ["serve", "-c", cfg, "--model-dtype", "int4"]).exit_code == 2
+
+
+def test_serve_runs_with_flags_and_exits_0_on_sigterm(workdir: Path, cfg: str) -> None:
+    url = f"ipc://{workdir}/flags.sock"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lmcache_cli", "serve", "-c", cfg, "--url", url, "--workers", "1",
+         "--set", "timeouts.lock_ttl_s=5", "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+        env={**os.environ, "COLUMNS": "200"})
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if cli("ping", "--url", url, "--timeout", "0.5").code == 0:
+                break
+            assert proc.poll() is None, proc.communicate()[0]
+        else:
+            pytest.fail("the server did not answer")
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=20)
+        assert proc.returncode == 0, out
+        assert "ready" in out and "Traceback" not in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_serve_cannot_bind_exit_1(cfg: str) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = cli("serve", "-c", cfg, "--url", f"tcp://127.0.0.1:{port}")
+    assert result.code == 1
+    assert "Address already in use" in result.one_error_line()
