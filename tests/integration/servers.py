@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -130,10 +131,8 @@ class WorkerProcess:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            try:
+            with contextlib.suppress(RuntimeError, TimeoutError, OSError):
                 self("quit", timeout_s=10)
-            except (RuntimeError, TimeoutError, BrokenPipeError, OSError):
-                pass
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:

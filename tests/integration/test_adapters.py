@@ -81,7 +81,7 @@ def test_token_mode_prefixes_and_byte_exact_retrieve(ranks, scheduler):
     shared3 = toks[:3 * CHUNK] + tokens(5, seed=99)
     assert wait_lookup(scheduler, "t2", shared3) == 3 * CHUNK
     assert wait_lookup(scheduler, "t3", toks[:CHUNK - 1]) == 0  # shorter than a chunk
-    for r, worker in enumerate(ranks):  # t1's lookup locked all 8 chunks of both ranks
+    for worker in ranks:  # t1's lookup locked all 8 chunks of both ranks
         want = worker("digest", blocks=blocks(0, 8))["digest"]
         worker("zero", blocks=blocks(8, 8))
         result = worker("retrieve", req="t1", keys=toks, blocks=blocks(8, 8))
@@ -165,7 +165,7 @@ def test_constructor_errors(server, tmp_path):
         LMCacheMPSchedulerAdapter(server.url, zmq.Context.instance(), "tiny", 1, 0, 48)
     start = time.monotonic()
     url = f"ipc://{tmp_path}/nobody.sock"
-    with pytest.raises(ServerUnreachableError, match="nobody.sock"):
+    with pytest.raises(ServerUnreachableError, match=r"nobody\.sock"):
         LMCacheMPSchedulerAdapter(url, zmq.Context.instance(), "tiny", 1, 0, BLOCK,
                                   connect_timeout_s=0.5)
     assert time.monotonic() - start < 3

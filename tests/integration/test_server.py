@@ -62,7 +62,7 @@ def test_store_lookup_retrieve_byte_exact(server, client):
         assert worker("store", req="a", keys=toks, blocks=blocks(0, 4))["finished"]
         assert lookup(client, toks) == 4
         assert lookup(client, toks[:3 * CHUNK] + [1] * CHUNK) == 3
-        assert lookup(client, [9] + toks[1:]) == 0
+        assert lookup(client, [9, *toks[1:]]) == 0
         worker("zero", blocks=blocks(8, 4))
         assert lookup(client, toks, lookup_id="a", lock=True) == 4
         result = worker("retrieve", req="a", keys=toks, blocks=blocks(8, 4))
@@ -95,7 +95,7 @@ def test_two_ranks_count_a_chunk_only_when_both_stored(server, client):
         assert lookup(client, toks, world_size=1) == 0  # keys carry the world size
         # each rank gets its own shard back
         assert lookup(client, toks, world_size=2, lookup_id="r", lock=True) == 4
-        for r, worker in enumerate(ranks):
+        for worker in ranks:
             want = worker("digest", blocks=blocks(0, 4))["digest"]
             worker("zero", blocks=blocks(4, 4))
             assert worker("retrieve", req="r", keys=toks, blocks=blocks(4, 4))["finished"]
