@@ -29,6 +29,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -765,30 +766,59 @@ class CacheEngine:
     # The engine's half of lmcache_core.lookup_client: a worker's LMCacheAsyncLookupServer calls
     # these from its thread, for this engine's own rank only.
 
+    _async_prefetch: ThreadPoolExecutor | None = None  # made on the first tiered async lookup
+
     def async_lookup_and_prefetch(self, lookup_id: str, hashes: Sequence[bytes],
                                   offsets: Sequence[int] | None = None, pin: bool = True,
                                   request_configs: dict[str, Any] | None = None, *,
                                   model_name: str = "", world_size: int = 1, worker_id: int = 0,
-                                  on_result: Callable[[str, int], None] | None = None) -> int:
+                                  on_result: Callable[[str, int], None] | None = None) -> int | None:
         """Count rank ``worker_id``'s cached prefix of ``hashes``, pin it when ``pin``, and answer.
 
-        Returns the hit tokens and passes them to ``on_result(lookup_id, num_hit_tokens)`` (the
-        server's ``send_response_to_scheduler``). ``offsets[i]`` is the end in tokens of chunk ``i``
-        (without them a chunk counts ``chunk_size``). Lower-tier hits are queued for prefetch by
-        ``lookup``'s miss hook; ``request_configs`` is accepted for LMCache compatibility.
+        The hit tokens go to ``on_result(lookup_id, num_hit_tokens)`` (the server's
+        ``send_response_to_scheduler``) and are returned. With a disk or Redis tier, the prefix is
+        brought into memory by ``lookup_tiers`` on a prefetch thread, so the caller's thread never
+        waits on tier I/O: then this returns None and ``on_result`` is called from that thread.
+        ``offsets[i]`` is the end in tokens of chunk ``i`` (without them a chunk counts
+        ``chunk_size``); ``request_configs`` is accepted for LMCache compatibility.
         """
         if not 0 <= worker_id < world_size:
             raise ProtocolError(f"worker_id {worker_id} must be in [0, world_size={world_size})")
         if offsets is not None and len(offsets) != len(hashes):
             raise ProtocolError(f"{len(offsets)} offsets for {len(hashes)} chunk hashes")
-        chunks = self.lookup(model_name, world_size, hashes, lookup_id, lock=pin, ranks=(worker_id,))
-        if not chunks:
-            tokens = 0
-        else:
-            tokens = int(offsets[chunks - 1]) if offsets is not None else chunks * self.chunk_size
-        if on_result is not None:
-            on_result(lookup_id, tokens)
-        return tokens
+
+        def answer(chunks: int) -> int:
+            if not chunks:
+                tokens = 0
+            else:
+                tokens = int(offsets[chunks - 1]) if offsets is not None else chunks * self.chunk_size
+            if on_result is not None:
+                on_result(lookup_id, tokens)
+            return tokens
+
+        ranks = (worker_id,)
+        if not self.has_tiers:
+            return answer(self.lookup(model_name, world_size, hashes, lookup_id, lock=pin, ranks=ranks))
+        if on_result is None:  # nobody to call back: wait here
+            return answer(self.lookup_tiers(model_name, world_size, hashes, lookup_id, pin, ranks))
+
+        def prefetch() -> None:
+            try:
+                chunks = self.lookup_tiers(model_name, world_size, hashes, lookup_id, pin, ranks)
+            except Exception:
+                import logging
+
+                logging.getLogger(__name__).exception("async lookup %r failed", lookup_id)
+                self.free_lookup_locks(lookup_id)
+                chunks = 0
+            answer(chunks)
+
+        with self._mutex:
+            if self._async_prefetch is None:
+                self._async_prefetch = ThreadPoolExecutor(4, thread_name_prefix="lmcache-prefetch")
+            executor = self._async_prefetch
+        executor.submit(prefetch)
+        return None
 
     def cleanup_memory_objs(self, lookup_id: str) -> int:
         """Release what ``lookup_id``'s async lookup pinned (it was cancelled or timed out)."""

@@ -1,0 +1,89 @@
+"""ipc:// socket plumbing shared by the lookup client and server: bind, connect, remove.
+
+libzmq silently replaces a socket file that already exists when it binds, so a second process with
+the same engine id would steal the first one's traffic. ``bind_pull`` probes the file first: a live
+listener is an error, a stale file (its process died) is removed. ``unbind`` removes the file only if
+it is still the one this socket created.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from lmcache_core.errors import BindError
+
+RECONNECT_IVL_MS = 50
+#: A connection whose peer never completes the ZMTP greeting is dropped (and redialled) this soon.
+HANDSHAKE_IVL_MS = 1000
+RECONNECT_IVL_MAX_MS = 250  # a restarted peer is found again within a quarter second
+
+
+def bind_pull(context: zmq.Context[Any], path: Path, max_msg_bytes: int,
+              rcvhwm: int) -> tuple[zmq.Socket[Any], int]:
+    """A PULL socket bound at ``path``, and the inode of the file it created."""
+    _clear_stale(path)
+    sock = context.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+    sock.setsockopt(zmq.RCVHWM, rcvhwm)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
+    try:
+        sock.bind(f"ipc://{path}")
+        inode = os.stat(path).st_ino
+    except (zmq.ZMQError, OSError) as exc:
+        sock.close(0)
+        raise BindError(f"cannot bind lookup socket {path}: {exc}") from None
+    return sock, inode
+
+
+def connect_push(context: zmq.Context[Any], path: Path, sndhwm: int) -> zmq.Socket[Any]:
+    """A PUSH socket connected to ``path``; messages queue (up to ``sndhwm``) until a peer binds."""
+    sock = context.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+    sock.setsockopt(zmq.SNDHWM, sndhwm)
+    sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+    sock.connect(f"ipc://{path}")
+    return sock
+
+
+def unbind(sock: zmq.Socket[Any], path: Path, inode: int) -> None:
+    """Remove ``sock``'s socket file (if no one has replaced it since), then close it (linger 0).
+
+    In that order: ZMQ closes the listener asynchronously, and a peer redialling the path in between
+    would otherwise reach the dying listener's backlog and hang in its handshake, even after a new
+    process has bound the path again.
+    """
+    with contextlib.suppress(OSError):
+        if os.stat(path).st_ino == inode:
+            os.unlink(path)
+    sock.close(0)
+
+
+def remove_if_stale(path: Path) -> bool:
+    """Remove ``path`` if no process listens on it (left behind by one that died); True if gone."""
+    if not path.exists():
+        return True
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:  # refused (nobody listens) or not a socket
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return True
+    finally:
+        probe.close()
+    return False
+
+
+def _clear_stale(path: Path) -> None:
+    if not remove_if_stale(path):
+        raise BindError(f"lookup socket {path} is in use by another process "
+                        "(another engine with the same engine_id and runtime_dir?)")

@@ -1,0 +1,301 @@
+"""Async lookup client and servers in one process (threads), with scripted engines; and the engine's
+``async_lookup_and_prefetch`` / ``cleanup_memory_objs``."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import pytest
+
+from lmcache_core.engine import CacheEngine
+from lmcache_core.errors import BindError, ConfigError, ProtocolError
+from lmcache_core.keys import ChunkKey, chain_hashes
+from lmcache_core.lookup_client import (
+    LMCacheAsyncLookupClient,
+    LMCacheAsyncLookupServer,
+    LMCacheEngineConfig,
+    LMCacheMetadata,
+)
+from lmcache_core.storage import MemoryPool
+
+CHUNK = 4
+TOKENS = list(range(CHUNK * 5))
+
+
+class ScriptedEngine:
+    """Answers ``hits`` tokens at once, later (``hold``), or raises; records pins and cleanups."""
+
+    def __init__(self, hits: int, hold: bool = False, fail: bool = False) -> None:
+        self.hits, self.hold, self.fail = hits, hold, fail
+        self.pinned: dict[str, int] = {}
+        self.cleanups: list[str] = []
+        self.held: list[tuple[str, Callable[[str, int], None]]] = []
+        self.seen: list[tuple[str, list[int], dict[str, Any] | None, str, int]] = []
+
+    def async_lookup_and_prefetch(self, lookup_id: str, hashes: Sequence[bytes],
+                                  offsets: Sequence[int] | None = None, pin: bool = True,
+                                  request_configs: dict[str, Any] | None = None, *,
+                                  model_name: str = "", world_size: int = 1, worker_id: int = 0,
+                                  on_result: Callable[[str, int], None] | None = None) -> int | None:
+        assert on_result is not None and offsets is not None
+        self.seen.append((lookup_id, list(offsets), request_configs, model_name, worker_id))
+        if self.fail:
+            raise RuntimeError("engine broke")
+        self.pinned[lookup_id] = self.hits
+        if self.hold:
+            self.held.append((lookup_id, on_result))
+        else:
+            on_result(lookup_id, self.hits)
+        return self.hits
+
+    def cleanup_memory_objs(self, lookup_id: str) -> int:
+        self.cleanups.append(lookup_id)
+        return 1 if self.pinned.pop(lookup_id, None) is not None else 0
+
+
+@pytest.fixture
+def runtime_dir() -> Iterator[str]:
+    import shutil
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="lku", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class Setup:
+    def __init__(self, runtime_dir: str, engines: dict[int, ScriptedEngine], world_size: int,
+                 timeout_ms: int = 5000, **meta: Any) -> None:
+        self.meta = dict(model_name="m", world_size=world_size, engine_id="u", runtime_dir=runtime_dir,
+                         **meta)
+        self.engines = engines
+        self.servers = {w: LMCacheAsyncLookupServer(e, LMCacheMetadata(worker_id=w, **self.meta))
+                        for w, e in engines.items()}
+        self.client = LMCacheAsyncLookupClient(
+            LMCacheEngineConfig(chunk_size=CHUNK, lookup_timeout_ms=timeout_ms),
+            LMCacheMetadata(**self.meta))
+
+    def close(self) -> None:
+        self.client.close()
+        for server in self.servers.values():
+            server.close()
+
+
+@pytest.fixture
+def setup(runtime_dir: str) -> Iterator[Callable[..., Setup]]:
+    made: list[Setup] = []
+
+    def make(engines: dict[int, ScriptedEngine], world_size: int = 2, **kw: Any) -> Setup:
+        made.append(Setup(runtime_dir, engines, world_size, **kw))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+    assert os.listdir(runtime_dir) == []  # every socket file removed
+
+
+def until(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.005)
+
+
+def test_min_over_workers_with_offsets_and_request_configs(setup):
+    s = setup({0: ScriptedEngine(16), 1: ScriptedEngine(8)})
+    s.client.lookup([*TOKENS, 1, 2], "a", request_configs={"lmcache.tag": "x"})
+    assert s.client.wait_for_result("a", 5) == 8
+    assert s.engines[0].seen == [("a", [4, 8, 12, 16, 20], {"lmcache.tag": "x"}, "m", 0)]
+    assert s.engines[1].seen[0][4] == 1
+
+
+def test_mla_asks_worker_zero_only(setup):
+    s = setup({0: ScriptedEngine(12)}, world_size=4, use_mla=True)
+    s.client.lookup(TOKENS, "mla")
+    assert s.client.wait_for_result("mla", 5) == 12
+    with pytest.raises(ConfigError, match="not one of the lookup-server workers"):
+        LMCacheAsyncLookupServer(ScriptedEngine(1), LMCacheMetadata(worker_id=1, **s.meta))
+
+
+def test_an_engine_error_is_answered_with_zero_at_once(setup):
+    s = setup({0: ScriptedEngine(16, fail=True)}, world_size=1)
+    start = time.monotonic()
+    s.client.lookup(TOKENS, "boom")
+    assert s.client.wait_for_result("boom", 5) == 0
+    assert time.monotonic() - start < 2.0  # not the 5 s timeout
+    assert s.servers[0].stats()["engine_errors"] == 1 and s.engines[0].cleanups == ["boom"]
+
+
+def test_answers_from_another_thread_and_the_seed_send_response(setup):
+    s = setup({0: ScriptedEngine(16, hold=True)}, world_size=1)
+    s.client.lookup(TOKENS, "x")
+    until(lambda: len(s.engines[0].held) == 1)
+    lookup_id, on_result = s.engines[0].held.pop()
+    threading.Thread(target=on_result, args=(lookup_id, 12)).start()
+    assert s.client.wait_for_result("x", 5) == 12
+    s.client.lookup(TOKENS, "y")
+    until(lambda: len(s.engines[0].held) == 1)
+    s.servers[0].send_response_to_scheduler("y", 4)  # the seed's API, from this thread
+    assert s.client.wait_for_result("y", 5) == 4
+
+
+def test_timeout_reports_zero_and_a_late_answer_is_cleaned_up(setup):
+    fast, slow = ScriptedEngine(16), ScriptedEngine(16, hold=True)
+    s = setup({0: fast, 1: slow}, timeout_ms=200)
+    s.client.lookup(TOKENS, "t")
+    assert s.client.lookup_cache("t") is None
+    until(lambda: "t" in fast.pinned and len(slow.held) == 1)
+    until(lambda: s.client.lookup_cache("t") is not None, 2.0)
+    assert s.client.lookup_cache("t") == 0  # and stays 0 until cleared
+    until(lambda: fast.cleanups == ["t"])  # what answered in time is released at the timeout
+    _, on_result = slow.held.pop()
+    on_result("t", 16)  # the late answer
+    until(lambda: slow.cleanups == ["t"])
+    assert s.client.stats()["late_answers"] == 1 and s.client.stats()["timeouts"] == 1
+    s.client.clear_lookup_status("t")
+    assert s.client.lookup_cache("t") == -1
+
+
+def test_lookup_cache_applies_the_timeout_itself_without_waiting(setup):
+    s = setup({0: ScriptedEngine(16, hold=True)}, world_size=1, timeout_ms=50)
+    s.client.lookup(TOKENS, "p")
+    time.sleep(0.06)
+    start = time.perf_counter()
+    result = s.client.lookup_cache("p")
+    assert result == 0 and time.perf_counter() - start < 0.05
+
+
+def test_asking_again_replaces_the_attempt_and_its_stale_cleanup_is_ignored(setup):
+    engine = ScriptedEngine(16, hold=True)
+    s = setup({0: engine}, world_size=1)
+    s.client.lookup(TOKENS, "r")
+    until(lambda: len(engine.held) == 1)
+    s.client.lookup(TOKENS, "r")  # a second attempt under the same id
+    until(lambda: len(engine.held) == 2)
+    first, second = engine.held
+    first[1]("r", 16)  # the first attempt's answer: late, so the client sends its cleanup...
+    until(lambda: s.client.stats()["late_answers"] == 1)
+    until(lambda: s.servers[0].stats()["stale_cleanups"] == 1)  # ...which the server ignores
+    assert engine.cleanups == [] and s.client.lookup_cache("r") is None
+    second[1]("r", 8)
+    assert s.client.wait_for_result("r", 5) == 8
+
+
+def test_cancel_after_the_answer_releases_and_clear_does_not(setup):
+    s = setup({0: ScriptedEngine(16), 1: ScriptedEngine(0)})
+    s.client.lookup(TOKENS, "keep")
+    s.client.lookup(TOKENS, "drop")
+    assert s.client.wait_for_result("keep", 5) == 0 and s.client.wait_for_result("drop", 5) == 0
+    s.client.clear_lookup_status("keep")  # used: the retrieve releases the pins
+    s.client.cancel_lookup("drop")  # min is 0, but worker 0 pinned 16 tokens: clean up both
+    until(lambda: s.engines[0].cleanups == ["drop"] and s.engines[1].cleanups == ["drop"])
+    assert "keep" in s.engines[0].pinned
+
+
+def test_prompts_without_a_complete_chunk_answer_at_once(setup):
+    s = setup({0: ScriptedEngine(16)}, world_size=1)
+    s.client.lookup(TOKENS[:CHUNK - 1], "tiny")
+    assert s.client.lookup_cache("tiny") == 0
+    assert s.servers[0].stats()["requests"] == 0
+
+
+def test_a_worker_socket_in_use_is_refused_and_stale_files_are_replaced(setup, runtime_dir):
+    s = setup({0: ScriptedEngine(16)}, world_size=1)
+    with pytest.raises(BindError, match="in use"):
+        LMCacheAsyncLookupServer(ScriptedEngine(1), LMCacheMetadata(worker_id=0, **s.meta))
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # a dead client's answer socket
+    stale.bind(os.path.join(runtime_dir, "u.lookup-sched.999999-0.sock"))
+    stale.close()
+    s.servers[0].close()
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # a dead worker's request socket
+    stale.bind(s.servers[0].socket_path)
+    stale.close()
+    s.servers[0] = LMCacheAsyncLookupServer(s.engines[0], LMCacheMetadata(worker_id=0, **s.meta))
+    client = LMCacheAsyncLookupClient(LMCacheEngineConfig(chunk_size=CHUNK), LMCacheMetadata(**s.meta))
+    try:
+        assert "u.lookup-sched.999999-0.sock" not in os.listdir(runtime_dir)
+        client.lookup(TOKENS, "z")
+        assert client.wait_for_result("z", 5) == 16
+    finally:
+        client.close()
+
+
+def test_two_clients_of_one_engine_each_get_their_own_answers(setup):
+    s = setup({0: ScriptedEngine(16)}, world_size=1)
+    other = LMCacheAsyncLookupClient(LMCacheEngineConfig(chunk_size=CHUNK), LMCacheMetadata(**s.meta))
+    try:
+        assert other.reply_to != s.client.reply_to
+        s.client.lookup(TOKENS, "same-id")
+        other.lookup(TOKENS, "same-id")
+        assert s.client.wait_for_result("same-id", 5) == 16
+        assert other.wait_for_result("same-id", 5) == 16
+    finally:
+        other.close()
+
+
+def _engine_with(hashes: Sequence[bytes], ranks_chunks: dict[int, int]) -> CacheEngine:
+    engine = CacheEngine(MemoryPool(8, 32, pin=False), chunk_size=CHUNK)
+    for rank, n in ranks_chunks.items():
+        plan = engine.begin_store([ChunkKey("m", 2, rank, h) for h in hashes[:n]], 8)
+        engine.finish_store(plan)
+    return engine
+
+
+def test_engine_counts_its_own_rank_pins_and_cleans_up():
+    hashes = chain_hashes(TOKENS, CHUNK)
+    engine = _engine_with(hashes, {0: 2, 1: 4})
+    answers: list[tuple[str, int]] = []
+    offsets = [4, 8, 12, 16, 19]
+    got = engine.async_lookup_and_prefetch("q", hashes, offsets, True, None, model_name="m",
+                                           world_size=2, worker_id=1,
+                                           on_result=lambda i, n: answers.append((i, n)))
+    assert got == 16 and answers == [("q", 16)] and len(engine.locks_of("q")) == 4
+    assert engine.cleanup_memory_objs("q") == 4 and engine.locks_of("q") == []
+    assert engine.async_lookup_and_prefetch("n", hashes, None, False, model_name="m", world_size=2,
+                                            worker_id=0) == 2 * CHUNK
+    assert engine.locks_of("n") == []
+    assert engine.async_lookup_and_prefetch("w", hashes, model_name="other", world_size=2) == 0
+    with pytest.raises(ProtocolError):
+        engine.async_lookup_and_prefetch("e", hashes, [4], model_name="m", world_size=2)
+    with pytest.raises(ProtocolError):
+        engine.async_lookup_and_prefetch("e", hashes, model_name="m", world_size=2, worker_id=2)
+
+
+def test_engine_with_a_disk_tier_loads_the_prefix_off_the_callers_thread(tmp_path):
+    from lmcache_core.storage.disk import DiskTier
+
+    hashes = chain_hashes(TOKENS, CHUNK)
+    disk = DiskTier(tmp_path, 1 << 20, write_through=True)
+    writer = CacheEngine(MemoryPool(64, 8, pin=False), chunk_size=CHUNK, disk=disk)
+    disk.start()
+    try:
+        plan = writer.begin_store([ChunkKey("m", 1, 0, h) for h in hashes[:3]], 64)
+        for i, (_, _, view) in enumerate(plan.writes):
+            view.fill_(i)
+        writer.finish_store(plan)
+        assert disk.flush(5)
+    finally:
+        disk.stop()
+    engine = CacheEngine(MemoryPool(64, 8, pin=False), chunk_size=CHUNK,
+                         disk=DiskTier(tmp_path, 1 << 20))  # a restarted worker: memory is empty
+    done = threading.Event()
+    answers: list[tuple[str, int, str]] = []
+
+    def on_result(lookup_id: str, tokens: int) -> None:
+        answers.append((lookup_id, tokens, threading.current_thread().name))
+        done.set()
+
+    assert engine.async_lookup_and_prefetch("d", hashes, None, True, None, model_name="m",
+                                            on_result=on_result) is None
+    assert done.wait(5)
+    lookup_id, tokens, thread = answers[0]
+    assert (lookup_id, tokens) == ("d", 3 * CHUNK) and thread.startswith("lmcache-prefetch")
+    assert len(engine.locks_of("d")) == 3  # loaded into memory and pinned
+    assert engine.async_lookup_and_prefetch("e", hashes, model_name="m") == 3 * CHUNK  # no callback
+    assert engine.cleanup_memory_objs("d") == 3
