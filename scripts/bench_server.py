@@ -39,6 +39,7 @@ while True:
 """
 LAYERS, HEADS, DIM, BLOCK, CHUNK = 32, 8, 128, 16, 256
 PER_CHUNK = CHUNK // BLOCK
+COPY_NAP_S = 0.0002  # poll interval while a 256 MiB copy (~20-40 ms) runs in the server
 
 
 def main() -> None:
@@ -141,16 +142,19 @@ def run(args: argparse.Namespace, workdir: Path, server_url: str, echo_url: str)
     src_blocks = list(range(args.chunks * PER_CHUNK))
     dst_blocks = list(range(args.chunks * PER_CHUNK, 2 * args.chunks * PER_CHUNK))
     nbytes = args.chunks * chunk_bytes
-    raw_gather, raw_scatter = raw_copy_rates(list(caches.values()), src_blocks, args.chunks, args.rounds)
-    store_s, retrieve_s = [], []
-    for r in range(args.rounds + 1):
+    raw = RawCopy(list(caches.values()), src_blocks, args.chunks)
+    store_s, retrieve_s, gather_s, scatter_s = [], [], [], []
+    for r in range(args.rounds + 1):  # floor and ours take turns, so load changes hit both alike
         client.call(RequestType.CLEAR, m.ClearRequest(force=True), m.ClearReply)
         toks = [r * 7 + 1, *range(args.chunks * CHUNK - 1)]
+        gather_s.append(raw.gather())
         store_s.append(wait_store(worker, f"s{r}", LoadStoreOp(toks, src_blocks)))
+        scatter_s.append(raw.scatter())
         retrieve_s.append(wait_retrieve(scheduler, worker, f"s{r}", toks, dst_blocks))
     check_equal(caches, src_blocks, dst_blocks)
-    store_gbs = nbytes / statistics.median(store_s[1:]) / 1e9
-    retrieve_gbs = nbytes / statistics.median(retrieve_s[1:]) / 1e9
+    store_gbs, retrieve_gbs, raw_gather, raw_scatter = (
+        nbytes / statistics.median(samples[1:]) / 1e9
+        for samples in (store_s, retrieve_s, gather_s, scatter_s))
     report("  raw torch gather (index_select)", raw_gather, "GB/s")
     report("  lmcache store", store_gbs, "GB/s", floor=raw_gather, target=">= 0.7x")
     report("  raw torch scatter (index_copy_)", raw_scatter, "GB/s")
@@ -197,11 +201,12 @@ def server_pid(client) -> int:
     return client.call(RequestType.PING, m.PingRequest(), m.PingReply).pid
 
 
-def spin_until(ready) -> None:
+def spin_until(ready, nap_s: float = 0.0) -> None:
     """Poll like a scheduler loop would, letting the client's I/O thread take the GIL between polls
-    (a bare busy loop would hold it for the whole 5 ms switch interval)."""
+    (a bare busy loop would hold it for the whole 5 ms switch interval). Long copies poll with a
+    short nap so the poller does not take a core from the server's copy threads."""
     while not ready():
-        time.sleep(0)
+        time.sleep(nap_s)
 
 
 def scheduler_lookup(scheduler, prompt: list[int]) -> None:
@@ -227,7 +232,7 @@ def wait_retrieve(scheduler, worker, request_id: str, toks: list[int], blocks: l
     spin_until(lambda: scheduler.check_lookup_result(request_id) is not None)
     start = time.perf_counter()
     worker.submit_retrieve_request(request_id, LoadStoreOp(toks, blocks), None)
-    spin_until(lambda: request_id in (worker.get_finished(set())[1] or set()))
+    spin_until(lambda: request_id in (worker.get_finished(set())[1] or set()), COPY_NAP_S)
     if request_id in worker.failed_retrieves:
         raise SystemExit(f"retrieve failed: {worker.failed_retrieves[request_id]}")
     return time.perf_counter() - start
@@ -241,31 +246,37 @@ def drain(worker, request_ids: set[str]) -> None:
         left.difference_update(stores or set())
         return not left
 
-    spin_until(settled)
+    spin_until(settled, COPY_NAP_S)
 
 
-def raw_copy_rates(layers, blocks: list[int], chunks: int, rounds: int) -> tuple[float, float]:
-    """A plain per-chunk torch gather/scatter of the same blocks into/out of a chunk-sized buffer."""
-    import torch
+class RawCopy:
+    """The floor: a plain per-chunk, per-layer torch gather/scatter of the same blocks."""
 
-    index = torch.tensor(blocks).view(chunks, PER_CHUNK)
-    bufs = [torch.empty(LAYERS, 2, PER_CHUNK, BLOCK * HEADS * DIM, dtype=torch.bfloat16)
-            for _ in range(chunks)]
-    views = [layer.view(2, layer.shape[1], -1) for layer in layers]
-    gathers, scatters = [], []
-    for _ in range(rounds + 1):
+    def __init__(self, layers, blocks: list[int], chunks: int) -> None:
+        import torch
+
+        # One fresh index tensor per chunk: index_copy_ with a row *view* of a larger index tensor
+        # takes a slow path in torch 2.13 (~40x slower), which would flatter our ratio.
+        self.index = [torch.tensor(blocks[c * PER_CHUNK:(c + 1) * PER_CHUNK]) for c in range(chunks)]
+        self.bufs = [torch.empty(LAYERS, 2, PER_CHUNK, BLOCK * HEADS * DIM, dtype=torch.bfloat16)
+                     for _ in range(chunks)]
+        self.views = [layer.view(2, layer.shape[1], -1) for layer in layers]
+
+    def gather(self) -> float:
+        import torch
+
         start = time.perf_counter()
-        for c in range(chunks):
-            for li, view in enumerate(views):
-                torch.index_select(view, 1, index[c], out=bufs[c][li])
-        gathers.append(time.perf_counter() - start)
+        for index, buf in zip(self.index, self.bufs, strict=True):
+            for li, view in enumerate(self.views):
+                torch.index_select(view, 1, index, out=buf[li])
+        return time.perf_counter() - start
+
+    def scatter(self) -> float:
         start = time.perf_counter()
-        for c in range(chunks):
-            for li, view in enumerate(views):
-                view.index_copy_(1, index[c], bufs[c][li])
-        scatters.append(time.perf_counter() - start)
-    nbytes = sum(b.numel() * b.element_size() for b in bufs)
-    return nbytes / statistics.median(gathers[1:]) / 1e9, nbytes / statistics.median(scatters[1:]) / 1e9
+        for index, buf in zip(self.index, self.bufs, strict=True):
+            for li, view in enumerate(self.views):
+                view.index_copy_(1, index, buf[li])
+        return time.perf_counter() - start
 
 
 def check_equal(caches, src: list[int], dst: list[int]) -> None:

@@ -35,6 +35,7 @@ from lmcache_core.transport.waker import Waker
 logger = logging.getLogger(__name__)
 R = TypeVar("R", bound=m.Reply)
 _RECV_BATCH = 256
+_HOLD_S = 0.002  # longest a short call holds the socket waiting for its reply
 _IDLE_WAKE_S = 1.0  # with nothing pending the thread still looks at the clock this often
 
 
@@ -43,6 +44,7 @@ class _Pending(NamedTuple):
     op_frame: bytes
     future: MessagingFuture[Any]
     deadline: float
+    waited_on: bool  # a caller blocks on it in call(), receiving the reply on its own thread
 
 
 class MessageQueueClient:
@@ -66,6 +68,11 @@ class MessageQueueClient:
         self._deadlines: list[tuple[float, int]] = []
         self._next_wake = 0.0  # the latest time the I/O thread will look at deadlines again
         self._closed = False
+        # Replies nobody waits on in call() ("unattended") need the I/O thread to watch the socket;
+        # while there are none it does not, so it never wakes up for, and competes with, a caller
+        # that is receiving its own reply.
+        self._unattended = 0
+        self._watching = False
         self._waker = Waker()
         self._thread_state = threading.local()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -91,27 +98,35 @@ class MessageQueueClient:
                        timeout_s: float | None = None) -> MessagingFuture[Any]:
         """Send one request; returns at once. The future fails after ``timeout_s`` (default: the
         client's request timeout) if no reply came."""
+        return self._submit(op, payloads, timeout_s, waited_on=False)[1]
+
+    def _submit(self, op: RequestType, payloads: Sequence[Any], timeout_s: float | None,
+                waited_on: bool) -> tuple[int, MessagingFuture[Any]]:
         future: MessagingFuture[Any] = MessagingFuture(f"{op.value} to {self.server_url}")
         uid = next(self._uids)
         try:
             frames = encode_request(uid, op, payloads)
         except (TypeError, ValueError) as exc:
             future.set_exception(exc)
-            return future
+            return uid, future
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.request_timeout_s)
         with self._lock:
             error = self._send_locked(frames)
             if error is None:
-                self._pending[uid] = _Pending(op, frames[1], future, deadline)
-                heapq.heappush(self._deadlines, (deadline, uid))
+                self._pending[uid] = _Pending(op, frames[1], future, deadline, waited_on)
+                if not waited_on:  # a caller in call() enforces its own deadline
+                    heapq.heappush(self._deadlines, (deadline, uid))
+                    self._unattended += 1
                 # A send can move arrived replies into the socket without the fd firing again
-                # (ZMQ_FD is edge-triggered), and an early deadline must shorten the thread's wait.
-                wake = deadline < self._next_wake or bool(self._events() & zmq.POLLIN)
+                # (ZMQ_FD is edge-triggered); an early deadline must shorten the thread's wait; and
+                # the thread must start watching the socket once a reply has no one waiting on it.
+                wake = (deadline < self._next_wake or bool(self._events() & zmq.POLLIN)
+                        or (not waited_on and not self._watching))
         if error is not None:
             future.set_exception(error)
         elif wake:
             self._waker.wake()
-        return future
+        return uid, future
 
     def _send_locked(self, frames: list[bytes]) -> LMCacheError | None:
         if self._closed:
@@ -132,12 +147,40 @@ class MessageQueueClient:
              timeout_s: float | None = None) -> R:
         """Send one request and wait for its reply (at most the request timeout)."""
         timeout = timeout_s if timeout_s is not None else self.request_timeout_s
-        future = self.submit_request(op, [payload], timeout)
-        self.wait(future, timeout)
-        reply = future.result(0) if future.query() else future.result(timeout + 1.0)
+        uid, future = self._submit(op, [payload], timeout, waited_on=True)
+        if not self._receive_briefly(future, min(timeout, _HOLD_S)) and not self.wait(future, timeout):
+            with self._lock:
+                pending = self._pop(uid)
+            if pending is not None:
+                future.set_exception(LMCacheTimeoutError(
+                    f"{op.value} to {self.server_url}: no reply within {timeout:g}s"))
+        reply = future.result(0)
         if not isinstance(reply, reply_type):
             raise LMCacheError(f"{op.value}: expected {reply_type.__name__}, got {reply!r}")
         return reply
+
+    def _receive_briefly(self, future: MessagingFuture[Any], hold_s: float) -> bool:
+        """The fast path of a short call: hold the socket for up to ``hold_s`` and block in zmq's
+        own receive (no GIL, no thread hop) until our reply is in. Other threads wait at most
+        ``hold_s`` to send; a slower reply is left to ``wait``."""
+        done: list[_Outcome] = []
+        end = time.monotonic() + hold_s
+        with self._lock:
+            while not self._closed and not future.query() and not any(f is future for f, _ in done):
+                remaining_ms = int((end - time.monotonic()) * 1000)
+                if remaining_ms <= 0:
+                    break
+                self._socket.setsockopt(zmq.RCVTIMEO, remaining_ms)
+                try:
+                    frames = self._socket.recv_multipart()
+                except zmq.Again:
+                    break
+                outcome = self._resolve(frames)
+                if outcome is not None:
+                    done.append(outcome)
+                done += self._receive_locked()
+        _settle(done)
+        return future.query()
 
     def wait(self, future: MessagingFuture[Any], timeout_s: float) -> bool:
         """Wait until ``future`` is done (True) or ``timeout_s`` passed (False), receiving replies on
@@ -206,8 +249,8 @@ class MessageQueueClient:
 
     def _run(self) -> None:
         poller = select.poll()
-        poller.register(self._socket.getsockopt(zmq.FD), select.POLLIN)  # type: ignore[arg-type]
         poller.register(self._waker.fd, select.POLLIN)
+        zmq_fd: Any = self._socket.getsockopt(zmq.FD)
         try:
             while True:
                 with self._lock:
@@ -217,6 +260,13 @@ class MessageQueueClient:
                     now = time.monotonic()
                     done += self._expire_locked(now)
                     timeout_ms = self._wait_ms_locked(now)
+                    watch = self._unattended > 0
+                if watch != self._watching:
+                    if watch:
+                        poller.register(zmq_fd, select.POLLIN)
+                    else:
+                        poller.unregister(zmq_fd)
+                    self._watching = watch
                 _settle(done)  # outside the lock: done-callbacks may send requests
                 poller.poll(timeout_ms)
                 self._waker.drain()
@@ -249,7 +299,7 @@ class MessageQueueClient:
         except LMCacheError as exc:
             logger.warning("dropping a reply from %s with a bad uid frame: %s", self.server_url, exc)
             return None
-        pending = self._pending.pop(uid, None)
+        pending = self._pop(uid)
         if pending is None:  # answered after its deadline, or not ours
             logger.debug("dropping a late reply for request %d", uid)
             return None
@@ -261,11 +311,17 @@ class MessageQueueClient:
         except LMCacheError as exc:
             return pending.future, exc
 
+    def _pop(self, uid: int) -> _Pending | None:
+        pending = self._pending.pop(uid, None)
+        if pending is not None and not pending.waited_on:
+            self._unattended -= 1
+        return pending
+
     def _expire_locked(self, now: float) -> list[_Outcome]:
         done: list[_Outcome] = []
         while self._deadlines and self._deadlines[0][0] <= now:
             _, uid = heapq.heappop(self._deadlines)
-            pending = self._pending.pop(uid, None)
+            pending = self._pop(uid)
             if pending is not None:
                 done.append((pending.future, LMCacheTimeoutError(
                     f"{pending.op.value} to {self.server_url}: no reply within the request timeout")))
@@ -277,6 +333,7 @@ class MessageQueueClient:
             error = ConnectionClosedError(f"client for {self.server_url} was closed")
             done: list[_Outcome] = [(p.future, error) for p in self._pending.values()]
             self._pending.clear()
+            self._unattended = 0
             self._socket.close(0)
         _settle(done)
         self._waker.close()
