@@ -16,9 +16,15 @@ LRU order: hits are touched (and new chunks committed) from the last chunk to th
 prefix's head is the most recently used and eviction eats prefixes from the tail, which keeps what
 remains of a prefix usable.
 
-Lower tiers (optional ``disk``/``remote``): committed stores are queued for them (write-behind,
-never blocking); ``lookup_tiers`` loads the rest of a prefix from them into reserved slots outside
-the lock and commits and locks it before answering. Without tiers every path above is unchanged.
+Lower tiers (optional ``disk``/``remote``) live in ``storage.tiered.TieredStorage``: committed
+stores are queued for them (write-behind, never blocking); ``lookup_tiers`` loads the rest of a
+prefix from them into reserved slots outside the lock and commits and locks it before answering. The
+engine lends it a few index operations (the "index operations for the lower tiers" section). Without
+tiers the engine holds no ``TieredStorage`` and every path above is unchanged.
+
+The in-process async lookup (``async_lookup_and_prefetch``, ``cleanup_memory_objs``, the scheduler's
+side being ``lmcache_core.lookup_client``) lives in ``async_lookup.AsyncLookups``; ``close`` shuts
+down its prefetch threads.
 """
 
 from __future__ import annotations
@@ -29,17 +35,16 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from lmcache_core.async_lookup import AsyncLookups
 from lmcache_core.errors import IncompatibleError, ProtocolError
 from lmcache_core.keys import ChunkKey
 from lmcache_core.protocol.messages import ChunkInfo
-from lmcache_core.storage import record
 from lmcache_core.storage.pool import MemoryPool
+from lmcache_core.storage.tiered import TieredStorage
 
 if TYPE_CHECKING:
     import torch
@@ -157,13 +162,9 @@ class CacheEngine:
         self._bytes_used = 0
         self._n = _Counters()
         # Lower tiers (None: memory only, and no code path below touches them).
-        self._disk = disk
-        self._remote = remote
-        self._spill_ahead = max(1, pool.num_slots // 4)  # slots kept saved on disk ahead of eviction
-        if disk is not None:
-            disk.bind(self._pinned, self._spill_candidates)
-        if remote is not None:
-            remote.bind(self._pinned)
+        self._tiers = (TieredStorage(self, disk, remote)
+                       if disk is not None or remote is not None else None)
+        self._async = AsyncLookups(self)
 
     # ------------------------------------------------------------------ lookup
 
@@ -314,17 +315,23 @@ class CacheEngine:
             now = self._clock()
             if self._expiry and self._expiry[0][0] <= now:
                 self._expire_due(now)
-            new = self._claim_new(keys, plan)
-            shortfall = len(new) - pool.num_free
-            if shortfall > 0:
-                self._make_room(shortfall)
-            self._reserve(new, plan)
+            new = self._claim_slots(keys, plan)
             self._n.stores += 1
             self._n.store_skipped_full += plan.skipped_full
         view = pool.view
         plan.writes = [(index, key, view(slot, nbytes))
                       for (index, key), slot in zip(new, plan.slots, strict=True)]
         return plan
+
+    def _claim_slots(self, keys: Sequence[ChunkKey], plan: StorePlan) -> list[tuple[int, ChunkKey]]:
+        """Under the lock: claim the keys not yet present and give them slots (evicting LRU
+        entries as needed), into ``plan``; the (index, key) pairs that got one."""
+        new = self._claim_new(keys, plan)
+        shortfall = len(new) - self.pool.num_free
+        if shortfall > 0:
+            self._make_room(shortfall)
+        self._reserve(new, plan)
+        return new
 
     def _claim_new(self, keys: Sequence[ChunkKey], plan: StorePlan) -> list[tuple[int, ChunkKey]]:
         """The (index, key) pairs to write; marks them as being written (slot -1 for now)."""
@@ -374,8 +381,8 @@ class CacheEngine:
                 entries[key] = _Entry(key, slot, nbytes, now)
             self._bytes_used += nbytes * len(plan.keys)
             self._n.stored_chunks += len(plan.keys)
-        if plan.keys and (self._disk is not None or self._remote is not None):
-            self._write_behind(plan.keys)
+        if plan.keys and self._tiers is not None:
+            self._tiers.stored(plan.keys)
 
     # ------------------------------------------------------------------ eviction
 
@@ -392,14 +399,12 @@ class CacheEngine:
         return len(victims)
 
     def _evict_one(self, entry: _Entry) -> None:
-        """Every eviction passes here (under the lock, so no I/O): the disk tier's writer has
-        already saved the chunks nearest eviction (``_spill_candidates``); one it had not got to
-        is counted as ``disk_evicted_unsaved``."""
+        """Every eviction passes here (under the lock, so no I/O; the tiers count what they had
+        not saved, ``TieredStorage.evicted``)."""
         self._drop(entry)
         self._n.evictions += 1
-        disk = self._disk
-        if disk is not None and not disk.contains(entry.key):
-            disk.count_evicted_unsaved()
+        if self._tiers is not None:
+            self._tiers.evicted(entry.key)
 
     def _drop(self, entry: _Entry) -> None:
         del self._entries[entry.key]
@@ -458,22 +463,19 @@ class CacheEngine:
                 del self._locks[plan.lookup_id]
 
     # ------------------------------------------------------------------ lower tiers (disk, remote)
-    # Tier I/O never runs under ``_mutex``: a lookup reserves slots under it (as a store does),
-    # loads into them outside it, and commits under it again. The writers of both tiers take bytes
-    # through ``_pinned``, which holds a reader count so the slot cannot be evicted mid-copy.
 
     @property
     def has_tiers(self) -> bool:
         """Whether a disk or remote tier is attached (lookups then go through ``lookup_tiers``)."""
-        return self._disk is not None or self._remote is not None
+        return self._tiers is not None
 
     @property
     def disk(self) -> DiskTier | None:
-        return self._disk
+        return self._tiers.disk if self._tiers is not None else None
 
     @property
     def remote(self) -> RemoteTier | None:
-        return self._remote
+        return self._tiers.remote if self._tiers is not None else None
 
     def lookup_tiers(self, model_name: str, world_size: int, chunk_hashes: Sequence[bytes],
                      lookup_id: str, lock: bool = True, ranks: Sequence[int] | None = None,
@@ -487,23 +489,16 @@ class CacheEngine:
         committed; a final locked re-lookup counts and locks what is resident. So a reported hit
         is always in memory and locked, exactly as after a plain ``lookup``; a load that misses
         the deadline is not counted now and lands in memory (unlocked) when it completes.
+        Without tiers it is ``lookup``. (The work: ``TieredStorage.lookup``.)
         """
-        hits = self.lookup(model_name, world_size, chunk_hashes, lookup_id, lock, ranks)
-        if hits == len(chunk_hashes) or not self.has_tiers:
-            return hits
-        deadline = time.monotonic() + timeout_s
-        rank_list = range(world_size) if ranks is None else ranks
-        wanted = self._not_resident(model_name, world_size, chunk_hashes[hits:], rank_list)
-        loads = self._plan_loads(wanted, deadline)
-        if loads:
-            self._load(loads, deadline)
-        with self._mutex:
-            chunks = self._lookup_locked(model_name, world_size, chunk_hashes, lookup_id, lock,
-                                         rank_list)
-            n = self._n
-            n.lookup_hit_chunks += chunks - hits
-            n.lookup_miss_chunks -= chunks - hits
-        return chunks
+        if self._tiers is None:
+            return self.lookup(model_name, world_size, chunk_hashes, lookup_id, lock, ranks)
+        return self._tiers.lookup(model_name, world_size, chunk_hashes, lookup_id, lock, ranks,
+                                  timeout_s)
+
+    # ------------------------------------------------------------------ index operations for the lower tiers
+    # Used by storage/tiered.py only. Tier I/O never runs under ``_mutex``: a tiered lookup reserves
+    # slots under it (as a store does), loads into them outside it, and commits under it again.
 
     def _not_resident(self, model_name: str, world_size: int, chunk_hashes: Sequence[bytes],
                       ranks: Sequence[int]) -> list[list[ChunkKey]]:
@@ -523,103 +518,19 @@ class CacheEngine:
                 out.append(missing)
         return out
 
-    def _plan_loads(self, wanted: list[list[ChunkKey]],
-                    deadline: float) -> list[tuple[ChunkKey, int, bool]]:
-        """``(key, nbytes, from_disk)`` for the longest run of chunks every missing key of which
-        is on disk or in Redis (one pipelined STRLEN for those not on disk)."""
-        disk, remote = self._disk, self._remote
-        slot_bytes = self.pool.slot_bytes
-        lengths: dict[ChunkKey, int] = {}
-        if remote is not None and not remote.down:
-            ask = [key for chunk in wanted for key in chunk if disk is None or not disk.contains(key)]
-            if ask:
-                try:
-                    found = self._wait(remote, remote.run(remote.lengths, ask, deadline), deadline)
-                except RuntimeError:  # the tier is shutting down
-                    found = None
-                if found:
-                    lengths = dict(zip(ask, found, strict=True))
-        loads: list[tuple[ChunkKey, int, bool]] = []
-        for chunk in wanted:
-            found_all = len(loads)
-            for key in chunk:
-                nbytes = disk.nbytes_of(key) if disk is not None else None
-                if nbytes is not None and 0 < nbytes <= slot_bytes:
-                    loads.append((key, nbytes, True))
-                    continue
-                length = lengths.get(key, 0)
-                nbytes = length - record.header_bytes(key)
-                if length and 0 < nbytes <= slot_bytes:
-                    loads.append((key, nbytes, False))
-                    continue
-                del loads[found_all:]
-                return loads
-        return loads
-
-    @staticmethod
-    def _wait(remote: RemoteTier, future: Any, deadline: float) -> Any:
-        try:
-            return future.result(timeout=max(0.0, deadline - time.monotonic()))
-        except FutureTimeout:
-            remote.count_lookup_timeout()
-            return None
-
-    def _load(self, loads: list[tuple[ChunkKey, int, bool]], deadline: float) -> None:
-        """Reserve slots for ``loads`` (in order, as far as the pool allows) and fill them."""
-        sizes = {key: (nbytes, from_disk) for key, nbytes, from_disk in loads}
+    def _reserve_slots(self, keys: Sequence[ChunkKey]) -> tuple[list[ChunkKey], list[int]]:
+        """Slots for the ``keys`` neither resident nor being written, in order as far as the pool
+        allows (evicting as a store does): ``(keys, slots)``. Those keys count as being written
+        until ``_commit_loaded``."""
         plan = StorePlan(self.pool.slot_bytes, [])
         with self._mutex:
-            new = self._claim_new([key for key, _, _ in loads], plan)
-            shortfall = len(new) - self.pool.num_free
-            if shortfall > 0:
-                self._make_room(shortfall)
-            self._reserve(new, plan)
-        disk_items: list[tuple[ChunkKey, int, int]] = []
-        remote_items: list[tuple[ChunkKey, int, int]] = []
-        for key, slot in zip(plan.keys, plan.slots, strict=True):
-            nbytes, from_disk = sizes[key]
-            (disk_items if from_disk else remote_items).append((key, slot, nbytes))
-        remote, future = self._remote, None
-        if remote_items and remote is not None:
-            try:
-                future = remote.run(self._load_remote, remote_items, deadline)
-            except RuntimeError:  # the tier is shutting down
-                self._commit_loads(remote_items, [0] * len(remote_items), from_disk=False)
-        if disk_items:
-            self._load_disk(disk_items, deadline)
-        if future is not None and remote is not None:
-            self._wait(remote, future, deadline)
+            self._claim_slots(keys, plan)
+        return plan.keys, plan.slots
 
-    def _load_disk(self, items: list[tuple[ChunkKey, int, int]], deadline: float) -> None:
-        disk = self._disk
-        got = [0] * len(items)
-        try:
-            for i, (key, slot, nbytes) in enumerate(items):
-                if disk is None or time.monotonic() >= deadline:
-                    break
-                got[i] = disk.read_into(key, self._slot_memory(slot, nbytes))
-        finally:
-            self._commit_loads(items, got, from_disk=True)
-
-    def _load_remote(self, items: list[tuple[ChunkKey, int, int]], deadline: float) -> None:
-        """On the remote tier's thread: GET into the slots, then commit (even after the caller
-        stopped waiting: the chunks are then simply warm in memory)."""
-        remote = self._remote
-        got = [0] * len(items)
-        try:
-            if remote is not None:
-                got = remote.fetch_into([key for key, _, _ in items],
-                                        [self._slot_memory(slot, nbytes) for _, slot, nbytes in items],
-                                        deadline)
-        finally:
-            self._commit_loads(items, got, from_disk=False)
-
-    def _slot_memory(self, slot: int, nbytes: int) -> memoryview:
-        return memoryview(self.pool.view(slot, nbytes).numpy())  # type: ignore[arg-type]
-
-    def _commit_loads(self, items: list[tuple[ChunkKey, int, int]], got: list[int],
-                      from_disk: bool) -> None:
-        """Make the loaded chunks resident (a short or failed load frees its slot)."""
+    def _commit_loaded(self, items: Sequence[tuple[ChunkKey, int, int]],
+                       got: Sequence[int]) -> list[ChunkKey]:
+        """Make the ``(key, slot, nbytes)`` chunks whose load got all ``nbytes`` resident (tail
+        first, as a store's), free the slots of the others; the keys made resident."""
         loaded: list[ChunkKey] = []
         with self._mutex:
             now, entries, writing, pool = self._clock(), self._entries, self._writing, self.pool
@@ -631,28 +542,27 @@ class CacheEngine:
                     loaded.append(key)
                 else:
                     pool.free(slot)
-        disk = self._disk
-        if loaded and disk is not None and not from_disk:
-            if disk.write_through:
-                disk.submit(loaded)
-            else:
-                disk.notify()
+        return loaded
 
-    def _write_behind(self, keys: Sequence[ChunkKey]) -> None:
-        """After a store commits: queue the chunks for Redis, and for disk (write-through) or wake
-        the disk writer to keep the coldest chunks saved. Never blocks."""
-        if self._remote is not None:
-            self._remote.submit(keys)
-        disk = self._disk
-        if disk is not None:
-            if disk.write_through:
-                disk.submit(keys)
-            else:
-                disk.notify()
+    def _relookup(self, model_name: str, world_size: int, chunk_hashes: Sequence[bytes],
+                  lookup_id: str, lock: bool, ranks: Sequence[int], hits: int) -> int:
+        """``lookup`` again after the tiers loaded chunks, counting those found since its first
+        pass (``hits``) as hits of that same lookup rather than misses."""
+        with self._mutex:
+            chunks = self._lookup_locked(model_name, world_size, chunk_hashes, lookup_id, lock,
+                                         ranks)
+            n = self._n
+            n.lookup_hit_chunks += chunks - hits
+            n.lookup_miss_chunks -= chunks - hits
+        return chunks
+
+    def _slot_memory(self, slot: int, nbytes: int) -> memoryview:
+        return memoryview(self.pool.view(slot, nbytes).numpy())  # type: ignore[arg-type]
 
     @contextmanager
     def _pinned(self, key: ChunkKey) -> Iterator[memoryview | None]:
-        """A resident chunk's bytes, pinned (not evictable) for the ``with`` block; None if gone."""
+        """A resident chunk's bytes, pinned (not evictable) for the ``with`` block; None if gone.
+        (The tiers' writers take bytes through it.)"""
         with self._mutex:
             entry = self._entries.get(key)
             if entry is not None:
@@ -666,24 +576,22 @@ class CacheEngine:
             with self._mutex:
                 entry.readers -= 1
 
-    def _spill_candidates(self, limit: int) -> list[ChunkKey]:
-        """Up to ``limit`` chunks among those next in line for eviction that are not on disk yet.
-
-        "Next in line": the least recently used ``_spill_ahead - free slots`` entries, so the
-        writer starts saving once the pool is three quarters full and stays ahead of eviction.
-        """
-        disk = self._disk
-        if disk is None:
-            return []
+    def _coldest(self, limit: int, ahead: int, saved: Callable[[ChunkKey], bool]) -> list[ChunkKey]:
+        """Up to ``limit`` keys not ``saved`` among the ``ahead - free slots`` least recently used
+        entries, the next in line for eviction (``saved`` runs under the lock: a dict lookup)."""
         out: list[ChunkKey] = []
         with self._mutex:
-            at_risk = self._spill_ahead - self.pool.num_free
+            at_risk = ahead - self.pool.num_free
             for count, key in enumerate(self._entries):
                 if count >= at_risk or len(out) >= limit:
                     break
-                if not disk.contains(key):  # type: ignore[arg-type]
+                if not saved(key):  # type: ignore[arg-type]
                     out.append(key)  # type: ignore[arg-type]
         return out
+
+    def _spill_candidates(self, limit: int) -> list[ChunkKey]:
+        """What the disk writer saves next (``TieredStorage.spill_candidates``); [] without disk."""
+        return self._tiers.spill_candidates(limit) if self._tiers is not None else []
 
     # ------------------------------------------------------------------ admin
 
@@ -725,10 +633,8 @@ class CacheEngine:
                 slots_used=self.pool.num_used,
                 locks_held=sum(len(held.entries) for held in self._locks.values()),
             )
-        if self._disk is not None:
-            out.update(self._disk.stats())
-        if self._remote is not None:
-            out.update(self._remote.stats())
+        if self._tiers is not None:
+            out.update(self._tiers.stats())
         return out
 
     def list_chunks(self, model_name: str | None = None, limit: int = 100,
@@ -762,11 +668,16 @@ class CacheEngine:
     def __len__(self) -> int:
         return len(self._entries)
 
-    # ---- in-process async lookup (lookup_client)
-    # The engine's half of lmcache_core.lookup_client: a worker's LMCacheAsyncLookupServer calls
-    # these from its thread, for this engine's own rank only.
+    def close(self, timeout_s: float = 5.0) -> bool:
+        """Shut down the engine's own threads (the async lookups' prefetch pool, if it was made;
+        running prefetches get ``timeout_s`` to finish). The tiers are their owner's to stop.
+        True if nothing was left running. Idempotent; the engine stays usable, except for tiered
+        async lookups."""
+        return self._async.close(timeout_s)
 
-    _async_prefetch: ThreadPoolExecutor | None = None  # made on the first tiered async lookup
+    # ------------------------------------------------------------------ in-process async lookup
+    # The engine's half of lmcache_core.lookup_client: a worker's LMCacheAsyncLookupServer calls
+    # these from its thread, for this engine's own rank only (the work: async_lookup.AsyncLookups).
 
     def async_lookup_and_prefetch(self, lookup_id: str, hashes: Sequence[bytes],
                                   offsets: Sequence[int] | None = None, pin: bool = True,
@@ -782,47 +693,13 @@ class CacheEngine:
         ``offsets[i]`` is the end in tokens of chunk ``i`` (without them a chunk counts
         ``chunk_size``); ``request_configs`` is accepted for LMCache compatibility.
         """
-        if not 0 <= worker_id < world_size:
-            raise ProtocolError(f"worker_id {worker_id} must be in [0, world_size={world_size})")
-        if offsets is not None and len(offsets) != len(hashes):
-            raise ProtocolError(f"{len(offsets)} offsets for {len(hashes)} chunk hashes")
-
-        def answer(chunks: int) -> int:
-            if not chunks:
-                tokens = 0
-            else:
-                tokens = int(offsets[chunks - 1]) if offsets is not None else chunks * self.chunk_size
-            if on_result is not None:
-                on_result(lookup_id, tokens)
-            return tokens
-
-        ranks = (worker_id,)
-        if not self.has_tiers:
-            return answer(self.lookup(model_name, world_size, hashes, lookup_id, lock=pin, ranks=ranks))
-        if on_result is None:  # nobody to call back: wait here
-            return answer(self.lookup_tiers(model_name, world_size, hashes, lookup_id, pin, ranks))
-
-        def prefetch() -> None:
-            try:
-                chunks = self.lookup_tiers(model_name, world_size, hashes, lookup_id, pin, ranks)
-            except Exception:
-                import logging
-
-                logging.getLogger(__name__).exception("async lookup %r failed", lookup_id)
-                self.free_lookup_locks(lookup_id)
-                chunks = 0
-            answer(chunks)
-
-        with self._mutex:
-            if self._async_prefetch is None:
-                self._async_prefetch = ThreadPoolExecutor(4, thread_name_prefix="lmcache-prefetch")
-            executor = self._async_prefetch
-        executor.submit(prefetch)
-        return None
+        return self._async.lookup_and_prefetch(lookup_id, hashes, offsets, pin,
+                                               model_name=model_name, world_size=world_size,
+                                               worker_id=worker_id, on_result=on_result)
 
     def cleanup_memory_objs(self, lookup_id: str) -> int:
         """Release what ``lookup_id``'s async lookup pinned (it was cancelled or timed out)."""
-        return self.free_lookup_locks(lookup_id)
+        return self._async.cleanup(lookup_id)
 
 
 _Row = tuple[ChunkKey, int, int, int, float]

@@ -73,6 +73,7 @@ def worker_main(conn: Connection, runtime_dir: str, worker_id: int, world_size: 
     conn.send("ready")
     conn.recv()
     server.close()
+    engine.close()
 
 
 def echo_main(conn: Connection, runtime_dir: str, worker_id: int) -> None:

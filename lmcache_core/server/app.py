@@ -2,7 +2,8 @@
 
 Lifecycle (what ``lmcache serve`` drives): ``start()`` binds and starts serving; a housekeeping thread
 expires lookup locks past their TTL and reaps workers that died; ``stop()`` answers new requests with
-SHUTTING_DOWN, lets in-flight copies finish, unmaps every worker's shared memory and closes the socket.
+SHUTTING_DOWN, lets in-flight copies finish, closes the engine (its own threads), unmaps every worker's
+shared memory and closes the socket.
 
 Lower tiers come from the config's optional ``disk`` and ``remote`` sections; with either, lookups run
 on the worker pool (they may read disk or wait on Redis, bounded by ``timeouts.lookup_ms``) and the
@@ -78,6 +79,7 @@ class CacheServer:
             return
         self._stop.set()
         self.transport.stop(drain_timeout_s)
+        self.engine.close(drain_timeout_s)
         for tier in (self.remote, self.disk):
             if tier is not None:
                 tier.stop(drain_timeout_s)

@@ -1,10 +1,11 @@
 """The L2 disk tier: one self-checking file per chunk in one directory, capped, LRU-deleted.
 
-Files are written behind, never on a request's path: a writer thread takes chunk keys from a
-bounded queue (every store when ``write_through``; a full queue drops the write and counts it) and,
-in any mode, keeps the coldest part of the memory pool saved ahead of eviction (``spill``), so that
-when memory evicts a chunk its bytes are already here and eviction never waits on a disk write. The
-writer pins the memory entry while it copies (``source``), so the bytes cannot change under it.
+Files are written behind, never on a request's path: a writer thread (a ``BackgroundWriter``)
+takes chunk keys from a bounded queue (every store when ``write_through``; a full queue drops the
+write and counts it) and, in any mode, keeps the coldest part of the memory pool saved ahead of
+eviction (``spill``), so that when memory evicts a chunk its bytes are already here and eviction
+never waits on a disk write. The writer pins the memory entry while it copies (``source``), so the
+bytes cannot change under it.
 
 A file is written to a temp name in the same directory and renamed over its final name, so a reader
 never sees half a file; each holds a ``record`` (header with key, size and blake3 checksum, then the
@@ -22,9 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import queue
 import threading
-import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
@@ -37,6 +36,7 @@ from blake3 import blake3
 from lmcache_core.errors import ConfigError
 from lmcache_core.keys import ChunkKey
 from lmcache_core.storage import record
+from lmcache_core.storage.writer import BackgroundWriter
 
 logger = logging.getLogger(__name__)
 
@@ -102,10 +102,8 @@ class DiskTier:
         self._mutex = threading.Lock()
         self._index: OrderedDict[ChunkKey, _File] = OrderedDict()  # front = least recently used
         self._bytes = 0  # file bytes indexed plus bytes reserved by writes in progress
-        self._queue: queue.Queue[ChunkKey] = queue.Queue(maxsize=queue_size)
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._writer: BackgroundWriter[ChunkKey] = BackgroundWriter(
+            "disk tier", "lmcache-disk-writer", queue_size, self._write_batch, idle=self._spill)
         self._source: Source | None = None
         self._cold: ColdKeys | None = None
         self._failing = False  # a write error was logged; log the next only after a success
@@ -318,78 +316,40 @@ class DiskTier:
 
     def submit(self, keys: Iterable[ChunkKey]) -> int:
         """Queue keys to be written behind; a full queue drops (and counts) the rest. Never blocks."""
-        dropped = 0
-        put = self._queue.put_nowait
-        for key in keys:
-            if key in self._index:
-                continue
-            try:
-                put(key)
-            except queue.Full:
-                dropped += 1
+        index = self._index
+        dropped = self._writer.submit(key for key in keys if key not in index)
         if dropped:
             self.n.disk_write_dropped += dropped
         return dropped
 
     def notify(self) -> None:
-        """Memory filled up a bit: let the writer save what is nearest eviction."""
-        self._wake.set()
+        """Memory filled up a bit: let the writer save what is nearest eviction (after its current
+        write, or at its next idle tick)."""
+        self._writer.request_idle()
 
     def count_evicted_unsaved(self) -> None:
         self.n.disk_evicted_unsaved += 1
 
     def start(self) -> None:
-        if self._thread is not None:
-            return
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="lmcache-disk-writer", daemon=True)
-        self._thread.start()
+        self._writer.start()
 
     def stop(self, drain_timeout_s: float = 10.0) -> None:
         """Write what is queued (for at most ``drain_timeout_s``), then end the writer."""
-        thread = self._thread
-        if thread is None:
-            return
-        deadline = time.monotonic() + drain_timeout_s
-        while not self._queue.empty() and time.monotonic() < deadline and thread.is_alive():
-            time.sleep(0.01)
-        self._stop.set()
-        self._wake.set()
-        thread.join(max(0.0, deadline - time.monotonic()) + 1.0)
-        self._thread = None
+        self._writer.stop(drain_timeout_s, grace_s=1.0)
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until the queue is written (tests, shutdown); True if it emptied in time."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._queue.unfinished_tasks == 0:
-                return True
-            time.sleep(0.005)
-        return False
+        return self._writer.flush(timeout_s)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                key = self._queue.get(timeout=0.25)
-            except queue.Empty:
-                key = None
-            try:
-                if key is not None:
-                    self._write_from_source(key)
-                if self._wake.is_set() or key is None:
-                    self._wake.clear()
-                    self._spill()
-            except Exception:  # the writer must outlive any one bad chunk
-                logger.exception("disk tier: writer failed on a chunk")
-            finally:
-                if key is not None:
-                    self._queue.task_done()
+    def _write_batch(self, keys: list[ChunkKey]) -> None:
+        for key in keys:
+            self._write_from_source(key)
 
     def _spill(self) -> None:
         if self._cold is None:
             return
         for key in self._cold(64):
-            if self._stop.is_set():
+            if self._writer.stopping:
                 return
             self._write_from_source(key)
 

@@ -9,8 +9,9 @@ so servers on different machines that use the same Redis find each other's chunk
 counted, logged, deleted and never served.
 
 * **Writes** go behind, never on a store's path: ``submit`` puts keys on a bounded queue (a full
-  queue drops the write and counts it, ``remote_write_dropped``); a writer thread pins each chunk in
-  memory only while it builds the value, then pipelines SETs.
+  queue drops the write and counts it, ``remote_write_dropped``); a writer thread (a
+  ``BackgroundWriter``) pins each chunk in memory only while it builds the value, then pipelines
+  SETs.
 * **Lookups** run on this tier's own two threads so the caller can wait at most its budget
   (``Future.result(timeout)``): ``lengths`` asks for every wanted key in one pipelined round trip
   (STRLEN: presence and size at once), ``fetch_into`` GETs the values of the prefix in pipelined
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -46,6 +46,7 @@ from lmcache_core.keys import ChunkKey
 from lmcache_core.storage import record
 from lmcache_core.storage.disk import Source
 from lmcache_core.storage.record import Buffer
+from lmcache_core.storage.writer import BackgroundWriter
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -110,10 +111,12 @@ class RemoteTier:
         self._down = False
         self._down_since = 0.0
         self._failures_in_outage = 0
-        self._queue: queue.Queue[ChunkKey] = queue.Queue(maxsize=queue_size)
         self._source: Source | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        # While Redis is down the writer takes nothing and PINGs every retry_interval_s.
+        self._writer: BackgroundWriter[ChunkKey] = BackgroundWriter(
+            "remote tier", "lmcache-remote-writer", queue_size, self._write_batch,
+            batch=MAX_BATCH_KEYS, down=lambda: self._down, probe=self.probe,
+            probe_interval_s=retry_interval_s, on_start=self._writer_started)
         self._lookups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lmcache-remote")
         self._last_corrupt_log = 0.0
         self._last_refused_log = 0.0
@@ -271,13 +274,7 @@ class RemoteTier:
 
     def submit(self, keys: Iterable[ChunkKey]) -> int:
         """Queue keys to be written behind; a full queue drops (and counts) the rest. Never blocks."""
-        dropped = 0
-        put = self._queue.put_nowait
-        for key in keys:
-            try:
-                put(key)
-            except queue.Full:
-                dropped += 1
+        dropped = self._writer.submit(keys)
         if dropped:
             self.n.remote_write_dropped += dropped
         return dropped
@@ -292,23 +289,11 @@ class RemoteTier:
         return True
 
     def start(self) -> None:
-        if self._thread is not None:
-            return
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="lmcache-remote-writer", daemon=True)
-        self._thread.start()
+        self._writer.start()
 
     def stop(self, drain_timeout_s: float = 5.0) -> None:
         """Write what is queued (for at most ``drain_timeout_s`` while Redis is up), then end."""
-        thread = self._thread
-        if thread is not None:
-            deadline = time.monotonic() + drain_timeout_s
-            while (self._queue.unfinished_tasks and not self._down and thread.is_alive()
-                   and time.monotonic() < deadline):
-                time.sleep(0.01)
-            self._stop.set()
-            thread.join(max(0.0, deadline - time.monotonic()) + 2 * self.timeout_s + 1.0)
-            self._thread = None
+        self._writer.stop(drain_timeout_s, grace_s=2 * self.timeout_s + 1.0)
         self._lookups.shutdown(wait=False)
         with self._client_lock:
             self._closed = True
@@ -319,39 +304,11 @@ class RemoteTier:
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until every queued write is done (tests); True if the queue emptied in time."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._queue.unfinished_tasks == 0:
-                return True
-            time.sleep(0.005)
-        return False
+        return self._writer.flush(timeout_s)
 
-    def _run(self) -> None:
+    def _writer_started(self) -> None:
         if self.probe():  # an unreachable Redis is reported at start, not at the first request
             logger.info("remote tier: %s, keys %s...", self.display_url, self.key_prefix)
-        while not self._stop.is_set():
-            if self._down:
-                if self._stop.wait(self.retry_interval_s):
-                    return
-                self.probe()
-                continue
-            try:
-                key = self._queue.get(timeout=0.25)
-            except queue.Empty:
-                continue
-            batch = [key]
-            while len(batch) < MAX_BATCH_KEYS:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            try:
-                self._write_batch(batch)
-            except Exception:  # the writer must outlive any one bad batch
-                logger.exception("remote tier: writer failed on a batch")
-            finally:
-                for _ in batch:
-                    self._queue.task_done()
 
     def _write_batch(self, batch: list[ChunkKey]) -> None:
         """SET the batch's chunks still in memory, ``MAX_BATCH_BYTES`` of values at a time."""
@@ -426,7 +383,7 @@ class RemoteTier:
 
     def stats(self) -> dict[str, int]:
         out = asdict(self.n)
-        out.update(remote_queued=self._queue.qsize(), remote_down=int(self._down))
+        out.update(remote_queued=self._writer.queued, remote_down=int(self._down))
         return out
 
 

@@ -81,6 +81,10 @@ def handle(adapter: LMCacheMPWorkerAdapter, layers: list[torch.Tensor], c: dict)
         stores, retrieves = adapter.get_finished(set(c["engine_finished"]))
         return {"stores": sorted(stores or []), "retrieves": sorted(retrieves or []),
                 "stores_none": stores is None, "retrieves_none": retrieves is None}
+    if cmd == "await_stores":  # block until the request's store replies are in (harness only)
+        for transfer in adapter._stores[c["req"]].transfers:
+            transfer.future.exception(20)
+        return {"ok": True}
     if cmd == "submit_store":  # submit without waiting (for get_finished ordering tests)
         adapter.submit_store_request(c["req"], LoadStoreOp(keys(c["keys"]), c["blocks"]), None)
         return {"ok": True}

@@ -140,7 +140,7 @@ def test_get_finished_waits_for_both_store_and_engine(server, ranks):
     assert late["stores"] == ["g1"]
     # a store that completed before the engine finished its request waits for the engine
     worker("submit_store", req="g2", keys=toks, blocks=blocks(0, 1))
-    time.sleep(0.3)
+    worker("await_stores", req="g2")
     assert worker("get_finished", engine_finished=[])["stores_none"]
     assert worker("get_finished", engine_finished=["g2"])["stores"] == ["g2"]
     assert worker("get_finished", engine_finished=["g2"])["stores_none"]  # reported once

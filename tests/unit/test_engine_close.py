@@ -1,0 +1,91 @@
+"""``CacheEngine.close``: the async lookups' prefetch threads go; the tier split keeps its hooks."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from lmcache_core.engine import CacheEngine
+from lmcache_core.keys import ChunkKey
+from lmcache_core.storage import MemoryPool
+from lmcache_core.storage.disk import DiskTier
+
+SLOT = 64
+
+
+def _prefetch_threads(other_than: set[threading.Thread]) -> list[threading.Thread]:
+    return [t for t in threading.enumerate()
+            if t.name.startswith("lmcache-prefetch") and t not in other_than]
+
+
+def _store(engine: CacheEngine, keys: list[ChunkKey]) -> None:
+    plan = engine.begin_store(keys, SLOT)
+    for i, (_, _, view) in enumerate(plan.writes):
+        view.fill_(i)
+    engine.finish_store(plan)
+
+
+def test_close_without_tiers_is_a_no_op_and_lookups_go_on() -> None:
+    engine = CacheEngine(MemoryPool(SLOT, 4, pin=False), chunk_size=16)
+    _store(engine, [ChunkKey("m", 1, 0, b"a" * 16)])
+    assert engine.close() and engine.close()  # idempotent
+    assert engine.async_lookup_and_prefetch("x", [b"a" * 16], model_name="m") == 16
+    assert engine.lookup("m", 1, [b"a" * 16], "y") == 1
+
+
+def test_close_shuts_the_prefetch_pool_down(tmp_path: Path) -> None:
+    hashes = [bytes([i]) * 16 for i in range(3)]
+    keys = [ChunkKey("m", 1, 0, h) for h in hashes]
+    disk = DiskTier(tmp_path, 1 << 20)
+    writer = CacheEngine(MemoryPool(SLOT, 8, pin=False), chunk_size=16, disk=disk)
+    _store(writer, keys)
+    for k in keys:
+        with writer._pinned(k) as payload:
+            assert payload is not None and disk.write(k, payload)
+    engine = CacheEngine(MemoryPool(SLOT, 8, pin=False), chunk_size=16,
+                         disk=DiskTier(tmp_path, 1 << 20))
+    assert engine.has_tiers and engine.disk is not None and engine.remote is None
+    done = threading.Event()
+    answers: list[int] = []
+    before = set(threading.enumerate())  # other engines' pools, if any
+
+    def on_result(lookup_id: str, tokens: int) -> None:
+        answers.append(tokens)
+        done.set()
+
+    assert engine.async_lookup_and_prefetch("d", hashes, model_name="m", on_result=on_result) is None
+    assert done.wait(5) and answers == [48]
+    threads = _prefetch_threads(before)
+    assert threads
+    assert engine.close(5)
+    for t in threads:
+        t.join(5)  # an idle pool thread ends once the pool is shut down
+    assert not any(t.is_alive() for t in threads)
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.async_lookup_and_prefetch("e", hashes, model_name="m", on_result=on_result)
+    # Everything else still works, the synchronous tiered lookup included.
+    assert engine.async_lookup_and_prefetch("f", hashes, model_name="m") == 48
+    assert engine.cleanup_memory_objs("f") == 3
+    assert engine.close()
+
+
+def test_stats_and_spill_hooks_without_and_with_a_disk(tmp_path: Path) -> None:
+    plain = CacheEngine(MemoryPool(SLOT, 4, pin=False), chunk_size=16)
+    assert plain.disk is None and plain.remote is None and not plain.has_tiers
+    assert plain._spill_candidates(8) == []
+    disk = DiskTier(tmp_path, 1 << 20)
+    engine = CacheEngine(MemoryPool(SLOT, 8, pin=False), chunk_size=16, disk=disk)
+    keys = [ChunkKey("m", 1, 0, bytes([i]) * 16) for i in range(8)]
+    for k in keys:
+        _store(engine, [k])
+    # Full pool: the 8 // 4 least recently used chunks are next in line and not on disk yet.
+    assert engine._spill_candidates(8) == keys[:2]
+    with engine._pinned(keys[0]) as payload:
+        assert payload is not None and disk.write(keys[0], payload)
+    assert engine._spill_candidates(8) == keys[1:2]
+    _store(engine, [ChunkKey("m", 1, 0, b"z" * 16)])  # evicts keys[0] (saved), no unsaved loss
+    stats = engine.stats()
+    assert stats["evictions"] == 1 and stats["disk_evicted_unsaved"] == 0
+    assert stats["disk_chunks"] == 1
