@@ -82,8 +82,8 @@ def handle(adapter: LMCacheMPWorkerAdapter, layers: list[torch.Tensor], c: dict)
         return {"stores": sorted(stores or []), "retrieves": sorted(retrieves or []),
                 "stores_none": stores is None, "retrieves_none": retrieves is None}
     if cmd == "await_stores":  # block until the request's store replies are in (harness only)
-        for transfer in adapter._stores[c["req"]].transfers:
-            transfer.future.exception(20)
+        for future in adapter.store_futures(c["req"]):
+            future.exception(20)
         return {"ok": True}
     if cmd == "submit_store":  # submit without waiting (for get_finished ordering tests)
         adapter.submit_store_request(c["req"], LoadStoreOp(keys(c["keys"]), c["blocks"]), None)

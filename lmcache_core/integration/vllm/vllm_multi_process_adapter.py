@@ -416,6 +416,12 @@ class LMCacheMPWorkerAdapter:
             return f"{reply.skipped_full} chunk(s) skipped: the server's pool is full of locked chunks"
         return None
 
+    def store_futures(self, request_id: str) -> list[MessagingFuture[Any]]:
+        """The futures of the stores still tracked for ``request_id`` (until ``get_finished``
+        reports it), e.g. to wait for them before vLLM reuses a preempted request's blocks."""
+        state = self._stores.get(request_id)
+        return [t.future for t in state.transfers] if state is not None else []
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks that failed retrieves did not fill (reported once, then forgotten)."""
         blocks, self._load_error_blocks = self._load_error_blocks, set()

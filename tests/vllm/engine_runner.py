@@ -1,0 +1,156 @@
+"""Run one vLLM engine (in-process, CPU) through a list of steps; write what it generated as JSON.
+
+Usage: python tests/vllm/engine_runner.py SPEC.json OUT.json
+
+Run as its own process per engine (vLLM keeps process-global state). SPEC:
+``{"model": dir, "connector": {"url": ..., "extra": {...}} | null, "prefix_caching": bool,
+"num_blocks": int | null, "max_model_len": int | null, "server_pid": int | null,
+"server_url": str | null, "steps": [...]}`` where a step is one of
+
+- ``{"op": "generate", "name", "prompts": [[ids]], "max_tokens", "salt"?, "kill_server_after_s"?}``
+  (greedy; records tokens, num_cached_tokens and wall time; optionally SIGKILLs the server from a
+  timer while the batch runs);
+- ``{"op": "ttft", "name", "prompts": [[ids]], "salt"?}``: one prompt at a time, one output token,
+  wall time each (the time to first token of an in-process engine);
+- ``{"op": "stats", "name"}``: the server's counters;
+- ``{"op": "fault", "kind": "corrupt_loads" | null}``: make every load ask for a chunk the server
+  does not have (so it fails and vLLM must recompute), or stop doing so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+CONNECTOR_MODULE = "lmcache_core.integration.vllm.lmcache_connector"
+FAULTS: dict[str, Any] = {"kind": None, "corrupted": 0}
+
+
+def _install_fault_hook() -> None:
+    """Wrap the connector's build_connector_meta so a test can make loads fail on purpose."""
+    from lmcache_core.integration.vllm import lmcache_connector as lc
+
+    original = lc.LMCacheConnector.build_connector_meta
+
+    def build_connector_meta(self: Any, scheduler_output: Any) -> Any:
+        meta = original(self, scheduler_output)
+        if FAULTS["kind"] == "corrupt_loads":
+            for spec in meta.loads:
+                if spec.chunk_hashes:
+                    spec.chunk_hashes[-1] = os.urandom(32)  # a chunk the server never saw
+                    FAULTS["corrupted"] += 1
+        return meta
+
+    lc.LMCacheConnector.build_connector_meta = build_connector_meta  # type: ignore[method-assign]
+
+
+def _server_stats(url: str) -> dict[str, Any]:
+    import msgspec
+
+    from lmcache_core.protocol import messages as m
+    from lmcache_core.protocol.ops import RequestType
+    from lmcache_core.transport.client import MessageQueueClient
+
+    with MessageQueueClient(url, connect_timeout_s=2.0) as client:
+        reply = client.call(RequestType.SERVER_INFO, m.NoArgs(), m.ServerInfoReply, timeout_s=5.0)
+    return dict(msgspec.to_builtins(reply.stats))
+
+
+def _kill(pid: int, start: float, killed_at: list[float]) -> None:
+    os.kill(pid, signal.SIGKILL)
+    killed_at.append(time.perf_counter() - start)
+
+
+def main(spec_path: str, out_path: str) -> int:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    out: dict[str, Any] = {"results": {}, "stats": {}, "faults": FAULTS}
+    t0 = time.perf_counter()
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kv_config = None
+    if spec.get("connector"):
+        _install_fault_hook()
+        kv_config = KVTransferConfig(
+            kv_connector="LMCacheConnector", kv_connector_module_path=CONNECTOR_MODULE,
+            kv_role="kv_both", kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"url": spec["connector"]["url"],
+                                       **spec["connector"].get("extra", {})})
+    llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+              max_model_len=spec.get("max_model_len", 4096),
+              enable_prefix_caching=bool(spec.get("prefix_caching")),
+              num_gpu_blocks_override=spec.get("num_blocks"), kv_transfer_config=kv_config, seed=0)
+    out["startup_s"] = time.perf_counter() - t0
+
+    def prompts(step: dict[str, Any]) -> list[Any]:
+        extra = {"cache_salt": step["salt"]} if step.get("salt") else {}
+        return [TokensPrompt(prompt_token_ids=list(p), **extra) for p in step["prompts"]]
+
+    for step in spec["steps"]:
+        op = step["op"]
+        if op == "generate":
+            params = SamplingParams(temperature=0.0, max_tokens=step["max_tokens"],
+                                    ignore_eos=True, detokenize=False)
+            timer = None
+            killed_at: list[float] = []
+            start = time.perf_counter()
+            if step.get("kill_server_after_s") is not None and spec.get("server_pid"):
+                timer = threading.Timer(step["kill_server_after_s"], _kill,
+                                        (spec["server_pid"], start, killed_at))
+                timer.start()
+            outputs = llm.generate(prompts(step), params, use_tqdm=False)
+            elapsed = time.perf_counter() - start
+            if timer is not None:
+                timer.join()
+            out["results"][step["name"]] = {
+                "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+                "cached": [o.num_cached_tokens for o in outputs],
+                "elapsed_s": elapsed,
+                "killed_at_s": killed_at[0] if killed_at else None,
+            }
+        elif op == "ttft":
+            params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
+                                    detokenize=False)
+            times, tokens, cached = [], [], []
+            for prompt in prompts(step):
+                start = time.perf_counter()
+                (output,) = llm.generate([prompt], params, use_tqdm=False)
+                times.append(time.perf_counter() - start)
+                tokens.append(list(output.outputs[0].token_ids))
+                cached.append(output.num_cached_tokens)
+            out["results"][step["name"]] = {"ttft_s": times, "tokens": tokens, "cached": cached}
+        elif op == "stats":
+            out["stats"][step["name"]] = _server_stats(spec["server_url"])
+        elif op == "fault":
+            FAULTS["kind"] = step["kind"]
+        else:
+            raise ValueError(f"unknown step {op!r}")
+        with open(out_path, "w") as f:  # partial results survive a later crash
+            json.dump(out, f)
+
+    # Shut the engine down (the connector unregisters); never hang the test on it.
+    watchdog = threading.Timer(60.0, os._exit, (3,))
+    watchdog.daemon = True
+    watchdog.start()
+    t1 = time.perf_counter()
+    llm.llm_engine.engine_core.shutdown()  # the worker's and the scheduler's connectors too
+    out["shutdown_s"] = time.perf_counter() - t1
+    with open(out_path, "w") as f:
+        json.dump(out, f)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter teardown of vLLM's threads
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))

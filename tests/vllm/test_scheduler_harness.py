@@ -1,0 +1,61 @@
+"""vLLM's real scheduler driving our connector (both roles), for the installed vLLM and the newest one.
+
+The newest PyPI ``vllm`` is a CUDA build that cannot run a model here; scripts/test-vllm installs it
+with ``--no-deps`` into a separate folder (``LMCACHE_VLLM_NEWEST``) and this test runs its scheduler
+with ``VLLM_TARGET_DEVICE=cpu`` through tests/vllm/scheduler_harness.py (a synthetic model).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.servers import ServerProcess
+from tests.vllm.tiny_model import SERVER, tiny_llama
+
+pytestmark = pytest.mark.timeout(600)
+HARNESS = Path(__file__).with_name("scheduler_harness.py")
+
+
+def _run(tmp: Path, extra_env: dict[str, str]) -> dict[str, Any]:
+    server = ServerProcess(tmp, SERVER, name="harness").start()
+    out = tmp / "harness.json"
+    try:
+        env = {**os.environ, **extra_env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+               "PYTHONPATH": os.pathsep.join(
+                   p for p in [extra_env.get("PYTHONPATH", ""), str(Path(__file__).parents[2])]
+                   if p)}
+        proc = subprocess.run([sys.executable, str(HARNESS), server.url, str(out),
+                               str(tiny_llama())], env=env, capture_output=True, text=True,
+                              timeout=500, check=False)
+    finally:
+        server.stop()
+    assert proc.returncode == 0 and out.exists(), (proc.stdout + proc.stderr)[-6000:]
+    return dict(json.loads(out.read_text()))
+
+
+def _check(result: dict[str, Any]) -> None:
+    requests = result["requests"]
+    for name, req in requests.items():
+        assert req["tokens"] == req["expected"], name
+    assert [requests[n]["cached"] for n in "ABC"] == [0, 768, 0]
+
+
+def test_installed_vllm_scheduler(tmp_path: Path) -> None:
+    _check(_run(tmp_path, {}))
+
+
+def test_newest_vllm_scheduler(tmp_path: Path) -> None:
+    newest = os.environ.get("LMCACHE_VLLM_NEWEST", "")
+    if not newest or not (Path(newest) / "vllm").is_dir():
+        pytest.skip("no newest vLLM prepared (scripts/test-vllm sets LMCACHE_VLLM_NEWEST)")
+    result = _run(tmp_path, {"PYTHONPATH": newest, "VLLM_TARGET_DEVICE": "cpu"})
+    expected = (Path(newest) / ".lmcache-version").read_text().strip()
+    assert result["vllm"] == expected
+    _check(result)
