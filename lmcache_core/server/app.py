@@ -41,6 +41,8 @@ class CacheServer:
     def __init__(self, config: LMCacheConfig, context: zmq.Context[Any] | None = None) -> None:
         self.config = config
         self.pool = MemoryPool.from_bytes(config.server.pool_bytes, config.chunk_bytes)
+        if config.server.prefault:
+            self.pool.prefault()
         self.disk, self.remote = build_tiers(config)
         self.engine = CacheEngine(self.pool, config.chunk_size,
                                   lock_ttl_s=config.timeouts.lock_ttl_s, disk=self.disk,

@@ -37,6 +37,10 @@ class MemoryPool:
         # One byte per slot: catches a double free or a free of a slot never handed out.
         self._in_use = bytearray(num_slots)
 
+    def prefault(self) -> None:
+        """Write every page now, so no later store pays the first-touch page faults."""
+        self._buf.zero_()
+
     @classmethod
     def from_bytes(cls, pool_bytes: int, slot_bytes: int, pin: bool | None = None) -> MemoryPool:
         """As many whole slots as fit in ``pool_bytes`` (the remainder is not allocated)."""

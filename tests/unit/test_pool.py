@@ -101,3 +101,14 @@ def test_large_pool_starts_at_once() -> None:
     elapsed = time.perf_counter() - start
     assert pool.num_slots == 128
     assert elapsed < 0.5
+
+
+def test_prefault_touches_every_page_and_keeps_slots_usable():
+    pool = MemoryPool(slot_bytes=4096 * 4, num_slots=8, pin=False)
+    pool.prefault()
+    slot = pool.allocate()
+    assert slot is not None
+    view = pool.view(slot)
+    view.fill_(7)
+    assert int(view.sum()) == 7 * view.numel()
+    assert int(pool.tensor.sum()) == 7 * view.numel()  # every other byte was zeroed
