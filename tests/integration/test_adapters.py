@@ -203,3 +203,28 @@ def server_stats(adapter: LMCacheMPSchedulerAdapter) -> m.ServerStats:
     assert get_lmcache_chunk_size(adapter.mq_client) == CHUNK
     reply = adapter.mq_client.call(RequestType.SERVER_INFO, m.NoArgs(), m.ServerInfoReply)
     return reply.stats
+
+
+def test_end_session_during_a_lookup_leaves_no_locks(tmp_path):
+    # On a tiered server a lookup runs on the worker pool, so a release sent right behind it could
+    # overtake it; the adapter holds the release back until the lookup has landed.
+    srv = ServerProcess(tmp_path, {"disk": {"path": str(tmp_path / "disk")}}).start()
+    worker = WorkerProcess(srv.url)
+    scheduler = LMCacheMPSchedulerAdapter(srv.url, zmq.Context.instance(), "tiny", 1, 0, BLOCK)
+    try:
+        toks = tokens(4, seed=70)
+        worker("fill", blocks=blocks(0, 4), seed=3)
+        assert worker("store", req="s", keys=toks, blocks=blocks(0, 4))["finished"]
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        try:
+            scheduler.maybe_submit_lookup_request("aborted", toks)
+            released = scheduler.end_session("aborted")
+            assert not released.query()
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        assert released.result(10).released == 4
+        assert server_stats(scheduler).locks_held == 0
+    finally:
+        scheduler.close()
+        worker.close()
+        srv.kill()

@@ -206,14 +206,23 @@ class LMCacheMPSchedulerAdapter:
 
     def free_lookup_locks(self, request_id: str) -> MessagingFuture[Any]:
         """Release what the request's lookup still locks (e.g. on abort), without waiting."""
-        return self._release(RequestType.FREE_LOOKUP_LOCKS, request_id)
+        return self._release(RequestType.FREE_LOOKUP_LOCKS, request_id,
+                             self._lookups.get(request_id))
 
     def end_session(self, request_id: str) -> MessagingFuture[Any]:
         """The request is done: forget its lookup and release what it still locks on the server."""
-        self.cleanup_lookup_result(request_id)
-        return self._release(RequestType.END_SESSION, request_id)
+        return self._release(RequestType.END_SESSION, request_id,
+                             self._lookups.pop(request_id, None))
 
-    def _release(self, op: RequestType, request_id: str) -> MessagingFuture[Any]:
+    def _release(self, op: RequestType, request_id: str,
+                 lookup: MessagingFuture[Any] | None) -> MessagingFuture[Any]:
+        """Send ``op`` now, or, while the request's lookup is still in flight, once it has landed:
+        sent earlier, the release could reach the server first (a lookup on a tiered server runs on
+        its worker pool) and the lookup's locks would then outlive the request until their TTL."""
+        if lookup is not None and not lookup.query():
+            released: MessagingFuture[Any] = MessagingFuture(f"{op.value} for {request_id}")
+            lookup.add_done_callback(lambda _f: _chain(self._release(op, request_id, None), released))
+            return released
         future = self.mq_client.submit_request(op, [m.LookupIdRequest(lookup_id=request_id)])
         future.add_done_callback(lambda f: _log_failure(f, f"{op.value} for {request_id}"))
         return future
@@ -222,6 +231,18 @@ class LMCacheMPSchedulerAdapter:
         self.mq_client.close()
 
     shutdown = close
+
+
+def _chain(source: MessagingFuture[Any], target: MessagingFuture[Any]) -> None:
+    """Resolve ``target`` with ``source``'s outcome once it has one."""
+    def settle(done: MessagingFuture[Any]) -> None:
+        exc = done.exception(0)
+        if exc is None:
+            target.set_result(done.result(0))
+        else:
+            target.set_exception(exc)
+
+    source.add_done_callback(settle)
 
 
 def _log_failure(future: MessagingFuture[Any], what: str) -> None:
