@@ -180,6 +180,11 @@ def run(args: argparse.Namespace, workdir: Path, server_url: str, echo_url: str)
             times[mode] = time.perf_counter() - start
         print(f"\n{n} requests x 1 chunk, {label}: batched {times['batched'] * 1e3:.2f} ms (1 round trip)"
               f" vs single {times['single'] * 1e3:.2f} ms ({n}): {times['single'] / times['batched']:.2f}x")
+    pid = server_pid(client)
+    info = client.call(RequestType.SERVER_INFO, m.NoArgs(), m.ServerInfoReply)
+    shared = sum(layer.numel() * layer.element_size() for layer in caches.values())
+    print(f"\nserver memory: RSS {rss_mib(pid):.0f} MiB = pool {info.pool_bytes / 2**20:.0f} MiB + mapped "
+          f"KV caches {shared / 2**20:.0f} MiB (counted when touched) + the process itself")
     worker.shutdown()
     scheduler.close()
 
@@ -192,6 +197,13 @@ def wait_for(make):  # the server may still be starting
         except Exception:
             if time.monotonic() > deadline:
                 raise
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def server_pid(client) -> int:
