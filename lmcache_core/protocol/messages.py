@@ -170,6 +170,7 @@ class PingReply(Reply):
     chunk_size: int
     uptime_s: float
     pid: int
+    registered: bool | None = None  # for a ping with an instance id: does the server know it?
 
 
 class ChunkSizeReply(Reply):

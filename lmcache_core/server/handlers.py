@@ -66,10 +66,10 @@ class CacheHandlers:
     # ------------------------------------------------------------------ control
 
     def ping(self, request: m.PingRequest, _client: bytes) -> m.PingReply:
-        if request.instance_id is not None:
-            self.registry.touch(request.instance_id)
+        known = None if request.instance_id is None else self.registry.touch(request.instance_id)
         return m.PingReply(version=__version__, chunk_size=self.config.chunk_size,
-                           uptime_s=time.monotonic() - self.started, pid=os.getpid())
+                           uptime_s=time.monotonic() - self.started, pid=os.getpid(),
+                           registered=known)
 
     def get_chunk_size(self, _request: m.NoArgs, _client: bytes) -> m.ChunkSizeReply:
         return m.ChunkSizeReply(chunk_size=self.config.chunk_size)

@@ -228,3 +228,27 @@ def test_end_session_during_a_lookup_leaves_no_locks(tmp_path):
         scheduler.close()
         worker.close()
         srv.kill()
+
+
+def test_worker_registers_again_after_a_server_restart(tmp_path):
+    srv = ServerProcess(tmp_path).start()
+    worker = WorkerProcess(srv.url)  # heartbeat every second
+    try:
+        worker("fill", blocks=blocks(0, 2), seed=4)
+        toks = tokens(2, seed=80)
+        assert not worker("store", req="before", keys=toks, blocks=blocks(0, 2))["failed"]
+        srv.stop()
+        srv.start()  # same url, an empty server that has never heard of the worker
+        deadline = time.monotonic() + 15
+        while worker("store", req=f"after{time.monotonic()}", keys=toks, blocks=blocks(0, 2))["failed"]:
+            assert time.monotonic() < deadline, "the worker never registered again"
+            time.sleep(0.2)
+        scheduler = LMCacheMPSchedulerAdapter(srv.url, zmq.Context.instance(), "tiny", 1, 0, BLOCK)
+        try:
+            assert wait_lookup(scheduler, "r", toks) == 2 * CHUNK
+            scheduler.end_session("r").result(5)
+        finally:
+            scheduler.close()
+    finally:
+        worker.close()
+        srv.kill()

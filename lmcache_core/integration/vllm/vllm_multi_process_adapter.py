@@ -297,6 +297,7 @@ class LMCacheMPWorkerAdapter:
         self.chunk_size = self._conn.chunk_size
         self.instance_id = random.getrandbits(63)
         self.registered: KVCache | None = None
+        self._registration: m.RegisterKVCacheRequest | None = None
         self._stores: dict[str, _RequestState] = {}
         self._retrieves: dict[str, _RequestState] = {}
         self._engine_finished: set[str] = set()
@@ -322,16 +323,38 @@ class LMCacheMPWorkerAdapter:
             pid=os.getpid(), hostname=socket.gethostname())
         self.mq_client.call(RequestType.REGISTER_KV_CACHE, request, m.RegisterKVCacheReply)
         self.registered = wrapped
+        self._registration = request
         if self._heartbeat is None and self._heartbeat_interval_s > 0:
             self._heartbeat = threading.Thread(target=self._beat, name="lmcache-heartbeat",
                                                daemon=True)
             self._heartbeat.start()
 
     def _beat(self) -> None:
-        """Ping with our instance id so the server knows this worker is alive (and keeps its maps)."""
-        while not self._stop.wait(self._heartbeat_interval_s):
-            self.mq_client.submit_request(
-                RequestType.PING, [m.PingRequest(instance_id=self.instance_id)])
+        """Ping with our instance id so the server knows this worker is alive (and keeps its maps);
+        a server that restarted no longer knows it, and gets the KV caches registered again."""
+        interval = self._heartbeat_interval_s
+        while not self._stop.wait(interval):
+            ping = m.PingRequest(instance_id=self.instance_id)
+            try:
+                reply = self.mq_client.submit_request(RequestType.PING, [ping], interval).result(
+                    interval + 1.0)
+            except LMCacheError:  # the server is down: the next beat tries again
+                continue
+            if reply.registered is False and not self._stop.is_set():
+                self._register_again()
+
+    def _register_again(self) -> None:
+        request = self._registration
+        if request is None:
+            return
+        try:
+            self.mq_client.call(RequestType.REGISTER_KV_CACHE, request, m.RegisterKVCacheReply)
+        except LMCacheError as exc:
+            logger.warning("re-registering the KV caches with %s failed: %s",
+                           self.mq_client.server_url, exc)
+            return
+        logger.info("the server at %s had forgotten this worker (restarted?): KV caches "
+                    "registered again", self.mq_client.server_url)
 
     # ------------------------------------------------------------------ store / retrieve
 
