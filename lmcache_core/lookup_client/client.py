@@ -7,7 +7,10 @@ records each worker's answer, and when every expected worker has answered stores
 ``lookup_cache()`` reads that state under a lock and never sleeps. While its lookup is still running
 it also drains the PULL socket itself (non-blocking receives): a scheduler that polls in a tight
 loop holds the GIL, and would otherwise see each answer only when the interpreter's switch interval
-(5 ms) lets the background thread run.
+(5 ms) lets the background thread run. ``wait_for_result()`` polls the socket on its own thread.
+While callers receive for themselves like this, the background thread stops watching the socket
+(it looks again every ``_ATTENDED_S``): woken by each answer, it would only compete with the caller
+reading that answer for the GIL and the receive lock, which cost more than the receive itself.
 
 The PULL socket is shared the same way as the PUSH sockets: under a lock, with the thread polling its
 ``ZMQ_FD`` (which signals new messages; every drain reads until EAGAIN, so no signal is lost). Each
@@ -28,6 +31,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import select
 import threading
 import time
 from collections import deque
@@ -64,6 +68,8 @@ _RECV_BATCH = 512
 #: Results nobody cleared are dropped (oldest first, their pins released) beyond this many.
 MAX_RESULTS = 1 << 17
 _LOGGED_BAD = 10
+#: While a caller has received answers itself this recently, the thread does not watch the socket.
+_ATTENDED_S = 0.005
 _instances = itertools.count()
 
 
@@ -111,7 +117,10 @@ class LMCacheAsyncLookupClient:
         self._send_lock = threading.Lock()  # guards the PUSH sockets
         self._recv_lock = threading.Lock()  # guards the PULL socket
         self._pull_open = True
-        self._done = threading.Condition(self._lock)
+        # lookup id -> (thread id, waker) of each wait_for_result() caller waiting on it
+        self._waiters: dict[str, list[tuple[int, Waker]]] = {}
+        self._local = threading.local()  # a waiting caller thread's own poller
+        self._attended_at = 0.0  # when a caller last received answers itself
         self._running: dict[str, _Running] = {}
         # lookup id -> (hit tokens, seq, whether workers may still hold pins for it)
         self._results: dict[str, tuple[int, int, bool]] = {}
@@ -195,12 +204,14 @@ class LMCacheAsyncLookupClient:
             running = self._running.get(lookup_id)
             if running is None:
                 return -1
-            expired = time.monotonic() >= running.deadline
+            now = time.monotonic()
+            expired = now >= running.deadline
             if expired:
                 abandoned = self._time_out(lookup_id, running)
         if expired:
             self._send_cleanups(lookup_id, abandoned)
             return 0
+        self._attended_at = now
         if not self._drain():
             return None
         with self._lock:
@@ -210,18 +221,42 @@ class LMCacheAsyncLookupClient:
             return None if lookup_id in self._running else -1
 
     def process_responses_from_workers(self) -> None:
-        """The background thread's loop (started by the constructor; do not call it yourself)."""
-        poller = zmq.Poller()
-        poller.register(self._pull.get(zmq.FD), zmq.POLLIN)
-        poller.register(self._waker.fd, zmq.POLLIN)
+        """The background thread's loop (started by the constructor; do not call it yourself).
+
+        It expires lookups at their deadlines and receives the answers nobody else does. While a
+        caller has been receiving answers itself (``lookup_cache`` on a running lookup,
+        ``wait_for_result``) within ``_ATTENDED_S``, it does not watch the socket: woken by every
+        answer, it would only compete for the GIL and the receive lock with the caller reading that
+        answer. It then looks again (and drains) every ``_ATTENDED_S``, so an answer nobody reads
+        waits at most that long.
+        """
+        poller = select.poll()
+        poller.register(self._waker.fd, select.POLLIN)
+        zmq_fd: Any = self._pull.get(zmq.FD)
+        waker_fd = self._waker.fd
+        watching = False
         try:
             while not self._closing.is_set():
-                events = dict(poller.poll(self._poll_timeout_ms()))
-                if self._waker.fd in events:
-                    self._waker.drain()
                 while self._drain() >= _RECV_BATCH:
                     pass
-                self._expire(time.monotonic())
+                now = time.monotonic()
+                self._expire(now)
+                timeout_ms = self._poll_timeout_ms()
+                unattended_s = now - self._attended_at
+                watch = unattended_s >= _ATTENDED_S
+                if not watch:
+                    look_ms = int((_ATTENDED_S - unattended_s) * 1000) + 1
+                    timeout_ms = look_ms if timeout_ms < 0 else min(timeout_ms, look_ms)
+                if watch != watching:
+                    # Registering after a drain that read to EAGAIN: ZMQ_FD signals what comes next.
+                    if watch:
+                        poller.register(zmq_fd, select.POLLIN)
+                    else:
+                        poller.unregister(zmq_fd)
+                    watching = watch
+                for fd, _ in poller.poll(timeout_ms):
+                    if fd == waker_fd:
+                        self._waker.drain()
         except Exception:
             logger.exception("lookup client thread failed")
         finally:
@@ -264,7 +299,9 @@ class LMCacheAsyncLookupClient:
             for lookup_id, running in abandoned:
                 self._finish(lookup_id, 0, running.seq, pinned=False)
             self._running.clear()
-            self._done.notify_all()
+            for waiters in self._waiters.values():
+                for _, waker in waiters:
+                    waker.wake()
         for lookup_id, running in abandoned:  # what already answered can be released now
             self._send_cleanups(lookup_id, (running.seq, list(running.answers)))
         self._closing.set()
@@ -287,22 +324,70 @@ class LMCacheAsyncLookupClient:
         """Block until ``lookup_id`` is done (tests, benchmarks, tools; never the scheduler's loop).
 
         Returns what ``lookup_cache`` then returns: hit tokens, 0 after the lookup timeout, ``-1``
-        if it was never asked; None if ``timeout_s`` passed first.
+        if it was never asked; None if ``timeout_s`` passed first. The answers are received on this
+        thread (it polls the answer socket itself), so they reach it without a hop through the
+        background thread; one received elsewhere rings this thread's waker.
         """
         end = time.monotonic() + (self.timeout_s + 1.0 if timeout_s is None else timeout_s)
+        me = (threading.get_ident(), self._wait_state())
         with self._lock:
+            result = self._results.get(lookup_id)
+            if result is not None:
+                return result[0]
+            if lookup_id not in self._running:
+                return -1
+            self._waiters.setdefault(lookup_id, []).append(me)
+        poller, waker = self._local.poller, me[1]
+        try:
             while True:
-                result = self._results.get(lookup_id)
-                if result is not None:
-                    return result[0]
-                running = self._running.get(lookup_id)
-                if running is None:
-                    return -1
-                now = time.monotonic()
-                if now >= running.deadline or now >= end:
-                    break
-                self._done.wait(min(running.deadline, end) - now)
+                self._attended_at = time.monotonic()
+                self._drain()
+                with self._lock:
+                    result = self._results.get(lookup_id)
+                    if result is not None:
+                        return result[0]
+                    running = self._running.get(lookup_id)
+                    if running is None:
+                        return -1
+                    now = time.monotonic()
+                    if now >= running.deadline or now >= end:
+                        break
+                    wait_ms = int((min(running.deadline, end) - now) * 1000) + 1
+                if not self._pull_open:  # the thread failed and closed the socket: deadlines left
+                    time.sleep(min(wait_ms, 10) / 1000)
+                    continue
+                for fd, _ in poller.poll(min(wait_ms, int(_ATTENDED_S * 1000))):
+                    if fd == waker.fd:
+                        waker.drain()
+        finally:
+            with self._lock:
+                waiters = self._waiters.get(lookup_id)
+                if waiters is not None:
+                    waiters.remove(me)
+                    if not waiters:
+                        del self._waiters[lookup_id]
         return self.lookup_cache(lookup_id)
+
+    def _wait_state(self) -> Waker:
+        """This thread's waker, and its poller of the answer socket and that waker (made once)."""
+        waker: Waker | None = getattr(self._local, "waker", None)
+        if waker is None:
+            waker = Waker()
+            poller = select.poll()
+            zmq_fd: Any = self._pull.get(zmq.FD)
+            poller.register(zmq_fd, select.POLLIN)
+            poller.register(waker.fd, select.POLLIN)
+            self._local.waker, self._local.poller = waker, poller
+        return waker
+
+    def _notify(self, lookup_id: str) -> None:
+        """``lookup_id`` is done (under the lock): wake the callers waiting on it on other threads."""
+        waiters = self._waiters.get(lookup_id)
+        if waiters:
+            me = threading.get_ident()
+            for ident, waker in waiters:
+                if ident != me:
+                    waker.wake()
 
     def stats(self) -> dict[str, int]:
         """Counters (lookups, completed, timeouts, cancelled, late answers, cleanups sent, ...)."""
@@ -343,7 +428,7 @@ class LMCacheAsyncLookupClient:
         del self._running[lookup_id]
         self._finish(lookup_id, 0, running.seq, pinned=False)  # the caller cleans up what answered
         self._counts["timeouts"] += 1
-        self._done.notify_all()
+        self._notify(lookup_id)
         timeouts = self._counts["timeouts"]
         if timeouts <= _LOGGED_BAD or timeouts % 1000 == 0:  # a dead worker must not flood the log
             missing = [w for w in self.worker_ids if w not in running.answers]
@@ -359,7 +444,7 @@ class LMCacheAsyncLookupClient:
         with self._send_lock:
             for worker, sock in self._push.items():
                 try:
-                    sock.send(buf, zmq.NOBLOCK, copy=False)
+                    sock.send(buf, zmq.NOBLOCK)
                 except (zmq.Again, zmq.ZMQError):
                     failed.append(worker)
         if failed:
@@ -383,7 +468,7 @@ class LMCacheAsyncLookupClient:
                 if sock is None:
                     continue
                 try:
-                    sock.send(buf, zmq.NOBLOCK, copy=False)
+                    sock.send(buf, zmq.NOBLOCK)
                     sent += 1
                 except zmq.ZMQError:  # queue full or closed: the worker's lock TTL releases them
                     logger.debug("could not send the cleanup of %r to worker %d", lookup_id, worker)
@@ -432,10 +517,12 @@ class LMCacheAsyncLookupClient:
         with self._recv_lock:
             if not self._pull_open:
                 return 0
-            recv = self._pull.recv
-            for _ in range(_RECV_BATCH):
+            sock = self._pull
+            for _ in range(_RECV_BATCH):  # to EVENTS without POLLIN: re-arms ZMQ_FD, raises nothing
+                if not int(sock.get(zmq.EVENTS)) & zmq.POLLIN:
+                    break
                 try:
-                    bufs.append(recv(zmq.NOBLOCK))
+                    bufs.append(sock.recv(zmq.NOBLOCK))
                 except zmq.Again:
                     break
         if bufs:
@@ -478,7 +565,8 @@ class LMCacheAsyncLookupClient:
             self._finish(msg.lookup_id, min(answers.values()), msg.seq,
                          pinned=max(answers.values()) > 0)
             self._counts["completed"] += 1
-            self._done.notify_all()
+            if self._waiters:
+                self._notify(msg.lookup_id)
         return True
 
     def _expire(self, now: float) -> None:

@@ -299,3 +299,26 @@ def test_engine_with_a_disk_tier_loads_the_prefix_off_the_callers_thread(tmp_pat
     assert len(engine.locks_of("d")) == 3  # loaded into memory and pinned
     assert engine.async_lookup_and_prefetch("e", hashes, model_name="m") == 3 * CHUNK  # no callback
     assert engine.cleanup_memory_objs("d") == 3
+
+
+def test_a_waiter_is_woken_when_another_thread_receives_its_answer(setup):
+    s = setup({0: ScriptedEngine(16, hold=True)}, world_size=1)
+    s.client.lookup(TOKENS, "w")
+    until(lambda: len(s.engines[0].held) == 1)
+    results: list[int | None] = []
+    waiter = threading.Thread(target=lambda: results.append(s.client.wait_for_result("w", 5)))
+    waiter.start()
+    stop = threading.Event()
+
+    def poll() -> None:  # a scheduler loop polling the same id receives the answer itself
+        while not stop.is_set() and s.client.lookup_cache("w") is None:
+            pass
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    lookup_id, on_result = s.engines[0].held.pop()
+    on_result(lookup_id, 8)
+    waiter.join(5)
+    stop.set()
+    poller.join(5)
+    assert results == [8] and not waiter.is_alive()
