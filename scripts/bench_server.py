@@ -115,9 +115,10 @@ def run(args: argparse.Namespace, workdir: Path, server_url: str, echo_url: str)
     request = m.LookupRequest(model_name="bench", world_size=1, lookup_id="bench", chunk_hashes=hashes,
                               lock=False)
     assert client.call(RequestType.LOOKUP, request, m.LookupReply).hit_chunks == args.lookup_chunks
-    lookup_us = timed(lambda: client.call(RequestType.LOOKUP, request, m.LookupReply), args.lookups)
     frame_bytes = len(__import__("msgspec").msgpack.encode(request))
-    echo_us = echo_times(ctx, echo_url, frame_bytes, args.lookups)
+    echo_us, lookup_us = interleaved(
+        echo_once(ctx, echo_url, frame_bytes),
+        lambda: client.call(RequestType.LOOKUP, request, m.LookupReply), args.lookups)
     hash_us = timed(lambda: chain_hashes(prompt, CHUNK), 200)
     adapter_us = timed(lambda: scheduler_lookup(scheduler, prompt), min(args.lookups, 500))
     print(f"lookup, {len(prompt)} tokens = {len(hashes)} chunks, all hits (p50 of {args.lookups}):")
@@ -298,7 +299,8 @@ def check_equal(caches, src: list[int], dst: list[int]) -> None:
             raise SystemExit("retrieved bytes differ from the stored ones")
 
 
-def echo_times(ctx, url: str, frame_bytes: int, n: int) -> float:
+def echo_once(ctx, url: str, frame_bytes: int):
+    """One round trip of a lookup-sized frame through the bare ROUTER echo process."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(url)
@@ -308,10 +310,21 @@ def echo_times(ctx, url: str, frame_bytes: int, n: int) -> float:
         sock.send_multipart(frames)
         sock.recv_multipart()
 
-    try:
-        return timed(once, n)
-    finally:
-        sock.close(0)
+    return once
+
+
+def interleaved(floor, ours, n: int, batch: int = 100) -> tuple[float, float]:
+    """p50s (us) of ``floor`` and ``ours``, taking turns in batches so load swings hit both."""
+    timed(floor, batch)  # warm-up
+    timed(ours, batch)
+    samples: tuple[list[float], list[float]] = ([], [])
+    for _ in range(max(1, n // batch)):
+        for fn, out in ((floor, samples[0]), (ours, samples[1])):
+            for _ in range(batch):
+                start = time.perf_counter()
+                fn()
+                out.append(time.perf_counter() - start)
+    return statistics.median(samples[0]) * 1e6, statistics.median(samples[1]) * 1e6
 
 
 def timed(fn, n: int) -> float:
