@@ -234,6 +234,9 @@ def test_hybrid_and_sliding_window_models_are_refused(monkeypatch: pytest.Monkey
 
 
 def test_metadata_is_picklable() -> None:
+    # Not our wire: vLLM's multiprocess executor pickles SchedulerOutput (and so this metadata) to
+    # hand it from its scheduler to its workers; the metadata must survive that. lmcache's own
+    # sockets carry msgspec only.
     import pickle
 
     meta = lc.LMCacheConnectorMetadata()
