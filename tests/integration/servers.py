@@ -139,5 +139,9 @@ class WorkerProcess:
                 self.proc.kill()
 
     def kill(self) -> None:
+        """SIGKILL, as a crash would; then remove the shared memory it could not (unless a server
+        reaped it and did so already)."""
         self.proc.kill()
         self.proc.wait(5)
+        with contextlib.suppress(OSError):
+            os.unlink(f"/dev/shm/{self.hello['shm_name']}")

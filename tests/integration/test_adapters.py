@@ -179,7 +179,8 @@ def test_killing_a_worker_hangs_nobody(server, scheduler):
         victim("fill", blocks=blocks(0, 2), seed=1)
         assert victim("store", req="k", keys=toks, blocks=blocks(0, 2))["finished"]
         before = server_stats(scheduler).registered_instances
-        victim.kill()
+        victim.proc.kill()  # not victim.kill(): the server, not the harness, must unlink its memory
+        victim.proc.wait(5)
         start = time.monotonic()
         survivor("fill", blocks=blocks(0, 2), seed=2)
         assert survivor("store", req="k2", keys=tokens(2, seed=61), blocks=blocks(0, 2))["finished"]
