@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import zmq
@@ -34,6 +35,16 @@ def block_hashes(n_blocks: int, seed: int = 0) -> list[bytes]:
         prev = blake3(prev + i.to_bytes(4, "big")).digest()
         out.append(prev)
     return out
+
+
+def freeze(pid: int) -> None:
+    """SIGSTOP and wait until the process really is stopped (kill() returns before that)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 5
+    stat = Path(f"/proc/{pid}/stat")
+    while stat.read_text().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline, "the server did not stop"
+        time.sleep(0.001)
 
 
 def blocks(first_chunk: int, n_chunks: int) -> list[int]:
@@ -126,11 +137,11 @@ def test_batched_store_covers_every_request(ranks, scheduler):
 def test_get_finished_waits_for_both_store_and_engine(server, ranks):
     worker = ranks[0]
     toks = tokens(1, seed=40)
-    os.kill(server.proc.pid, signal.SIGSTOP)  # the store cannot complete while the server is frozen
+    freeze(server.proc.pid)  # the store cannot complete while the server is frozen
     try:
         worker("submit_store", req="g1", keys=toks, blocks=blocks(0, 1))
         early = worker("get_finished", engine_finished=["g1"])
-        assert early["stores_none"] and early["retrieves_none"]
+        assert early["stores_none"] and early["retrieves_none"], early
     finally:
         os.kill(server.proc.pid, signal.SIGCONT)
     # the engine finished g1 before its store completed: it is reported later, without naming it again
@@ -147,7 +158,7 @@ def test_get_finished_waits_for_both_store_and_engine(server, ranks):
 
 
 def test_pending_lookup_never_blocks(server, scheduler):
-    os.kill(server.proc.pid, signal.SIGSTOP)
+    freeze(server.proc.pid)
     try:
         scheduler.maybe_submit_lookup_request("p", tokens(2, seed=50))
         start = time.perf_counter()
@@ -216,7 +227,7 @@ def test_end_session_during_a_lookup_leaves_no_locks(tmp_path):
         toks = tokens(4, seed=70)
         worker("fill", blocks=blocks(0, 4), seed=3)
         assert worker("store", req="s", keys=toks, blocks=blocks(0, 4))["finished"]
-        os.kill(srv.proc.pid, signal.SIGSTOP)
+        freeze(srv.proc.pid)
         try:
             scheduler.maybe_submit_lookup_request("aborted", toks)
             released = scheduler.end_session("aborted")
