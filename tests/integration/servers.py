@@ -145,3 +145,13 @@ class WorkerProcess:
         self.proc.wait(5)
         with contextlib.suppress(OSError):
             os.unlink(f"/dev/shm/{self.hello['shm_name']}")
+
+
+def freeze(pid: int) -> None:
+    """SIGSTOP and wait until the process really is stopped (kill() returns before that)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 5
+    stat = Path(f"/proc/{pid}/stat")
+    while stat.read_text().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline, "the server did not stop"
+        time.sleep(0.001)

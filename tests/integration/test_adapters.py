@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 import zmq
@@ -18,7 +17,7 @@ from lmcache_core.integration.vllm.vllm_multi_process_adapter import (
 )
 from lmcache_core.protocol import RequestType
 from lmcache_core.protocol import messages as m
-from tests.integration.servers import ServerProcess, WorkerProcess
+from tests.integration.servers import ServerProcess, WorkerProcess, freeze
 
 CHUNK, BLOCK = 64, 16
 PER_CHUNK = CHUNK // BLOCK
@@ -35,16 +34,6 @@ def block_hashes(n_blocks: int, seed: int = 0) -> list[bytes]:
         prev = blake3(prev + i.to_bytes(4, "big")).digest()
         out.append(prev)
     return out
-
-
-def freeze(pid: int) -> None:
-    """SIGSTOP and wait until the process really is stopped (kill() returns before that)."""
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 5
-    stat = Path(f"/proc/{pid}/stat")
-    while stat.read_text().rsplit(")", 1)[1].split()[0] != "T":
-        assert time.monotonic() < deadline, "the server did not stop"
-        time.sleep(0.001)
 
 
 def blocks(first_chunk: int, n_chunks: int) -> list[int]:

@@ -29,7 +29,7 @@ from lmcache_core.storage import MemoryPool, record
 from lmcache_core.storage.disk import DiskTier, file_name
 from lmcache_core.storage.remote import RemoteTier
 from lmcache_core.transport.client import MessageQueueClient
-from tests.integration.servers import ServerProcess, WorkerProcess
+from tests.integration.servers import ServerProcess, WorkerProcess, freeze
 
 pytestmark = pytest.mark.redis
 
@@ -276,7 +276,7 @@ def test_hung_redis_costs_a_lookup_at_most_its_budget(redis_up: RedisServer) -> 
     e = engine(t)
     assert redis_up.proc is not None
     t.probe()  # connected before the freeze
-    os.kill(redis_up.proc.pid, signal.SIGSTOP)
+    freeze(redis_up.proc.pid)
     try:
         start = time.monotonic()
         assert e.lookup_tiers("m", 1, [key(5).chunk_hash], "h", timeout_s=0.3) == 0
@@ -381,7 +381,7 @@ def test_two_servers_share_redis_and_disk_survives_restart(redis_up: RedisServer
 
             # A hung Redis: a lookup waits (bounded) on a worker thread; pings are not delayed.
             assert redis_up.proc is not None
-            os.kill(redis_up.proc.pid, signal.SIGSTOP)
+            freeze(redis_up.proc.pid)
             try:
                 start = time.monotonic()
                 pending = cb.submit_request(RequestType.LOOKUP, [m.LookupRequest(
