@@ -42,10 +42,26 @@ LOOKUP_MS = 1000
 # ---------------------------------------------------------------- a real redis-server
 
 
-def _free_port() -> int:
+def _free_port(cluster: bool = False) -> int:
+    """A free loopback port; for a cluster node also its bus port (port + 10000, so <= 65535)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if not cluster:
+            return port
+        if port + 10000 <= 65535 and _bindable(port + 10000):
+            return port
+    raise RuntimeError("no free port pair for a redis cluster node")
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 class RedisServer:
@@ -55,7 +71,7 @@ class RedisServer:
         self.binary = binary
         self.workdir = workdir
         self.cluster = cluster
-        self.port = _free_port()
+        self.port = _free_port(cluster)
         self.url = f"redis{'+cluster' if cluster else ''}://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -64,7 +80,9 @@ class RedisServer:
                 "--appendonly", "no", "--dir", str(self.workdir), "--protected-mode", "no"]
         if self.cluster:  # a one-node cluster holding every slot
             args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        log = self.workdir / f"redis-{self.port}.log"
+        with log.open("ab") as out:
+            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
         client = redis.Redis(port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5)
         deadline = time.monotonic() + 10
         while True:
@@ -73,7 +91,8 @@ class RedisServer:
                 break
             except redis.exceptions.ConnectionError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("redis-server did not start") from None
+                    tail = log.read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"redis-server did not start:\n{tail}") from None
                 time.sleep(0.02)
         if self.cluster:
             client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
