@@ -189,7 +189,9 @@ class LMCacheMPSchedulerAdapter:
         if future is None:
             return 0
         if not future.query():
-            return None
+            self.mq_client.poll_replies()  # take an arrived reply now, without a thread hop
+            if not future.query():
+                return None
         try:
             reply: m.LookupReply = future.result(0)
         except LMCacheError as exc:
