@@ -198,12 +198,9 @@ class LMCacheAsyncLookupClient:
         non-blocking read of the answers that have arrived.
         """
         with self._lock:
-            result = self._results.get(lookup_id)
-            if result is not None:
-                return result[0]
-            running = self._running.get(lookup_id)
-            if running is None:
-                return -1
+            running = self._state_locked(lookup_id)
+            if isinstance(running, int):
+                return running
             now = time.monotonic()
             expired = now >= running.deadline
             if expired:
@@ -215,10 +212,8 @@ class LMCacheAsyncLookupClient:
         if not self._drain():
             return None
         with self._lock:
-            result = self._results.get(lookup_id)
-            if result is not None:
-                return result[0]
-            return None if lookup_id in self._running else -1
+            state = self._state_locked(lookup_id)
+        return state if isinstance(state, int) else None
 
     def process_responses_from_workers(self) -> None:
         """The background thread's loop (started by the constructor; do not call it yourself).
@@ -331,11 +326,9 @@ class LMCacheAsyncLookupClient:
         end = time.monotonic() + (self.timeout_s + 1.0 if timeout_s is None else timeout_s)
         me = (threading.get_ident(), self._wait_state())
         with self._lock:
-            result = self._results.get(lookup_id)
-            if result is not None:
-                return result[0]
-            if lookup_id not in self._running:
-                return -1
+            state = self._state_locked(lookup_id)
+            if isinstance(state, int):
+                return state
             self._waiters.setdefault(lookup_id, []).append(me)
         poller, waker = self._local.poller, me[1]
         try:
@@ -343,18 +336,16 @@ class LMCacheAsyncLookupClient:
                 self._attended_at = time.monotonic()
                 self._drain()
                 with self._lock:
-                    result = self._results.get(lookup_id)
-                    if result is not None:
-                        return result[0]
-                    running = self._running.get(lookup_id)
-                    if running is None:
-                        return -1
+                    running = self._state_locked(lookup_id)
+                    if isinstance(running, int):
+                        return running
                     now = time.monotonic()
                     if now >= running.deadline or now >= end:
                         break
                     wait_ms = int((min(running.deadline, end) - now) * 1000) + 1
-                if not self._pull_open:  # the thread failed and closed the socket: deadlines left
-                    time.sleep(min(wait_ms, 10) / 1000)
+                if not self._pull_open:  # the thread failed and closed the socket: wait on the
+                    self._local.waker_only.poll(wait_ms)  # waker (close, answers) and the deadline
+                    waker.drain()
                     continue
                 for fd, _ in poller.poll(min(wait_ms, int(_ATTENDED_S * 1000))):
                     if fd == waker.fd:
@@ -368,6 +359,15 @@ class LMCacheAsyncLookupClient:
                         del self._waiters[lookup_id]
         return self.lookup_cache(lookup_id)
 
+    def _state_locked(self, lookup_id: str) -> int | _Running:
+        """What ``lookup_cache`` answers for a settled id (hit tokens, or -1 if never asked), or
+        the lookup still running."""
+        result = self._results.get(lookup_id)
+        if result is not None:
+            return result[0]
+        running = self._running.get(lookup_id)
+        return -1 if running is None else running
+
     def _wait_state(self) -> Waker:
         """This thread's waker, and its poller of the answer socket and that waker (made once)."""
         waker: Waker | None = getattr(self._local, "waker", None)
@@ -377,7 +377,9 @@ class LMCacheAsyncLookupClient:
             zmq_fd: Any = self._pull.get(zmq.FD)
             poller.register(zmq_fd, select.POLLIN)
             poller.register(waker.fd, select.POLLIN)
-            self._local.waker, self._local.poller = waker, poller
+            waker_only = select.poll()
+            waker_only.register(waker.fd, select.POLLIN)
+            self._local.waker, self._local.poller, self._local.waker_only = waker, poller, waker_only
         return waker
 
     def _notify(self, lookup_id: str) -> None:

@@ -10,7 +10,6 @@ client never waits out its timeout for a worker that is alive.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import select
 import threading
@@ -208,8 +207,11 @@ class LMCacheAsyncLookupServer:
             logger.exception("lookup server %d: lookup %r failed; answering 0 hit tokens",
                              self.worker_id, msg.lookup_id)
             if not answered:
-                with contextlib.suppress(Exception):
+                try:
                     self.engine.cleanup_memory_objs(msg.lookup_id)
+                except Exception:
+                    logger.exception("lookup server %d: releasing the pins of %r failed",
+                                     self.worker_id, msg.lookup_id)
                 on_result(msg.lookup_id, 0)
 
     def _cleanup(self, msg: LookupCleanupMsg) -> None:

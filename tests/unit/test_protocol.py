@@ -107,3 +107,17 @@ def test_no_pickle_anywhere():
     for path in [*root.glob("lmcache_core/**/*.py"), *root.glob("lmcache_cli/**/*.py")]:
         text = path.read_text()
         assert "import pickle" not in text and "from pickle" not in text, path
+
+
+def test_every_stats_counter_has_a_server_stats_field():
+    # The engine and the tiers own their counters; server_info builds ServerStats(**them), so a
+    # counter without a field would turn every SERVER_INFO into an INTERNAL error.
+    from dataclasses import fields
+
+    from lmcache_core.engine import _Counters
+    from lmcache_core.storage.disk import DiskCounters
+    from lmcache_core.storage.remote import RemoteCounters
+
+    wire = set(msgspec.structs.asdict(m.ServerStats()))
+    for counters in (_Counters, DiskCounters, RemoteCounters):
+        assert {f.name for f in fields(counters)} <= wire, counters.__name__
