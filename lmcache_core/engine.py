@@ -557,7 +557,7 @@ class CacheEngine:
         return chunks
 
     def _slot_memory(self, slot: int, nbytes: int) -> memoryview:
-        return memoryview(self.pool.view(slot, nbytes).numpy())  # type: ignore[arg-type]
+        return self.pool.view(slot, nbytes).numpy().data  # numpy's memoryview of the slot: no copy
 
     @contextmanager
     def _pinned(self, key: ChunkKey) -> Iterator[memoryview | None]:

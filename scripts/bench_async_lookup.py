@@ -60,7 +60,7 @@ def worker_main(conn: Connection, runtime_dir: str, worker_id: int, world_size: 
     from lmcache_core.engine import CacheEngine
     from lmcache_core.keys import ChunkKey, chain_hashes
     from lmcache_core.lookup_client import LMCacheAsyncLookupServer
-    from lmcache_core.storage import MemoryPool
+    from lmcache_core.storage.pool import MemoryPool
 
     torch.set_num_threads(1)
     hashes = chain_hashes(tokens, CHUNK)

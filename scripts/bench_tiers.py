@@ -37,7 +37,7 @@ from redis.connection import Encoder, PythonRespSerializer  # noqa: E402
 
 from lmcache_core.engine import CacheEngine  # noqa: E402
 from lmcache_core.keys import ChunkKey  # noqa: E402
-from lmcache_core.storage import MemoryPool  # noqa: E402
+from lmcache_core.storage.pool import MemoryPool  # noqa: E402
 from lmcache_core.storage.remote import RemoteTier  # noqa: E402
 
 MODEL = "bench"

@@ -24,7 +24,7 @@ def worker_main(conn: Connection, runtime_dir: str, engine_id: str, worker_id: i
     from lmcache_core.engine import CacheEngine
     from lmcache_core.keys import ChunkKey, chain_hashes
     from lmcache_core.lookup_client import LMCacheAsyncLookupServer, LMCacheMetadata
-    from lmcache_core.storage import MemoryPool
+    from lmcache_core.storage.pool import MemoryPool
 
     gate = threading.Event()
 

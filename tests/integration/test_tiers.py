@@ -25,8 +25,9 @@ from lmcache_core.engine import CacheEngine
 from lmcache_core.keys import ChunkKey, chain_hashes
 from lmcache_core.protocol import RequestType
 from lmcache_core.protocol import messages as m
-from lmcache_core.storage import MemoryPool, record
+from lmcache_core.storage import record
 from lmcache_core.storage.disk import DiskTier, file_name
+from lmcache_core.storage.pool import MemoryPool
 from lmcache_core.storage.remote import RemoteTier
 from lmcache_core.transport.client import MessageQueueClient
 from tests.integration.servers import ServerProcess, WorkerProcess, freeze

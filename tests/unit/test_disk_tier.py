@@ -13,8 +13,9 @@ import torch
 from lmcache_core.engine import CacheEngine
 from lmcache_core.errors import ConfigError
 from lmcache_core.keys import ChunkKey
-from lmcache_core.storage import MemoryPool, record
+from lmcache_core.storage import record
 from lmcache_core.storage.disk import SUFFIX, TMP_PREFIX, DiskTier, file_name
+from lmcache_core.storage.pool import MemoryPool
 
 SLOT = 1024
 NBYTES = 1000

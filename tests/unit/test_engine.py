@@ -12,7 +12,7 @@ from lmcache_core.engine import CacheEngine
 from lmcache_core.errors import IncompatibleError, ProtocolError
 from lmcache_core.keys import ChunkKey
 from lmcache_core.protocol.messages import ServerStats, StoreReply
-from lmcache_core.storage import MemoryPool
+from lmcache_core.storage.pool import MemoryPool
 
 MODEL = "m"
 SLOT = 32

@@ -9,8 +9,8 @@ import pytest
 
 from lmcache_core.engine import CacheEngine
 from lmcache_core.keys import ChunkKey
-from lmcache_core.storage import MemoryPool
 from lmcache_core.storage.disk import DiskTier
+from lmcache_core.storage.pool import MemoryPool
 
 SLOT = 64
 

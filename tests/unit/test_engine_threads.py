@@ -10,7 +10,7 @@ import torch
 
 from lmcache_core.engine import CacheEngine
 from lmcache_core.keys import ChunkKey
-from lmcache_core.storage import MemoryPool
+from lmcache_core.storage.pool import MemoryPool
 
 MODEL = "m"
 WORLD = 2

@@ -21,7 +21,7 @@ from lmcache_core.lookup_client import (
     LMCacheEngineConfig,
     LMCacheMetadata,
 )
-from lmcache_core.storage import MemoryPool
+from lmcache_core.storage.pool import MemoryPool
 
 CHUNK = 4
 TOKENS = list(range(CHUNK * 5))

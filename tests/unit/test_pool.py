@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lmcache_core.errors import ConfigError
-from lmcache_core.storage import MemoryPool
+from lmcache_core.storage.pool import MemoryPool
 
 
 def test_shape_and_figures() -> None:
