@@ -131,7 +131,7 @@ class RemoteConfig(_Section):
     retry_interval_s: PositiveFloat = 1.0  # how often a down Redis is probed
 
     def __post_init__(self) -> None:
-        from lmcache_core.storage.remote import parse_url
+        from lmcache_core.storage.remote_url import parse_url  # (remote itself imports redis)
 
         try:
             parse_url(self.url)

@@ -41,36 +41,20 @@ from redis.connection import Encoder, PythonRespSerializer
 from redis.exceptions import RedisClusterException, RedisError
 from redis.retry import Retry
 
-from lmcache_core.errors import ConfigError
 from lmcache_core.keys import ChunkKey
 from lmcache_core.storage import record
 from lmcache_core.storage.disk import Source
 from lmcache_core.storage.record import Buffer
+from lmcache_core.storage.remote_url import parse_url
 from lmcache_core.storage.writer import BackgroundWriter
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_SCHEMES = {"redis": "redis", "rediss": "rediss", "valkey": "redis", "valkeys": "rediss",
-            "unix": "unix"}
 _FAULTS: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError)
 MAX_BATCH_BYTES = 8 * 2**20  # per pipelined GET/SET batch: big pipelines of big values are slower
 MAX_BATCH_KEYS = 64
 _PACK_CUTOFF = 6000  # redis-py's default: larger arguments go out as separate buffers
-
-
-def parse_url(url: str) -> tuple[str, bool]:
-    """``(redis-py url, cluster)`` from a redis://, rediss://, valkey://, valkeys://, unix:// url;
-    ``redis+cluster://`` (or ``valkey+cluster://``...) names a cluster."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        raise ConfigError(f"remote.url: {url!r} is not a url (try redis://host:6379)")
-    base, plus, flavour = scheme.lower().partition("+")
-    if base not in _SCHEMES or (plus and flavour != "cluster") or (plus and base == "unix"):
-        raise ConfigError(
-            f"remote.url: scheme {scheme!r} is not one of redis://, rediss://, valkey://, valkeys://, "
-            "unix:// (add +cluster, e.g. redis+cluster://, for a cluster)")
-    return f"{_SCHEMES[base]}://{rest}", bool(plus)
 
 
 @dataclass(slots=True)
