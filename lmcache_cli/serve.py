@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
 from enum import Enum
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.panel import Panel
 
 from lmcache_cli.common import (
+    EXIT_FAILURE,
     EXIT_USAGE,
     ConfigOption,
     UrlOption,
@@ -24,6 +26,9 @@ from lmcache_cli.common import (
 )
 from lmcache_cli.config_flags import merge, parse_sets, with_config_flags
 from lmcache_core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from lmcache_core.server.app import CacheServer
 
 
 class LogLevel(str, Enum):
@@ -49,7 +54,8 @@ def serve(
 ) -> None:
     """Start the KV-cache server (binds 127.0.0.1 by default); every config key has a flag.
 
-    Stops cleanly (exit 0) on SIGINT or SIGTERM.
+    Stops cleanly (exit 0) on SIGINT or SIGTERM. If one of its threads dies it exits with code 1
+    within a second, so that a supervisor (systemd, Kubernetes) restarts it.
 
     Example: [cyan]lmcache serve -c configs/llama8b.yaml --pool-size 16GiB[/]
     """
@@ -82,18 +88,28 @@ def serve(
     _run_until_signal(server)
 
 
-def _run_until_signal(server: object) -> None:
-    stop = threading.Event()
+#: After a thread died: how long a stop may take before the process is ended regardless.
+_FAILED_EXIT_S = 0.9
 
+
+def _run_until_signal(server: CacheServer) -> None:
     def on_signal(signum: int, _frame: object) -> None:
         logging.getLogger("lmcache").info("received %s, stopping", signal.Signals(signum).name)
-        stop.set()
+        server.request_stop()
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    while not stop.wait(0.5):  # the main thread only waits for a signal; the server runs on its own
+    while not server.wait(1.0):  # the main thread only waits; the server runs on its own threads
         pass
-    server.stop()  # type: ignore[attr-defined]
+    if server.failure is None:
+        server.stop()
+        return
+    # A thread died: exit non-zero within a second, whatever state the rest is in.
+    backstop = threading.Timer(_FAILED_EXIT_S, os._exit, args=(EXIT_FAILURE,))
+    backstop.daemon = True
+    backstop.start()
+    server.stop(drain_timeout_s=0.2)
+    fail(f"the server stopped because {server.failure}", EXIT_FAILURE)
 
 
 def _setup_logging(level: str) -> None:

@@ -91,6 +91,18 @@ class ServerUnreachableError(LMCacheError, ConnectionError):
     """Nothing answered at the server url within the connect timeout."""
 
 
+#: How much of a text that may carry a client's input goes into an error message or a log line.
+MAX_MESSAGE_CHARS = 200
+
+
+def clip(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, saying how many more there were: a client's input (an
+    op name, a field name) may be megabytes, and must not be logged or echoed whole."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
 _BY_CODE: dict[ErrorCode, type[LMCacheError]] = {
     ErrorCode.BAD_REQUEST: ProtocolError,
     ErrorCode.UNKNOWN_OP: UnknownOperationError,

@@ -14,10 +14,12 @@ from typing import Any, NamedTuple
 import msgspec
 
 from lmcache_core.errors import (
+    MAX_MESSAGE_CHARS,
     LMCacheError,
     ProtocolError,
     RequestTooLargeError,
     UnknownOperationError,
+    clip,
     error_from_code,
 )
 from lmcache_core.protocol.messages import ErrorReply, Message, Reply
@@ -40,6 +42,23 @@ class Limits(NamedTuple):
 
 
 DEFAULT_LIMITS = Limits()
+#: A uid is one msgpack int (at most 9 bytes); an op is a short name. Longer frames are refused
+#: unread, and never echoed back in full.
+MAX_UID_FRAME = 9
+MAX_OP_FRAME = 64
+#: What stands in a reply for a uid or op frame too long to echo.
+_NIL = b"\xc0"
+_decode_uid = msgspec.msgpack.Decoder(int).decode
+
+
+class RequestHead(NamedTuple):
+    """A request's frames checked for size and shape, its op known, its payload not yet decoded
+    (decoding a large payload is left to the thread that serves it)."""
+
+    uid_frame: bytes
+    op_frame: bytes
+    op: RequestType
+    payload_frame: bytes
 
 
 class DecodedRequest(NamedTuple):
@@ -60,51 +79,78 @@ def encode_request(uid: int, op: RequestType, payloads: Sequence[Any]) -> list[b
 
 
 def decode_uid(frame: bytes) -> int:
-    """The request id of a reply frame (an int; anything else is a protocol error)."""
+    """The request id of a frame (an int; anything else is a protocol error)."""
+    if len(frame) > MAX_UID_FRAME:
+        raise ProtocolError(f"uid frame of {len(frame)} bytes; a uid is one msgpack int")
     try:
-        uid = _decode_any(frame)
-    except msgspec.DecodeError as exc:
-        raise ProtocolError(f"uid frame is not msgpack: {exc}") from exc
-    if not isinstance(uid, int) or isinstance(uid, bool):
-        raise ProtocolError(f"uid frame must hold an int, got {type(uid).__name__}")
-    return uid
+        return _decode_uid(frame)
+    except Exception as exc:  # any decode failure is the client's bad frame
+        raise ProtocolError(f"uid frame must hold one msgpack int: {clip(str(exc))}") from None
 
 
 def decode_request(frames: Sequence[bytes], limits: Limits | None = None) -> DecodedRequest:
     """Parse ``[uid, op, payload]`` (the ROUTER identity already removed) into a typed request."""
-    if len(frames) < 2:
-        raise ProtocolError(f"a request needs at least [uid, op] frames, got {len(frames)}")
     limits = limits or DEFAULT_LIMITS
-    uid_frame, op_frame, *payload_frames = frames
-    size = sum(len(f) for f in frames)
+    head = decode_head(frames, limits)
+    return DecodedRequest(head.uid_frame, head.op_frame, head.op, decode_payload(head, limits))
+
+
+def decode_head(frames: Sequence[bytes], limits: Limits) -> RequestHead:
+    """Check a request's frame count, size, uid and op: cheap, whatever the frames hold.
+
+    Raises only ``ProtocolError`` (or a subclass)."""
+    if len(frames) != 3:
+        raise ProtocolError(f"a request is 3 frames [uid, op, payload], got {len(frames)}")
+    uid_frame, op_frame, payload_frame = frames
+    size = len(uid_frame) + len(op_frame) + len(payload_frame)
     if size > limits.max_request_bytes:
         raise RequestTooLargeError(
             f"request is {size} bytes; the server accepts at most {limits.max_request_bytes}")
-    op = _decode_op(op_frame)
-    if len(payload_frames) != 1:
-        raise ProtocolError(f"{op.value} takes exactly 1 payload frame, got {len(payload_frames)}")
+    decode_uid(uid_frame)
+    return RequestHead(uid_frame, op_frame, _decode_op(op_frame), payload_frame)
+
+
+def decode_payload(head: RequestHead, limits: Limits) -> Message:
+    """The typed payload of a request whose head was checked. Raises only ``ProtocolError``.
+
+    The decoders are typed, so nesting is bounded by the message types and every integer and
+    length is checked against its bounds while decoding; anything else (even a ``RecursionError``
+    or ``MemoryError``) still becomes a protocol error rather than escaping to the server loop."""
+    op = head.op
     try:
-        payload = _request_decoders[op].decode(payload_frames[0])
-    except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
-        raise ProtocolError(f"bad {op.value} payload: {exc}") from exc
+        payload: Message = _request_decoders[op].decode(head.payload_frame)
+    except Exception as exc:  # ValidationError is a DecodeError; the rest too
+        raise ProtocolError(f"bad {op.value} payload: {clip(str(exc))}") from None
     if payload.num_keys() > limits.max_keys_per_request:
         raise RequestTooLargeError(
-            f"{op.value} names {payload.num_keys()} chunks; the server accepts at most "
+            f"{op.value} names {payload.num_keys()} chunk keys; the server accepts at most "
             f"{limits.max_keys_per_request} per request")
-    return DecodedRequest(uid_frame, op_frame, op, payload)
+    return payload
 
 
 def _decode_op(op_frame: bytes) -> RequestType:
+    if len(op_frame) > MAX_OP_FRAME:
+        raise UnknownOperationError(
+            f"unknown op: a {len(op_frame)}-byte op frame (this server serves short lmc.* names)")
     try:
-        name = _decode_any(op_frame)
-    except msgspec.DecodeError as exc:
-        raise ProtocolError(f"op frame is not msgpack: {exc}") from exc
+        name = _decode_any(op_frame)  # at most MAX_OP_FRAME bytes: nesting is bounded too
+    except Exception as exc:  # whatever the bytes were
+        raise ProtocolError(f"op frame is not msgpack: {clip(str(exc))}") from None
     if not isinstance(name, str):
-        raise UnknownOperationError(f"unknown op {name!r}: this server serves lmc.* string ops")
+        raise UnknownOperationError(
+            f"unknown op {clip(repr(name))}: this server serves lmc.* string ops")
     try:
         return _ops_by_name[name]
     except KeyError:
-        raise UnknownOperationError(f"unknown op {name!r}") from None
+        raise UnknownOperationError(f"unknown op {clip(repr(name))}") from None
+
+
+def rejection_frames(frames: Sequence[bytes], exc: LMCacheError) -> list[bytes]:
+    """The reply to a request that could not be parsed: its uid and op frames echoed when they
+    are short enough to be real ones (else a nil in their place), then the error."""
+    uid = frames[0] if frames and len(frames[0]) <= MAX_UID_FRAME else _NIL
+    op = frames[1] if len(frames) > 1 and len(frames[1]) <= MAX_OP_FRAME else _NIL
+    return encode_reply(uid, op, error_reply(exc))
 
 
 def encode_reply(uid_frame: bytes, op_frame: bytes, reply: Reply) -> list[bytes]:
@@ -113,7 +159,8 @@ def encode_reply(uid_frame: bytes, op_frame: bytes, reply: Reply) -> list[bytes]
 
 
 def error_reply(exc: LMCacheError) -> ErrorReply:
-    return ErrorReply(code=exc.code.value, message=str(exc))
+    """The wire form of ``exc``; its message clipped, so no client input is echoed whole."""
+    return ErrorReply(code=exc.code.value, message=clip(str(exc), 4 * MAX_MESSAGE_CHARS))
 
 
 def decode_reply(op: RequestType, frames: Sequence[bytes]) -> Reply:

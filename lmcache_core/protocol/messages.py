@@ -11,8 +11,38 @@ from typing import Annotated, Literal
 
 import msgspec
 
+# Every integer and length on the wire is bounded here, in the types, so msgspec refuses an
+# out-of-range value while decoding (before any handler runs) and no single request can make the
+# server do unbounded work or allocate unbounded memory. Lists are capped well above what a real
+# engine sends, and low enough that decoding the largest one takes a few milliseconds.
+
+#: Tensor-parallel size and rank: far above any real TP group; bounds the per-rank work of a lookup.
+MAX_WORLD_SIZE = 1024
+#: Keys (chunk hashes) one request may name, whatever the server's own (lower) configured limit.
+MAX_KEYS = 2**20
+#: Block ids one request may name (a 1M-id list decodes in ~15 ms here).
+MAX_BLOCK_IDS = 2**20
+#: Byte sizes and offsets of shared tensors (256 TiB).
+MAX_BYTES = 2**48
+
 #: A chunk hash on the wire: LMCache's are 32 bytes; vLLM block hashes may differ, but stay small.
 ChunkHash = Annotated[bytes, msgspec.Meta(min_length=1, max_length=64)]
+ChunkHashes = Annotated[list[ChunkHash], msgspec.Meta(max_length=MAX_KEYS)]
+BlockIds = Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]],
+                     msgspec.Meta(max_length=MAX_BLOCK_IDS)]
+#: The worker adapter draws 63-bit random ids.
+InstanceId = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+WorldSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_WORLD_SIZE)]
+Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_WORLD_SIZE)]
+#: Linux pids are at most 2**22 (pid_max's ceiling); 0 means "not given".
+Pid = Annotated[int, msgspec.Meta(ge=0, le=2**22)]
+ByteCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_BYTES)]
+Name = Annotated[str, msgspec.Meta(max_length=256)]  # model names, dtypes, host names
+LookupId = Annotated[str, msgspec.Meta(max_length=1024)]
+RequestIds = Annotated[list[LookupId], msgspec.Meta(max_length=MAX_KEYS)]
+#: A CUDA IPC event or memory handle is 64 bytes; the ref-counter handle is a short file name.
+IpcHandle = Annotated[bytes, msgspec.Meta(max_length=256)]
+Dims = Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=MAX_BYTES)]], msgspec.Meta(max_length=8)]
 
 
 class Message(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -33,13 +63,13 @@ class NoArgs(Message):
 class CudaIpcHandle(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """What ``torch.UntypedStorage._share_cuda_()`` returns, field by field."""
 
-    device: int
-    handle: bytes
-    storage_nbytes: int
-    storage_offset_bytes: int
-    ref_counter_handle: bytes
-    ref_counter_offset: int
-    event_handle: bytes | None = None
+    device: Annotated[int, msgspec.Meta(ge=0, le=1023)]
+    handle: IpcHandle
+    storage_nbytes: ByteCount
+    storage_offset_bytes: ByteCount
+    ref_counter_handle: IpcHandle
+    ref_counter_offset: ByteCount
+    event_handle: IpcHandle | None = None
     event_sync_required: bool = False
 
 
@@ -51,14 +81,14 @@ class TensorDescriptor(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     """
 
     kind: Literal["shm", "cuda"]
-    dtype: str
-    shape: list[int]
-    stride: list[int]
-    offset_bytes: int = 0
-    segment_nbytes: int = 0
-    shm_name: str = ""
+    dtype: Annotated[str, msgspec.Meta(max_length=32)]
+    shape: Dims
+    stride: Dims
+    offset_bytes: ByteCount = 0
+    segment_nbytes: ByteCount = 0
+    shm_name: Annotated[str, msgspec.Meta(max_length=255)] = ""
     cuda: CudaIpcHandle | None = None
-    device_uuid: str = "cpu"
+    device_uuid: Annotated[str, msgspec.Meta(max_length=64)] = "cpu"
 
 
 KVLayoutName = Literal["flash_attn", "flashinfer", "mla"]
@@ -67,19 +97,19 @@ KVLayoutName = Literal["flash_attn", "flashinfer", "mla"]
 class RegisterKVCacheRequest(Message):
     """A worker shares its per-layer KV tensors (in layer order) once, under ``instance_id``."""
 
-    instance_id: int
-    model_name: str
-    world_size: int
-    kv_rank: int
-    block_size: int
+    instance_id: InstanceId
+    model_name: Name
+    world_size: WorldSize
+    kv_rank: Rank
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=2**16)]
     layout: KVLayoutName
-    layers: list[TensorDescriptor]
-    pid: int = 0
-    hostname: str = ""
+    layers: Annotated[list[TensorDescriptor], msgspec.Meta(min_length=1, max_length=4096)]
+    pid: Pid = 0
+    hostname: Name = ""
 
 
 class UnregisterKVCacheRequest(Message):
-    instance_id: int
+    instance_id: InstanceId
 
 
 # ---------------------------------------------------------------- data path
@@ -88,11 +118,11 @@ class UnregisterKVCacheRequest(Message):
 class StoreRequest(Message):
     """Copy the blocks of these chunks (``blocks_per_chunk`` ids each, in order) into the cache."""
 
-    instance_id: int
-    chunk_hashes: list[ChunkHash]
-    block_ids: list[int]
-    event_handle: bytes = b""
-    request_ids: list[str] = []
+    instance_id: InstanceId
+    chunk_hashes: ChunkHashes
+    block_ids: BlockIds
+    event_handle: IpcHandle = b""
+    request_ids: RequestIds = []
 
     def num_keys(self) -> int:
         return len(self.chunk_hashes)
@@ -101,12 +131,12 @@ class StoreRequest(Message):
 class RetrieveRequest(Message):
     """Copy these chunks into the given blocks; releases ``lookup_id``'s locks on them."""
 
-    instance_id: int
-    chunk_hashes: list[ChunkHash]
-    block_ids: list[int]
-    event_handle: bytes = b""
-    lookup_id: str = ""
-    request_ids: list[str] = []
+    instance_id: InstanceId
+    chunk_hashes: ChunkHashes
+    block_ids: BlockIds
+    event_handle: IpcHandle = b""
+    lookup_id: LookupId = ""
+    request_ids: RequestIds = []
 
     def num_keys(self) -> int:
         return len(self.chunk_hashes)
@@ -115,26 +145,27 @@ class RetrieveRequest(Message):
 class LookupRequest(Message):
     """Count the prefix of chunks every rank holds; lock them for ``lookup_id`` when ``lock``."""
 
-    model_name: str
-    world_size: int
-    lookup_id: str
-    chunk_hashes: list[ChunkHash]
+    model_name: Name
+    world_size: WorldSize
+    lookup_id: LookupId
+    chunk_hashes: ChunkHashes
     lock: bool = True
 
     def num_keys(self) -> int:
-        return len(self.chunk_hashes)
+        # One key per rank per chunk: that is what the lookup (and a tier load) works through.
+        return len(self.chunk_hashes) * self.world_size
 
 
 class LookupIdRequest(Message):
     """Release what a lookup still locks (free_lookup_locks, end_session)."""
 
-    lookup_id: str
+    lookup_id: LookupId
 
 
 class PingRequest(Message):
     """A health probe; a worker's ``instance_id`` also refreshes its registration's liveness."""
 
-    instance_id: int | None = None
+    instance_id: InstanceId | None = None
 
 
 class ClearRequest(Message):
@@ -144,8 +175,8 @@ class ClearRequest(Message):
 
 
 class ListChunksRequest(Message):
-    model_name: str | None = None
-    limit: int = 100
+    model_name: Name | None = None
+    limit: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)] = 100
     sort: Literal["age", "hits", "size", "key"] = "age"
 
 

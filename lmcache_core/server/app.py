@@ -5,6 +5,10 @@ expires lookup locks past their TTL and reaps workers that died; ``stop()`` answ
 SHUTTING_DOWN, lets in-flight copies finish, closes the engine (its own threads), unmaps every worker's
 shared memory and closes the socket.
 
+Supervision: every long-lived thread (transport loop, copy workers, housekeeper, tier writers) is
+spawned through one ``Supervisor``. When any of them dies, ``failed`` is set and ``wait()`` returns,
+with the reason in ``failure``; ``lmcache serve`` then exits non-zero so that it is restarted.
+
 Lower tiers come from the config's optional ``disk`` and ``remote`` sections; with either, lookups run
 on the worker pool (they may read disk or wait on Redis, bounded by ``timeouts.lookup_ms``) and the
 pool gets two more threads for them. ``start()`` starts the tiers' writer threads, ``stop()`` drains
@@ -26,6 +30,7 @@ from lmcache_core.server.handlers import CacheHandlers
 from lmcache_core.server.registry import KVRegistry
 from lmcache_core.storage.disk import DiskTier
 from lmcache_core.storage.pool import MemoryPool
+from lmcache_core.supervision import Supervisor
 from lmcache_core.transport.server import MessageQueueServer
 
 if TYPE_CHECKING:
@@ -48,17 +53,19 @@ class CacheServer:
                                   lock_ttl_s=config.timeouts.lock_ttl_s, disk=self.disk,
                                   remote=self.remote)
         workers = config.server.workers + (2 if self.engine.has_tiers else 0)
+        self._done = threading.Event()  # a stop was asked for, or a thread died
+        self.supervisor = Supervisor(on_failure=lambda _reason: self._done.set())
         self.transport = MessageQueueServer(
             config.server.url, {}, context=context, workers=workers,
-            limits=Limits(config.server.max_request_bytes, config.server.max_keys_per_request))
+            limits=Limits(config.server.max_request_bytes, config.server.max_keys_per_request),
+            supervisor=self.supervisor)
         self.handlers = CacheHandlers(config, self.engine, KVRegistry(
             lambda request: self.handlers.open_mapping(request), config.server.reap_timeout_s),
             self.transport.counters, config.server.url)
         self.registry = self.handlers.registry
         self.transport.routes = self.handlers.routes()
         self._stop = threading.Event()
-        self._housekeeper = threading.Thread(target=self._housekeep, name="lmcache-housekeeping",
-                                             daemon=True)
+        self._housekeeper: threading.Thread | None = None
 
     @property
     def url(self) -> str:
@@ -70,8 +77,8 @@ class CacheServer:
         self.handlers.url = url
         for tier in (self.disk, self.remote):
             if tier is not None:
-                tier.start()
-        self._housekeeper.start()
+                tier.start(self.supervisor)
+        self._housekeeper = self.supervisor.spawn("lmcache-housekeeping", self._housekeep)
         logger.info("serving on %s", url)
         return url
 
@@ -79,24 +86,40 @@ class CacheServer:
         """Finish in-flight work, release shared memory, close the socket. Idempotent."""
         if self._stop.is_set():
             return
+        self.supervisor.stopping()
         self._stop.set()
+        self._done.set()
         self.transport.stop(drain_timeout_s)
         self.engine.close(drain_timeout_s)
         for tier in (self.remote, self.disk):
             if tier is not None:
                 tier.stop(drain_timeout_s)
+        if self._housekeeper is not None:
+            self._housekeeper.join(drain_timeout_s)
         self.registry.close_all()
         logger.info("stopped")
 
+    def request_stop(self) -> None:
+        """Make ``wait()`` return (from a signal handler: the stop itself runs where ``wait`` was)."""
+        self._done.set()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until a stop was requested or a thread died (True), or ``timeout_s`` passed."""
+        return self._done.wait(timeout_s)
+
+    @property
+    def failure(self) -> str | None:
+        """Why the server cannot go on (a thread died), or None."""
+        return self.supervisor.failure
+
     def _housekeep(self) -> None:
+        # No catch-all: an error here is a bug that would otherwise repeat every second while
+        # locks and dead workers pile up; ending the thread makes the server exit and restart.
         while not self._stop.wait(HOUSEKEEPING_INTERVAL_S):
-            try:
-                expired = self.engine.expire_locks()
-                if expired:
-                    logger.info("released %d lookup lock(s) past their TTL", expired)
-                self.registry.reap()
-            except Exception:
-                logger.exception("housekeeping failed")
+            expired = self.engine.expire_locks()
+            if expired:
+                logger.info("released %d lookup lock(s) past their TTL", expired)
+            self.registry.reap()
 
 
 def build_tiers(config: LMCacheConfig) -> tuple[DiskTier | None, RemoteTier | None]:

@@ -76,7 +76,7 @@ class CacheHandlers:
 
     def register_kv_cache(self, request: m.RegisterKVCacheRequest,
                           _client: bytes) -> m.RegisterKVCacheReply:
-        if request.world_size < 1 or not 0 <= request.kv_rank < request.world_size:
+        if request.kv_rank >= request.world_size:  # each is bounded by its type
             raise ProtocolError(
                 f"kv_rank {request.kv_rank} is outside world size {request.world_size}")
         registration = self.registry.register(request)
@@ -87,7 +87,8 @@ class CacheHandlers:
     def open_mapping(self, request: m.RegisterKVCacheRequest) -> MappedKVCache:
         """Map a worker's tensors and check its chunks fit this server's slots."""
         mapped = MappedKVCache.open(request.layers, request.layout, request.block_size,
-                                    self.config.chunk_size)
+                                    self.config.chunk_size, owner_pid=request.pid,
+                                    allowed_uids=self.config.server.allowed_uids)
         if mapped.chunk_bytes > self.engine.pool.slot_bytes:
             mapped.close()
             raise IncompatibleError(
@@ -150,8 +151,6 @@ class CacheHandlers:
         return per_chunk
 
     def lookup(self, request: m.LookupRequest, _client: bytes) -> m.LookupReply:
-        if request.world_size < 1:
-            raise ProtocolError(f"world_size must be >= 1, got {request.world_size}")
         if self.engine.has_tiers:
             hits = self.engine.lookup_tiers(request.model_name, request.world_size,
                                             request.chunk_hashes, request.lookup_id, request.lock,
@@ -194,8 +193,6 @@ class CacheHandlers:
         return stats if isinstance(stats, dict) else dict(vars(stats))
 
     def list_chunks(self, request: m.ListChunksRequest, _client: bytes) -> m.ChunkListReply:
-        if request.limit < 0:
-            raise ProtocolError(f"limit must be >= 0, got {request.limit}")
         rows, total = self.engine.list_chunks(request.model_name, request.limit, request.sort)
         return m.ChunkListReply(chunks=[self._chunk_info(r) for r in rows], total=total)
 

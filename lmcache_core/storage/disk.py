@@ -28,7 +28,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from blake3 import blake3
@@ -36,7 +36,9 @@ from blake3 import blake3
 from lmcache_core.errors import ConfigError
 from lmcache_core.keys import ChunkKey
 from lmcache_core.storage import record
+from lmcache_core.storage.counters import Counters
 from lmcache_core.storage.writer import BackgroundWriter
+from lmcache_core.supervision import Supervisor
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +64,7 @@ class _File:
 
 
 @dataclass(slots=True)
-class DiskCounters:
+class DiskCounters(Counters):
     """What the disk tier reports in ``ServerStats`` (names as there)."""
 
     disk_loaded_chunks: int = 0
@@ -127,7 +129,7 @@ class DiskTier:
                 key, meta = self._read_meta(name, stat.st_size)
             except record.RecordError as exc:
                 bad += 1
-                self.n.disk_corrupt += 1
+                self.n.add(disk_corrupt=1)
                 if bad <= _MAX_LOGGED_AT_START:
                     logger.warning("disk tier: dropping %s: %s", self.path / name, exc)
                 _unlink(self.path / name)
@@ -221,7 +223,7 @@ class DiskTier:
             return 0
         with contextlib.suppress(OSError):
             os.utime(path)  # so a restart's re-index keeps the LRU order
-        self.n.disk_loaded_chunks += 1
+        self.n.add(disk_loaded_chunks=1)
         return meta.nbytes
 
     def _forget(self, key: ChunkKey, meta: _File) -> bool:
@@ -235,7 +237,7 @@ class DiskTier:
     def _drop_bad(self, key: ChunkKey, meta: _File, why: str) -> None:
         if self._forget(key, meta):
             _unlink(self.path / meta.name)
-            self.n.disk_corrupt += 1
+            self.n.add(disk_corrupt=1)
             logger.warning("disk tier: dropped %s (%s): %s", self.path / meta.name, key.short(), why)
 
     # ------------------------------------------------------------------ write
@@ -271,7 +273,7 @@ class DiskTier:
             if old is not None:
                 self._bytes -= old.size
             self._index[key] = _File(name, len(header), nbytes, size)
-        self.n.disk_written_chunks += 1
+        self.n.add(disk_written_chunks=1)
         if self._failing:
             self._failing = False
             logger.info("disk tier: writing to %s again", self.path)
@@ -290,10 +292,10 @@ class DiskTier:
     def _delete(self, victims: Iterable[_File]) -> None:
         for meta in victims:
             _unlink(self.path / meta.name)
-            self.n.disk_deleted += 1
+            self.n.add(disk_deleted=1)
 
     def _io_error(self, what: str, exc: OSError) -> None:
-        self.n.disk_errors += 1
+        self.n.add(disk_errors=1)
         if not self._failing:
             self._failing = True
             logger.warning("disk tier: %s: %s (further errors are only counted until it works)",
@@ -319,7 +321,7 @@ class DiskTier:
         index = self._index
         dropped = self._writer.submit(key for key in keys if key not in index)
         if dropped:
-            self.n.disk_write_dropped += dropped
+            self.n.add(disk_write_dropped=dropped)
         return dropped
 
     def notify(self) -> None:
@@ -328,10 +330,11 @@ class DiskTier:
         self._writer.request_idle()
 
     def count_evicted_unsaved(self) -> None:
-        self.n.disk_evicted_unsaved += 1
+        self.n.add(disk_evicted_unsaved=1)
 
-    def start(self) -> None:
-        self._writer.start()
+    def start(self, supervisor: Supervisor | None = None) -> None:
+        """Start the writer thread (watched by ``supervisor``: a writer that dies fails the server)."""
+        self._writer.start(supervisor)
 
     def stop(self, drain_timeout_s: float = 10.0) -> None:
         """Write what is queued (for at most ``drain_timeout_s``), then end the writer."""
@@ -361,7 +364,7 @@ class DiskTier:
                 self.write(key, payload)
 
     def stats(self) -> dict[str, int]:
-        out = asdict(self.n)
+        out = self.n.snapshot()
         out.update(disk_chunks=len(self._index), disk_bytes=self._bytes)
         return out
 

@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis
@@ -43,10 +43,12 @@ from redis.retry import Retry
 
 from lmcache_core.keys import ChunkKey
 from lmcache_core.storage import record
+from lmcache_core.storage.counters import Counters
 from lmcache_core.storage.disk import Source
 from lmcache_core.storage.record import Buffer
 from lmcache_core.storage.remote_url import parse_url
 from lmcache_core.storage.writer import BackgroundWriter
+from lmcache_core.supervision import Supervisor
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -58,7 +60,7 @@ _PACK_CUTOFF = 6000  # redis-py's default: larger arguments go out as separate b
 
 
 @dataclass(slots=True)
-class RemoteCounters:
+class RemoteCounters(Counters):
     """What the remote tier reports in ``ServerStats`` (names as there)."""
 
     remote_loaded_chunks: int = 0
@@ -142,14 +144,14 @@ class RemoteTier:
         if self._closed:
             return
         with self._state_lock:
-            self.n.remote_errors += 1
+            self.n.add(remote_errors=1)
             if self._down:
                 self._failures_in_outage += 1
                 return
             self._down = True
             self._down_since = time.monotonic()
             self._failures_in_outage = 1
-            self.n.remote_outages += 1
+            self.n.add(remote_outages=1)
         logger.warning("remote tier %s unavailable (%s: %s); serving from memory and disk, "
                        "retrying every %.1fs", self.display_url, what, _reason(exc),
                        self.retry_interval_s)
@@ -230,14 +232,14 @@ class RemoteTier:
                 if isinstance(value, bytes | bytearray):
                     loaded[i] = self._decode(keys[i], rkeys[i - start], value, outs[i])
             start = end
-        self.n.remote_loaded_chunks += sum(1 for n in loaded if n)
+        self.n.add(remote_loaded_chunks=sum(1 for n in loaded if n))
         return loaded
 
     def _decode(self, key: ChunkKey, rkey: bytes, value: bytes | bytearray, out: memoryview) -> int:
         try:
             return record.decode_into(value, key, out)
         except record.RecordError as exc:
-            self.n.remote_corrupt += 1
+            self.n.add(remote_corrupt=1)
             now = time.monotonic()
             if now - self._last_corrupt_log > 10.0:
                 self._last_corrupt_log = now
@@ -248,7 +250,7 @@ class RemoteTier:
             return 0
 
     def count_lookup_timeout(self) -> None:
-        self.n.remote_lookup_timeouts += 1
+        self.n.add(remote_lookup_timeouts=1)
 
     # ------------------------------------------------------------------ write side
 
@@ -260,7 +262,7 @@ class RemoteTier:
         """Queue keys to be written behind; a full queue drops (and counts) the rest. Never blocks."""
         dropped = self._writer.submit(keys)
         if dropped:
-            self.n.remote_write_dropped += dropped
+            self.n.add(remote_write_dropped=dropped)
         return dropped
 
     def put(self, key: ChunkKey, payload: memoryview) -> bool:
@@ -272,8 +274,9 @@ class RemoteTier:
             return False
         return True
 
-    def start(self) -> None:
-        self._writer.start()
+    def start(self, supervisor: Supervisor | None = None) -> None:
+        """Start the writer thread (watched by ``supervisor``: a writer that dies fails the server)."""
+        self._writer.start(supervisor)
 
     def stop(self, drain_timeout_s: float = 5.0) -> None:
         """Write what is queued (for at most ``drain_timeout_s`` while Redis is up), then end."""
@@ -336,13 +339,13 @@ class RemoteTier:
         self._ok()
         failed = sum(1 for r in results if isinstance(r, Exception))
         if failed:
-            self.n.remote_write_failed += failed
+            self.n.add(remote_write_failed=failed)
             now = time.monotonic()
             if now - self._last_refused_log > 10.0:  # e.g. Redis is full (maxmemory, noeviction)
                 self._last_refused_log = now
                 logger.warning("remote tier: Redis refused %d write(s): %s", failed,
                                next(r for r in results if isinstance(r, Exception)))
-        self.n.remote_written_chunks += len(results) - failed
+        self.n.add(remote_written_chunks=len(results) - failed)
         return True
 
     def _set_many(self, values: list[tuple[bytes, Buffer]]) -> list[Any]:
@@ -366,7 +369,7 @@ class RemoteTier:
             return None
 
     def stats(self) -> dict[str, int]:
-        out = asdict(self.n)
+        out = self.n.snapshot()
         out.update(remote_queued=self._writer.queued, remote_down=int(self._down))
         return out
 

@@ -25,6 +25,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Generic, TypeVar
 
+from lmcache_core.supervision import Supervisor
+
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -57,6 +59,7 @@ class BackgroundWriter(Generic[T]):
         self._stopping = False
         self._running = False  # the thread is in its loop (false once it has left it, however)
         self._thread: threading.Thread | None = None
+        self._supervisor = Supervisor()
 
     # ------------------------------------------------------------------ producers
 
@@ -102,14 +105,16 @@ class BackgroundWriter(Generic[T]):
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self) -> None:
+    def start(self, supervisor: Supervisor | None = None) -> None:
+        """Start the thread, watched by ``supervisor`` (the server's; by default one that only
+        logs): an exception that escapes ``_run`` ends it, and the supervisor learns of it."""
         if self._thread is not None:
             return
         with self._cond:
             self._stopping = False
             self._running = True
-        self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
-        self._thread.start()
+        self._supervisor = supervisor if supervisor is not None else Supervisor()
+        self._thread = self._supervisor.spawn(self.thread_name, self._run)
 
     def stop(self, drain_timeout_s: float, grace_s: float = 1.0) -> bool:
         """Let the writer write what is queued for at most ``drain_timeout_s`` (not at all while
@@ -120,6 +125,7 @@ class BackgroundWriter(Generic[T]):
             return True
         deadline = time.monotonic() + drain_timeout_s
         down = self._down
+        self._supervisor.retire(thread)
         with self._cond:
             self._cond.wait_for(lambda: not self._pending or not self._running
                                 or (down is not None and down()), timeout=max(0.0, drain_timeout_s))
@@ -137,6 +143,8 @@ class BackgroundWriter(Generic[T]):
     # ------------------------------------------------------------------ the thread
 
     def _run(self) -> None:
+        """The thread: an error in one batch is logged and the next taken; one outside a batch
+        (the queue, a hook) propagates, ending the thread, which its supervisor reports."""
         try:
             if self._on_start is not None:
                 self._on_start()
@@ -161,8 +169,6 @@ class BackgroundWriter(Generic[T]):
                 finally:
                     if batch:
                         self._done(len(batch))
-        except Exception:
-            logger.exception("%s: writer thread failed", self.name)
         finally:
             with self._cond:
                 self._running = False

@@ -1,23 +1,29 @@
-"""``MessageQueueServer``: a ROUTER socket, one loop thread, and a worker pool for long requests.
+"""``MessageQueueServer``: a ROUTER socket, one loop thread, and worker threads for long requests.
 
-Cheap requests (ping, lookup, info) are answered inline on the loop thread; routes marked
-``blocking`` (store, retrieve) run on a thread pool so a long copy never delays a ping or a lookup.
-Every request gets exactly one reply: its result, or an ``ErrorReply`` built at the one error
-boundary (``_answer``). Worker threads hand replies back through a deque and an eventfd.
+The loop thread reads every request's head (frame count, size, uid, op: cheap whatever the bytes
+are). Cheap requests (ping, lookup, info) are then decoded and answered inline; routes marked
+``blocking`` (store, retrieve) are decoded and served on a worker thread, so neither a long copy nor
+a large payload delays a ping. Every request gets exactly one reply: its result, or an
+``ErrorReply`` built at the one error boundary (``_answer``); no exception from one request reaches
+the loop. Workers hand replies back through a deque and an eventfd.
+
+The loop and the workers are spawned through a ``Supervisor``: if one of them dies, the server
+fails as a whole (``lmcache serve`` exits so that it is restarted) instead of holding its port and
+answering nothing. Log lines about rejected requests are budgeted: a flood of bad frames costs a
+few lines, not a line each.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import functools
 import logging
 import os
+import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -29,21 +35,26 @@ from lmcache_core.errors import (
     ServerError,
     ShuttingDownError,
     UnknownOperationError,
+    clip,
 )
 from lmcache_core.protocol import messages as m
 from lmcache_core.protocol.codec import (
-    DecodedRequest,
     Limits,
-    decode_request,
+    RequestHead,
+    decode_head,
+    decode_payload,
     encode_reply,
     error_reply,
+    rejection_frames,
 )
 from lmcache_core.protocol.ops import RequestType
+from lmcache_core.supervision import Supervisor
 from lmcache_core.transport.waker import Waker
 
 logger = logging.getLogger(__name__)
 Handler = Callable[[Any, bytes], m.Reply]
 _RECV_BATCH = 256
+_WORKER_JOIN_S = 2.0  # after the drain: how long stop() waits for a worker still copying
 
 
 class Route(NamedTuple):
@@ -54,11 +65,53 @@ class Route(NamedTuple):
 
 
 class ServerCounters:
-    """Request and error counts, read by the stats handler (plain ints: one writer thread)."""
+    """Request and error counts, read by the stats handler (plain ints: only the loop thread
+    writes them; workers report their errors with the reply they hand back)."""
 
     def __init__(self) -> None:
         self.requests = 0
         self.errors = 0
+
+
+class LogBudget:
+    """At most ``lines`` log lines per ``window_s`` for one kind of event; the rest are counted and
+    the count is told with the next line let through."""
+
+    def __init__(self, lines: int = 20, window_s: float = 10.0) -> None:
+        self._lines = lines
+        self._window_s = window_s
+        self._lock = threading.Lock()
+        self._window_start = 0.0
+        self._used = 0
+        self._suppressed = 0
+
+    def take(self) -> int | None:
+        """None when this line must be dropped; else how many were dropped before it."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._window_start >= self._window_s:
+                self._window_start, self._used = now, 0
+            if self._used >= self._lines:
+                self._suppressed += 1
+                return None
+            self._used += 1
+            suppressed, self._suppressed = self._suppressed, 0
+            return suppressed
+
+
+def _log(budget: LogBudget, level: int, msg: str, *args: Any, exc_info: bool = False) -> None:
+    suppressed = budget.take()
+    if suppressed is None:
+        return
+    if suppressed:
+        msg += f" ({suppressed} similar line(s) suppressed before this one)"
+    logger.log(level, msg, *args, exc_info=exc_info)
+
+
+class _Job(NamedTuple):
+    identity: bytes
+    head: RequestHead
+    route: Route
 
 
 class MessageQueueServer:
@@ -66,30 +119,37 @@ class MessageQueueServer:
 
     def __init__(self, url: str, routes: Mapping[RequestType, Route], *,
                  context: zmq.Context[Any] | None = None, workers: int = 2,
-                 limits: Limits | None = None, name: str = "lmcache-server") -> None:
+                 limits: Limits | None = None, name: str = "lmcache-server",
+                 supervisor: Supervisor | None = None) -> None:
         self.url = url
         self.routes = dict(routes)
         self.limits = limits or Limits()
         self.counters = ServerCounters()
         self._context = context if context is not None else zmq.Context.instance()
         self._name = name
-        self._workers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"{name}-worker")
-        self._done: deque[list[bytes]] = deque()
+        self._num_workers = max(1, workers)
+        self._supervisor = supervisor if supervisor is not None else Supervisor()
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._done: deque[tuple[list[bytes], bool]] = deque()  # (frames, failed)
         self._in_flight = 0
         self._waker = Waker()
         self._stopping = threading.Event()
         self._drain_deadline = 0.0
         self._socket: zmq.Socket[Any] | None = None
         self._thread: threading.Thread | None = None
+        self._workers: list[threading.Thread] = []
+        self._rejections = LogBudget()
+        self._failures = LogBudget()
         self.bound_url = url
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> str:
-        """Bind and start the loop thread; returns the bound url (with the real port for :0)."""
+        """Bind and start the loop and worker threads; returns the bound url (real port for :0)."""
         self._socket = self._bind(self.url)
-        self._thread = threading.Thread(target=self._run, name=f"{self._name}-loop", daemon=True)
-        self._thread.start()
+        self._thread = self._supervisor.spawn(f"{self._name}-loop", self._run)
+        self._workers = [self._supervisor.spawn(f"{self._name}-worker-{i}", self._work)
+                         for i in range(self._num_workers)]
         return self.bound_url
 
     def _bind(self, url: str) -> zmq.Socket[Any]:
@@ -101,14 +161,19 @@ class MessageQueueServer:
         # A hard cap well above the soft limit: bigger frames drop the peer instead of eating memory;
         # frames between the two get a TOO_LARGE reply.
         sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.limits.max_request_bytes)
-        if url.startswith("ipc://"):
-            Path(url[len("ipc://"):]).parent.mkdir(parents=True, exist_ok=True)
+        path = url[len("ipc://"):] if url.startswith("ipc://") else None
+        if path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
         try:
             sock.bind(url)
         except zmq.ZMQError as exc:
             sock.close(0)
             hint = " (is another lmcache serve running there?)" if exc.errno == errno.EADDRINUSE else ""
             raise BindError(f"cannot listen on {url}: {exc.strerror}{hint}") from None
+        if path is not None:
+            # Only this user may connect: whoever can talk to the server can make it read and write
+            # the shared memory it maps.
+            os.chmod(path, 0o600)
         endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
         self.bound_url = endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
         return sock
@@ -118,10 +183,26 @@ class MessageQueueServer:
         if self._thread is None or self._stopping.is_set():
             return
         self._drain_deadline = time.monotonic() + drain_timeout_s
+        self._supervisor.retire(self._thread)
         self._stopping.set()
         self._waker.wake()
         self._thread.join(drain_timeout_s + 2.0)
-        self._workers.shutdown(wait=False, cancel_futures=True)
+        self._cancel_queued()
+        for worker in self._workers:
+            self._supervisor.retire(worker)
+            self._jobs.put(None)
+        deadline = time.monotonic() + _WORKER_JOIN_S
+        for worker in self._workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
+        if not any(w.is_alive() for w in self._workers):
+            self._waker.close()  # else a worker still copying may wake it: leave the fd open
+
+    def _cancel_queued(self) -> None:
+        """Drop the jobs no worker took before the drain ended (the socket is closed: no one
+        would get their replies)."""
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._jobs.get_nowait()
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until the loop has exited (after ``stop``); True if it has."""
@@ -137,6 +218,8 @@ class MessageQueueServer:
     # ------------------------------------------------------------------ loop
 
     def _run(self) -> None:
+        """The loop thread. Any exception here (not from a request: those are answered) ends the
+        thread, and the supervisor takes the server down."""
         assert self._socket is not None
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
@@ -149,12 +232,9 @@ class MessageQueueServer:
                 self._send_done()
                 if self._socket in events:
                     self._receive()
-        except Exception:
-            logger.exception("lmcache server loop failed")
         finally:
             self._socket.close(0)
             self._remove_ipc_file()
-            self._waker.close()
 
     def _drained(self) -> bool:
         if not self._stopping.is_set():
@@ -178,55 +258,72 @@ class MessageQueueServer:
                 return
 
     def _dispatch(self, identity: bytes, frames: list[bytes]) -> None:
+        """Answer or queue one request; whatever happens, it costs this request only."""
         self.counters.requests += 1
         try:
-            request = decode_request(frames, self.limits)
-            route = self.routes.get(request.op)
+            self._route(identity, frames)
+        except Exception as exc:  # a bug on this path: answer it, log it, keep serving
+            self.counters.errors += 1
+            _log(self._failures, logging.ERROR, "serving a request from %s failed",
+                 identity.hex(), exc_info=True)
+            self._send([identity, *rejection_frames(frames, ServerError(
+                f"{type(exc).__name__}: {clip(str(exc))}"))])
+
+    def _route(self, identity: bytes, frames: list[bytes]) -> None:
+        try:
+            head = decode_head(frames, self.limits)
+            route = self.routes.get(head.op)
             if route is None:
-                raise UnknownOperationError(f"this server does not serve {request.op.value}")
+                raise UnknownOperationError(f"this server does not serve {head.op.value}")
         except LMCacheError as exc:
             self.counters.errors += 1
-            logger.info("rejected a request from %s: %s", identity.hex(), exc)
-            uid = frames[0] if frames else b""
-            op = frames[1] if len(frames) > 1 else b""
-            self._send([identity, *encode_reply(uid, op, error_reply(exc))])
+            _log(self._rejections, logging.INFO, "rejected a request from %s: %s",
+                 identity.hex(), clip(str(exc)))
+            self._send([identity, *rejection_frames(frames, exc)])
             return
         if not route.blocking:
-            self._send([identity, *self._answer(route, request, identity)])
+            frames_out, failed = self._answer(_Job(identity, head, route))
+            self.counters.errors += failed
+            self._send([identity, *frames_out])
         elif self._stopping.is_set():
-            self._send([identity, *self._reply_error(request, ShuttingDownError(
+            self.counters.errors += 1
+            self._send([identity, *self._reply_error(head, ShuttingDownError(
                 "the server is shutting down"))])
         else:
             self._in_flight += 1
-            job = self._workers.submit(self._answer, route, request, identity)
-            job.add_done_callback(functools.partial(self._on_done, identity))
+            self._jobs.put(_Job(identity, head, route))
 
-    def _on_done(self, identity: bytes, job: Future[list[bytes]]) -> None:
-        self._done.append([identity, *job.result()])
-        self._waker.wake()
+    def _work(self) -> None:
+        """A worker thread: serve queued jobs until a None arrives."""
+        while (job := self._jobs.get()) is not None:
+            frames, failed = self._answer(job)
+            self._done.append(([job.identity, *frames], failed))
+            self._waker.wake()
 
     def _send_done(self) -> None:
         while self._done:
+            frames, failed = self._done.popleft()
             self._in_flight -= 1
-            self._send(self._done.popleft())
+            self.counters.errors += failed
+            self._send(frames)
 
-    def _answer(self, route: Route, request: DecodedRequest, identity: bytes) -> list[bytes]:
-        """The one error boundary: a reply or a typed ErrorReply, whatever the handler does."""
+    def _answer(self, job: _Job) -> tuple[list[bytes], bool]:
+        """The one error boundary: the reply frames (a result or a typed ErrorReply, whatever the
+        payload or the handler does), and whether it is an error."""
+        head = job.head
         try:
-            reply = route.handler(request.payload, identity)
+            reply = job.route.handler(decode_payload(head, self.limits), job.identity)
         except LMCacheError as exc:
-            self.counters.errors += 1
-            logger.info("%s failed: %s", request.op.value, exc)
-            return self._reply_error(request, exc)
+            _log(self._rejections, logging.INFO, "%s failed: %s", head.op.value, clip(str(exc)))
+            return self._reply_error(head, exc), True
         except Exception as exc:
-            self.counters.errors += 1
-            logger.exception("%s raised", request.op.value)
-            return self._reply_error(request, ServerError(f"{type(exc).__name__}: {exc}"))
-        return encode_reply(request.uid_frame, request.op_frame, reply)
+            _log(self._failures, logging.ERROR, "%s raised", head.op.value, exc_info=True)
+            return self._reply_error(head, ServerError(f"{type(exc).__name__}: {clip(str(exc))}")), True
+        return encode_reply(head.uid_frame, head.op_frame, reply), False
 
     @staticmethod
-    def _reply_error(request: DecodedRequest, exc: LMCacheError) -> list[bytes]:
-        return encode_reply(request.uid_frame, request.op_frame, error_reply(exc))
+    def _reply_error(head: RequestHead, exc: LMCacheError) -> list[bytes]:
+        return encode_reply(head.uid_frame, head.op_frame, error_reply(exc))
 
     def _send(self, frames: list[bytes]) -> None:
         assert self._socket is not None

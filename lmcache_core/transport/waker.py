@@ -16,8 +16,11 @@ class Waker:
 
     def wake(self) -> None:
         # A saturated counter (or a closed loop) means a wake-up is pending or pointless anyway.
+        fd = self.fd
+        if fd < 0:
+            return
         with contextlib.suppress(BlockingIOError, OSError):
-            os.eventfd_write(self.fd, 1)
+            os.eventfd_write(fd, 1)
 
     def drain(self) -> None:
         with contextlib.suppress(BlockingIOError):

@@ -100,6 +100,82 @@ def test_limits():
         decode_request(frames, Limits(max_request_bytes=100))
 
 
+NESTED = b"\x91" * 5000 + b"\xc0"  # 5000 nested arrays: killed the loop with a RecursionError
+
+
+def _request(op: str, payload: object) -> list[bytes]:
+    return [msgspec.msgpack.encode(1), msgspec.msgpack.encode(op), msgspec.msgpack.encode(payload)]
+
+
+@pytest.mark.parametrize("frames", [
+    [NESTED, msgspec.msgpack.encode("lmc.ping"), msgspec.msgpack.encode({})],
+    [b"\x01", NESTED, msgspec.msgpack.encode({})],
+    [b"\x01", msgspec.msgpack.encode("lmc.ping"), NESTED],
+    [b"\x01", msgspec.msgpack.encode("lmc.store"), b"\x81\xabinstance_id" + NESTED],
+    [b"\x01", msgspec.msgpack.encode("lmc.ping")],                        # no payload frame
+    [b"\x01", msgspec.msgpack.encode("lmc.ping"), b"\x80", b"\x80"],      # an extra frame
+    [msgspec.msgpack.encode("uid"), msgspec.msgpack.encode("lmc.ping"), b"\x80"],
+    [msgspec.msgpack.encode(1.5), msgspec.msgpack.encode("lmc.ping"), b"\x80"],
+])
+def test_hostile_frames_are_protocol_errors(frames):
+    """Whatever the bytes, decoding raises a ProtocolError, never anything that could escape the
+    server loop (RecursionError, OverflowError, ...)."""
+    with pytest.raises(ProtocolError):
+        decode_request(frames)
+
+
+@pytest.mark.parametrize(("op", "payload", "where"), [
+    ("lmc.lookup", {"model_name": "m", "world_size": 1_500_000, "lookup_id": "l",
+                    "chunk_hashes": []}, "world_size"),
+    ("lmc.lookup", {"model_name": "m", "world_size": 0, "lookup_id": "l", "chunk_hashes": []},
+     "world_size"),
+    ("lmc.lookup", {"model_name": "m" * 300, "world_size": 1, "lookup_id": "l",
+                    "chunk_hashes": []}, "model_name"),
+    ("lmc.register_kv_cache", {**msgspec.to_builtins(SAMPLES[RequestType.REGISTER_KV_CACHE]),
+                               "pid": 2**62}, "pid"),
+    ("lmc.register_kv_cache", {**msgspec.to_builtins(SAMPLES[RequestType.REGISTER_KV_CACHE]),
+                               "kv_rank": -1}, "kv_rank"),
+    ("lmc.register_kv_cache", {**msgspec.to_builtins(SAMPLES[RequestType.REGISTER_KV_CACHE]),
+                               "layers": []}, "layers"),
+    ("lmc.store", {"instance_id": -1, "chunk_hashes": [], "block_ids": []}, "instance_id"),
+    ("lmc.store", {"instance_id": 1, "chunk_hashes": [], "block_ids": [2**40]}, "block_ids"),
+    ("lmc.store", {"instance_id": 1, "chunk_hashes": [], "block_ids": [0] * (2**20 + 1)},
+     "block_ids"),
+    ("lmc.retrieve", {"instance_id": 1, "chunk_hashes": [b""], "block_ids": []}, "chunk_hashes"),
+    ("lmc.list_chunks", {"limit": -1}, "limit"),
+    ("lmc.ping", {"instance_id": 2**64 - 1}, "instance_id"),
+])
+def test_every_wire_integer_and_length_is_bounded(op, payload, where):
+    with pytest.raises(ProtocolError, match=where):
+        decode_request(_request(op, payload))
+
+
+def test_a_lookup_counts_one_key_per_rank_per_chunk():
+    lookup = m.LookupRequest(model_name="m", world_size=8, lookup_id="x",
+                             chunk_hashes=[b"h" * 32] * 100)
+    frames = encode_request(0, RequestType.LOOKUP, [lookup])
+    assert decode_request(frames, Limits(max_keys_per_request=800)).payload == lookup
+    with pytest.raises(RequestTooLargeError, match="800 chunk keys"):
+        decode_request(frames, Limits(max_keys_per_request=799))
+
+
+def test_client_input_is_never_echoed_whole():
+    """A 4 MiB op name once went whole into the log and the reply (11 s of pings stalled)."""
+    from lmcache_core.errors import MAX_MESSAGE_CHARS
+    from lmcache_core.protocol.codec import rejection_frames
+
+    huge = [b"\x01", msgspec.msgpack.encode("x" * 4 * 2**20), b"\x80"]
+    with pytest.raises(UnknownOperationError) as info:
+        decode_request(huge)
+    assert len(str(info.value)) < MAX_MESSAGE_CHARS
+    reply = rejection_frames(huge, info.value)
+    assert sum(map(len, reply)) < 1000 and reply[1] == b"\xc0"  # the op frame is not echoed
+    unknown_field = _request("lmc.ping", {"y" * 2**20: 1})
+    with pytest.raises(ProtocolError) as info:
+        decode_request(unknown_field)
+    assert len(error_reply(info.value).message) < 4 * MAX_MESSAGE_CHARS
+
+
 def test_no_pickle_anywhere():
     import pathlib
 

@@ -1,0 +1,87 @@
+"""A real ``lmcache serve`` whose thread dies exits non-zero within about a second."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lmcache_core.errors import LMCacheError
+from lmcache_core.protocol import RequestType
+from lmcache_core.protocol import messages as m
+from lmcache_core.transport.client import MessageQueueClient
+from tests.integration.servers import ServerProcess
+
+FAULTY = Path(__file__).with_name("faulty_server.py")
+
+
+class FaultyServer(ServerProcess):
+    def __init__(self, tmp: Path, fault: str) -> None:
+        super().__init__(tmp, {"server": {"workers": 1}})
+        self.fault = fault
+
+    def start(self, timeout_s: float = 20.0) -> FaultyServer:
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(FAULTY), self.fault, "serve", "-c", str(self.config_path)],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"},
+            cwd=Path(__file__).parents[2])
+        if self.fault != "loop":  # the loop dies on its first request: a readiness ping included
+            self.wait_ready(timeout_s)
+        return self
+
+    def exit_code_within(self, timeout_s: float) -> tuple[int, float]:
+        assert self.proc is not None
+        start = time.monotonic()
+        try:
+            code = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"the server did not exit within {timeout_s}s:\n{self.log()}")
+        return code, time.monotonic() - start
+
+
+def _poke(url: str, op: RequestType, payload: m.Message) -> None:
+    with MessageQueueClient(url, connect_timeout_s=5, request_timeout_s=1) as client, \
+            pytest.raises(LMCacheError):
+        client.call(op, payload, m.Reply)
+
+
+def _wait_for_socket(path: str, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, "the server never bound its socket"
+        time.sleep(0.02)
+
+
+def test_a_dead_transport_loop_ends_the_process(tmp_path):
+    server = FaultyServer(tmp_path, "loop").start()
+    _wait_for_socket(server.url[len("ipc://"):])
+    sent = time.monotonic()
+    _poke(server.url, RequestType.PING, m.PingRequest())  # no answer: the loop died on it
+    code, _ = server.exit_code_within(5)
+    elapsed = time.monotonic() - sent
+    log = server.log()
+    assert code == 1, log
+    assert "thread lmcache-server-loop died" in log and "InjectedFault" in log
+    assert elapsed < 1 + 1.5, f"exited {elapsed:.2f}s after the loop died (request timeout 1s)"
+
+
+def test_a_dead_copy_worker_ends_the_process(tmp_path):
+    server = FaultyServer(tmp_path, "worker").start()
+    sent = time.monotonic()
+    _poke(server.url, RequestType.UNREGISTER_KV_CACHE, m.UnregisterKVCacheRequest(instance_id=1))
+    code, _ = server.exit_code_within(5)
+    assert code == 1 and "thread lmcache-server-worker-0 died" in server.log()
+    assert time.monotonic() - sent < 2.5
+
+
+def test_a_dead_housekeeper_ends_the_process(tmp_path):
+    server = FaultyServer(tmp_path, "housekeeper").start()
+    code, waited = server.exit_code_within(5)  # housekeeping runs every second
+    assert code == 1 and "thread lmcache-housekeeping died" in server.log()
+    assert waited < 2.5
