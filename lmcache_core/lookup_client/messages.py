@@ -15,10 +15,12 @@ from typing import Annotated, Any
 
 import msgspec
 
-from lmcache_core.errors import ProtocolError
+from lmcache_core.errors import ProtocolError, clip
 
-NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+# Bounded like the server's messages (protocol.messages): no value on the wire is unbounded.
+NonNegative = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 ChunkHash = Annotated[bytes, msgspec.Meta(min_length=1, max_length=64)]
+MAX_CHUNKS = 2**20
 LookupId = Annotated[str, msgspec.Meta(max_length=1024)]
 #: The client's answer socket: a file name (no directory) in the shared private runtime directory.
 ReplyTo = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,120}\.sock$")]
@@ -40,8 +42,8 @@ class LookupRequestMsg(_Msg, tag="lookup.request"):
     lookup_id: LookupId
     seq: NonNegative
     reply_to: ReplyTo
-    hashes: list[ChunkHash]
-    offsets: list[NonNegative]
+    hashes: Annotated[list[ChunkHash], msgspec.Meta(max_length=MAX_CHUNKS)]
+    offsets: Annotated[list[NonNegative], msgspec.Meta(max_length=MAX_CHUNKS)]
     request_configs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -82,13 +84,13 @@ def decode_worker_msg(buf: bytes | memoryview) -> WorkerMsg:
     """What a lookup server receives: a request or a cleanup; ``ProtocolError`` for anything else."""
     try:
         return _worker_decoder.decode(buf)
-    except (msgspec.DecodeError, ValueError) as exc:  # ValidationError is a DecodeError
-        raise ProtocolError(f"bad lookup message: {exc}") from None
+    except Exception as exc:  # whatever the bytes: deep nesting in request_configs is a RecursionError
+        raise ProtocolError(f"bad lookup message: {clip(str(exc))}") from None
 
 
 def decode_response(buf: bytes | memoryview) -> LookupResponseMsg:
     """What the lookup client receives; ``ProtocolError`` for anything that is not a response."""
     try:
         return _scheduler_decoder.decode(buf)
-    except (msgspec.DecodeError, ValueError) as exc:
-        raise ProtocolError(f"bad lookup response: {exc}") from None
+    except Exception as exc:
+        raise ProtocolError(f"bad lookup response: {clip(str(exc))}") from None
