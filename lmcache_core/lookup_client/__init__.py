@@ -5,6 +5,7 @@ server asks its worker's ``CacheEngine`` for its own rank's cached prefix, pins 
 client reports the minimum. Nothing here imports torch.
 """
 
+from lmcache_core.lookup_client.abstract_client import LookupClientInterface
 from lmcache_core.lookup_client.client import LMCacheAsyncLookupClient
 from lmcache_core.lookup_client.config import LMCacheEngineConfig, LMCacheMetadata
 from lmcache_core.lookup_client.messages import (
@@ -20,6 +21,7 @@ __all__ = [
     "LMCacheEngineConfig",
     "LMCacheMetadata",
     "LookupCleanupMsg",
+    "LookupClientInterface",
     "LookupEngine",
     "LookupRequestMsg",
     "LookupResponseMsg",

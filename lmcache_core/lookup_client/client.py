@@ -43,6 +43,7 @@ import zmq
 from lmcache_core.errors import LMCacheError
 from lmcache_core.keys import TokenDatabase
 from lmcache_core.lookup_client import _ipc
+from lmcache_core.lookup_client.abstract_client import LookupClientInterface
 from lmcache_core.lookup_client.config import (
     LMCacheEngineConfig,
     LMCacheMetadata,
@@ -84,7 +85,7 @@ class _Running:
         self.answers: dict[int, int] = {}  # worker id -> hit tokens
 
 
-class LMCacheAsyncLookupClient:
+class LMCacheAsyncLookupClient(LookupClientInterface):
     """Non-blocking lookups from the scheduler to the workers' ``LMCacheAsyncLookupServer``s."""
 
     def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheMetadata, *,

@@ -369,6 +369,8 @@ class LMCacheMPWorkerAdapter:
     def batched_submit_store_requests(self, request_ids: list[str], ops: list[LoadStoreOp],
                                       event: Any) -> None:
         """One store request for the whole chunks of several vLLM requests."""
+        if len(request_ids) != len(ops):
+            raise ValueError(f"{len(request_ids)} request ids but {len(ops)} ops")
         hashes, blocks = self._flatten(ops)
         payload = m.StoreRequest(instance_id=self.instance_id, chunk_hashes=hashes,
                                  block_ids=blocks, event_handle=_event_handle(event),
