@@ -60,10 +60,11 @@ def cli(*args: str, env: dict[str, str] | None = None, stdin: str | None = None,
 
 
 def assert_no_torch(result: Result) -> None:
+    """Neither torch (nor numpy) nor redis was imported: the command starts in well under a second."""
     modules = {line.split("|")[-1].strip() for line in result.err.splitlines()
                if line.startswith("import time:")}
     assert modules, "run with importtime=True"
-    assert "torch" not in modules and "numpy" not in modules, sorted(modules)
+    assert not {"torch", "numpy", "redis"} & modules, sorted(modules)
 
 
 @pytest.fixture(scope="module")
@@ -222,6 +223,25 @@ def test_lookup_finds_what_store_bench_stored_and_leaves_no_locks(
     assert [r["hit_chunks"] for r in wider.json()["prompts"]] == [0, 0, 0]  # rank 1 holds none
     summary = cli("inspect-chunks", "-c", cfg, "--json").json()["summary"]
     assert summary["locks_held"] == 0
+
+
+def test_tier_sections_import_neither_torch_nor_redis(server: ServerProcess, workdir: Path) -> None:
+    """A config with disk: and remote: sections (as the server's may have) is checked without
+    importing the tiers: ping, lookup and inspect-chunks still import neither torch nor redis."""
+    config = yaml.safe_load(server.config_path.read_text())
+    config["disk"] = {"path": str(workdir / "disk"), "max_size": "1GiB"}
+    config["remote"] = {"url": "redis+cluster://127.0.0.1:7000", "key_prefix": "cli"}
+    tiered = workdir / "tiered.yaml"
+    tiered.write_text(yaml.safe_dump(config))
+    prompts = json.dumps([list(range(3, 3 + 2 * CHUNK))])
+    for args in (["ping"], ["lookup", "--tokens", "-"], ["inspect-chunks"]):
+        result = cli(*args, "-c", str(tiered), "--json", stdin=prompts, importtime=True)
+        assert result.code == 0, (args, result.err[-2000:])
+        assert_no_torch(result)
+    config["remote"]["url"] = "http://127.0.0.1:7000"
+    tiered.write_text(yaml.safe_dump(config))
+    bad = cli("ping", "-c", str(tiered))  # the url is still checked
+    assert bad.code == 2 and "remote.url" in bad.one_error_line(), bad.err
 
 
 # ---------------------------------------------------------------------- store-bench
