@@ -49,6 +49,28 @@ def span_elems(shape: Sequence[int], stride: Sequence[int]) -> int:
     return 1 + sum((s - 1) * st for s, st in zip(shape, stride, strict=True))
 
 
+def check_no_overlap(shape: Sequence[int], stride: Sequence[int]) -> None:
+    """IncompatibleError unless no two elements of the strided view share memory.
+
+    Sufficient (and what every real KV layout meets: a permutation of a dense layout, possibly
+    padded): with the dimensions ordered by stride, each stride steps past the whole span of the
+    smaller ones. A client-sent stride of 0 (or K and V at one address) would otherwise be
+    accepted and make every later copy into the cache fail; and since no element is counted twice,
+    the element count is at most the span, which the caller checks against the memory it maps.
+    """
+    check_geometry(shape, stride)
+    if 0 in shape:
+        return  # no elements at all
+    covered = 0  # elements spanned by the dimensions taken so far, minus one
+    for size, step in sorted((pair for pair in zip(shape, stride, strict=True) if pair[0] > 1),
+                             key=lambda pair: pair[1]):
+        if step <= covered:
+            raise IncompatibleError(
+                f"shape {list(shape)} with stride {list(stride)} puts several elements at one "
+                f"address; a KV cache tensor must not overlap itself")
+        covered += (size - 1) * step
+
+
 def contiguous_stride(shape: Sequence[int]) -> list[int]:
     """Row-major strides of ``shape``."""
     stride: list[int] = []
