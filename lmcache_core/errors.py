@@ -18,6 +18,7 @@ class ErrorCode(str, Enum):
     NOT_REGISTERED = "not_registered"
     INCOMPATIBLE = "incompatible"
     SHUTTING_DOWN = "shutting_down"
+    BUSY = "busy"
     INTERNAL = "internal"
 
 
@@ -69,6 +70,13 @@ class ShuttingDownError(LMCacheError):
     code = ErrorCode.SHUTTING_DOWN
 
 
+class ServerBusyError(LMCacheError):
+    """The server's queue of long requests is full; this one was not served (retry later, or
+    treat it as a miss: nothing was stored or loaded)."""
+
+    code = ErrorCode.BUSY
+
+
 class ServerError(LMCacheError):
     """The server failed while handling a request; the message says why."""
 
@@ -110,6 +118,7 @@ _BY_CODE: dict[ErrorCode, type[LMCacheError]] = {
     ErrorCode.NOT_REGISTERED: NotRegisteredError,
     ErrorCode.INCOMPATIBLE: IncompatibleError,
     ErrorCode.SHUTTING_DOWN: ShuttingDownError,
+    ErrorCode.BUSY: ServerBusyError,
     ErrorCode.INTERNAL: ServerError,
 }
 

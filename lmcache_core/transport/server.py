@@ -32,6 +32,7 @@ import zmq
 from lmcache_core.errors import (
     BindError,
     LMCacheError,
+    ServerBusyError,
     ServerError,
     ShuttingDownError,
     UnknownOperationError,
@@ -53,8 +54,14 @@ from lmcache_core.transport.waker import Waker
 
 logger = logging.getLogger(__name__)
 Handler = Callable[[Any, bytes], m.Reply]
+#: ``observe(op, seconds, error_code)`` after each request a route served ("" when it succeeded).
+Observer = Callable[[RequestType, float, str], None]
 _RECV_BATCH = 256
 _WORKER_JOIN_S = 2.0  # after the drain: how long stop() waits for a worker still copying
+#: Payload bytes the workers' queue may hold, in requests of the largest size. The loop reads the
+#: socket as fast as it can (so pings are never stuck behind stores); without this bound a client
+#: sending large requests faster than the workers serve them would grow the queue without end.
+_QUEUED_REQUESTS_OF_MAX_SIZE = 4
 
 
 class Route(NamedTuple):
@@ -71,6 +78,12 @@ class ServerCounters:
     def __init__(self) -> None:
         self.requests = 0
         self.errors = 0
+        self.errors_by_code: dict[str, int] = {}  # ErrorReply codes (a small fixed set)
+
+    def error(self, code: str) -> None:
+        """One more error reply, with this code."""
+        self.errors += 1
+        self.errors_by_code[code] = self.errors_by_code.get(code, 0) + 1
 
 
 class LogBudget:
@@ -120,7 +133,7 @@ class MessageQueueServer:
     def __init__(self, url: str, routes: Mapping[RequestType, Route], *,
                  context: zmq.Context[Any] | None = None, workers: int = 2,
                  limits: Limits | None = None, name: str = "lmcache-server",
-                 supervisor: Supervisor | None = None) -> None:
+                 supervisor: Supervisor | None = None, observe: Observer | None = None) -> None:
         self.url = url
         self.routes = dict(routes)
         self.limits = limits or Limits()
@@ -129,9 +142,12 @@ class MessageQueueServer:
         self._name = name
         self._num_workers = max(1, workers)
         self._supervisor = supervisor if supervisor is not None else Supervisor()
+        self._observe = observe  # e.g. a latency histogram; None costs nothing per request
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._done: deque[tuple[list[bytes], bool]] = deque()  # (frames, failed)
+        self._done: deque[tuple[list[bytes], str, int]] = deque()  # (frames, error code, size)
         self._in_flight = 0
+        self._queued_bytes = 0  # payload bytes of the jobs in flight (loop thread only)
+        self._max_queued_bytes = _QUEUED_REQUESTS_OF_MAX_SIZE * self.limits.max_request_bytes
         self._waker = Waker()
         self._stopping = threading.Event()
         self._drain_deadline = 0.0
@@ -263,11 +279,11 @@ class MessageQueueServer:
         try:
             self._route(identity, frames)
         except Exception as exc:  # a bug on this path: answer it, log it, keep serving
-            self.counters.errors += 1
+            error = ServerError(f"{type(exc).__name__}: {clip(str(exc))}")
+            self.counters.error(error.code.value)
             _log(self._failures, logging.ERROR, "serving a request from %s failed",
                  identity.hex(), exc_info=True)
-            self._send([identity, *rejection_frames(frames, ServerError(
-                f"{type(exc).__name__}: {clip(str(exc))}"))])
+            self._send([identity, *rejection_frames(frames, error)])
 
     def _route(self, identity: bytes, frames: list[bytes]) -> None:
         try:
@@ -276,50 +292,74 @@ class MessageQueueServer:
             if route is None:
                 raise UnknownOperationError(f"this server does not serve {head.op.value}")
         except LMCacheError as exc:
-            self.counters.errors += 1
+            self.counters.error(exc.code.value)
             _log(self._rejections, logging.INFO, "rejected a request from %s: %s",
                  identity.hex(), clip(str(exc)))
             self._send([identity, *rejection_frames(frames, exc)])
             return
         if not route.blocking:
-            frames_out, failed = self._answer(_Job(identity, head, route))
-            self.counters.errors += failed
+            frames_out, code = self._answer(_Job(identity, head, route))
+            if code:
+                self.counters.error(code)
             self._send([identity, *frames_out])
         elif self._stopping.is_set():
-            self.counters.errors += 1
-            self._send([identity, *self._reply_error(head, ShuttingDownError(
-                "the server is shutting down"))])
+            error = ShuttingDownError("the server is shutting down")
+            self.counters.error(error.code.value)
+            self._send([identity, *self._reply_error(head, error)])
+        elif self._in_flight and self._queued_bytes + len(head.payload_frame) > self._max_queued_bytes:
+            busy = ServerBusyError(f"{self._in_flight} long requests ({self._queued_bytes} bytes) "
+                                   f"are queued; {head.op.value} was not served")
+            self.counters.error(busy.code.value)
+            self._send([identity, *self._reply_error(head, busy)])
         else:
             self._in_flight += 1
+            self._queued_bytes += len(head.payload_frame)
             self._jobs.put(_Job(identity, head, route))
 
     def _work(self) -> None:
         """A worker thread: serve queued jobs until a None arrives."""
         while (job := self._jobs.get()) is not None:
-            frames, failed = self._answer(job)
-            self._done.append(([job.identity, *frames], failed))
+            frames, code = self._answer(job)
+            self._done.append(([job.identity, *frames], code, len(job.head.payload_frame)))
             self._waker.wake()
 
     def _send_done(self) -> None:
         while self._done:
-            frames, failed = self._done.popleft()
+            frames, code, size = self._done.popleft()
             self._in_flight -= 1
-            self.counters.errors += failed
+            self._queued_bytes -= size
+            if code:
+                self.counters.error(code)
             self._send(frames)
 
-    def _answer(self, job: _Job) -> tuple[list[bytes], bool]:
+    def _answer(self, job: _Job) -> tuple[list[bytes], str]:
+        """``_serve``, timed for ``observe`` when there is one."""
+        observe = self._observe
+        if observe is None:
+            return self._serve(job)
+        start = time.perf_counter()
+        frames, code = self._serve(job)
+        try:
+            observe(job.head.op, time.perf_counter() - start, code)
+        except Exception:
+            _log(self._failures, logging.ERROR, "observing %s raised", job.head.op.value,
+                 exc_info=True)
+        return frames, code
+
+    def _serve(self, job: _Job) -> tuple[list[bytes], str]:
         """The one error boundary: the reply frames (a result or a typed ErrorReply, whatever the
-        payload or the handler does), and whether it is an error."""
+        payload or the handler does), and the error's code ("" for a result)."""
         head = job.head
         try:
             reply = job.route.handler(decode_payload(head, self.limits), job.identity)
         except LMCacheError as exc:
             _log(self._rejections, logging.INFO, "%s failed: %s", head.op.value, clip(str(exc)))
-            return self._reply_error(head, exc), True
+            return self._reply_error(head, exc), exc.code.value
         except Exception as exc:
+            error = ServerError(f"{type(exc).__name__}: {clip(str(exc))}")
             _log(self._failures, logging.ERROR, "%s raised", head.op.value, exc_info=True)
-            return self._reply_error(head, ServerError(f"{type(exc).__name__}: {clip(str(exc))}")), True
-        return encode_reply(head.uid_frame, head.op_frame, reply), False
+            return self._reply_error(head, error), error.code.value
+        return encode_reply(head.uid_frame, head.op_frame, reply), ""
 
     @staticmethod
     def _reply_error(head: RequestHead, exc: LMCacheError) -> list[bytes]:

@@ -137,3 +137,37 @@ def test_stop_finishes_in_flight_work(tmp_path, release):
         client.wait_until_reachable(2)
         srv.stop(5)
         assert future.result(2) == m.StoreReply(stored=1)
+
+
+def test_a_flood_of_long_requests_is_bounded_and_pings_still_answer(release):
+    """Requests queued for the workers are bounded in bytes (4 requests of the largest size): a
+    client sending faster than the workers serve gets BUSY replies instead of growing the server."""
+    from lmcache_core.errors import ServerBusyError
+    from lmcache_core.protocol import Limits
+
+    def slow_store(p, _c):
+        release.wait(5)
+        return m.StoreReply(stored=len(p.chunk_hashes))
+
+    srv = MessageQueueServer("tcp://127.0.0.1:0", {RequestType.STORE: Route(slow_store, blocking=True),
+                                                   RequestType.PING: Route(_ping)},
+                             workers=1, limits=Limits(max_request_bytes=64 * 1024))
+    srv.start()
+    big = m.StoreRequest(instance_id=1, chunk_hashes=[b"h" * 32], block_ids=list(range(10_000)))
+    try:
+        with MessageQueueClient(srv.bound_url) as client:
+            stores = [client.submit_request(RequestType.STORE, [big]) for _ in range(12)]
+            start = time.perf_counter()
+            client.wait_until_reachable(2)
+            assert time.perf_counter() - start < 0.5
+            # the loop answered BUSY on receipt, before the ping's reply: those are done
+            busy = [f for f in stores if f.query()]
+            assert busy and all(isinstance(f.exception(0), ServerBusyError) for f in busy)
+            size = len(msgspec.msgpack.encode(big))  # ~30 KB: 8 of them fit in 4 x 64 KiB
+            assert srv.in_flight == (4 * 64 * 1024) // size == len(stores) - len(busy)
+            release.set()
+            served = [f.result(5) for f in stores if f not in busy]
+            assert served and all(r == m.StoreReply(stored=1) for r in served)
+    finally:
+        release.set()
+        srv.stop(1.0)
