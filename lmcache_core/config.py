@@ -31,6 +31,7 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 2**10, "ki": 2**10, "m": 
           "gi": 2**30, "t": 1000**4, "tb": 1000**4, "tib": 2**40, "ti": 2**40}
 ENV_PREFIX = "LMCACHE_"
 URL_ENV = "LMCACHE_URL"
+MAX_UID = 2**32 - 2  # (uid_t)-1 means "no uid"
 
 
 def parse_size(value: int | str) -> int:
@@ -78,15 +79,36 @@ class ServerConfig(_Section):
     # Touch every pool page at start (about 1 s per 4 GiB here) so the first stores into fresh
     # slots do not pay page faults (~20x slower per byte on first touch); memory is then resident.
     prefault: bool = False
+    # Users besides the server's own whose shared-memory KV caches workers may register (the server
+    # maps them read-write and removes them when their creator dies); a list, or "1000,1001".
+    shm_allowed_uids: list[int] | int | str = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.pool_size = parse_size(self.pool_size)
         if not self.url.startswith(("tcp://", "ipc://")):
             raise ValueError(f"url must start with tcp:// or ipc://, got {self.url!r}")
+        self.shm_allowed_uids = list(parse_uids(self.shm_allowed_uids))
 
     @property
     def pool_bytes(self) -> int:
         return parse_size(self.pool_size)
+
+    @property
+    def allowed_uids(self) -> tuple[int, ...]:
+        """``shm_allowed_uids`` as uids."""
+        return parse_uids(self.shm_allowed_uids)
+
+
+def parse_uids(value: list[int] | int | str) -> tuple[int, ...]:
+    """Uids from ``[1000, 1001]``, ``1000`` or ``"1000,1001"``; ValueError naming the bad one."""
+    items = value if isinstance(value, list) else str(value).replace(",", " ").split()
+    uids = []
+    for item in items:
+        text = str(item).strip()
+        if not (text.isascii() and text.isdigit()) or int(text) > MAX_UID:
+            raise ValueError(f"shm_allowed_uids: {text!r} is not a uid (0-{MAX_UID})")
+        uids.append(int(text))
+    return tuple(uids)
 
 
 class TimeoutConfig(_Section):

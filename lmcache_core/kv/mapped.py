@@ -5,11 +5,14 @@ it (zero-copy; layers of one segment share one storage, so equally spaced layers
 one op per chunk), or opens CUDA IPC handles on the GPU whose UUID the worker reported.
 ``close()`` drops every view and segment at once, so the pages are unmapped right away unless a
 copy still running in another thread holds a view (then when that copy ends).
+
+The server passes the registering worker's pid and its allowed uids, so only segments lmcache made
+for that worker, owned by an allowed user, are mapped (see :mod:`.shm`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -17,7 +20,7 @@ from lmcache_core.errors import IncompatibleError, NotRegisteredError, ProtocolE
 from lmcache_core.kv.copy import BlockCopier, BlockIds
 from lmcache_core.kv.cuda_ipc import StorageKey, open_cuda_tensor, require_cuda
 from lmcache_core.kv.layout import kv_geometry
-from lmcache_core.kv.shm import SharedSegment
+from lmcache_core.kv.shm import SegmentFile, SharedSegment
 from lmcache_core.kv.tensors import parse_dtype
 from lmcache_core.protocol.messages import KVLayoutName, TensorDescriptor
 
@@ -43,16 +46,23 @@ class MappedKVCache:
         layout: KVLayoutName,
         block_size: int,
         chunk_size: int,
+        *,
+        owner_pid: int | None = None,
+        allowed_uids: Collection[int] = (),
     ) -> MappedKVCache:
         """Map ``layers`` (in layer order). IncompatibleError/NotRegisteredError/ProtocolError
-        name what does not fit; nothing stays mapped after a failure."""
+        name what does not fit; nothing stays mapped after a failure.
+
+        Shared-memory segments must be owned by this process's euid or one of ``allowed_uids``,
+        and with ``owner_pid`` be named as lmcache names that process's segments."""
         descs = list(layers)
         dtype = _check_descriptors(descs, layout, block_size, chunk_size)
         segments: dict[str, SharedSegment] = {}
         storages: dict[StorageKey, torch.UntypedStorage] = {}
         try:
             if descs[0].kind == "shm":
-                tensors = [_open_shm_tensor(d, dtype, segments) for d in descs]
+                tensors = [_open_shm_tensor(d, dtype, segments, owner_pid, allowed_uids)
+                           for d in descs]
             else:
                 require_cuda("a KV cache shared with kind='cuda'")
                 tensors = [open_cuda_tensor(d, dtype, storages) for d in descs]
@@ -113,6 +123,11 @@ class MappedKVCache:
     @property
     def shm_names(self) -> list[str]:
         return [s.name for s in self._segments]
+
+    @property
+    def shm_files(self) -> list[SegmentFile]:
+        """The segment files as mapped (readable after close(): the reaper checks them)."""
+        return [s.file for s in self._segments]
 
     @property
     def layers(self) -> list[torch.Tensor]:
@@ -198,9 +213,11 @@ def _check_descriptors(
 
 def _open_shm_tensor(
     desc: TensorDescriptor, dtype: torch.dtype, segments: dict[str, SharedSegment],
+    owner_pid: int | None, allowed_uids: Collection[int],
 ) -> torch.Tensor:
     segment = segments.get(desc.shm_name)
     if segment is None:
-        segment = SharedSegment.attach(desc.shm_name, expected_min_nbytes=desc.segment_nbytes)
+        segment = SharedSegment.attach(desc.shm_name, expected_min_nbytes=desc.segment_nbytes,
+                                       owner_pid=owner_pid, allowed_uids=allowed_uids)
         segments[desc.shm_name] = segment
     return segment.tensor(dtype, desc.shape, desc.stride, desc.offset_bytes)

@@ -2,8 +2,11 @@
 
 CPU hosts share KV caches through POSIX shared memory (:mod:`.shm`); GPU hosts through CUDA IPC
 handles (:mod:`.cuda_ipc`). Segments this process creates are kept in a process-local registry so
-:func:`describe_kv_caches` can tell which segment (and offset) a tensor lives in from its address,
-and are unlinked by :func:`release_shared_kv_caches` or, failing that, at interpreter exit.
+:func:`describe_kv_caches` can tell which segment (and offset) a tensor lives in from its address.
+Their names stay linked while this process lives, so it can register them again (with a server
+that restarted, or after sleep mode); they are unlinked by :func:`release_shared_kv_caches` or, failing
+that, at interpreter exit. A process killed before either leaves its names behind: the server that
+reaps it, or the next server that starts, unlinks them (the name says which process created it).
 
 A CPU tensor that is not in shared memory is moved there in place: its bytes are copied into a new
 segment and ``torch.utils.swap_tensors`` swaps the new tensor into the caller's tensor *object*,
@@ -30,7 +33,13 @@ import torch
 from lmcache_core.errors import IncompatibleError
 from lmcache_core.kv.cuda_ipc import cuda_descriptor, export_storage
 from lmcache_core.kv.layout import detect_layout, kv_geometry
-from lmcache_core.kv.shm import SharedSegment, validate_segment_name
+from lmcache_core.kv.shm import (
+    NAME_FORM,
+    SharedSegment,
+    parse_segment_name,
+    pid_namespace,
+    validate_segment_name,
+)
 from lmcache_core.kv.tensors import (
     check_uniform_layers,
     contiguous_stride,
@@ -75,8 +84,15 @@ def find_segment(address: int, nbytes: int) -> tuple[SharedSegment, int] | None:
 
 
 def new_segment_name(prefix: str | None = None) -> str:
-    """``<prefix>-<pid>-<random>``, a fresh valid segment name."""
-    name = f"{prefix or DEFAULT_PREFIX}-{os.getpid()}-{secrets.token_hex(6)}"
+    """``<prefix>-<pid>-<pid namespace>-<12 random hex>``, a fresh segment name.
+
+    ``prefix`` is ``lmcache`` or starts with ``lmcache-`` (letters, digits, ``_`` and ``.`` between
+    dashes): a server maps and cleans up only names of this form, created by the registering pid.
+    """
+    name = f"{prefix or DEFAULT_PREFIX}-{os.getpid()}-{pid_namespace()}-{secrets.token_hex(6)}"
+    if parse_segment_name(name) is None:
+        raise ValueError(f"shared-memory name prefix {prefix!r} does not give a name of the form "
+                         f"{NAME_FORM} (a server would refuse it)")
     return validate_segment_name(name)
 
 

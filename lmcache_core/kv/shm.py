@@ -10,6 +10,15 @@ built with ``torch.frombuffer`` over the ``mmap`` object, and that storage keeps
 dangling tensors). :meth:`SharedSegment.close` therefore never calls ``mmap.close()``: it drops
 the segment's own references, so the pages are unmapped at once when no tensor view remains, and
 otherwise when the last view is garbage-collected. No tensor can ever point at unmapped memory.
+
+Whose segments a server may touch: a server maps whatever a client registers, read-write and with
+its own privileges, so it must not become a deputy for other programs' shared memory. Names made
+by :func:`lmcache_core.kv.share.new_segment_name` carry their creator:
+``lmcache[-<word>...]-<pid>-<pid namespace>-<12 random hex>``. :meth:`SharedSegment.attach` with
+``owner_pid`` refuses any other name or another pid (:func:`check_segment_name`), and every attach
+refuses a file owned by a uid other than this process's or an allowed one
+(:func:`check_segment_uid`). The pid namespace is in the name because a pid names a process only
+within its namespace: whoever cleans up after a dead owner needs to know the pid is its own.
 """
 
 from __future__ import annotations
@@ -18,10 +27,11 @@ import contextlib
 import errno
 import mmap
 import os
+import re
 import stat
 import weakref
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 from lmcache_core.errors import IncompatibleError, NotRegisteredError, ProtocolError
 from lmcache_core.kv.tensors import contiguous_stride, span_elems
@@ -47,11 +57,76 @@ def segment_path(name: str) -> str:
     return os.path.join(SHM_DIR, validate_segment_name(name))
 
 
+# ---------------------------------------------------------------- whose segment it is
+
+PID_MAX = 2**22  # the ceiling of Linux's pid_max: no process has a larger pid
+_OWN_NAME = re.compile(
+    r"lmcache(?:-[A-Za-z0-9_.]+)*-(?P<pid>[1-9][0-9]{0,6})-(?P<ns>[0-9]{1,20})-[0-9a-f]{12}")
+NAME_FORM = "lmcache[-<word>...]-<pid>-<pid namespace>-<12 hex>"
+
+
+class SegmentOwner(NamedTuple):
+    """The creator a segment name of this project's form embeds."""
+
+    pid: int
+    pid_ns: int  # the inode of its pid namespace; 0 when the creator could not read it
+
+
+class SegmentFile(NamedTuple):
+    """Which file a segment name pointed at when it was mapped (to re-check before unlinking)."""
+
+    name: str
+    dev: int
+    ino: int
+    uid: int
+
+
+def parse_segment_name(name: str) -> SegmentOwner | None:
+    """The owner embedded in a name of this project's form; None for any other name."""
+    match = _OWN_NAME.fullmatch(name) if isinstance(name, str) else None
+    if match is None or int(match["pid"]) > PID_MAX:
+        return None
+    return SegmentOwner(int(match["pid"]), int(match["ns"]))
+
+
+def pid_namespace() -> int:
+    """This process's pid namespace (inode of ``/proc/self/ns/pid``); 0 when it cannot be read."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def check_segment_name(name: str, owner_pid: int) -> None:
+    """IncompatibleError unless ``name`` was made by lmcache for process ``owner_pid``."""
+    owner = parse_segment_name(name)
+    if owner is None:
+        raise IncompatibleError(
+            f"shared-memory segment {name!r} is not an lmcache segment (names are {NAME_FORM}, "
+            "from lmcache_core.kv.share.new_segment_name); the server maps no other segment")
+    if owner.pid != owner_pid:
+        raise IncompatibleError(
+            f"shared-memory segment {name!r} was created by process {owner.pid}, not by the "
+            f"registering process {owner_pid}; a worker registers only segments it created")
+
+
+def check_segment_uid(name: str, uid: int, allowed_uids: Collection[int] = ()) -> None:
+    """IncompatibleError unless the segment's file owner ``uid`` is ours or allowed."""
+    own = os.geteuid()
+    if uid != own and uid not in allowed_uids:
+        raise IncompatibleError(
+            f"shared-memory segment {name!r} is owned by uid {uid}, not by this server's uid "
+            f"{own} nor one in server.shm_allowed_uids {sorted(allowed_uids)}; run the workers as "
+            "the server's user or allow their uid")
+
+
 class SharedSegment:
     """One mapped shared-memory segment. Build with :meth:`create` or :meth:`attach`."""
 
-    def __init__(self, name: str, mapping: mmap.mmap, nbytes: int, owner: bool) -> None:
+    def __init__(self, name: str, mapping: mmap.mmap, nbytes: int, owner: bool,
+                 file: SegmentFile) -> None:
         self._name = name
+        self._file = file
         self._mmap: mmap.mmap | None = mapping
         self._nbytes = nbytes
         self._owner_pid = os.getpid() if owner else 0
@@ -80,21 +155,27 @@ class SharedSegment:
             if reserve:
                 os.posix_fallocate(fd, 0, nbytes)
             mapping = _map(fd, nbytes)
+            file = _file_of(name, os.fstat(fd))
         except BaseException:
             os.close(fd)
             _unlink_quietly(path)
             raise
         os.close(fd)
-        return cls(name, mapping, nbytes, owner=True)
+        return cls(name, mapping, nbytes, owner=True, file=file)
 
     @classmethod
-    def attach(cls, name: str, expected_min_nbytes: int = 0) -> SharedSegment:
+    def attach(cls, name: str, expected_min_nbytes: int = 0, *, owner_pid: int | None = None,
+               allowed_uids: Collection[int] = ()) -> SharedSegment:
         """Map an existing segment read-write.
 
         NotRegisteredError if it does not exist; IncompatibleError if it is not a regular file, is
-        not accessible, or is smaller than ``expected_min_nbytes``.
+        not accessible, is smaller than ``expected_min_nbytes``, is owned by a uid other than this
+        process's euid and ``allowed_uids``, or (with ``owner_pid``) its name is not one lmcache
+        made for that process.
         """
         path = segment_path(name)
+        if owner_pid is not None:
+            check_segment_name(name, owner_pid)  # before opening anything
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -108,6 +189,7 @@ class SharedSegment:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise IncompatibleError(f"{path} is not a shared-memory segment")
+            check_segment_uid(name, st.st_uid, allowed_uids)
             if st.st_size <= 0 or st.st_size < expected_min_nbytes:
                 raise IncompatibleError(
                     f"shared-memory segment {name!r} has {st.st_size} bytes, expected at least "
@@ -115,7 +197,7 @@ class SharedSegment:
             mapping = _map(fd, st.st_size)
         finally:
             os.close(fd)
-        return cls(name, mapping, st.st_size, owner=False)
+        return cls(name, mapping, st.st_size, owner=False, file=_file_of(name, st))
 
     # ------------------------------------------------------------------ properties
 
@@ -126,6 +208,11 @@ class SharedSegment:
     @property
     def nbytes(self) -> int:
         return self._nbytes
+
+    @property
+    def file(self) -> SegmentFile:
+        """The file (device, inode, owner uid) the name pointed at when it was mapped."""
+        return self._file
 
     @property
     def owner(self) -> bool:
@@ -216,6 +303,10 @@ class SharedSegment:
 def _map(fd: int, nbytes: int) -> mmap.mmap:
     return mmap.mmap(
         fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def _file_of(name: str, st: os.stat_result) -> SegmentFile:
+    return SegmentFile(name, st.st_dev, st.st_ino, st.st_uid)
 
 
 def _unlink_quietly(path: str) -> None:

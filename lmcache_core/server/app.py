@@ -28,6 +28,7 @@ from lmcache_core.engine import CacheEngine
 from lmcache_core.protocol.codec import Limits
 from lmcache_core.server.handlers import CacheHandlers
 from lmcache_core.server.registry import KVRegistry
+from lmcache_core.server.segments import sweep_stale_segments
 from lmcache_core.storage.disk import DiskTier
 from lmcache_core.storage.pool import MemoryPool
 from lmcache_core.supervision import Supervisor
@@ -73,6 +74,7 @@ class CacheServer:
 
     def start(self) -> str:
         """Bind and serve; returns the bound url."""
+        sweep_stale_segments(self.config.server.allowed_uids)  # dead workers' leftover names
         url = self.transport.start()
         self.handlers.url = url
         for tier in (self.disk, self.remote):

@@ -3,13 +3,16 @@
 A registration maps a worker's shared tensors into this process. It is used by store/retrieve on
 worker threads while the housekeeping thread may reap it, so each use holds a lease and the mapping is
 closed only when the last lease ends: a reaped worker never pulls memory out from under a copy.
+
+Reaping checks each registration on its own: a pid that cannot be checked (of another host, another
+pid namespace, or no possible process) only makes that one registration "not local" (reaped when
+silent, its shared memory never unlinked); it never stops the reaping of the others. A reaped
+worker whose process is gone (a zombie included) gets its segments unlinked (:mod:`.segments`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import socket
 import threading
 import time
@@ -19,7 +22,13 @@ from typing import Any
 
 from lmcache_core.errors import NotRegisteredError
 from lmcache_core.kv.cuda_events import CopyStream
+from lmcache_core.kv.shm import SegmentFile, parse_segment_name
 from lmcache_core.protocol.messages import RegisterKVCacheRequest
+from lmcache_core.server.segments import (
+    owner_in_this_namespace,
+    process_gone,
+    unlink_dead_owner_segments,
+)
 
 logger = logging.getLogger(__name__)
 HOSTNAME = socket.gethostname()
@@ -36,31 +45,49 @@ class Registration:
         self.block_size = request.block_size
         self.layout = request.layout
         self.pid = request.pid
-        self.local = bool(request.pid) and request.hostname == HOSTNAME
+        self.local = _is_local(request)
         self.mapped = mapped
+        self.shm_files: list[SegmentFile] = list(getattr(mapped, "shm_files", []))
         self.copy_stream = CopyStream(getattr(mapped, "device", None))
         self.last_seen = now
         self.leases = 0
         self.retired = False
 
     def process_gone(self) -> bool:
-        """True when the worker ran on this host and its process no longer exists."""
+        """True when the worker ran here and its process no longer exists (or is a zombie).
+
+        A pid that cannot be checked makes this registration not local, logged once: it is then
+        reaped only when silent, and never stops the reaping of others."""
         if not self.local:
             return False
         try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
+            return process_gone(self.pid)
+        except Exception as exc:
+            self.local = False
+            logger.warning("cannot check process %r of KV cache instance %d (%s); it will be "
+                           "reaped only when silent", self.pid, self.instance_id, exc)
             return False
+
+    def release_segments(self) -> None:
+        """Unlink the shared memory of a reaped worker whose process is gone (it cannot)."""
+        if not self.local:
+            return
+        try:
+            names = unlink_dead_owner_segments(self.pid, self.shm_files)
+        except Exception:
+            logger.exception("removing the shared memory of instance %d failed", self.instance_id)
+            return
+        for name in names:
+            logger.info("unlinked shared memory %s of exited worker %d", name, self.pid)
+
+
+def _is_local(request: RegisterKVCacheRequest) -> bool:
+    """Whether this server can tell if the worker's process lives: same host, and for shared
+    memory the same pid namespace (in another one, the pid names some other process)."""
+    if not request.pid or request.hostname != HOSTNAME:
         return False
-
-
-def _unlink_segments(names: list[str]) -> None:
-    for name in names:
-        with contextlib.suppress(OSError):
-            os.unlink(f"/dev/shm/{name}")
-            logger.info("unlinked shared memory %s of a dead worker", name)
+    names = {d.shm_name for d in request.layers if d.kind == "shm"}
+    return all(owner_in_this_namespace(parse_segment_name(name)) for name in names)
 
 
 class KVRegistry:
@@ -125,21 +152,26 @@ class KVRegistry:
         """Drop registrations whose process is gone or that were silent past the reap timeout."""
         now = self._clock()
         with self._lock:
-            gone = [r for r in self._by_id.values() if r.process_gone()]
-            silent = [r for r in self._by_id.values()
-                      if r not in gone and now - r.last_seen > self._reap_timeout_s]
-            dead = gone + silent
-            for registration in dead:
+            dead = [(r, why) for r in self._by_id.values() if (why := self._why_dead(r, now))]
+            for registration, _ in dead:
                 del self._by_id[registration.instance_id]
-        for registration in dead:
+        for registration, why in dead:
             logger.warning("reaped KV cache instance %d (%s rank %d): worker %s",
                            registration.instance_id, registration.model_name, registration.kv_rank,
-                           "process exited" if registration in gone else "silent")
+                           why)
             self._retire(registration)
-        for registration in gone:  # a killed worker never unlinked its shared memory: do it for it
-            _unlink_segments(getattr(registration.mapped, "shm_names", []))
+            # A killed worker never unlinked its shared memory; a silent one may have died since.
+            registration.release_segments()
         self.reaped += len(dead)
-        return [r.instance_id for r in dead]
+        return [r.instance_id for r, _ in dead]
+
+    def _why_dead(self, registration: Registration, now: float) -> str:
+        """Why ``registration`` should be reaped now ("" if it should not)."""
+        if registration.process_gone():
+            return "process exited"
+        if now - registration.last_seen > self._reap_timeout_s:
+            return "silent"
+        return ""
 
     def close_all(self) -> None:
         with self._lock:

@@ -14,7 +14,11 @@ Run as its own process per engine (vLLM keeps process-global state). SPEC:
   wall time each (the time to first token of an in-process engine);
 - ``{"op": "stats", "name"}``: the server's counters;
 - ``{"op": "fault", "kind": "corrupt_loads" | null}``: make every load ask for a chunk the server
-  does not have (so it fails and vLLM must recompute), or stop doing so.
+  does not have (so it fails and vLLM must recompute), or stop doing so;
+- ``{"op": "restart_server", "name"}``: SIGTERM the server (``server_pid``), start ``lmcache serve
+  -c <server_config>`` again (same url, log appended to ``server_log``), and wait until this
+  engine's worker has registered with it again by itself; records the time that took and this
+  process's shared-memory names before and after. The runner stops that server when it ends.
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -32,6 +38,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 CONNECTOR_MODULE = "lmcache_core.integration.vllm.lmcache_connector"
 FAULTS: dict[str, Any] = {"kind": None, "corrupted": 0}
+RESTARTED: list[subprocess.Popen[bytes]] = []  # servers this runner started (stopped at its end)
 
 
 def _install_fault_hook() -> None:
@@ -62,6 +69,61 @@ def _server_stats(url: str) -> dict[str, Any]:
     with MessageQueueClient(url, connect_timeout_s=2.0) as client:
         reply = client.call(RequestType.SERVER_INFO, m.NoArgs(), m.ServerInfoReply, timeout_s=5.0)
     return dict(msgspec.to_builtins(reply.stats))
+
+
+def _wait_until(done: Callable[[], bool], timeout_s: float, what: str) -> float:
+    """Poll ``done`` until it holds (seconds it took); TimeoutError naming ``what`` after timeout_s."""
+    start = time.monotonic()
+    while not done():
+        if time.monotonic() - start > timeout_s:
+            raise TimeoutError(f"{what} within {timeout_s}s")
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def _exited(pid: int) -> bool:
+    """Gone, or a zombie (the old server is the test's child, which waits for it only later)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def _own_segments() -> list[str]:
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("lmcache-")
+                  and f"-{os.getpid()}-" in n)
+
+
+def _restart_server(spec: dict[str, Any]) -> dict[str, Any]:
+    from lmcache_core.transport.client import MessageQueueClient
+
+    before = _own_segments()
+    os.kill(spec["server_pid"], signal.SIGTERM)
+    _wait_until(lambda: _exited(spec["server_pid"]), 20, "the server did not stop")
+    with open(spec["server_log"], "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "lmcache_cli", "serve", "-c",
+                                 spec["server_config"]], stdout=log, stderr=subprocess.STDOUT)
+    RESTARTED.append(proc)
+    with MessageQueueClient(spec["server_url"], connect_timeout_s=30.0) as client:
+        client.wait_until_reachable(30.0)
+    took = _wait_until(lambda: _server_stats(spec["server_url"])["registered_instances"] >= 1, 30,
+                       "the worker did not register again")
+    return {"server_pid": proc.pid, "reregistered_s": took, "segments_before": before,
+            "segments_after": _own_segments()}
+
+
+def _stop_restarted() -> list[int | None]:
+    for proc in RESTARTED:
+        proc.send_signal(signal.SIGTERM)
+    codes = []
+    for proc in RESTARTED:
+        try:
+            codes.append(proc.wait(15))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            codes.append(None)
+    return codes
 
 
 def _kill(pid: int, start: float, killed_at: list[float]) -> None:
@@ -133,6 +195,8 @@ def main(spec_path: str, out_path: str) -> int:
             out["stats"][step["name"]] = _server_stats(spec["server_url"])
         elif op == "fault":
             FAULTS["kind"] = step["kind"]
+        elif op == "restart_server":
+            out["results"][step["name"]] = _restart_server(spec)
         else:
             raise ValueError(f"unknown step {op!r}")
         with open(out_path, "w") as f:  # partial results survive a later crash
@@ -145,6 +209,8 @@ def main(spec_path: str, out_path: str) -> int:
     t1 = time.perf_counter()
     llm.llm_engine.engine_core.shutdown()  # the worker's and the scheduler's connectors too
     out["shutdown_s"] = time.perf_counter() - t1
+    out["restarted_server_exits"] = _stop_restarted()
+    out["segments_at_end"] = _own_segments()
     with open(out_path, "w") as f:
         json.dump(out, f)
     sys.stdout.flush()

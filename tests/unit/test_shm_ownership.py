@@ -1,0 +1,281 @@
+"""Whose shared memory the server maps and unlinks: names, pids (zombies too), uids, the sweep.
+
+Real segments in /dev/shm and real child processes throughout; the uid cases chown a segment to
+nobody (65534) and need root.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lmcache_core.config import load_config
+from lmcache_core.errors import ConfigError, IncompatibleError
+from lmcache_core.kv.mapped import MappedKVCache
+from lmcache_core.kv.share import new_segment_name
+from lmcache_core.kv.shm import (
+    SHM_DIR,
+    SegmentOwner,
+    SharedSegment,
+    parse_segment_name,
+    pid_namespace,
+)
+from lmcache_core.kv.tensors import contiguous_stride
+from lmcache_core.protocol import messages as m
+from lmcache_core.server.registry import KVRegistry
+from lmcache_core.server.segments import process_gone, sweep_stale_segments
+
+NOBODY = 65534
+SHAPE = [2, 8, 16, 4, 32]  # flash_attn, float16: 64 KiB per layer
+LAYER_BYTES = 2 * 8 * 16 * 4 * 32 * 2
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+
+
+def our_name(pid: int, ns: int | None = None) -> str:
+    """A name of this project's form for process ``pid`` (made here, not by that process)."""
+    return f"lmcache-test-{pid}-{pid_namespace() if ns is None else ns}-{secrets.token_hex(6)}"
+
+
+def exited_pid() -> int:
+    """The pid of a child that has exited and been waited for."""
+    child = subprocess.Popen(["true"])
+    child.wait(10)
+    return child.pid
+
+
+def wait_state(pid: int, state: str, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    stat = Path(f"/proc/{pid}/stat")
+    while stat.read_text().rsplit(")", 1)[1].split()[0] != state:
+        assert time.monotonic() < deadline, f"process {pid} never reached state {state}"
+        time.sleep(0.001)
+
+
+@pytest.fixture
+def made() -> Iterator[list[str]]:
+    """Names to remove after the test, whatever it left."""
+    names: list[str] = []
+    yield names
+    for name in names:
+        if os.path.lexists(f"{SHM_DIR}/{name}"):
+            os.unlink(f"{SHM_DIR}/{name}")
+
+
+def create(made: list[str], name: str, uid: int | None = None, nbytes: int = 2 * LAYER_BYTES
+           ) -> SharedSegment:
+    made.append(name)
+    segment = SharedSegment.create(name, nbytes)
+    if uid is not None:
+        os.chown(f"{SHM_DIR}/{name}", uid, -1)
+    return segment
+
+
+# ---------------------------------------------------------------- names
+
+
+def test_new_names_carry_pid_and_pid_namespace() -> None:
+    for prefix in (None, "lmcache", "lmcache-vllm-kv", "lmcache-bench", "lmcache-a.b_c"):
+        name = new_segment_name(prefix)
+        assert parse_segment_name(name) == SegmentOwner(os.getpid(), pid_namespace()), name
+    for bad in ("foo", "lmcachex", "lmcache-", "lmcache-a b", "LMCACHE-kv"):
+        with pytest.raises(ValueError, match="does not give a name of the form"):
+            new_segment_name(bad)
+
+
+def test_parse_refuses_other_names() -> None:
+    ns = pid_namespace()
+    for name in ("otherapp-segment", f"lmcache-kv-12-{ns}", f"lmcache-kv-0-{ns}-aaaaaaaaaaaa",
+                 f"lmcache-kv-{2**22 + 1}-{ns}-aaaaaaaaaaaa", f"xlmcache-kv-12-{ns}-aaaaaaaaaaaa",
+                 f"lmcache-kv-12-{ns}-AAAAAAAAAAAA", f"lmcache-kv-012-{ns}-aaaaaaaaaaaa"):
+        assert parse_segment_name(name) is None, name
+    assert parse_segment_name(f"lmcache-1-{ns}-0123456789ab") == SegmentOwner(1, ns)
+
+
+# ---------------------------------------------------------------- attach
+
+
+def test_attach_refuses_a_foreign_name(made: list[str]) -> None:
+    name = f"otherapp-segment-{secrets.token_hex(4)}"
+    create(made, name)
+    with pytest.raises(IncompatibleError, match="is not an lmcache segment"):
+        SharedSegment.attach(name, owner_pid=os.getpid())
+
+
+def test_attach_refuses_our_form_with_another_pid(made: list[str]) -> None:
+    name = our_name(exited_pid())
+    create(made, name)
+    with pytest.raises(IncompatibleError, match=r"was created by process \d+, not by the "
+                                                f"registering process {os.getpid()}"):
+        SharedSegment.attach(name, owner_pid=os.getpid())
+    SharedSegment.attach(name, owner_pid=parse_segment_name(name).pid).close()  # type: ignore
+
+
+@needs_root
+def test_attach_refuses_another_users_segment_unless_allowed(made: list[str]) -> None:
+    name = our_name(os.getpid())
+    create(made, name, uid=NOBODY)
+    for owner_pid in (None, os.getpid()):
+        with pytest.raises(IncompatibleError, match=f"is owned by uid {NOBODY}, not by this "
+                                                    "server's uid 0"):
+            SharedSegment.attach(name, owner_pid=owner_pid)
+    SharedSegment.attach(name, owner_pid=os.getpid(), allowed_uids=[NOBODY]).close()
+
+
+def test_mapped_kv_cache_passes_the_rules_on(made: list[str]) -> None:
+    name = our_name(exited_pid())
+    create(made, name)
+    descs = [m.TensorDescriptor(kind="shm", dtype="float16", shape=SHAPE,
+                                stride=contiguous_stride(SHAPE), offset_bytes=i * LAYER_BYTES,
+                                segment_nbytes=2 * LAYER_BYTES, shm_name=name) for i in range(2)]
+    with pytest.raises(IncompatibleError, match="was created by process"):
+        MappedKVCache.open(descs, "flash_attn", 16, 64, owner_pid=os.getpid())
+    owner = parse_segment_name(name)
+    assert owner is not None
+    with MappedKVCache.open(descs, "flash_attn", 16, 64, owner_pid=owner.pid) as mapped:
+        st = os.stat(f"{SHM_DIR}/{name}")
+        assert [(f.name, f.ino, f.uid) for f in mapped.shm_files] == [(name, st.st_ino, st.st_uid)]
+
+
+# ---------------------------------------------------------------- processes
+
+
+def test_process_gone_sees_exited_zombie_and_live_processes() -> None:
+    assert not process_gone(os.getpid())
+    assert process_gone(exited_pid())
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        assert not process_gone(child.pid)
+        child.send_signal(signal.SIGKILL)  # not waited for: a zombie
+        wait_state(child.pid, "Z")
+        assert process_gone(child.pid)
+    finally:
+        child.kill()
+        child.wait(10)
+    for impossible in (0, -1, 2**22 + 1, 2**62):
+        with pytest.raises(ValueError, match="is not a pid"):
+            process_gone(impossible)
+
+
+# ---------------------------------------------------------------- the start-up sweep
+
+
+def test_sweep_removes_only_dead_owners_segments_of_allowed_uids(made: list[str]) -> None:
+    dead, live = our_name(exited_pid()), new_segment_name("lmcache-test")
+    foreign = f"otherapp-{exited_pid()}-{secrets.token_hex(4)}"
+    other_ns = our_name(exited_pid(), ns=pid_namespace() + 1)  # that pid is not ours to judge
+    for name in (dead, live, foreign, other_ns):
+        create(made, name, nbytes=4096)
+    swept = sweep_stale_segments()
+    assert dead in swept and not os.path.exists(f"{SHM_DIR}/{dead}")
+    for kept in (live, foreign, other_ns):
+        assert kept not in swept and os.path.exists(f"{SHM_DIR}/{kept}"), kept
+
+
+@needs_root
+def test_sweep_keeps_another_users_segment_unless_allowed(made: list[str]) -> None:
+    name = our_name(exited_pid())
+    create(made, name, uid=NOBODY, nbytes=4096)
+    assert name not in sweep_stale_segments()
+    assert os.path.exists(f"{SHM_DIR}/{name}")
+    assert name in sweep_stale_segments(allowed_uids=[NOBODY])
+    assert not os.path.exists(f"{SHM_DIR}/{name}")
+
+
+def test_sweep_logs_one_line_with_count_and_names(made: list[str],
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    names = [our_name(exited_pid()) for _ in range(7)]
+    for name in names:
+        create(made, name, nbytes=4096)
+    with caplog.at_level(logging.INFO, logger="lmcache_core.server.segments"):
+        swept = sweep_stale_segments()
+    assert set(names) <= set(swept)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith(f"removed {len(swept)} shared-memory segment(s) of exited workers: ")
+    assert line.endswith(f"(+{len(swept) - 5} more)")
+
+
+# ---------------------------------------------------------------- the registry
+
+
+def register(registry: KVRegistry, name: str, pid: int, instance_id: int) -> None:
+    descs = [m.TensorDescriptor(kind="shm", dtype="float16", shape=SHAPE,
+                                stride=contiguous_stride(SHAPE), offset_bytes=i * LAYER_BYTES,
+                                segment_nbytes=2 * LAYER_BYTES, shm_name=name) for i in range(2)]
+    registry.register(m.RegisterKVCacheRequest(
+        instance_id=instance_id, model_name="tiny", world_size=1, kv_rank=0, block_size=16,
+        layout="flash_attn", layers=descs, pid=pid, hostname=socket.gethostname()))
+
+
+def open_mapping(request: m.RegisterKVCacheRequest) -> MappedKVCache:
+    return MappedKVCache.open(request.layers, request.layout, request.block_size, 64)
+
+
+def test_an_impossible_pid_never_stops_reaping_others(
+        made: list[str], caplog: pytest.LogCaptureFixture) -> None:
+    # The wire bounds pids now; the registry must not depend on it (os.kill(2**62, 0) raises
+    # OverflowError, which used to end every housekeeping round from then on).
+    registry = KVRegistry(open_mapping, reap_timeout_s=60)
+    impossible, dead = our_name(os.getpid()), our_name(exited_pid())
+    create(made, impossible)
+    create(made, dead)
+    register(registry, impossible, 2**62, 1)
+    register(registry, dead, parse_segment_name(dead).pid, 2)  # type: ignore[union-attr]
+    with caplog.at_level(logging.WARNING, logger="lmcache_core.server.registry"):
+        assert registry.reap() == [2]
+        assert registry.reap() == []
+    assert len(registry) == 1
+    assert not os.path.exists(f"{SHM_DIR}/{dead}")  # unlinked for the dead worker
+    assert os.path.exists(f"{SHM_DIR}/{impossible}")
+    checks = [r for r in caplog.records if "cannot check process" in r.getMessage()]
+    assert len(checks) == 1  # logged once, not every round
+    registry.close_all()
+
+
+def test_reaper_unlinks_only_the_file_it_mapped(made: list[str]) -> None:
+    registry = KVRegistry(open_mapping, reap_timeout_s=60)
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        name = our_name(child.pid)
+        create(made, name)
+        register(registry, name, child.pid, 3)
+        os.unlink(f"{SHM_DIR}/{name}")  # someone else's file now stands under that name
+        SharedSegment.create(name, 4096)
+    finally:
+        child.kill()
+        child.wait(10)
+    assert registry.reap() == [3]
+    assert os.path.exists(f"{SHM_DIR}/{name}")
+
+
+def test_a_silent_worker_that_lives_keeps_its_segment(made: list[str]) -> None:
+    now = [0.0]
+    registry = KVRegistry(open_mapping, reap_timeout_s=5, clock=lambda: now[0])
+    name = new_segment_name("lmcache-test")
+    create(made, name)
+    register(registry, name, os.getpid(), 4)
+    now[0] = 10.0
+    assert registry.reap() == [4]  # silent: unmapped, but this process still owns the name
+    assert os.path.exists(f"{SHM_DIR}/{name}")
+
+
+# ---------------------------------------------------------------- config
+
+
+def test_config_allowed_uids() -> None:
+    assert load_config().server.allowed_uids == ()
+    for given, uids in (([1000, 1001], (1000, 1001)), (1000, (1000,)), ("1000, 1001", (1000, 1001))):
+        assert load_config(overrides={"server.shm_allowed_uids": given}).server.allowed_uids == uids
+    env = {"LMCACHE_SERVER_SHM_ALLOWED_UIDS": "[7, 8]"}
+    assert load_config(environ=env).server.allowed_uids == (7, 8)
+    for bad in ("-1", "root", 2**32 - 1, [1, "x"]):
+        with pytest.raises(ConfigError, match=r"server\.shm_allowed_uids"):
+            load_config(overrides={"server.shm_allowed_uids": bad})
