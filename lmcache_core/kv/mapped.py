@@ -21,7 +21,7 @@ from lmcache_core.kv.copy import BlockCopier, BlockIds
 from lmcache_core.kv.cuda_ipc import StorageKey, open_cuda_tensor, require_cuda
 from lmcache_core.kv.layout import kv_geometry
 from lmcache_core.kv.shm import SegmentFile, SharedSegment
-from lmcache_core.kv.tensors import parse_dtype
+from lmcache_core.kv.tensors import check_no_overlap, parse_dtype
 from lmcache_core.protocol.messages import KVLayoutName, TensorDescriptor
 
 
@@ -203,6 +203,7 @@ def _check_descriptors(
             raise IncompatibleError(
                 f"KV layer {i} ({d.kind}, {d.dtype}, {d.shape}, stride {d.stride}) differs from "
                 f"layer 0 ({first.kind}, {first.dtype}, {first.shape}, stride {first.stride})")
+    check_no_overlap(first.shape, first.stride)
     geometry = kv_geometry(first.shape, layout)
     if geometry.block_size != block_size:
         raise IncompatibleError(
