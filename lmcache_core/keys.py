@@ -12,14 +12,18 @@ import struct
 import sys
 from array import array
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from blake3 import blake3
+
+if TYPE_CHECKING:
+    import numpy as np
 
 #: LMCache's seed of the chain: blake3(int64_be(0) || uint32_be(0)).
 NONE_HASH: bytes = blake3(struct.pack(">qI", 0, 0)).digest()
 HASH_BYTES = 32
 MAX_TOKEN_ID = 2**32 - 1
+_LITTLE = sys.byteorder == "little"
 
 
 class ChunkKey(NamedTuple):
@@ -35,14 +39,16 @@ class ChunkKey(NamedTuple):
         return f"{self.chunk_hash[:6].hex()}@{self.kv_rank}/{self.world_size}"
 
 
-def _token_bytes(token_ids: Any) -> bytes:
-    """Tokens as big-endian uint32 bytes; accepts a list, an array, a numpy array or a tensor."""
-    if hasattr(token_ids, "numpy"):  # a torch tensor, converted without importing torch here
+def _token_bytes(token_ids: Any) -> bytes | memoryview:
+    """Tokens as big-endian uint32 bytes, in one vectorized conversion of the whole prompt.
+
+    Accepts a list or tuple (``array('I')``: the fastest list -> C conversion, ~3x numpy's), an
+    ``array``, a numpy array or a torch tensor (viewed through numpy without importing torch here).
+    """
+    if hasattr(token_ids, "numpy") and hasattr(token_ids, "detach"):  # torch, no import needed
         token_ids = token_ids.detach().cpu().numpy()
-    if hasattr(token_ids, "astype"):  # numpy: one vectorized conversion
-        if token_ids.size and (token_ids.min() < 0 or token_ids.max() > MAX_TOKEN_ID):
-            raise ValueError("token ids must fit in uint32 (0 .. 4294967295)")
-        return bytes(token_ids.astype(">u4").tobytes())
+    if hasattr(token_ids, "dtype") and hasattr(token_ids, "astype"):  # numpy (imported only here)
+        return _array_bytes(token_ids)
     try:
         packed = array("I", token_ids)
     except OverflowError as exc:
@@ -51,24 +57,40 @@ def _token_bytes(token_ids: Any) -> bytes:
         raise ValueError(f"token ids must be integers: {exc}") from exc
     if packed.itemsize != 4:  # pragma: no cover - platforms where C int is not 32 bits
         raise RuntimeError("unsupported platform: C unsigned int is not 32 bits")
-    if sys.byteorder == "little":
+    if _LITTLE:
         packed.byteswap()
-    return packed.tobytes()
+    return memoryview(packed).cast("B")
+
+
+def _array_bytes(tokens: np.ndarray) -> bytes | memoryview:
+    import numpy as np  # not at module level: commands that never hash arrays start without it
+
+    if tokens.dtype.kind not in "iu":
+        raise ValueError(f"token ids must be integers, got an array of {tokens.dtype}")
+    fits = tokens.dtype.kind == "u" and tokens.dtype.itemsize <= 4
+    if tokens.size and not fits and (tokens.min() < 0 or tokens.max() > MAX_TOKEN_ID):
+        raise ValueError("token ids must fit in uint32 (0 .. 4294967295)")
+    big = np.ascontiguousarray(tokens.reshape(-1), dtype=">u4")  # no copy if it already is
+    return memoryview(big.data).cast("B")
 
 
 def chain_hashes(token_ids: Sequence[int] | Any, chunk_size: int,
                  prefix: bytes = NONE_HASH) -> list[bytes]:
-    """The prefix-chain hash of every complete chunk of ``token_ids``; a partial tail is ignored."""
+    """The prefix-chain hash of every complete chunk of ``token_ids``; a partial tail is ignored.
+
+    Cost: one conversion of the prompt, then one blake3 call per chunk over a slice of the same
+    buffer (the blake3 compressions themselves are the floor: ~1.3 us per 256-token chunk here)."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    data = memoryview(_token_bytes(token_ids))
+    data = _token_bytes(token_ids)
     step = chunk_size * 4
     hashes: list[bytes] = []
+    append = hashes.append
     for start in range(0, len(data) - step + 1, step):
         hasher = blake3(prefix)
         hasher.update(data[start:start + step])
         prefix = hasher.digest()
-        hashes.append(prefix)
+        append(prefix)
     return hashes
 
 

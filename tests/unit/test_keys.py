@@ -70,3 +70,57 @@ def test_token_database_and_keys():
     assert key == ChunkKey("m", 2, 1, b"\xab" * 32) and hash(key) == hash(tuple(key))
     assert key.short() == "abababababab@1/2"
     assert block_hash_bytes(b"xy") == b"xy"
+
+
+# ---- pins taken before the vectorized hashing (issue 13): every input kind must keep these values
+_RNG_TOKENS = __import__("random").Random(13)
+PIN_TOKENS = [_RNG_TOKENS.randrange(0, 2**32) for _ in range(16384 + 100)]  # full uint32 range
+PIN_FIRST = "309c136d8b49b74dd3cdbebb5a5cea36aa1a4d8d465dce6104200b4fcca28cc9"
+PIN_LAST = "884d26e4e3774a3127bf35e9c80a29d20e28af4d232f95885c16642f1cc471f8"
+PIN_ALL_SHA256 = "5d2be92a1526540e4306f3e0f0ea4457b5a696b84ad81ede4d21631e5026dabd"
+
+
+def _check_pins(hashes: list[bytes]) -> None:
+    import hashlib
+
+    assert len(hashes) == 64
+    assert hashes[0].hex() == PIN_FIRST and hashes[-1].hex() == PIN_LAST
+    assert hashlib.sha256(b"".join(hashes)).hexdigest() == PIN_ALL_SHA256
+
+
+@pytest.mark.parametrize("kind", ["list", "tuple", "int64", "uint32", "big-endian", "uint64",
+                                  "strided", "torch", "array"])
+def test_16k_prompt_pinned_for_every_input_kind(kind):
+    from array import array
+
+    tokens = PIN_TOKENS
+    data = {
+        "list": lambda: list(tokens),
+        "tuple": lambda: tuple(tokens),
+        "int64": lambda: np.array(tokens, dtype=np.int64),
+        "uint32": lambda: np.array(tokens, dtype=np.uint32),
+        "big-endian": lambda: np.array(tokens, dtype=">u4"),
+        "uint64": lambda: np.array(tokens, dtype=np.uint64),
+        "strided": lambda: np.repeat(np.array(tokens, dtype=np.int64), 2)[::2],
+        "torch": lambda: torch.tensor(tokens, dtype=torch.int64),
+        "array": lambda: array("I", tokens),
+    }[kind]()
+    _check_pins(chain_hashes(data, 256))
+
+
+def test_small_chunk_pins_and_int32_inputs():
+    tokens = list(range(100, 100 + 16 * 7 + 3))
+    expected = ["c5977d249eeb44e2", "39b59311f24c163a", "ce475930e07a21c1", "761cc44d5f9b6fdd",
+                "af43c4bd59366a48", "7993ae08f74f88e9", "73cf73753266eb9b"]
+    for data in (tokens, np.array(tokens, dtype=np.int32), np.array(tokens, dtype=np.int16),
+                 torch.tensor(tokens, dtype=torch.int32)):
+        assert [h.hex()[:16] for h in chain_hashes(data, 16)] == expected
+    assert chain_hashes(tokens[:15], 16) == [] and chain_hashes(np.array([], dtype=np.int64), 16) == []
+    assert chain_hashes(tokens, 16, prefix=b"\x01" * 32) != chain_hashes(tokens, 16)
+
+
+@pytest.mark.parametrize("bad", [np.array([-1] * 64), np.array([2**32] * 64, dtype=np.int64),
+                                 np.array([1.5] * 64), torch.tensor([-1] * 64)])
+def test_array_tokens_must_fit_uint32(bad):
+    with pytest.raises(ValueError):
+        chain_hashes(bad, 64)
