@@ -113,7 +113,7 @@ class CacheHandlers:
                 if plan.writes:
                     indices = [w[0] for w in plan.writes]
                     blocks = _chunk_blocks(request.block_ids, indices, per_chunk)
-                    with reg.copy_stream.run(request.event_handle):
+                    with reg.copy_stream.run(request.event_handle, self.event_timeout_s):
                         reg.mapped.gather(blocks, [w[2] for w in plan.writes])
                 ok = True
             finally:
@@ -130,11 +130,17 @@ class CacheHandlers:
                 if plan.found:
                     indices = [f[0] for f in plan.found]
                     blocks = _chunk_blocks(request.block_ids, indices, per_chunk)
-                    with reg.copy_stream.run(request.event_handle):
+                    with reg.copy_stream.run(request.event_handle, self.event_timeout_s):
                         reg.mapped.scatter([f[2] for f in plan.found], blocks)
             finally:
                 self.engine.finish_retrieve(plan)
         return m.RetrieveReply(retrieved=len(plan.found), missing=list(plan.missing))
+
+    @property
+    def event_timeout_s(self) -> float:
+        """How long a copy waits for the worker's CUDA event, then for its own copies: the
+        client's request timeout (a later reply would find no one waiting)."""
+        return self.config.timeouts.request_s
 
     @staticmethod
     def _keys(reg: Registration, hashes: Sequence[bytes]) -> list[ChunkKey]:

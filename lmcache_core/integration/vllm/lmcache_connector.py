@@ -81,6 +81,7 @@ from lmcache_core.integration.vllm.vllm_multi_process_adapter import (
     LoadStoreOp,
 )
 from lmcache_core.keys import NONE_HASH, chain_hashes
+from lmcache_core.kv.cuda_events import InflightEvents
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -273,6 +274,10 @@ class LMCacheConnector(KVConnectorBase_V1):
         self._stores_failed_to_submit: set[str] = set()
         self._loads_failed_to_submit: set[str] = set()
         self._engine_finished: set[str] = set()
+        # Each store/retrieve's CUDA event lives until the server answered it (a request that got
+        # no reply may still be served: twice the request timeout more).
+        self._events = InflightEvents(grace_s=2 * timeouts.request_s + 5.0)
+        self._kv_device: torch.device | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = LMCacheMPSchedulerAdapter(
                 self._url, self._context, self._model_name, self._world_size, 0,
@@ -347,6 +352,7 @@ class LMCacheConnector(KVConnectorBase_V1):
             vllm_block_size=self._block_size, use_mla=self._use_mla,
             head_size_v=getattr(spec, "head_size_v", None))
         first = next(iter(kv_caches.values()))
+        self._kv_device = first.device
         logger.info("lmcache: %d KV layers, %s: %s -> %s layout, %d-token blocks", len(kv_caches),
                     backend, f"shape {list(first.shape)} stride {list(first.stride())}",
                     self._views.layout, self._views.block_size)
@@ -389,11 +395,31 @@ class LMCacheConnector(KVConnectorBase_V1):
             self._register()
 
     def _event(self) -> Any:
-        if self._device_type != "cuda" or not torch.cuda.is_available():
+        """An interprocess event recorded after the work queued so far on the KV device's current
+        stream: for a store, the step's KV writes; for a retrieve, the last use of the blocks it
+        overwrites. None on CPU.
+
+        vLLM's GPU model runner runs the forward pass (eager or CUDA graphs) on the current stream
+        of the worker's device, and calls the connector on that thread, so that stream orders
+        after its writes; ``record()`` with no stream would use the current device's stream, which
+        need not be the KV cache's device. A fresh event per call (or a reused one whose requests
+        were all answered): re-recording an event that a queued request still waits on would make
+        that request wait for later work instead.
+        """
+        device = self._kv_device
+        if self._device_type != "cuda" or device is None or device.type != "cuda":
             return None
-        event = torch.cuda.Event(interprocess=True)
-        event.record()
+        event = self._events.acquire(lambda: torch.cuda.Event(interprocess=True))
+        event.record(torch.cuda.current_stream(device))
         return event
+
+    def _hold_event(self, event: Any, request_ids: list[str], retrieve: bool) -> None:
+        """Keep ``event`` until every transfer of ``request_ids`` has been answered."""
+        worker = self._worker
+        if event is None or worker is None:
+            return
+        futures_of = worker.retrieve_futures if retrieve else worker.store_futures
+        self._events.hold(event, [f for rid in request_ids for f in futures_of(rid)])
 
     def _ops(self, specs: Iterable[TransferSpec]) -> tuple[list[str], list[LoadStoreOp]]:
         assert self._views is not None
@@ -413,16 +439,20 @@ class LMCacheConnector(KVConnectorBase_V1):
         for spec in meta.loads:
             self._local_load_errors.update(spec.invalid_block_ids)
         ids = [spec.request_id for spec in meta.loads]
+        event = None
         try:
             if self._worker is None:
                 raise LMCacheError("the KV caches are not registered")
             _, ops = self._ops(meta.loads)
-            self._worker.batched_submit_retrieve_requests(ids, ops, self._event())
+            event = self._event()
+            self._worker.batched_submit_retrieve_requests(ids, ops, event)
         except Exception as exc:  # the blocks stay unfilled: vLLM recomputes them
             logger.warning("lmcache: submitting loads for %s failed, recomputing: %s", ids, exc)
             for spec in meta.loads:
                 self._local_load_errors.update(spec.block_ids)
             self._loads_failed_to_submit.update(ids)
+        finally:  # some requests may have gone out before a failure
+            self._hold_event(event, ids, retrieve=True)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are per request (the request waits in WAITING_FOR_REMOTE_KVS)
@@ -439,14 +469,18 @@ class LMCacheConnector(KVConnectorBase_V1):
         if not meta.stores:
             return
         ids = [spec.request_id for spec in meta.stores]
+        event = None
         try:
             if self._worker is None:
                 raise LMCacheError("the KV caches are not registered")
             _, ops = self._ops(meta.stores)
-            self._worker.batched_submit_store_requests(ids, ops, self._event())
+            event = self._event()
+            self._worker.batched_submit_store_requests(ids, ops, event)
         except Exception as exc:
             logger.warning("lmcache: submitting stores for %s failed: %s", ids, exc)
             self._stores_failed_to_submit.update(ids)
+        finally:
+            self._hold_event(event, ids, retrieve=False)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """vLLM frees a preempted request's blocks without asking: finish its stores first."""
@@ -464,6 +498,7 @@ class LMCacheConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         stores: set[str] = set()
         loads: set[str] = set()
+        self._events.release_answered()
         if self._worker is not None:
             s, r = self._worker.get_finished(set(finished_req_ids))
             stores |= s or set()

@@ -470,6 +470,12 @@ class LMCacheMPWorkerAdapter:
         state = self._stores.get(request_id)
         return [t.future for t in state.transfers] if state is not None else []
 
+    def retrieve_futures(self, request_id: str) -> list[MessagingFuture[Any]]:
+        """The futures of the retrieves still tracked for ``request_id`` (until ``get_finished``
+        reports it), e.g. to keep their CUDA event alive until they were answered."""
+        state = self._retrieves.get(request_id)
+        return [t.future for t in state.transfers] if state is not None else []
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks that failed retrieves did not fill (reported once, then forgotten)."""
         blocks, self._load_error_blocks = self._load_error_blocks, set()
