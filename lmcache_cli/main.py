@@ -16,6 +16,7 @@ from lmcache_cli import inspect_chunks as inspect_cmd
 from lmcache_cli import lookup as lookup_cmd
 from lmcache_cli import ping as ping_cmd
 from lmcache_cli import serve as serve_cmd
+from lmcache_cli import stats as stats_cmd
 from lmcache_cli import store_bench as bench_cmd
 from lmcache_cli.common import EXIT_FAILURE, EXIT_USAGE, error_line
 from lmcache_core import __version__
@@ -33,6 +34,7 @@ app.command("serve")(serve_cmd.serve)
 app.command("ping")(ping_cmd.ping)
 app.command("lookup")(lookup_cmd.lookup)
 app.command("inspect-chunks")(inspect_cmd.inspect_chunks)
+app.command("stats")(stats_cmd.stats)
 app.command("store-bench")(bench_cmd.store_bench)
 
 

@@ -14,6 +14,7 @@ import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import msgspec
 import yaml
@@ -31,6 +32,7 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 2**10, "ki": 2**10, "m": 
           "gi": 2**30, "t": 1000**4, "tb": 1000**4, "tib": 2**40, "ti": 2**40}
 ENV_PREFIX = "LMCACHE_"
 URL_ENV = "LMCACHE_URL"
+DEFAULT_HTTP_URL = "http://127.0.0.1:9464"
 MAX_UID = 2**32 - 2  # (uid_t)-1 means "no uid"
 
 
@@ -70,6 +72,9 @@ class ModelConfig(_Section):
 
 class ServerConfig(_Section):
     url: str = "tcp://127.0.0.1:5555"
+    # The HTTP listener for operators (/metrics, /healthz, /readyz): http://HOST:PORT, port 0 picks
+    # a free one; "off" (or YAML's bare off/false) disables it. No auth: keep it on loopback.
+    http_url: str | bool = DEFAULT_HTTP_URL
     pool_size: int | str = "4GiB"
     eviction: Literal["lru"] = "lru"
     workers: Positive = 2
@@ -87,11 +92,18 @@ class ServerConfig(_Section):
         self.pool_size = parse_size(self.pool_size)
         if not self.url.startswith(("tcp://", "ipc://")):
             raise ValueError(f"url must start with tcp:// or ipc://, got {self.url!r}")
+        if parse_http_url(self.http_url) is None:
+            self.http_url = "off"
         self.shm_allowed_uids = list(parse_uids(self.shm_allowed_uids))
 
     @property
     def pool_bytes(self) -> int:
         return parse_size(self.pool_size)
+
+    @property
+    def http_address(self) -> tuple[str, int] | None:
+        """``(host, port)`` of the HTTP listener, or None when ``http_url`` is off."""
+        return parse_http_url(self.http_url)
 
     @property
     def allowed_uids(self) -> tuple[int, ...]:
@@ -109,6 +121,27 @@ def parse_uids(value: list[int] | int | str) -> tuple[int, ...]:
             raise ValueError(f"shm_allowed_uids: {text!r} is not a uid (0-{MAX_UID})")
         uids.append(int(text))
     return tuple(uids)
+
+
+def parse_http_url(value: str | bool) -> tuple[str, int] | None:
+    """``(host, port)`` from ``http://127.0.0.1:9464`` (``[::1]`` for IPv6), None for ``off``;
+    ValueError naming ``http_url`` for anything else."""
+    if value is False or (isinstance(value, str) and value.strip().lower() == "off"):
+        return None
+    hint = "expected http://HOST:PORT (e.g. http://127.0.0.1:9464) or off"
+    if not isinstance(value, str):
+        raise ValueError(f"http_url: {hint}, got {value!r}")
+    try:
+        parts = urlsplit(value.strip())
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"http_url: {value!r}: {exc}; {hint}") from None
+    if parts.scheme != "http" or not parts.hostname or port is None:
+        raise ValueError(f"http_url: {hint}, got {value!r}")
+    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
+        raise ValueError(f"http_url: only a scheme, host and port, got {value!r} (the paths are "
+                         f"/metrics, /healthz and /readyz)")
+    return parts.hostname, port
 
 
 class TimeoutConfig(_Section):

@@ -91,9 +91,11 @@ class _Counters:
     lookup_miss_chunks: int = 0
     stores: int = 0
     stored_chunks: int = 0
+    stored_bytes: int = 0
     store_skipped_full: int = 0
     retrieves: int = 0
     retrieved_chunks: int = 0
+    retrieved_bytes: int = 0
     retrieve_missing: int = 0
     evictions: int = 0
     locks_expired: int = 0
@@ -381,6 +383,7 @@ class CacheEngine:
                 entries[key] = _Entry(key, slot, nbytes, now)
             self._bytes_used += nbytes * len(plan.keys)
             self._n.stored_chunks += len(plan.keys)
+            self._n.stored_bytes += nbytes * len(plan.keys)
         if plan.keys and self._tiers is not None:
             self._tiers.stored(plan.keys)
 
@@ -434,6 +437,7 @@ class CacheEngine:
             n = self._n
             n.retrieves += 1
             n.retrieved_chunks += len(found)
+            n.retrieved_bytes += sum(entry.nbytes for entry in found)
             n.retrieve_missing += len(missing)
         view = self.pool.view
         plan.found = [(index, entry.key, view(entry.slot, entry.nbytes))

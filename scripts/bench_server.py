@@ -8,7 +8,12 @@
 - the scheduler adapter's ``check_lookup_result`` on a pending lookup, and a batched store of 32
   requests x 1 chunk vs 32 single stores.
 
+``--metrics compare`` measures it all with the server's HTTP listener off and on (its /metrics
+collector and per-request latency histogram), alternating fresh servers ``--repeat`` times each, and
+prints the three ratios of each mode (medians) and how much metrics change them.
+
 Usage: python scripts/bench_server.py [--chunks 8] [--rounds 5] [--lookups 2000]
+       [--metrics on|off|compare] [--repeat 2]
 """
 
 from __future__ import annotations
@@ -46,13 +51,36 @@ def main() -> None:
     args = parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="lmcache-bench-"))
     echo = start_echo(f"ipc://{workdir}/echo.sock")
-    server = start_server(workdir, args)
+    modes = ["off", "on"] * args.repeat if args.metrics == "compare" else [args.metrics]
+    results: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
     try:
-        run(args, workdir, server_url=f"ipc://{workdir}/server.sock", echo_url=f"ipc://{workdir}/echo.sock")
+        for i, mode in enumerate(modes):
+            if len(modes) > 1:
+                print(f"\n===== metrics {mode} (server.http_url {'off' if mode == 'off' else 'on'}), "
+                      f"run {i + 1} of {len(modes)}")
+            server_url = f"ipc://{workdir}/server{i}.sock"
+            server = start_server(workdir, args, server_url, http=mode == "on")
+            try:
+                results[mode].append(run(args, workdir, server_url=server_url,
+                                         echo_url=f"ipc://{workdir}/echo.sock"))
+            finally:
+                server.send_signal(signal.SIGTERM)
+                server.wait(30)
     finally:
-        server.send_signal(signal.SIGTERM)
         echo.kill()
-        server.wait(30)
+    if len(modes) > 1:
+        compare_metrics(results)
+
+
+def compare_metrics(results: dict[str, list[dict[str, float]]]) -> None:
+    """The ratios with metrics off and on (medians of the runs), and the change metrics make."""
+    print(f"\nmetrics off vs on, medians of {len(results['on'])} run(s) each (target: within 5 %):")
+    print(f"{'':28s} {'off':>8s} {'on':>8s} {'change':>8s}")
+    for key, label in (("lookup_vs_echo", "lookup / echo (lower=better)"),
+                       ("store_vs_raw", "store / raw gather"), ("retrieve_vs_raw", "retrieve / raw scatter")):
+        off = statistics.median(r[key] for r in results["off"])
+        on = statistics.median(r[key] for r in results["on"])
+        print(f"{label:28s} {off:8.3f} {on:8.3f} {100 * (on - off) / off:+7.1f}%")
 
 
 def parse_args() -> argparse.Namespace:
@@ -62,6 +90,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--lookups", type=int, default=2000)
     parser.add_argument("--lookup-chunks", type=int, default=64, help="64 x 256 = a 16k-token prompt")
+    parser.add_argument("--metrics", choices=("on", "off", "compare"), default="on",
+                        help="the server's HTTP listener (metrics) on, off, or both in turn")
+    parser.add_argument("--repeat", type=int, default=2, help="runs of each mode with --metrics compare")
     return parser.parse_args()
 
 
@@ -71,10 +102,11 @@ def start_echo(url: str) -> subprocess.Popen[str]:
     return proc
 
 
-def start_server(workdir: Path, args: argparse.Namespace) -> subprocess.Popen[bytes]:
+def start_server(workdir: Path, args: argparse.Namespace, url: str, http: bool) -> subprocess.Popen[bytes]:
     slots = max(args.chunks, args.lookup_chunks) + 8
     config = yaml.safe_load((ROOT / "configs/llama8b.yaml").read_text())
-    config["server"].update(url=f"ipc://{workdir}/server.sock", pool_size=slots * 32 * 2**20)
+    config["server"].update(url=url, pool_size=slots * 32 * 2**20,
+                            http_url="http://127.0.0.1:0" if http else "off")
     path = workdir / "bench.yaml"
     path.write_text(yaml.safe_dump(config))
     log = (workdir / "server.log").open("wb")
@@ -82,7 +114,7 @@ def start_server(workdir: Path, args: argparse.Namespace) -> subprocess.Popen[by
                              "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT)
 
 
-def run(args: argparse.Namespace, workdir: Path, server_url: str, echo_url: str) -> None:
+def run(args: argparse.Namespace, workdir: Path, server_url: str, echo_url: str) -> dict[str, float]:
     import torch
 
     from lmcache_core.integration.vllm.vllm_multi_process_adapter import (
@@ -91,13 +123,13 @@ def run(args: argparse.Namespace, workdir: Path, server_url: str, echo_url: str)
         LoadStoreOp,
     )
     from lmcache_core.keys import chain_hashes
-    from lmcache_core.kv.share import allocate_shared_kv_caches
+    from lmcache_core.kv.share import allocate_shared_kv_caches, release_shared_kv_caches
     from lmcache_core.protocol import RequestType
     from lmcache_core.protocol import messages as m
 
     ctx = zmq.Context.instance()
     n_blocks = max(args.chunks, args.lookup_chunks) * PER_CHUNK * 2
-    caches, _segment = allocate_shared_kv_caches(LAYERS, [2, n_blocks, BLOCK, HEADS, DIM], torch.bfloat16)
+    caches, segment = allocate_shared_kv_caches(LAYERS, [2, n_blocks, BLOCK, HEADS, DIM], torch.bfloat16)
     for layer in caches.values():
         layer.uniform_()
     worker = wait_for(lambda: LMCacheMPWorkerAdapter(server_url, ctx, "bench", 1, 0, BLOCK))
@@ -188,6 +220,9 @@ def run(args: argparse.Namespace, workdir: Path, server_url: str, echo_url: str)
           f"KV caches {shared / 2**20:.0f} MiB (counted when touched) + the process itself")
     worker.shutdown()
     scheduler.close()
+    release_shared_kv_caches(segment)
+    return {"lookup_vs_echo": lookup_us / echo_us, "store_vs_raw": store_gbs / raw_gather,
+            "retrieve_vs_raw": retrieve_gbs / raw_scatter}
 
 
 def wait_for(make):  # the server may still be starting

@@ -251,9 +251,11 @@ class ServerStats(msgspec.Struct, kw_only=True):
     lookup_miss_chunks: int = 0
     stores: int = 0
     stored_chunks: int = 0
+    stored_bytes: int = 0
     store_skipped_full: int = 0
     retrieves: int = 0
     retrieved_chunks: int = 0
+    retrieved_bytes: int = 0
     retrieve_missing: int = 0
     evictions: int = 0
     locks_held: int = 0
@@ -272,6 +274,7 @@ class ServerStats(msgspec.Struct, kw_only=True):
     disk_corrupt: int = 0
     disk_deleted: int = 0
     disk_errors: int = 0
+    disk_queued: int = 0
     # remote (Redis/Valkey) tier (zeros without one)
     remote_loaded_chunks: int = 0
     remote_written_chunks: int = 0
@@ -295,6 +298,16 @@ class ServerInfoReply(Reply):
     slot_bytes: int
     eviction: str
     stats: ServerStats
+    http_url: str | None = None  # the HTTP listener (/metrics, /healthz, /readyz), None when off
+    tiers: list[str] = msgspec.field(default_factory=list)  # lower tiers configured: disk, remote
+    # The pool's pages (server.prefault): populate "pending", "running", "done", "stopped",
+    # "failed" ("" from an older server); seconds it took once done; huge pages asked for; the
+    # server process's resident size.
+    pool_populate: str = ""
+    pool_populated_bytes: int = 0
+    pool_populate_s: float | None = None
+    pool_huge_pages: bool = False
+    rss_bytes: int = 0
 
 
 class ChunkInfo(msgspec.Struct, kw_only=True):

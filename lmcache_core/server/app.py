@@ -13,6 +13,11 @@ Lower tiers come from the config's optional ``disk`` and ``remote`` sections; wi
 on the worker pool (they may read disk or wait on Redis, bounded by ``timeouts.lookup_ms``) and the
 pool gets two more threads for them. ``start()`` starts the tiers' writer threads, ``stop()`` drains
 their queues (bounded) after the transport has stopped.
+
+Operators (unless ``server.http_url`` is off): an ``HttpListener`` serves ``/metrics`` (the
+``ServerMetrics`` registry: a collector reading the counters at scrape time, and the transport's
+per-request latency histogram), ``/healthz`` (``health``: every supervised thread alive) and
+``/readyz`` (``readiness``: started and not stopping; degraded tiers named in the body).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from lmcache_core.config import LMCacheConfig
 from lmcache_core.engine import CacheEngine
 from lmcache_core.protocol.codec import Limits
 from lmcache_core.server.handlers import CacheHandlers
+from lmcache_core.server.http import HttpListener
+from lmcache_core.server.metrics import ServerCollector, ServerMetrics
 from lmcache_core.server.registry import KVRegistry
 from lmcache_core.server.segments import sweep_stale_segments
 from lmcache_core.storage.disk import DiskTier
@@ -56,10 +63,12 @@ class CacheServer:
         workers = config.server.workers + (2 if self.engine.has_tiers else 0)
         self._done = threading.Event()  # a stop was asked for, or a thread died
         self.supervisor = Supervisor(on_failure=lambda _reason: self._done.set())
+        self.metrics = ServerMetrics() if config.server.http_address is not None else None
         self.transport = MessageQueueServer(
             config.server.url, {}, context=context, workers=workers,
             limits=Limits(config.server.max_request_bytes, config.server.max_keys_per_request),
-            supervisor=self.supervisor)
+            supervisor=self.supervisor,
+            observe=self.metrics.observe if self.metrics is not None else None)
         self.handlers = CacheHandlers(config, self.engine, KVRegistry(
             lambda request: self.handlers.open_mapping(request), config.server.reap_timeout_s),
             self.transport.counters, config.server.url)
@@ -67,6 +76,12 @@ class CacheServer:
         self.transport.routes = self.handlers.routes()
         self._stop = threading.Event()
         self._housekeeper: threading.Thread | None = None
+        self._ready = threading.Event()  # started, and not stopping
+        self.http: HttpListener | None = None
+        if self.metrics is not None:
+            self.metrics.watch(ServerCollector(
+                self.engine, self.registry, self.transport, config.chunk_size,
+                disk=self.disk is not None, remote=self.remote is not None))
 
     @property
     def url(self) -> str:
@@ -75,23 +90,48 @@ class CacheServer:
     def start(self) -> str:
         """Bind and serve; returns the bound url."""
         sweep_stale_segments(self.config.server.allowed_uids)  # dead workers' leftover names
-        url = self.transport.start()
+        self._start_http()  # first: a port in use stops the start before anything else runs
+        try:
+            url = self.transport.start()
+        except BaseException:
+            if self.http is not None:
+                self.http.stop()
+            raise
         self.handlers.url = url
         for tier in (self.disk, self.remote):
             if tier is not None:
                 tier.start(self.supervisor)
         self._housekeeper = self.supervisor.spawn("lmcache-housekeeping", self._housekeep)
+        self._ready.set()
         logger.info("serving on %s", url)
         return url
+
+    def _start_http(self) -> None:
+        address = self.config.server.http_address
+        if self.metrics is None or address is None:
+            return
+        self.http = HttpListener(address[0], address[1], self.metrics.registry,
+                                 {"/healthz": self.health, "/readyz": self.readiness},
+                                 self.supervisor)
+        self.handlers.http_url = self.http.start()
+        logger.info("metrics and probes on %s (/metrics, /healthz, /readyz)", self.http.url)
+
+    @property
+    def http_url(self) -> str | None:
+        """The HTTP listener's bound url (real port), or None when off or not started."""
+        return self.http.url if self.http is not None else None
 
     def stop(self, drain_timeout_s: float = 10.0) -> None:
         """Finish in-flight work, release shared memory, close the socket. Idempotent."""
         if self._stop.is_set():
             return
         self.supervisor.stopping()
+        self._ready.clear()
         self._stop.set()
         self._done.set()
         self.transport.stop(drain_timeout_s)
+        if self.http is not None:
+            self.http.stop()
         self.engine.close(drain_timeout_s)
         for tier in (self.remote, self.disk):
             if tier is not None:
@@ -113,6 +153,34 @@ class CacheServer:
     def failure(self) -> str | None:
         """Why the server cannot go on (a thread died), or None."""
         return self.supervisor.failure
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        """Liveness (``/healthz``): every supervised thread (socket loop, copy workers,
+        housekeeper, tier writers, HTTP) runs; else False and why."""
+        if self.supervisor.healthy():
+            return True, {"status": "ok"}
+        return False, {"status": "failed",
+                       "reason": self.supervisor.failure or "a server thread is not running"}
+
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """Readiness (``/readyz``): started (pool allocated, socket listening) and not stopping.
+
+        A lower tier that is down does not make the server unready (it serves from memory and
+        skips the tier until it is back): the body names it under ``degraded``."""
+        if self.supervisor.failed:
+            return False, {"status": "failed", "reason": self.supervisor.failure}
+        if self._stop.is_set():
+            return False, {"status": "stopping"}
+        if not self._ready.is_set():
+            return False, {"status": "starting"}
+        tiers = {"memory": "ok"}
+        if self.disk is not None:
+            tiers["disk"] = "ok"
+        if self.remote is not None:
+            tiers["remote"] = "down" if self.remote.down else "ok"
+        degraded = [tier for tier, state in tiers.items() if state != "ok"]
+        return True, {"status": "degraded" if degraded else "ready", "url": self.url,
+                      "tiers": tiers, "degraded": degraded}
 
     def _housekeep(self) -> None:
         # No catch-all: an error here is a bug that would otherwise repeat every second while

@@ -44,6 +44,7 @@ class CacheHandlers:
         self.registry = registry
         self.counters = counters
         self.url = url
+        self.http_url: str | None = None  # set when the server's HTTP listener is bound
         self.started = time.monotonic()
 
     def routes(self) -> dict[RequestType, Route]:
@@ -192,7 +193,8 @@ class CacheHandlers:
             version=__version__, url=self.url, pid=os.getpid(), chunk_size=self.config.chunk_size,
             uptime_s=time.monotonic() - self.started, pool_bytes=self.engine.pool.nbytes,
             slot_bytes=self.engine.pool.slot_bytes, eviction=self.config.server.eviction,
-            stats=m.ServerStats(**stats))
+            stats=m.ServerStats(**stats), http_url=self.http_url,
+            tiers=[name for name in ("disk", "remote") if getattr(self.config, name) is not None])
 
     def _engine_stats(self) -> dict[str, int]:
         stats = self.engine.stats()

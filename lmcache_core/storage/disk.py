@@ -365,7 +365,8 @@ class DiskTier:
 
     def stats(self) -> dict[str, int]:
         out = self.n.snapshot()
-        out.update(disk_chunks=len(self._index), disk_bytes=self._bytes)
+        out.update(disk_chunks=len(self._index), disk_bytes=self._bytes,
+                   disk_queued=self._writer.queued)
         return out
 
 

@@ -20,7 +20,8 @@ TINY = {
     "world_size": 1,
     "chunk_size": 64,
     "server": {"pool_size": "8MiB", "workers": 2, "reap_timeout_s": 60,
-               "max_keys_per_request": 1000},
+               "max_keys_per_request": 1000,
+               "http_url": "http://127.0.0.1:0"},  # any free port: servers run side by side
     "timeouts": {"connect_s": 2, "request_s": 10, "lookup_ms": 1000, "lock_ttl_s": 60},
 }
 
@@ -61,6 +62,16 @@ class ServerProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def http_url(self) -> str:
+        """The bound url of the server's HTTP listener (/metrics, /healthz, /readyz)."""
+        from lmcache_core.protocol import RequestType
+        from lmcache_core.protocol import messages as m
+
+        with MessageQueueClient(self.url, connect_timeout_s=2) as client:
+            info = client.call(RequestType.SERVER_INFO, m.NoArgs(), m.ServerInfoReply)
+        assert info.http_url is not None, "the server's http_url is off"
+        return info.http_url
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> int:
         if self.proc is None or self.proc.poll() is not None:

@@ -1,0 +1,215 @@
+"""``lmcache stats``: a live view of a server (rates, hit ratio, pool, tiers, workers) until Ctrl-C.
+
+One SERVER_INFO request per refresh; rates are the differences of two successive replies' counters
+over the server's own uptime between them. ``--json`` prints snapshots as JSON lines instead. Never
+imports torch.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from lmcache_cli.common import (
+    ConfigOption,
+    UrlOption,
+    config_from,
+    connect,
+    console,
+    human_age,
+    human_bytes,
+    print_json,
+)
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
+
+    from lmcache_core.protocol.messages import ServerInfoReply
+
+#: (rate name, ServerStats counter) of every per-second rate shown and printed.
+RATES = (
+    ("requests", "requests"), ("errors", "errors"), ("lookups", "lookups"),
+    ("lookup_hit_chunks", "lookup_hit_chunks"), ("lookup_miss_chunks", "lookup_miss_chunks"),
+    ("stores", "stores"), ("stored_chunks", "stored_chunks"), ("stored_bytes", "stored_bytes"),
+    ("retrieves", "retrieves"), ("retrieved_chunks", "retrieved_chunks"),
+    ("retrieved_bytes", "retrieved_bytes"), ("evictions", "evictions"),
+    ("disk_read_chunks", "disk_loaded_chunks"), ("disk_written_chunks", "disk_written_chunks"),
+    ("remote_read_chunks", "remote_loaded_chunks"),
+    ("remote_written_chunks", "remote_written_chunks"),
+)
+
+
+def stats(
+    config: ConfigOption = None,
+    url: UrlOption = None,
+    interval: Annotated[float, typer.Option(
+        "--interval", "-i", min=0.05, help="Seconds between refreshes.")] = 1.0,
+    count: Annotated[int | None, typer.Option(
+        "--count", "-n", min=1, help="Stop after N refreshes (default: until Ctrl-C; 1 with --json).",
+        show_default=False)] = None,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="Print a snapshot as one JSON line and exit (with --count N: N lines, "
+        "rates from the second on).")] = False,
+) -> None:
+    """Watch a server live: requests/s, lookups/s, hit ratio, store and retrieve GB/s, pool,
+    tiers and workers, refreshed every second until Ctrl-C.
+
+    Example: [cyan]lmcache stats -c configs/llama8b.yaml --interval 2[/]
+    """
+    cfg = config_from(config, {"server.url": url})
+    from lmcache_core.protocol import messages as m
+    from lmcache_core.protocol.ops import RequestType
+
+    refreshes = count if count is not None else (1 if as_json else None)
+    timeout_s = max(cfg.timeouts.connect_s, interval)
+    with connect(cfg) as (client, _ping):
+        def sample() -> ServerInfoReply:
+            return client.call(RequestType.SERVER_INFO, m.NoArgs(), m.ServerInfoReply, timeout_s)
+
+        if as_json:
+            _print_lines(sample, interval, refreshes)
+        else:
+            _watch(sample, interval, refreshes)
+
+
+def _samples(sample: Any, interval: float, refreshes: int | None) -> Any:
+    """``(previous or None, current)`` reply pairs, one per ``interval``, ``refreshes`` of them."""
+    previous = None
+    done = 0
+    next_at = time.monotonic()
+    while refreshes is None or done < refreshes:
+        if done:
+            next_at += interval
+            time.sleep(max(0.0, next_at - time.monotonic()))  # the refresh period, not a poll
+        current = sample()
+        yield previous, current
+        previous = current
+        done += 1
+
+
+def _print_lines(sample: Any, interval: float, refreshes: int | None) -> None:
+    for previous, current in _samples(sample, interval, refreshes):
+        print_json(snapshot(current, previous))
+
+
+def _watch(sample: Any, interval: float, refreshes: int | None) -> None:
+    from rich.live import Live
+
+    with Live(console=console, auto_refresh=False) as live:
+        try:
+            for previous, current in _samples(sample, interval, refreshes):
+                live.update(render(snapshot(current, previous)), refresh=True)
+        except KeyboardInterrupt:
+            pass  # Ctrl-C: leave the last view on screen, exit 0
+
+
+def snapshot(info: ServerInfoReply, previous: ServerInfoReply | None = None) -> dict[str, Any]:
+    """Everything the view shows, as plain data: counters, derived ratios, and (given the reply
+    before) per-second rates over the server's uptime between the two."""
+    import msgspec
+
+    s = info.stats
+    looked_up = s.lookup_hit_chunks + s.lookup_miss_chunks
+    out: dict[str, Any] = {
+        "url": info.url, "version": info.version, "pid": info.pid, "uptime_s": round(info.uptime_s, 3),
+        "http_url": info.http_url, "chunk_size": info.chunk_size,
+        "hit_ratio": round(s.lookup_hit_chunks / looked_up, 4) if looked_up else None,
+        "pool": {"bytes": info.pool_bytes, "used_bytes": s.bytes_used, "slots": s.slots_total,
+                 "used_slots": s.slots_used, "chunks": s.chunks, "lookup_locks": s.locks_held,
+                 "use": round(s.slots_used / s.slots_total, 4) if s.slots_total else 0.0},
+        "workers": {"registered": s.registered_instances, "reaped": s.reaped_instances},
+        "tiers": {},
+        "counters": msgspec.structs.asdict(s),
+        "interval_s": None, "rates": None, "interval_hit_ratio": None,
+    }
+    if "disk" in info.tiers:
+        out["tiers"]["disk"] = {"chunks": s.disk_chunks, "bytes": s.disk_bytes,
+                                "queued": s.disk_queued, "dropped_writes": s.disk_write_dropped,
+                                "corrupt": s.disk_corrupt, "errors": s.disk_errors}
+    if "remote" in info.tiers:
+        out["tiers"]["remote"] = {"up": not s.remote_down, "queued": s.remote_queued,
+                                  "dropped_writes": s.remote_write_dropped,
+                                  "failed_writes": s.remote_write_failed, "errors": s.remote_errors,
+                                  "outages": s.remote_outages}
+    elapsed = info.uptime_s - previous.uptime_s if previous is not None else 0.0
+    if previous is not None and previous.pid == info.pid and elapsed > 0:
+        old, new = msgspec.structs.asdict(previous.stats), out["counters"]
+        out["interval_s"] = round(elapsed, 3)
+        out["rates"] = {f"{name}_per_s": round(max(0, new[field] - old[field]) / elapsed, 3)
+                        for name, field in RATES}
+        hits = new["lookup_hit_chunks"] - old["lookup_hit_chunks"]
+        asked = hits + new["lookup_miss_chunks"] - old["lookup_miss_chunks"]
+        out["interval_hit_ratio"] = round(hits / asked, 4) if asked > 0 else None
+    return out
+
+
+def render(snap: dict[str, Any]) -> RenderableType:
+    """The live view of one snapshot."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    head = (f"lmcache stats {snap['url']} · version {snap['version']} · pid {snap['pid']} · "
+            f"up {human_age(snap['uptime_s'])}")
+    if snap["http_url"]:
+        head += f" · metrics {snap['http_url']}/metrics"
+    rates: dict[str, float] = snap["rates"] or {}
+    c = snap["counters"]
+
+    def per_s(name: str, scale: float = 1.0, unit: str = "/s", digits: int = 1) -> str:
+        value = rates.get(f"{name}_per_s")
+        return "-" if value is None else f"{value / scale:,.{digits}f}{unit}"
+
+    traffic = Table()
+    for name, justify in (("", "left"), ("now", "right"), ("since start", "right")):
+        traffic.add_column(name, justify=justify)  # type: ignore[arg-type]
+    traffic.add_row("requests", per_s("requests"), f"{c['requests']:,}")
+    traffic.add_row("errors", per_s("errors"), f"{c['errors']:,}",
+                    style="red" if rates.get("errors_per_s") else "")
+    traffic.add_row("lookups", per_s("lookups"), f"{c['lookups']:,}")
+    traffic.add_row("  hit chunks", per_s("lookup_hit_chunks"),
+                    f"{c['lookup_hit_chunks']:,} of {c['lookup_hit_chunks'] + c['lookup_miss_chunks']:,}")
+    traffic.add_row("  hit ratio", _percent(snap["interval_hit_ratio"]), _percent(snap["hit_ratio"]))
+    traffic.add_row("stores", per_s("stores"), f"{c['stores']:,}")
+    traffic.add_row("  stored",
+                    f"{per_s('stored_bytes', 1e9, ' GB/s', 2)}, {per_s('stored_chunks', unit=' chunks/s')}",
+                    f"{human_bytes(c['stored_bytes'])}, {c['stored_chunks']:,} chunks")
+    traffic.add_row("retrieves", per_s("retrieves"), f"{c['retrieves']:,}")
+    traffic.add_row("  retrieved",
+                    f"{per_s('retrieved_bytes', 1e9, ' GB/s', 2)}, "
+                    f"{per_s('retrieved_chunks', unit=' chunks/s')}",
+                    f"{human_bytes(c['retrieved_bytes'])}, {c['retrieved_chunks']:,} chunks")
+    traffic.add_row("evictions", per_s("evictions"), f"{c['evictions']:,}")
+
+    state = Table.grid(padding=(0, 2))
+    state.add_column(style="bold")
+    state.add_column()
+    pool = snap["pool"]
+    state.add_row("pool", f"{pool['used_slots']:,}/{pool['slots']:,} slots ({100 * pool['use']:.1f}%), "
+                  f"{human_bytes(pool['used_bytes'])} of {human_bytes(pool['bytes'])}, "
+                  f"{pool['chunks']:,} chunks, {pool['lookup_locks']:,} lookup locks")
+    workers = snap["workers"]
+    state.add_row("workers", f"{workers['registered']} registered, {workers['reaped']} reaped")
+    tiers = snap["tiers"]
+    if "disk" in tiers:
+        d = tiers["disk"]
+        state.add_row("disk", f"{d['chunks']:,} chunks, {human_bytes(d['bytes'])}, read "
+                      f"{per_s('disk_read_chunks')}, written {per_s('disk_written_chunks')}, queued "
+                      f"{d['queued']}, dropped {d['dropped_writes']}, errors {d['errors']}")
+    if "remote" in tiers:
+        r = tiers["remote"]
+        up = "[green]up[/]" if r["up"] else "[bold red]DOWN[/]"
+        state.add_row("remote", f"{up}, read {per_s('remote_read_chunks')}, written "
+                      f"{per_s('remote_written_chunks')}, queued {r['queued']}, dropped "
+                      f"{r['dropped_writes']}, errors {r['errors']}, outages {r['outages']}")
+    if not tiers:
+        state.add_row("tiers", "memory only")
+    footer = Text("rates over the last interval; Ctrl-C to quit" if snap["rates"] is not None
+                  else "rates from the next refresh on; Ctrl-C to quit", style="dim")
+    return Group(Text(head, style="bold"), traffic, state, footer)
+
+
+def _percent(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{100 * ratio:.1f}%"

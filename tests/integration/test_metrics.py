@@ -1,0 +1,386 @@
+"""The HTTP listener of ``lmcache serve``: ``/metrics`` scraped with a real HTTP client after real
+work (stores, lookups, retrieves, evictions, errors, a reaped worker, a Redis outage), and the
+``/healthz`` and ``/readyz`` probes before start, while serving, and after a thread died."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+from prometheus_client.parser import text_string_to_metric_families
+
+from lmcache_core.config import load_config
+from lmcache_core.keys import chain_hashes
+from lmcache_core.protocol import RequestType
+from lmcache_core.protocol import messages as m
+from lmcache_core.server.app import CacheServer
+from lmcache_core.server.http import HttpListener
+from lmcache_core.transport.client import MessageQueueClient
+from tests.integration.servers import TINY, ServerProcess, WorkerProcess
+from tests.integration.test_supervision import FaultyServer
+from tests.integration.test_tiers import RedisServer, _redis_binary
+
+CHUNK = 64  # tokens: 4 blocks of 16
+CHUNK_BYTES = 2 * 2 * CHUNK * 4 * 32 * 2  # K/V x layers x tokens x heads x dim x fp16 = 64 KiB
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def get(url: str, timeout_s: float = 5) -> tuple[int, str, str]:
+    """(status, content type, body) of a GET; 4xx/5xx are answers too."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as reply:
+            return reply.status, reply.headers["Content-Type"], reply.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers["Content-Type"], exc.read().decode()
+
+
+def scrape(base: str) -> Samples:
+    status, content_type, text = get(base + "/metrics")
+    assert status == 200 and content_type.startswith("text/plain"), (status, content_type)
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples[(name, frozenset(labels.items()))]
+
+
+def delta(after: Samples, before: Samples, name: str, **labels: str) -> float:
+    return value(after, name, **labels) - value(before, name, **labels)
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.02)
+
+
+def tokens(n_chunks: int, seed: int) -> list[int]:
+    return [(seed * 7919 + i) % 50000 for i in range(n_chunks * CHUNK)]
+
+
+def blocks(first_chunk: int, n_chunks: int) -> list[int]:
+    return list(range(first_chunk * 4, (first_chunk + n_chunks) * 4))
+
+
+def lookup(client: MessageQueueClient, toks: list[int], lookup_id: str = "q",
+           lock: bool = False) -> int:
+    return client.call(RequestType.LOOKUP, m.LookupRequest(
+        model_name="tiny", world_size=1, lookup_id=lookup_id, chunk_hashes=chain_hashes(toks, CHUNK),
+        lock=lock), m.LookupReply).hit_chunks
+
+
+# ---------------------------------------------------------------- /metrics after real work
+
+
+def test_metrics_move_with_stores_lookups_retrieves_evictions_and_errors(tmp_path: Path) -> None:
+    srv = ServerProcess(tmp_path, {"server": {"pool_size": 4 * CHUNK_BYTES}}).start()
+    worker = WorkerProcess(srv.url)
+    try:
+        base = srv.http_url()
+        assert base.startswith("http://127.0.0.1:") and not base.endswith(":0")
+        before = scrape(base)
+        assert value(before, "lmcache_pool_capacity_bytes") == 4 * CHUNK_BYTES
+        assert value(before, "lmcache_pool_slots") == 4
+        assert value(before, "lmcache_registered_workers", model="tiny") == 1
+        assert value(before, "lmcache_registered_models") == 1
+        assert value(before, "lmcache_build_info", version=__import__("lmcache_core").__version__) == 1
+        assert value(before, "process_resident_memory_bytes") > 0  # the library's collector
+        with MessageQueueClient(srv.url) as client:
+            a, b = tokens(4, seed=1), tokens(4, seed=2)
+            worker("fill", blocks=blocks(0, 8), seed=5)
+            assert worker("store", req="a", keys=a, blocks=blocks(0, 4))["finished"]
+            assert lookup(client, a, "ra", lock=True) == 4  # 4 hit chunks
+            assert lookup(client, a[:2 * CHUNK] + tokens(2, seed=3)) == 2  # 2 hits, 2 misses
+            assert worker("retrieve", req="ra", keys=a, blocks=blocks(4, 4))["finished"]
+            assert not worker("store", req="b", keys=b, blocks=blocks(4, 4))["failed"]  # evicts a
+            raw = zmq.Context.instance().socket(zmq.DEALER)  # two bad frames: typed error replies
+            raw.setsockopt(zmq.LINGER, 0)
+            raw.setsockopt(zmq.RCVTIMEO, 5000)
+            raw.connect(srv.url)
+            try:
+                for frames in ([b"\x01", msgspec.msgpack.encode("lmc.nope"), b"\x80"],
+                               [b"\x02", b"not msgpack", b""]):
+                    raw.send_multipart(frames)
+                    raw.recv_multipart()
+            finally:
+                raw.close(0)
+        after = scrape(base)
+    finally:
+        worker.close()
+        srv.kill()
+    assert delta(after, before, "lmcache_stores_total") == 2
+    assert delta(after, before, "lmcache_stored_chunks_total") == 8
+    assert delta(after, before, "lmcache_stored_bytes_total") == 8 * CHUNK_BYTES
+    assert delta(after, before, "lmcache_lookups_total") == 2
+    assert delta(after, before, "lmcache_lookup_hit_chunks_total") == 6
+    assert delta(after, before, "lmcache_lookup_miss_chunks_total") == 2
+    assert delta(after, before, "lmcache_lookup_hit_tokens_total") == 6 * CHUNK
+    assert delta(after, before, "lmcache_retrieves_total") == 1
+    assert delta(after, before, "lmcache_retrieved_chunks_total") == 4
+    assert delta(after, before, "lmcache_retrieved_bytes_total") == 4 * CHUNK_BYTES
+    assert delta(after, before, "lmcache_evictions_total") == 4
+    assert value(after, "lmcache_pool_chunks") == 4 and value(after, "lmcache_pool_used_slots") == 4
+    assert value(after, "lmcache_pool_used_bytes") == 4 * CHUNK_BYTES
+    assert value(after, "lmcache_lookup_locks") == 0  # the retrieve consumed the lookup's locks
+    assert delta(after, before, "lmcache_errors_total", code="unknown_op") == 1
+    assert delta(after, before, "lmcache_errors_total", code="bad_request") == 1
+    assert delta(after, before, "lmcache_requests_total") >= 7
+    assert value(after, "lmcache_requests_in_flight") == 0
+    for op, count in (("store", 2), ("retrieve", 1), ("lookup", 2)):
+        assert delta(after, before, "lmcache_request_duration_seconds_count", op=op) == count
+        assert delta(after, before, "lmcache_request_duration_seconds_sum", op=op) > 0
+        assert value(after, "lmcache_request_duration_seconds_bucket", op=op, le="+Inf") == \
+            value(after, "lmcache_request_duration_seconds_count", op=op)
+
+
+def test_a_killed_worker_is_reaped_in_the_metrics(tmp_path: Path) -> None:
+    srv = ServerProcess(tmp_path).start()
+    try:
+        base = srv.http_url()
+        worker = WorkerProcess(srv.url)
+        assert value(scrape(base), "lmcache_registered_workers", model="tiny") == 1
+        worker.kill()  # the housekeeper reaps a worker whose process is gone within a second
+        wait_for(lambda: value(scrape(base), "lmcache_reaped_workers_total") == 1)
+        after = scrape(base)
+        assert value(after, "lmcache_registered_models") == 0
+        assert ("lmcache_registered_workers", frozenset({("model", "tiny")})) not in after
+    finally:
+        srv.kill()
+
+
+# ---------------------------------------------------------------- a Redis outage
+
+
+@pytest.mark.redis
+def test_a_redis_outage_shows_in_the_metrics_and_readyz(tmp_path: Path) -> None:
+    redis_server = RedisServer(_redis_binary(), tmp_path).start()
+    remote = {"url": redis_server.url, "timeout_ms": 200, "retry_interval_s": 0.2}
+    srv = ServerProcess(tmp_path, {"remote": remote}).start()
+    worker = WorkerProcess(srv.url)
+    try:
+        base = srv.http_url()
+        up = scrape(base)
+        assert value(up, "lmcache_remote_up") == 1
+        assert value(up, "lmcache_tier_queued_writes", tier="remote") == 0
+        status, _, body = get(base + "/readyz")
+        assert status == 200 and json.loads(body)["degraded"] == []
+        toks = tokens(2, seed=4)
+        worker("fill", blocks=blocks(0, 2), seed=1)
+        assert worker("store", req="s", keys=toks, blocks=blocks(0, 2))["finished"]
+        wait_for(lambda: value(scrape(base), "lmcache_tier_written_chunks_total", tier="remote") == 2)
+
+        redis_server.stop()
+        with MessageQueueClient(srv.url) as client:
+            assert lookup(client, tokens(1, seed=5)) == 0  # a miss asks Redis, which is gone
+        wait_for(lambda: value(scrape(base), "lmcache_remote_up") == 0)
+        down = scrape(base)
+        assert delta(down, up, "lmcache_remote_outages_total") == 1
+        assert delta(down, up, "lmcache_tier_errors_total", tier="remote") >= 1
+        status, _, body = get(base + "/readyz")  # still serving from memory: ready, degraded
+        assert status == 200, body
+        assert json.loads(body)["status"] == "degraded" and json.loads(body)["degraded"] == ["remote"]
+
+        redis_server.start()  # probed every 0.2 s
+        wait_for(lambda: value(scrape(base), "lmcache_remote_up") == 1)
+        assert json.loads(get(base + "/readyz")[2])["degraded"] == []
+    finally:
+        worker.close()
+        srv.kill()
+        redis_server.stop()
+
+
+# ---------------------------------------------------------------- probes
+
+
+def tiny_config(tmp: Path, http_url: str = "http://127.0.0.1:0") -> Any:
+    overrides = {f"{section}.{key}": v for section in ("model", "server", "timeouts")
+                 for key, v in TINY[section].items()}
+    overrides.update({"chunk_size": TINY["chunk_size"], "server.url": f"ipc://{tmp}/probe.sock",
+                      "server.http_url": http_url})
+    return load_config(overrides=overrides)
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="lmmet", dir="/tmp"))  # ipc paths: at most 107 bytes
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_readyz_is_503_before_start_and_200_after(short_tmp: Path) -> None:
+    server = CacheServer(tiny_config(short_tmp))
+    assert server.metrics is not None
+    # The server's own listener starts with it; to see "before", serve its probes meanwhile.
+    early = HttpListener("127.0.0.1", 0, server.metrics.registry,
+                         {"/healthz": server.health, "/readyz": server.readiness}, server.supervisor)
+    base = early.start()
+    try:
+        status, content_type, body = get(base + "/readyz")
+        assert (status, json.loads(body)) == (503, {"status": "starting"})
+        assert content_type.startswith("application/json")
+        assert get(base + "/healthz")[0] == 200
+        server.start()
+        try:
+            for url in (base, server.http_url):
+                assert url is not None
+                status, _, body = get(url + "/readyz")
+                assert status == 200, body
+                ready = json.loads(body)
+                assert ready["status"] == "ready" and ready["url"] == server.url
+                assert ready["tiers"] == {"memory": "ok"} and ready["degraded"] == []
+                assert json.loads(get(url + "/healthz")[2]) == {"status": "ok"}
+            assert get(base + "/nothing-here")[0] == 404
+            server.request_stop()
+        finally:
+            server.stop()
+        status, _, body = get(base + "/readyz")
+        assert (status, json.loads(body)) == (503, {"status": "stopping"})
+    finally:
+        early.stop()
+    with pytest.raises(urllib.error.URLError):  # both listeners closed
+        get(base + "/healthz", timeout_s=2)
+
+
+class InjectedFault(BaseException):
+    """Not an Exception: nothing catches it, like a bug that escapes."""
+
+
+def test_healthz_is_503_with_the_reason_once_a_thread_died(short_tmp: Path) -> None:
+    server = CacheServer(tiny_config(short_tmp))
+
+    def reap() -> list[int]:
+        raise InjectedFault("injected into the housekeeper")
+
+    server.registry.reap = reap  # type: ignore[method-assign]
+    server.start()
+    try:
+        assert server.http_url is not None
+        assert server.wait(5) and server.failure is not None  # the housekeeper runs every second
+        status, _, body = get(server.http_url + "/healthz")
+        assert status == 503
+        failed = json.loads(body)
+        assert failed["status"] == "failed" and "lmcache-housekeeping died" in failed["reason"]
+        assert "InjectedFault" in failed["reason"]
+        status, _, body = get(server.http_url + "/readyz")
+        assert status == 503 and json.loads(body)["status"] == "failed"
+    finally:
+        server.stop()
+
+
+def test_a_real_server_whose_thread_dies_fails_healthz_or_exits(tmp_path: Path) -> None:
+    server = FaultyServer(tmp_path, "housekeeper").start()  # dies at the first tick (1 s)
+    try:
+        base = server.http_url()
+        seen: list[int | str] = []
+        while server.proc is not None and server.proc.poll() is None:
+            try:
+                seen.append(get(base + "/healthz", timeout_s=1)[0])
+            except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+                seen.append(type(exc).__name__)  # the listener closed as the process exits
+            assert len(seen) < 2000, seen
+            time.sleep(0.005)
+        code, _ = server.exit_code_within(5)
+    finally:
+        server.kill()
+    assert code == 1
+    first_bad = next((i for i, status in enumerate(seen) if status != 200), len(seen))
+    assert 200 not in seen[first_bad:], seen  # once it stopped being healthy it never was again
+    assert "thread lmcache-housekeeping died" in server.log()
+
+
+def test_http_url_in_use_is_one_error_line_and_exit_1(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        srv = ServerProcess(tmp_path, {"server": {"http_url": f"http://127.0.0.1:{port}"}})
+        with pytest.raises(RuntimeError, match="server exited 1"):
+            srv.start(timeout_s=20)
+    assert f"cannot listen on http://127.0.0.1:{port} (server.http_url)" in srv.log()
+    assert "Traceback" not in srv.log()
+
+
+def test_off_serves_no_http_and_sigterm_stops_a_server_with_http(tmp_path: Path) -> None:
+    off = ServerProcess(tmp_path, {"server": {"http_url": "off"}}, name="off").start()
+    on = ServerProcess(tmp_path, name="on").start()
+    try:
+        with MessageQueueClient(off.url) as client:
+            assert client.call(RequestType.SERVER_INFO, m.NoArgs(), m.ServerInfoReply).http_url is None
+        base = on.http_url()
+        assert get(base + "/healthz")[0] == 200
+        on_scrapes: list[int] = []
+        stop = threading.Event()
+
+        def keep_scraping() -> None:  # scrapes during the stop must not hold it up
+            while not stop.is_set():
+                try:
+                    on_scrapes.append(get(base + "/metrics", timeout_s=2)[0])
+                except (urllib.error.URLError, ConnectionError, TimeoutError):
+                    return
+
+        scraper = threading.Thread(target=keep_scraping)
+        scraper.start()
+        time.sleep(0.2)
+        assert on.proc is not None
+        os.kill(on.proc.pid, signal.SIGTERM)
+        assert on.proc.wait(10) == 0
+        stop.set()
+        scraper.join(10)
+        assert on_scrapes and set(on_scrapes) == {200}
+    finally:
+        off.kill()
+        on.kill()
+
+
+# ---------------------------------------------------------------- the transport's hook
+
+
+def test_the_transport_observes_every_served_request_and_counts_errors_by_code(tmp_path: Path) -> None:
+    from lmcache_core.errors import NotRegisteredError, UnknownOperationError
+    from lmcache_core.transport import MessageQueueServer, Route
+
+    observed: list[tuple[RequestType, float, str]] = []
+
+    def not_registered(_p: Any, _c: bytes) -> m.Reply:
+        raise NotRegisteredError("no such instance")
+
+    srv = MessageQueueServer(f"ipc://{tmp_path}/t.sock", {
+        RequestType.PING: Route(lambda _p, _c: m.PingReply(version="t", chunk_size=1, uptime_s=0.0,
+                                                           pid=0)),
+        RequestType.STORE: Route(not_registered, blocking=True),
+    }, observe=lambda op, seconds, code: observed.append((op, seconds, code)))
+    srv.start()
+    try:
+        with MessageQueueClient(srv.bound_url) as client:
+            client.wait_until_reachable(2)
+            with pytest.raises(NotRegisteredError):
+                client.submit_request(RequestType.STORE, [m.StoreRequest(
+                    instance_id=1, chunk_hashes=[b"x"], block_ids=[0])]).result(2)
+            with pytest.raises(UnknownOperationError):  # no route: rejected before any
+                client.submit_request(RequestType.CLEAR, [m.ClearRequest()]).result(2)
+    finally:
+        srv.stop(1.0)
+    assert [(op, code) for op, _, code in observed] == [(RequestType.PING, ""),
+                                                         (RequestType.STORE, "not_registered")]
+    assert all(0 < seconds < 1 for _, seconds, _ in observed)
+    assert srv.counters.errors_by_code == {"not_registered": 1, "unknown_op": 1}
+    assert srv.counters.errors == 2

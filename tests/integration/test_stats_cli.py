@@ -1,0 +1,95 @@
+"""``lmcache stats`` against a real ``lmcache serve``: JSON snapshots, the live view, exit codes."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lmcache_core.transport.client import MessageQueueClient
+from tests.integration.servers import ServerProcess, WorkerProcess
+from tests.integration.test_cli import assert_no_torch, cli
+
+CHUNK = 64
+CHUNK_BYTES = 2 * 2 * CHUNK * 4 * 32 * 2  # the tiny model's chunk: 64 KiB
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    path = Path(tempfile.mkdtemp(prefix="lmstat", dir="/tmp"))  # ipc paths: at most 107 bytes
+    srv = ServerProcess(path, name="stats").start()
+    yield srv
+    srv.kill()
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_json_is_one_snapshot_of_a_server_that_stored_and_looked_up(server: ServerProcess) -> None:
+    worker = WorkerProcess(server.url)
+    try:
+        toks = list(range(2 * CHUNK))
+        worker("fill", blocks=list(range(8)), seed=1)
+        assert worker("store", req="s", keys=toks, blocks=list(range(8)))["finished"]
+        result = cli("stats", "--url", server.url, "--json", importtime=True)
+        assert result.code == 0, result.err
+        assert_no_torch(result)
+        lines = result.out.splitlines()
+        assert len(lines) == 1
+        snap = result.json()
+    finally:
+        worker.close()
+    assert snap["url"] == server.url and snap["http_url"] == server.http_url()
+    assert snap["workers"]["registered"] == 1
+    assert snap["counters"]["stored_chunks"] >= 2 and snap["counters"]["stored_bytes"] >= 2 * CHUNK_BYTES
+    assert snap["pool"]["chunks"] >= 2 and 0 < snap["pool"]["use"] <= 1
+    assert snap["rates"] is None and snap["interval_s"] is None  # one reply: no rates yet
+    assert snap["tiers"] == {}
+
+
+def test_json_with_count_gives_rates_from_the_second_line(server: ServerProcess) -> None:
+    stop = threading.Event()
+
+    def keep_pinging() -> None:
+        with MessageQueueClient(server.url) as client:
+            while not stop.is_set():
+                client.wait_until_reachable(5)
+
+    pinger = threading.Thread(target=keep_pinging)
+    pinger.start()
+    try:
+        result = cli("stats", "--url", server.url, "--json", "--count", "3", "--interval", "0.2")
+    finally:
+        stop.set()
+        pinger.join(10)
+    assert result.code == 0, result.err
+    import json
+
+    snaps = [json.loads(line) for line in result.out.splitlines()]
+    assert len(snaps) == 3 and snaps[0]["rates"] is None
+    for snap in snaps[1:]:
+        assert 0.1 < snap["interval_s"] < 1.0
+        assert snap["rates"]["requests_per_s"] > 0  # the pings
+        assert snap["rates"]["stores_per_s"] == 0
+
+
+def test_live_view_refreshes_count_times_and_exits_0(server: ServerProcess) -> None:
+    result = cli("stats", "--url", server.url, "--count", "2", "--interval", "0.1", importtime=True)
+    assert result.code == 0, result.err
+    assert_no_torch(result)
+    for text in ("lmcache stats", server.url, "requests", "hit ratio", "GB/s", "pool", "workers",
+                 "memory only", "rates over the last interval"):
+        assert text in result.out, result.out
+
+
+def test_no_server_is_exit_1_and_bad_usage_exit_2(tmp_path: Path) -> None:
+    result = cli("stats", "--url", f"ipc://{tmp_path}/none.sock", "--json",
+                 env={"LMCACHE_TIMEOUTS_CONNECT_S": "0.5"})
+    assert result.code == 1
+    assert "no lmcache server answered" in result.one_error_line()
+    assert cli("stats", "--interval", "0").code == 2
+    assert cli("stats", "--count", "0").code == 2
+    helped = cli("stats", "--help")
+    assert helped.code == 0 and "Example" in helped.out
