@@ -6,6 +6,8 @@ worker and the server may see different ``CUDA_VISIBLE_DEVICES``.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from lmcache_core.errors import IncompatibleError
@@ -40,10 +42,30 @@ def device_index_by_uuid(uuid: str) -> int:
         "server on the worker's host with that GPU visible")
 
 
+def unexportable_settings() -> list[str]:
+    """This process's allocator settings under which KV memory is not from ``cudaMalloc``, so
+    ``cudaIpcGetMemHandle`` cannot export it (CUDA IPC of ``cuMemCreate`` memory needs
+    ``cuMemExportToShareableHandle`` instead)."""
+    found = []
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        conf = os.environ.get(name, "").replace(" ", "").lower()
+        if "expandable_segments:true" in conf:
+            found.append(f"{name} has expandable_segments:True")
+        if "backend:cudamallocasync" in conf:
+            found.append(f"{name} has backend:cudaMallocAsync")
+    return found
+
+
 def export_storage(tensor: torch.Tensor) -> CudaIpcHandle:
-    """The IPC handle of ``tensor``'s storage (``UntypedStorage._share_cuda_()``)."""
-    (device, handle, size_bytes, offset_bytes, rc_handle, rc_offset, event_handle,
-     event_sync) = tensor.untyped_storage()._share_cuda_()
+    """The IPC handle of ``tensor``'s storage (``UntypedStorage._share_cuda_()``).
+
+    IncompatibleError naming the setting when the memory cannot be exported (vLLM's sleep-mode
+    allocator, ``expandable_segments:True``, the ``cudaMallocAsync`` backend)."""
+    try:
+        (device, handle, size_bytes, offset_bytes, rc_handle, rc_offset, event_handle,
+         event_sync) = tensor.untyped_storage()._share_cuda_()
+    except RuntimeError as exc:
+        raise IncompatibleError(unexportable_message(str(exc).splitlines()[0])) from None
     return CudaIpcHandle(
         device=int(device),
         handle=bytes(handle),
@@ -54,6 +76,17 @@ def export_storage(tensor: torch.Tensor) -> CudaIpcHandle:
         event_handle=None if event_handle is None else bytes(event_handle),
         event_sync_required=bool(event_sync),
     )
+
+
+def unexportable_message(cause: str) -> str:
+    """Why a KV cache could not be shared over CUDA IPC, and what to change."""
+    settings = unexportable_settings()
+    found = f" This process has: {'; '.join(settings)}." if settings else ""
+    return (f"the KV cache cannot be shared with the lmcache server over CUDA IPC ({cause}): "
+            "cudaIpcGetMemHandle exports only cudaMalloc memory, not the cuMemCreate memory of "
+            "vLLM's sleep mode (--enable-sleep-mode), of PYTORCH_CUDA_ALLOC_CONF="
+            "expandable_segments:True, or of the cudaMallocAsync backend." + found +
+            " Start vLLM without these to use lmcache.")
 
 
 def cuda_descriptor(tensor: torch.Tensor, handle: CudaIpcHandle) -> TensorDescriptor:
@@ -108,3 +141,10 @@ def open_cuda_tensor(
             f"its shared storage of {storage.nbytes()} bytes")
     view = torch.empty((0,), dtype=dtype, device=storage.device)
     return view.set_(storage, desc.offset_bytes // itemsize, desc.shape, desc.stride)
+
+
+def release_cached_cuda_memory() -> None:
+    """Give the server's cached CUDA blocks (copy staging buffers) back to the driver, once a
+    GPU mapping is closed, so the GPU's free memory shows it. No-op where CUDA was never used."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

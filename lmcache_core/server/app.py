@@ -74,6 +74,7 @@ class CacheServer:
             self.transport.counters, config.server.url)
         self.registry = self.handlers.registry
         self.transport.routes = self.handlers.routes()
+        self.handlers.add_copy_threads = self.transport.add_workers  # more per GPU registered
         self._stop = threading.Event()
         self._housekeeper: threading.Thread | None = None
         self._ready = threading.Event()  # started, and not stopping

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from lmcache_core import __version__
@@ -22,6 +22,10 @@ from lmcache_core.protocol import messages as m
 from lmcache_core.protocol.ops import RequestType
 from lmcache_core.server.registry import KVRegistry, Registration
 from lmcache_core.transport.server import Route, ServerCounters
+
+#: Copy threads added per GPU with registered KV caches (a store waiting for that GPU's forward
+#: pass, and a retrieve beside it).
+COPY_THREADS_PER_GPU = 2
 
 
 def _chunk_blocks(block_ids: Sequence[int], indices: Sequence[int], per_chunk: int) -> list[int]:
@@ -46,6 +50,8 @@ class CacheHandlers:
         self.url = url
         self.http_url: str | None = None  # set when the server's HTTP listener is bound
         self.started = time.monotonic()
+        #: ``add_workers(extra)`` of the transport, to size copy threads by the GPUs registered.
+        self.add_copy_threads: Callable[[int], int] | None = None
 
     def routes(self) -> dict[RequestType, Route]:
         return {
@@ -81,6 +87,8 @@ class CacheHandlers:
             raise ProtocolError(
                 f"kv_rank {request.kv_rank} is outside world size {request.world_size}")
         registration = self.registry.register(request)
+        if registration.device_uuid and self.add_copy_threads is not None:
+            self.add_copy_threads(COPY_THREADS_PER_GPU * self.registry.gpu_count())
         mapped = registration.mapped
         return m.RegisterKVCacheReply(chunk_bytes=mapped.chunk_bytes,
                                       blocks_per_chunk=mapped.blocks_per_chunk)

@@ -8,6 +8,13 @@ Reaping checks each registration on its own: a pid that cannot be checked (of an
 pid namespace, or no possible process) only makes that one registration "not local" (reaped when
 silent, its shared memory never unlinked); it never stops the reaping of the others. A reaped
 worker whose process is gone (a zombie included) gets its segments unlinked (:mod:`.segments`).
+
+GPU registrations hold the worker's GPU memory while mapped (CUDA IPC keeps an allocation alive
+while any process has it open), so a restarted vLLM would fail its free-memory check: they are
+reaped after ``gpu_silence_s`` without a ping (the adapter pings every few seconds), not the long
+``reap_timeout_s``. Their pid is trusted only if that process exists here when they register (a
+worker in another pid namespace names no process here, or some other one); closing a GPU mapping
+also empties the server's CUDA cache.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from typing import Any
 
 from lmcache_core.errors import NotRegisteredError
 from lmcache_core.kv.cuda_events import CopyStream
+from lmcache_core.kv.cuda_ipc import release_cached_cuda_memory
 from lmcache_core.kv.shm import SegmentFile, parse_segment_name
 from lmcache_core.protocol.messages import RegisterKVCacheRequest
 from lmcache_core.server.segments import (
@@ -32,6 +40,8 @@ from lmcache_core.server.segments import (
 
 logger = logging.getLogger(__name__)
 HOSTNAME = socket.gethostname()
+#: How long a GPU registration may go without a ping: three of the adapter's 5 s heartbeats.
+GPU_SILENCE_S = 15.0
 
 
 class Registration:
@@ -45,6 +55,8 @@ class Registration:
         self.block_size = request.block_size
         self.layout = request.layout
         self.pid = request.pid
+        cuda = [d.device_uuid for d in request.layers if d.kind == "cuda"]
+        self.device_uuid = cuda[0] if cuda else ""  # "" for shared memory (CPU)
         self.local = _is_local(request)
         self.mapped = mapped
         self.shm_files: list[SegmentFile] = list(getattr(mapped, "shm_files", []))
@@ -87,16 +99,28 @@ def _is_local(request: RegisterKVCacheRequest) -> bool:
     if not request.pid or request.hostname != HOSTNAME:
         return False
     names = {d.shm_name for d in request.layers if d.kind == "shm"}
+    if not names:  # CUDA: no name tells the namespace; a pid that names no process here is foreign
+        return _pid_exists(request.pid)
     return all(owner_in_this_namespace(parse_segment_name(name)) for name in names)
+
+
+def _pid_exists(pid: int) -> bool:
+    """True when a live process ``pid`` exists in this pid namespace now."""
+    try:
+        return not process_gone(pid)
+    except Exception:  # not a possible pid, or unreadable: cannot be checked
+        return False
 
 
 class KVRegistry:
     """instance_id -> Registration, with leases so unmapping waits for copies in progress."""
 
     def __init__(self, open_mapping: Callable[[RegisterKVCacheRequest], Any],
-                 reap_timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+                 reap_timeout_s: float, clock: Callable[[], float] = time.monotonic,
+                 gpu_silence_s: float = GPU_SILENCE_S) -> None:
         self._open_mapping = open_mapping
         self._reap_timeout_s = reap_timeout_s
+        self._gpu_silence_s = min(gpu_silence_s, reap_timeout_s)
         self._clock = clock
         self._lock = threading.Lock()
         self._by_id: dict[int, Registration] = {}
@@ -169,9 +193,15 @@ class KVRegistry:
         """Why ``registration`` should be reaped now ("" if it should not)."""
         if registration.process_gone():
             return "process exited"
-        if now - registration.last_seen > self._reap_timeout_s:
-            return "silent"
+        limit = self._gpu_silence_s if registration.device_uuid else self._reap_timeout_s
+        if now - registration.last_seen > limit:
+            return f"silent for over {limit:g}s"
         return ""
+
+    def gpu_count(self) -> int:
+        """How many distinct GPUs the registered KV caches are on."""
+        with self._lock:
+            return len({r.device_uuid for r in self._by_id.values() if r.device_uuid})
 
     def close_all(self) -> None:
         with self._lock:
@@ -204,3 +234,5 @@ class KVRegistry:
             registration.mapped.close()
         except Exception:
             logger.exception("closing the mapping of instance %d failed", registration.instance_id)
+        if registration.device_uuid:
+            release_cached_cuda_memory()  # the staging buffers of its copies

@@ -154,6 +154,7 @@ class MessageQueueServer:
         self._socket: zmq.Socket[Any] | None = None
         self._thread: threading.Thread | None = None
         self._workers: list[threading.Thread] = []
+        self._workers_lock = threading.Lock()  # add_workers against stop()
         self._rejections = LogBudget()
         self._failures = LogBudget()
         self.bound_url = url
@@ -200,7 +201,8 @@ class MessageQueueServer:
             return
         self._drain_deadline = time.monotonic() + drain_timeout_s
         self._supervisor.retire(self._thread)
-        self._stopping.set()
+        with self._workers_lock:
+            self._stopping.set()
         self._waker.wake()
         self._thread.join(drain_timeout_s + 2.0)
         self._cancel_queued()
@@ -212,6 +214,18 @@ class MessageQueueServer:
             worker.join(max(0.0, deadline - time.monotonic()))
         if not any(w.is_alive() for w in self._workers):
             self._waker.close()  # else a worker still copying may wake it: leave the fd open
+
+    def add_workers(self, extra: int) -> int:
+        """Run ``extra`` worker threads beyond the configured ones (never fewer than now); returns
+        how many run. E.g. a pair per GPU registered: a copy waits for its GPU's forward pass, and
+        one store per GPU must not hold every thread while other GPUs' requests queue."""
+        with self._workers_lock:
+            if self._thread is None or self._stopping.is_set():
+                return len(self._workers)
+            while len(self._workers) < self._num_workers + extra:
+                name = f"{self._name}-worker-{len(self._workers)}"
+                self._workers.append(self._supervisor.spawn(name, self._work))
+            return len(self._workers)
 
     def _cancel_queued(self) -> None:
         """Drop the jobs no worker took before the drain ended (the socket is closed: no one

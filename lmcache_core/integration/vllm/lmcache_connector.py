@@ -339,6 +339,8 @@ class LMCacheConnector(KVConnectorBase_V1):
         from vllm.config import get_layers_from_vllm_config
         from vllm.model_executor.layers.attention import Attention
 
+        _refuse_unexportable(self._vllm_config, kv_caches)
+
         backend = _backend_name(self._vllm_config, get_layers_from_vllm_config, Attention)
         model = self._vllm_config.model_config
         parallel = self._vllm_config.parallel_config
@@ -716,6 +718,18 @@ def _backend_name(vllm_config: VllmConfig, get_layers: Any, attention_cls: Any) 
         logger.debug("lmcache: cannot read the attention backend: %s", exc)
     device = str(vllm_config.device_config.device_type)
     return "CPU_ATTN" if device == "cpu" else None
+
+
+def _refuse_unexportable(vllm_config: VllmConfig, kv_caches: dict[str, torch.Tensor]) -> None:
+    """IncompatibleError when vLLM's sleep mode allocates the GPU KV cache: its cuMemCreate
+    memory cannot be exported with cudaIpcGetMemHandle (registration would fail obscurely)."""
+    first = next(iter(kv_caches.values()), None)
+    if first is None or first.device.type != "cuda":
+        return
+    if getattr(vllm_config.model_config, "enable_sleep_mode", False):
+        from lmcache_core.kv.cuda_ipc import unexportable_message
+
+        raise IncompatibleError(unexportable_message("vLLM runs with enable_sleep_mode=True"))
 
 
 def _store_futures(worker: LMCacheMPWorkerAdapter, request_id: str) -> list[Any]:

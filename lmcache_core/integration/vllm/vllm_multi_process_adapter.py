@@ -299,7 +299,7 @@ class LMCacheMPWorkerAdapter:
         self.chunk_size = self._conn.chunk_size
         self.instance_id = random.getrandbits(63)
         self.registered: KVCache | None = None
-        self._registration: m.RegisterKVCacheRequest | None = None
+        self._kv_caches: dict[str, torch.Tensor] | None = None
         self._stores: dict[str, _RequestState] = {}
         self._retrieves: dict[str, _RequestState] = {}
         self._engine_finished: set[str] = set()
@@ -314,6 +314,20 @@ class LMCacheMPWorkerAdapter:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Share the worker's per-layer KV tensors with the server (once; again replaces them)."""
+        wrapped, request = self._registration_request(kv_caches)
+        self.mq_client.call(RequestType.REGISTER_KV_CACHE, request, m.RegisterKVCacheReply)
+        self.registered = wrapped
+        self._kv_caches = dict(kv_caches)
+        if self._heartbeat is None and self._heartbeat_interval_s > 0:
+            self._heartbeat = threading.Thread(target=self._beat, name="lmcache-heartbeat",
+                                               daemon=True)
+            self._heartbeat.start()
+
+    def _registration_request(self, kv_caches: dict[str, torch.Tensor]
+                              ) -> tuple[KVCache, m.RegisterKVCacheRequest]:
+        """The caches described afresh: on GPU each call exports new CUDA IPC handles, each with
+        its own reference count (the server opening a handle sent before would release a count
+        that the earlier opening already released)."""
         wrapped = wrap_kv_caches(kv_caches)
         if wrapped.block_size != self._conn.vllm_block_size:
             raise ValueError(f"the KV caches have {wrapped.block_size}-token blocks but the adapter "
@@ -323,13 +337,7 @@ class LMCacheMPWorkerAdapter:
             world_size=self._conn.world_size, kv_rank=self._conn.kv_rank,
             block_size=wrapped.block_size, layout=wrapped.layout, layers=wrapped.layers,
             pid=os.getpid(), hostname=socket.gethostname())
-        self.mq_client.call(RequestType.REGISTER_KV_CACHE, request, m.RegisterKVCacheReply)
-        self.registered = wrapped
-        self._registration = request
-        if self._heartbeat is None and self._heartbeat_interval_s > 0:
-            self._heartbeat = threading.Thread(target=self._beat, name="lmcache-heartbeat",
-                                               daemon=True)
-            self._heartbeat.start()
+        return wrapped, request
 
     def _beat(self) -> None:
         """Ping with our instance id so the server knows this worker is alive (and keeps its maps);
@@ -346,10 +354,11 @@ class LMCacheMPWorkerAdapter:
                 self._register_again()
 
     def _register_again(self) -> None:
-        request = self._registration
-        if request is None:
+        """Register with a server that forgot us, with freshly exported handles (finding 6)."""
+        if self._kv_caches is None:
             return
         try:
+            _, request = self._registration_request(self._kv_caches)
             self.mq_client.call(RequestType.REGISTER_KV_CACHE, request, m.RegisterKVCacheReply)
         except LMCacheError as exc:
             logger.warning("re-registering the KV caches with %s failed: %s",

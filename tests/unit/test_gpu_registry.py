@@ -1,0 +1,198 @@
+"""GPU registrations in the registry, on the CPU with fake mappings (issue 16, findings 3, 5, 6).
+
+A dead worker's GPU memory must not stay mapped: GPU registrations are reaped after a short
+silence, their pid is trusted only when it names a process here, closing one empties the server's
+CUDA cache, and the copy threads grow with the GPUs registered. A server that forgot a worker gets
+freshly exported handles, never the ones it was sent before.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from lmcache_core.integration.vllm import vllm_multi_process_adapter as adapter_module
+from lmcache_core.protocol import messages as m
+from lmcache_core.server import registry as registry_module
+from lmcache_core.server.registry import GPU_SILENCE_S, KVRegistry
+
+SHAPE = [2, 8, 16, 2, 64]
+
+
+class FakeMapping:
+    """What the registry needs of a MappedKVCache."""
+
+    device = None
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def cuda_request(instance_id: int, pid: int, uuid: str = "GPU-0",
+                 hostname: str | None = None) -> m.RegisterKVCacheRequest:
+    handle = m.CudaIpcHandle(device=0, handle=b"h" * 64, storage_nbytes=1 << 20,
+                             storage_offset_bytes=0, ref_counter_handle=b"r" * 64,
+                             ref_counter_offset=0)
+    desc = m.TensorDescriptor(kind="cuda", dtype="float16", shape=SHAPE, stride=[1] * 5,
+                              offset_bytes=0, segment_nbytes=1 << 20, cuda=handle,
+                              device_uuid=uuid)
+    return m.RegisterKVCacheRequest(
+        instance_id=instance_id, model_name="tiny", world_size=1, kv_rank=0, block_size=16,
+        layout="flash_attn", layers=[desc], pid=pid,
+        hostname=socket.gethostname() if hostname is None else hostname)
+
+
+@pytest.fixture
+def clock() -> list[float]:
+    return [0.0]
+
+
+@pytest.fixture
+def registry(clock: list[float], monkeypatch: pytest.MonkeyPatch) -> KVRegistry:
+    emptied: list[int] = []
+    monkeypatch.setattr(registry_module, "release_cached_cuda_memory", lambda: emptied.append(1))
+    reg = KVRegistry(lambda request: FakeMapping(), reap_timeout_s=60.0,
+                     clock=lambda: clock[0])
+    reg.emptied = emptied  # type: ignore[attr-defined]
+    return reg
+
+
+def test_a_silent_gpu_worker_is_reaped_after_the_short_timeout(
+        registry: KVRegistry, clock: list[float]) -> None:
+    gpu = registry.register(cuda_request(1, os.getpid()))
+    clock[0] = GPU_SILENCE_S - 1
+    assert registry.reap() == []
+    clock[0] = GPU_SILENCE_S + 1  # well before reap_timeout_s (60 s)
+    assert registry.reap() == [1]
+    assert gpu.mapped.closed
+    assert registry.emptied == [1]  # type: ignore[attr-defined]
+
+
+def test_pings_keep_a_gpu_worker(registry: KVRegistry, clock: list[float]) -> None:
+    registry.register(cuda_request(1, os.getpid()))
+    for beat in range(1, 10):
+        clock[0] = beat * 5.0
+        assert registry.touch(1)
+        assert registry.reap() == []
+
+
+def test_a_killed_gpu_worker_is_reaped_at_once(registry: KVRegistry) -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        registry.register(cuda_request(2, child.pid))
+        assert registry.reap() == []
+    finally:
+        child.kill()
+        child.wait(10)
+    assert registry.reap() == [2]  # no wait for silence: the process is gone
+
+
+def test_a_pid_that_names_no_process_here_is_not_trusted(registry: KVRegistry) -> None:
+    """Same hostname, another pid namespace: the pid names no process here (or another one), so
+    the registration is reaped by silence only, never as 'exited' while it lives."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(10)
+    foreign = registry.register(cuda_request(3, child.pid))
+    assert not foreign.local
+    assert registry.reap() == []
+    other_host = registry.register(cuda_request(4, os.getpid(), hostname="elsewhere"))
+    assert not other_host.local
+    assert registry.register(cuda_request(5, os.getpid())).local
+
+
+def test_gpu_count_sizes_the_copy_threads(registry: KVRegistry) -> None:
+    assert registry.gpu_count() == 0
+    registry.register(cuda_request(1, os.getpid(), "GPU-a"))
+    registry.register(cuda_request(2, os.getpid(), "GPU-a"))
+    registry.register(cuda_request(3, os.getpid(), "GPU-b"))
+    assert registry.gpu_count() == 2
+    registry.unregister(3)
+    assert registry.gpu_count() == 1
+
+
+def test_a_lease_defers_the_unmap_of_a_reaped_gpu_worker(
+        registry: KVRegistry, clock: list[float]) -> None:
+    gpu = registry.register(cuda_request(1, os.getpid()))
+    with registry.lease(1):
+        clock[0] = 100.0
+        assert registry.reap() == [1]
+        assert not gpu.mapped.closed  # a copy (bounded by the event timeout) still runs
+    assert gpu.mapped.closed
+
+
+# ---------------------------------------------------------------- finding 6: export again
+
+
+class FakeClient:
+    server_url = "tcp://fake"
+
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def call(self, op: Any, request: Any, reply_type: Any, **_kw: Any) -> Any:
+        self.sent.append(request)
+        return None
+
+
+def test_registering_again_exports_fresh_handles(monkeypatch: pytest.MonkeyPatch) -> None:
+    exports = iter(range(100))
+
+    def wrap(kv_caches: dict[str, Any]) -> adapter_module.KVCache:
+        n = next(exports)
+        handle = m.CudaIpcHandle(device=0, handle=b"h" * 64, storage_nbytes=1 << 20,
+                                 storage_offset_bytes=0, ref_counter_handle=b"r" * 64,
+                                 ref_counter_offset=n)  # each export: its own count slot
+        desc = m.TensorDescriptor(kind="cuda", dtype="float16", shape=SHAPE, stride=[1] * 5,
+                                  offset_bytes=0, segment_nbytes=1 << 20, cuda=handle,
+                                  device_uuid="GPU-0")
+        return adapter_module.KVCache("flash_attn", 16, [desc])
+
+    monkeypatch.setattr(adapter_module, "wrap_kv_caches", wrap)
+    worker = adapter_module.LMCacheMPWorkerAdapter.__new__(adapter_module.LMCacheMPWorkerAdapter)
+    worker._conn = SimpleNamespace(vllm_block_size=16, model_name="tiny", world_size=1,
+                                   kv_rank=0)  # type: ignore[assignment]
+    worker.instance_id = 7
+    worker.mq_client = FakeClient()  # type: ignore[assignment]
+    worker._heartbeat, worker._heartbeat_interval_s = None, 0.0
+    worker.register_kv_caches({"layer_0": object()})  # type: ignore[dict-item]
+    worker._register_again()  # the server restarted and forgot us
+    first, again = worker.mq_client.sent  # type: ignore[attr-defined]
+    assert first.instance_id == again.instance_id == 7
+    assert first.layers[0].cuda.ref_counter_offset != again.layers[0].cuda.ref_counter_offset
+
+
+# ---------------------------------------------------------------- finding 5: copy threads
+
+
+def test_copy_threads_grow_with_the_gpus_registered(
+        registry: KVRegistry, tmp_path: Any) -> None:
+    from lmcache_core.config import load_config
+    from lmcache_core.server.handlers import COPY_THREADS_PER_GPU, CacheHandlers
+    from lmcache_core.transport.server import MessageQueueServer
+
+    server = MessageQueueServer(f"ipc://{tmp_path}/s.sock", {}, workers=2)
+    server.start()
+    try:
+        handlers = CacheHandlers(load_config(None), SimpleNamespace(), registry,  # type: ignore[arg-type]
+                                 server.counters, server.url)
+        handlers.add_copy_threads = server.add_workers
+        FakeMapping.chunk_bytes, FakeMapping.blocks_per_chunk = 1, 1  # type: ignore[attr-defined]
+        handlers.register_kv_cache(cuda_request(1, os.getpid(), "GPU-a"), b"")
+        assert len(server._workers) == 2 + COPY_THREADS_PER_GPU
+        handlers.register_kv_cache(cuda_request(2, os.getpid(), "GPU-a"), b"")  # same GPU
+        handlers.register_kv_cache(cuda_request(3, os.getpid(), "GPU-b"), b"")
+        assert len(server._workers) == 2 + 2 * COPY_THREADS_PER_GPU
+        assert all(w.is_alive() for w in server._workers)
+    finally:
+        server.stop(1.0)
+    assert server.add_workers(10) == 2 + 2 * COPY_THREADS_PER_GPU  # none after stop
+    assert not any(w.is_alive() for w in server._workers)  # every one joined
