@@ -16,6 +16,9 @@ Two CPU-specific choices, both measured (single thread, Llama-8B chunk):
   moves element by element, so 8x fewer elements make it ~2x faster. Bytes are moved, never
   interpreted, so any bit pattern survives.
 
+One-byte float types (float8) are copied through a ``uint8`` view: some torch versions admitted
+here have no float8 ``index_select``/``index_copy_`` kernels, and the bytes are only moved.
+
 When the KV tensors live on a GPU and the slots in host memory, each chunk goes through one staging
 buffer on the KV device (``index_select`` there, then one device->host copy), on the current
 stream; see :mod:`.cuda_events` for running that on a dedicated stream and synchronizing it.
@@ -95,14 +98,15 @@ class BlockCopier:
         self._dtype = first.dtype
         self._device = first.device
         self._chunk_elems = self._geometry.chunk_elems(len(self._layers), chunk_size)
-        stacked = stack_layers(self._layers) if allow_stacked else None
+        copy_layers = [_byte_view(t) for t in self._layers]
+        stacked = stack_layers(copy_layers) if allow_stacked else None
         if stacked is not None:
             # One group: [L, planes, NB, *row], or [L * planes, NB, *row] when that is a view.
             unmerged = block_view(stacked, layout, leading=1)
             views = [merge_leading(unmerged)]
             block_dim = 2 - (unmerged.dim() - views[0].dim())
         else:
-            views = [block_view(t, layout) for t in self._layers]  # L groups: [planes, NB, *row]
+            views = [block_view(t, layout) for t in copy_layers]  # L groups: [planes, NB, *row]
             block_dim = 1
         if block_dim == 1 and not views[0].is_contiguous():
             # index_select(dim=1) into a contiguous out makes the *whole* source contiguous
@@ -236,7 +240,11 @@ class BlockCopier:
                 bad = lo if lo < 0 else hi
                 raise ProtocolError(
                     f"block id {bad} is out of range [0, {self.num_blocks}) for this KV cache")
-        return ids.view(n_chunks, self._bpc).to(self._device)
+        ids = ids.view(n_chunks, self._bpc)
+        if self._device.type == "cuda":
+            # From pageable memory the copy would wait for the whole stream; pinned, it is queued.
+            return ids.pin_memory().to(self._device, non_blocking=True)
+        return ids
 
     def _slot_bytes(self, slot: torch.Tensor) -> torch.Tensor:
         """The first ``chunk_bytes`` of a slot as flat uint8, after checking it."""
@@ -307,6 +315,13 @@ def _widest_plan(views: list[torch.Tensor], block_dim: int, bpc: int) -> _Plan |
         if all(v.data_ptr() % dtype.itemsize == 0 for v in wide):
             return _Plan.build(wide, block_dim, bpc)
     return None
+
+
+def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A one-byte float tensor (float8) as ``uint8``, others unchanged (see the module docstring)."""
+    if tensor.dtype.itemsize == 1 and tensor.dtype.is_floating_point:
+        return tensor.view(torch.uint8)
+    return tensor
 
 
 def _check_layers(layers: list[torch.Tensor], layout: KVLayoutName) -> KVGeometry:
