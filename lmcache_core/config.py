@@ -84,6 +84,13 @@ class ServerConfig(_Section):
     # Touch every pool page at start (about 1 s per 4 GiB here) so the first stores into fresh
     # slots do not pay page faults (~20x slower per byte on first touch); memory is then resident.
     prefault: bool = False
+    # KV events for cache-aware routers (server/events.py): a ZMQ PUB socket, tcp:// or ipc://, of the
+    # chunks stored and removed, in vLLM's KV-event format; off by default. Replay requests go to
+    # events_replay_url (default: the events port + 1, or the ipc path + ".replay"). events_format:
+    # "map" as vLLM publishes since mid 2026 (0.32), "array" for routers that expect older vLLM's.
+    events_url: str | bool | None = None
+    events_replay_url: str | None = None
+    events_format: Literal["map", "array"] = "map"
     # Users besides the server's own whose shared-memory KV caches workers may register (the server
     # maps them read-write and removes them when their creator dies); a list, or "1000,1001".
     shm_allowed_uids: list[int] | int | str = msgspec.field(default_factory=list)
@@ -92,6 +99,8 @@ class ServerConfig(_Section):
         self.pool_size = parse_size(self.pool_size)
         if not self.url.startswith(("tcp://", "ipc://")):
             raise ValueError(f"url must start with tcp:// or ipc://, got {self.url!r}")
+        self.events_url, self.events_replay_url = (
+            parse_events_urls(self.events_url, self.events_replay_url) or (None, None))
         if parse_http_url(self.http_url) is None:
             self.http_url = "off"
         self.shm_allowed_uids = list(parse_uids(self.shm_allowed_uids))
@@ -99,6 +108,11 @@ class ServerConfig(_Section):
     @property
     def pool_bytes(self) -> int:
         return parse_size(self.pool_size)
+
+    @property
+    def events_urls(self) -> tuple[str, str] | None:
+        """``(events url, replay url)`` of the KV event sockets, or None when events are off."""
+        return parse_events_urls(self.events_url, self.events_replay_url)
 
     @property
     def http_address(self) -> tuple[str, int] | None:
@@ -142,6 +156,36 @@ def parse_http_url(value: str | bool) -> tuple[str, int] | None:
         raise ValueError(f"http_url: only a scheme, host and port, got {value!r} (the paths are "
                          f"/metrics, /healthz and /readyz)")
     return parts.hostname, port
+
+
+def parse_events_urls(url: str | bool | None, replay_url: str | None) -> tuple[str, str] | None:
+    """``(url, replay url)`` for ``events_url``/``events_replay_url``, None when events are off
+    (None, "", "off", YAML's bare off); ValueError naming the key for anything else."""
+    if url is None or url is False or (isinstance(url, str) and url.strip().lower() in ("", "off")):
+        if replay_url:
+            raise ValueError("events_replay_url: set events_url too (events are off)")
+        return None
+    hint = "expected tcp://HOST:PORT or ipc://PATH"
+    if not isinstance(url, str) or not url.startswith(("tcp://", "ipc://")):
+        raise ValueError(f"events_url: {hint} (or off), got {url!r}")
+    if replay_url is None:
+        replay_url = _replay_default(url)
+    elif not replay_url.startswith(("tcp://", "ipc://")):
+        raise ValueError(f"events_replay_url: {hint}, got {replay_url!r}")
+    if replay_url == url and not url.endswith(":0"):  # port 0: two free ports are picked
+        raise ValueError("events_replay_url: must differ from events_url")
+    return url, replay_url
+
+
+def _replay_default(url: str) -> str:
+    """The events port + 1 (as vLLM's 5557 and 5558), or the ipc path + ".replay"."""
+    if url.startswith("ipc://"):
+        return url + ".replay"
+    host, _, port = url.rpartition(":")
+    if not port.isdigit() or int(port) > 65534 or host == "tcp":
+        raise ValueError(f"events_url: {url!r} needs a port below 65535 (tcp://HOST:PORT), or set "
+                         f"events_replay_url")
+    return f"{host}:{int(port) + 1 if int(port) else 0}"
 
 
 class TimeoutConfig(_Section):

@@ -49,6 +49,7 @@ from lmcache_core.storage.tiered import TieredStorage
 if TYPE_CHECKING:
     import torch
 
+    from lmcache_core.events import KVEventSink
     from lmcache_core.storage.disk import DiskTier
     from lmcache_core.storage.remote import RemoteTier
 
@@ -144,7 +145,7 @@ class CacheEngine:
 
     def __init__(self, pool: MemoryPool, chunk_size: int, lock_ttl_s: float = 300.0,
                  clock: Callable[[], float] = time.monotonic, *, disk: DiskTier | None = None,
-                 remote: RemoteTier | None = None) -> None:
+                 remote: RemoteTier | None = None, events: KVEventSink | None = None) -> None:
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         if lock_ttl_s <= 0:
@@ -163,6 +164,9 @@ class CacheEngine:
         self._seq = itertools.count()
         self._bytes_used = 0
         self._n = _Counters()
+        # Told of every chunk that enters or leaves memory, under the lock (KV events for routers;
+        # None: nothing is reported). The tiers report theirs through the same sink.
+        self.events = events
         # Lower tiers (None: memory only, and no code path below touches them).
         self._tiers = (TieredStorage(self, disk, remote)
                        if disk is not None or remote is not None else None)
@@ -381,6 +385,8 @@ class CacheEngine:
             for key, slot in zip(reversed(plan.keys), reversed(plan.slots), strict=True):
                 del writing[key]
                 entries[key] = _Entry(key, slot, nbytes, now)
+            if self.events is not None and plan.keys:
+                self.events.stored(plan.keys, MEMORY_TIER)
             self._bytes_used += nbytes * len(plan.keys)
             self._n.stored_chunks += len(plan.keys)
             self._n.stored_bytes += nbytes * len(plan.keys)
@@ -406,6 +412,8 @@ class CacheEngine:
         not saved, ``TieredStorage.evicted``)."""
         self._drop(entry)
         self._n.evictions += 1
+        if self.events is not None:
+            self.events.removed((entry.key,), MEMORY_TIER)
         if self._tiers is not None:
             self._tiers.evicted(entry.key)
 
@@ -546,6 +554,8 @@ class CacheEngine:
                     loaded.append(key)
                 else:
                     pool.free(slot)
+            if self.events is not None and loaded:
+                self.events.stored(loaded[::-1], MEMORY_TIER)  # (committed tail first)
         return loaded
 
     def _relookup(self, model_name: str, world_size: int, chunk_hashes: Sequence[bytes],
@@ -606,13 +616,17 @@ class CacheEngine:
         written always stay (``kept`` counts the resident ones kept).
         """
         removed = kept = 0
+        dropped: list[ChunkKey] = []
         with self._mutex:
             for entry in list(self._entries.values()):
                 if entry.readers or (entry.locks and not force):
                     kept += 1
                 else:
                     self._drop(entry)
+                    dropped.append(entry.key)
                     removed += 1
+            if self.events is not None and dropped:
+                self.events.removed(dropped, MEMORY_TIER)
             if force:
                 self._purge_locks()
         return removed, kept

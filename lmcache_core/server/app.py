@@ -31,6 +31,7 @@ import zmq
 from lmcache_core.config import LMCacheConfig
 from lmcache_core.engine import CacheEngine
 from lmcache_core.protocol.codec import Limits
+from lmcache_core.server.events import KVEventPublisher
 from lmcache_core.server.handlers import CacheHandlers
 from lmcache_core.server.http import HttpListener
 from lmcache_core.server.metrics import ServerCollector, ServerMetrics
@@ -57,9 +58,10 @@ class CacheServer:
         if config.server.prefault:
             self.pool.prefault()
         self.disk, self.remote = build_tiers(config)
+        self.events = KVEventPublisher.from_config(config, context)  # None unless server.events_url
         self.engine = CacheEngine(self.pool, config.chunk_size,
                                   lock_ttl_s=config.timeouts.lock_ttl_s, disk=self.disk,
-                                  remote=self.remote)
+                                  remote=self.remote, events=self.events)
         workers = config.server.workers + (2 if self.engine.has_tiers else 0)
         self._done = threading.Event()  # a stop was asked for, or a thread died
         self.supervisor = Supervisor(on_failure=lambda _reason: self._done.set())
@@ -91,6 +93,8 @@ class CacheServer:
     def start(self) -> str:
         """Bind and serve; returns the bound url."""
         sweep_stale_segments(self.config.server.allowed_uids)  # dead workers' leftover names
+        if self.events is not None:
+            self.events.start(self.supervisor)
         self._start_http()  # first: a port in use stops the start before anything else runs
         try:
             url = self.transport.start()
@@ -139,6 +143,8 @@ class CacheServer:
                 tier.stop(drain_timeout_s)
         if self._housekeeper is not None:
             self._housekeeper.join(drain_timeout_s)
+        if self.events is not None:  # after the tiers: publishes what the last work reported
+            self.events.stop(drain_timeout_s)
         self.registry.close_all()
         logger.info("stopped")
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from blake3 import blake3
 
 from lmcache_core.errors import ConfigError
+from lmcache_core.events import DISK, KVEventSink
 from lmcache_core.keys import ChunkKey
 from lmcache_core.storage import record
 from lmcache_core.storage.counters import Counters
@@ -109,6 +110,8 @@ class DiskTier:
         self._source: Source | None = None
         self._cold: ColdKeys | None = None
         self._failing = False  # a write error was logged; log the next only after a success
+        # Told of files indexed and dropped, under this tier's lock (KV events; set by TieredStorage).
+        self.events: KVEventSink | None = None
         self.reindex()
 
     # ------------------------------------------------------------------ index
@@ -232,6 +235,8 @@ class DiskTier:
                 return False
             del self._index[key]
             self._bytes -= meta.size
+            if self.events is not None:
+                self.events.removed((key,), DISK)
             return True
 
     def _drop_bad(self, key: ChunkKey, meta: _File, why: str) -> None:
@@ -273,6 +278,8 @@ class DiskTier:
             if old is not None:
                 self._bytes -= old.size
             self._index[key] = _File(name, len(header), nbytes, size)
+            if self.events is not None:
+                self.events.stored((key,), DISK)
         self.n.add(disk_written_chunks=1)
         if self._failing:
             self._failing = False
@@ -282,11 +289,15 @@ class DiskTier:
     def _over_cap(self, incoming: int) -> list[_File]:
         """Pop LRU files until ``incoming`` more bytes fit (under the lock); the caller unlinks."""
         victims: list[_File] = []
+        gone: list[ChunkKey] = []
         index = self._index
         while index and self._bytes + incoming > self.max_bytes:
-            _, meta = index.popitem(last=False)
+            key, meta = index.popitem(last=False)
             self._bytes -= meta.size
             victims.append(meta)
+            gone.append(key)
+        if self.events is not None and gone:
+            self.events.removed(gone, DISK)
         return victims
 
     def _delete(self, victims: Iterable[_File]) -> None:

@@ -41,6 +41,7 @@ from redis.connection import Encoder, PythonRespSerializer
 from redis.exceptions import RedisClusterException, RedisError
 from redis.retry import Retry
 
+from lmcache_core.events import REMOTE, KVEventSink
 from lmcache_core.keys import ChunkKey
 from lmcache_core.storage import record
 from lmcache_core.storage.counters import Counters
@@ -98,6 +99,9 @@ class RemoteTier:
         self._down_since = 0.0
         self._failures_in_outage = 0
         self._source: Source | None = None
+        # Told of chunks written and deleted (KV events; set by TieredStorage). Redis's own expiry
+        # and eviction, and other servers' writes, are not seen.
+        self.events: KVEventSink | None = None
         # While Redis is down the writer takes nothing and PINGs every retry_interval_s.
         self._writer: BackgroundWriter[ChunkKey] = BackgroundWriter(
             "remote tier", "lmcache-remote-writer", queue_size, self._write_batch,
@@ -247,6 +251,8 @@ class RemoteTier:
                                exc)
             with contextlib.suppress(*_FAULTS):
                 self.client().delete(rkey)
+            if self.events is not None:
+                self.events.removed((key,), REMOTE)
             return 0
 
     def count_lookup_timeout(self) -> None:
@@ -346,7 +352,15 @@ class RemoteTier:
                 logger.warning("remote tier: Redis refused %d write(s): %s", failed,
                                next(r for r in results if isinstance(r, Exception)))
         self.n.add(remote_written_chunks=len(results) - failed)
+        if self.events is not None:
+            self.events.stored(self._written_keys(values, results), REMOTE)
         return True
+
+    def _written_keys(self, values: list[tuple[bytes, Buffer]], results: list[Any]) -> list[ChunkKey]:
+        """The chunks of a pipelined SET that Redis took (for KV events)."""
+        written = [self._key_of(rkey) for (rkey, _), result in zip(values, results, strict=True)
+                   if not isinstance(result, Exception)]
+        return [key for key in written if key is not None]
 
     def _set_many(self, values: list[tuple[bytes, Buffer]]) -> list[Any]:
         pipe = self.client().pipeline(transaction=False)

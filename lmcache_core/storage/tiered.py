@@ -54,8 +54,10 @@ class TieredStorage:
         self.spill_ahead = max(1, engine.pool.num_slots // 4)  # slots kept saved on disk ahead of eviction
         if disk is not None:
             disk.bind(engine._pinned, self.spill_candidates)
+            disk.events = engine.events  # each tier reports its own chunks (KV events)
         if remote is not None:
             remote.bind(engine._pinned)
+            remote.events = engine.events
 
     # ------------------------------------------------------------------ lookup
 
