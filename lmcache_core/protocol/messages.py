@@ -262,6 +262,8 @@ class ServerStats(msgspec.Struct, kw_only=True):
     locks_expired: int = 0
     registered_instances: int = 0
     reaped_instances: int = 0
+    gpu_instances: int = 0  # registrations of KV caches on a GPU (CUDA IPC)
+    pool_pinned_bytes: int = 0  # page-locked bytes of the pool (its exact size, or 0: pageable)
     requests: int = 0
     errors: int = 0
     # disk tier (zeros without one)

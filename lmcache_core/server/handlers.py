@@ -197,6 +197,8 @@ class CacheHandlers:
         stats: dict[str, Any] = dict(self._engine_stats())
         stats.update(registered_instances=len(self.registry), reaped_instances=self.registry.reaped,
                      requests=self.counters.requests, errors=self.counters.errors)
+        stats.update(gpu_instances=self.registry.gpu_instances(),
+                     pool_pinned_bytes=self.engine.pool.pinned_bytes)
         return m.ServerInfoReply(
             version=__version__, url=self.url, pid=os.getpid(), chunk_size=self.config.chunk_size,
             uptime_s=time.monotonic() - self.started, pool_bytes=self.engine.pool.nbytes,

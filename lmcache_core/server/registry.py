@@ -198,6 +198,11 @@ class KVRegistry:
             return f"silent for over {limit:g}s"
         return ""
 
+    def gpu_instances(self) -> int:
+        """How many registrations are KV caches on a GPU."""
+        with self._lock:
+            return sum(1 for r in self._by_id.values() if r.device_uuid)
+
     def gpu_count(self) -> int:
         """How many distinct GPUs the registered KV caches are on."""
         with self._lock:

@@ -16,6 +16,7 @@ import logging
 import torch
 
 from lmcache_core.errors import ConfigError
+from lmcache_core.storage.pinned import pin_exact
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,11 @@ class MemoryPool:
         return self._pinned
 
     @property
+    def pinned_bytes(self) -> int:
+        """Bytes of page-locked memory the pool holds (exactly its size when pinned, else 0)."""
+        return self.nbytes if self._pinned else 0
+
+    @property
     def tensor(self) -> torch.Tensor:
         """The whole pool (e.g. to register it with a device once)."""
         return self._buf
@@ -119,9 +125,10 @@ def _allocate(num_slots: int, slot_bytes: int, pin: bool) -> tuple[torch.Tensor,
     """The pool tensor, pinned if asked and possible; an unpinned one (with a warning) if not."""
     shape = (num_slots, slot_bytes)
     if pin:
-        try:
-            return torch.empty(shape, dtype=torch.uint8, pin_memory=True), True
+        try:  # the exact size: torch's pin_memory rounds up to a power of two (storage/pinned.py)
+            return pin_exact(shape), True
         except RuntimeError as exc:
-            logger.warning("memory pool: cannot pin %d bytes (%s); using pageable memory",
-                           num_slots * slot_bytes, str(exc).splitlines()[0] if str(exc) else exc)
+            logger.error("memory pool: cannot pin %d bytes (%s); using PAGEABLE memory: GPU copies "
+                         "will be slower and synchronous", num_slots * slot_bytes,
+                         str(exc).splitlines()[0] if str(exc) else exc)
     return torch.empty(shape, dtype=torch.uint8), False
