@@ -86,9 +86,25 @@ def serve(
         f"url         {bound}\nmodel       {cfg.model.name} (world size {cfg.world_size})\n"
         f"chunk size  {cfg.chunk_size} tokens = {human_bytes(cfg.chunk_bytes)}\n"
         f"pool        {human_bytes(server.pool.nbytes)} = {slots} chunks, {cfg.server.eviction} eviction\n"
-        f"http        {http}",
+        f"http        {http}\n"
+        f"pool pages  {_pool_pages(server)}",
         title="ready", border_style="green"), highlight=False)
     _run_until_signal(server)
+
+
+def _pool_pages(server: CacheServer) -> str:
+    """How the pool's pages get mapped, and the process's RSS now (the populate's own end, with
+    its time, is logged and in SERVER_INFO)."""
+    from lmcache_core.storage.pool import process_rss_bytes
+
+    pool = server.pool
+    if pool.pinned:
+        how = "pinned (resident)"
+    elif server.config.server.prefault:
+        how = "populating in the background"
+    else:
+        how = "mapped on first write (server.prefault: false)"
+    return f"{how}; RSS {human_bytes(process_rss_bytes())}"
 
 
 #: After a thread died: how long a stop may take before the process is ended regardless.

@@ -302,6 +302,14 @@ class ServerInfoReply(Reply):
     stats: ServerStats
     http_url: str | None = None  # the HTTP listener (/metrics, /healthz, /readyz), None when off
     tiers: list[str] = msgspec.field(default_factory=list)  # lower tiers configured: disk, remote
+    # The pool's pages (server.prefault): populate "pending", "running", "done", "stopped",
+    # "failed" ("" from an older server); seconds it took once done; huge pages asked for; the
+    # server process's resident size.
+    pool_populate: str = ""
+    pool_populated_bytes: int = 0
+    pool_populate_s: float | None = None
+    pool_huge_pages: bool = False
+    rss_bytes: int = 0
 
 
 class ChunkInfo(msgspec.Struct, kw_only=True):

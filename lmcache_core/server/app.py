@@ -55,8 +55,6 @@ class CacheServer:
     def __init__(self, config: LMCacheConfig, context: zmq.Context[Any] | None = None) -> None:
         self.config = config
         self.pool = MemoryPool.from_bytes(config.server.pool_bytes, config.chunk_bytes)
-        if config.server.prefault:
-            self.pool.prefault()
         self.disk, self.remote = build_tiers(config)
         self.events = KVEventPublisher.from_config(config, context)  # None unless server.events_url
         self.engine = CacheEngine(self.pool, config.chunk_size,
@@ -79,6 +77,7 @@ class CacheServer:
         self.handlers.add_copy_threads = self.transport.add_workers  # more per GPU registered
         self._stop = threading.Event()
         self._housekeeper: threading.Thread | None = None
+        self._populator: threading.Thread | None = None  # server.prefault: maps the pool's pages
         self._ready = threading.Event()  # started, and not stopping
         self.http: HttpListener | None = None
         if self.metrics is not None:
@@ -109,6 +108,8 @@ class CacheServer:
         self._housekeeper = self.supervisor.spawn("lmcache-housekeeping", self._housekeep)
         self._ready.set()
         logger.info("serving on %s", url)
+        if self.config.server.prefault:
+            self._populator = self.supervisor.spawn("lmcache-pool-populate", self._populate_pool)
         return url
 
     def _start_http(self) -> None:
@@ -143,6 +144,8 @@ class CacheServer:
                 tier.stop(drain_timeout_s)
         if self._housekeeper is not None:
             self._housekeeper.join(drain_timeout_s)
+        if self._populator is not None:  # it sees _stop within one step (~0.1 s)
+            self._populator.join(drain_timeout_s)
         if self.events is not None:  # after the tiers: publishes what the last work reported
             self.events.stop(drain_timeout_s)
         self.registry.close_all()
@@ -188,6 +191,14 @@ class CacheServer:
         degraded = [tier for tier, state in tiers.items() if state != "ok"]
         return True, {"status": "degraded" if degraded else "ready", "url": self.url,
                       "tiers": tiers, "degraded": degraded}
+
+    def _populate_pool(self) -> None:
+        """Map the pool's pages ahead of the first stores (safe beside them: see storage/pool.py);
+        a one-shot thread, so its end is expected."""
+        try:
+            self.pool.populate(self._stop)
+        finally:
+            self.supervisor.retire(threading.current_thread())
 
     def _housekeep(self) -> None:
         # No catch-all: an error here is a bug that would otherwise repeat every second while

@@ -21,6 +21,7 @@ from lmcache_core.kv.mapped import MappedKVCache
 from lmcache_core.protocol import messages as m
 from lmcache_core.protocol.ops import RequestType
 from lmcache_core.server.registry import KVRegistry, Registration
+from lmcache_core.storage.pool import process_rss_bytes
 from lmcache_core.transport.server import Route, ServerCounters
 
 #: Copy threads added per GPU with registered KV caches (a store waiting for that GPU's forward
@@ -199,12 +200,16 @@ class CacheHandlers:
                      requests=self.counters.requests, errors=self.counters.errors)
         stats.update(gpu_instances=self.registry.gpu_instances(),
                      pool_pinned_bytes=self.engine.pool.pinned_bytes)
+        pool = self.engine.pool
         return m.ServerInfoReply(
             version=__version__, url=self.url, pid=os.getpid(), chunk_size=self.config.chunk_size,
             uptime_s=time.monotonic() - self.started, pool_bytes=self.engine.pool.nbytes,
             slot_bytes=self.engine.pool.slot_bytes, eviction=self.config.server.eviction,
             stats=m.ServerStats(**stats), http_url=self.http_url,
-            tiers=[name for name in ("disk", "remote") if getattr(self.config, name) is not None])
+            tiers=[name for name in ("disk", "remote") if getattr(self.config, name) is not None],
+            pool_populate=pool.populate_state, pool_populated_bytes=pool.populated_bytes,
+            pool_populate_s=pool.populate_s, pool_huge_pages=pool.huge_pages,
+            rss_bytes=process_rss_bytes())
 
     def _engine_stats(self) -> dict[str, int]:
         stats = self.engine.stats()

@@ -184,3 +184,31 @@ def test_sigterm_stops_cleanly(tmp_path):
         assert "stopped" in srv.log()
     finally:
         worker.kill()
+
+
+@pytest.mark.parametrize("prefault", [True, False])
+def test_pool_pages_populated_in_the_background_by_default(tmp_path, prefault):
+    """Default: the pool is populated right after the server is ready (SERVER_INFO says when it
+    is done, how long it took, and the RSS); ``prefault: false`` leaves the pages to first writes.
+    The populate thread's end is not a dead thread: the server keeps serving (and healthy)."""
+    overrides = {"server": {"pool_size": "64MiB"}} if prefault else {
+        "server": {"pool_size": "64MiB", "prefault": False}}
+    srv = ServerProcess(tmp_path, overrides).start()
+    try:
+        with MessageQueueClient(srv.url) as c:
+            deadline = time.monotonic() + 20
+            reply = info(c)
+            while prefault and reply.pool_populate != "done" and time.monotonic() < deadline:
+                time.sleep(0.05)
+                reply = info(c)
+            if prefault:
+                assert reply.pool_populate == "done" and reply.pool_populated_bytes == reply.pool_bytes
+                assert reply.pool_populate_s is not None and reply.rss_bytes >= reply.pool_bytes
+                time.sleep(1.2)  # lmcache serve checks its threads every second
+                assert c.wait_until_reachable(2).pid == reply.pid and srv.proc.poll() is None
+            else:
+                assert (reply.pool_populate, reply.pool_populated_bytes) == ("pending", 0)
+                assert reply.pool_populate_s is None and reply.rss_bytes > 0
+    finally:
+        srv.kill()
+    assert srv.proc is not None and "pool pages" in srv.log()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,3 +113,85 @@ def test_prefault_touches_every_page_and_keeps_slots_usable():
     view.fill_(7)
     assert int(view.sum()) == 7 * view.numel()
     assert int(pool.tensor.sum()) == 7 * view.numel()  # every other byte was zeroed
+
+
+# ---- populate (issue 13): map the pages ahead of use, never racing a store into wrong data
+
+def _pattern(slot: int, n: int) -> torch.Tensor:
+    return torch.full((n,), (slot * 37 + 11) % 251, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("advised", [True, False], ids=["populate-write", "zero-free-slots"])
+def test_populate_keeps_allocated_slots_and_reports(monkeypatch, advised) -> None:
+    if not advised:  # a kernel without MADV_POPULATE_WRITE
+        monkeypatch.setattr(MemoryPool, "_populate_advised", lambda self, stop: None)
+    pool = MemoryPool(slot_bytes=1 << 20, num_slots=16, pin=False)
+    assert (pool.populate_state, pool.populated_bytes, pool.populate_s) == ("pending", 0, None)
+    held = [pool.allocate() for _ in range(3)]
+    for slot in held:
+        assert slot is not None
+        pool.view(slot).copy_(_pattern(slot, 1 << 20))
+    pool.populate()
+    assert pool.populate_state == "done" and pool.populated_bytes == pool.nbytes
+    assert pool.populate_s is not None and pool.populate_s >= 0
+    for slot in held:
+        assert torch.equal(pool.view(slot), _pattern(slot, 1 << 20))
+    pool.populate()  # a second call is a no-op
+    assert pool.populate_state == "done"
+
+
+@pytest.mark.parametrize("advised", [True, False], ids=["populate-write", "zero-free-slots"])
+def test_stores_racing_the_populate_keep_their_bytes(monkeypatch, advised) -> None:
+    """Slots are allocated, written and freed on another thread all through the populate; every
+    slot still allocated holds exactly what was written, and no write was lost."""
+    import threading
+
+    if not advised:
+        monkeypatch.setattr(MemoryPool, "_populate_advised", lambda self, stop: None)
+    slot_bytes = 256 << 10
+    pool = MemoryPool(slot_bytes=slot_bytes, num_slots=256, pin=False)
+    populating = threading.Thread(target=pool.populate)
+    errors: list[str] = []
+    held: list[int] = []
+    populating.start()
+    rounds = 0
+    while populating.is_alive() or rounds < 50:
+        slot = pool.allocate()
+        if slot is None:
+            for old in held[::2]:
+                pool.free(old)
+            held = held[1::2]
+            continue
+        pool.view(slot).copy_(_pattern(slot, slot_bytes))
+        held.append(slot)
+        rounds += 1
+    populating.join(10)
+    for slot in held:
+        if not torch.equal(pool.view(slot), _pattern(slot, slot_bytes)):
+            errors.append(f"slot {slot} changed")
+    assert not errors and pool.populate_state == "done" and rounds >= 50
+
+
+def test_populate_stops_when_asked_and_resumes() -> None:
+    import threading
+
+    from lmcache_core.storage import pool as pool_mod
+
+    stop = threading.Event()
+    stop.set()
+    pool = MemoryPool(slot_bytes=pool_mod._POPULATE_STEP, num_slots=2, pin=False)
+    pool.populate(stop)
+    assert pool.populate_state == "stopped" and pool.populate_s is None
+    pool.populate()
+    assert pool.populate_state == "done" and pool.populated_bytes == pool.nbytes
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs /proc")
+def test_populate_makes_the_pool_resident() -> None:
+    from lmcache_core.storage.pool import process_rss_bytes
+
+    pool = MemoryPool.from_bytes(128 << 20, 4 << 20, pin=False)
+    before = process_rss_bytes()
+    pool.populate()
+    assert process_rss_bytes() - before >= 0.9 * pool.nbytes
+    assert int(pool.tensor[::4096].sum()) == 0  # fresh pages still read as zeros
