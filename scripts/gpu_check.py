@@ -33,8 +33,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 1 << 30
-MODEL = {"name": "gpu-check-llama8b", "num_layers": 32, "num_kv_heads": 8, "head_dim": 128,
-         "dtype": "bfloat16"}
+MODEL: dict[str, Any] = {"name": "gpu-check-llama8b", "num_layers": 32, "num_kv_heads": 8,
+                         "head_dim": 128, "dtype": "bfloat16"}
 CHUNK = 256
 
 
@@ -218,7 +218,7 @@ def _store_bench(config: Path, chunks: int) -> dict[str, Any]:
 
 
 def _chunk_bytes() -> int:
-    return 2 * MODEL["num_layers"] * CHUNK * MODEL["num_kv_heads"] * MODEL["head_dim"] * 2
+    return int(2 * MODEL["num_layers"] * CHUNK * MODEL["num_kv_heads"] * MODEL["head_dim"] * 2)
 
 
 def _pinned_copy_gbps(nbytes: int, repeats: int = 5) -> dict[str, float]:
