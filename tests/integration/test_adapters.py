@@ -253,3 +253,57 @@ def test_worker_registers_again_after_a_server_restart(tmp_path):
     finally:
         worker.close()
         srv.kill()
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["live", "all-queued-behind-a-frozen-server"])
+def test_many_lookups_in_flight_polled_out_of_order(server, ranks, scheduler, frozen):
+    """48 lookups in flight at once, token and hash mode, hits of every length and misses mixed,
+    polled in shuffled orders: each request id only ever answers its own count (None until then).
+    Frozen: the server is stopped while they are all submitted, so every reply arrives at once."""
+    import random
+
+    rng = random.Random(13 + frozen)
+    hex_of = {}
+    expected: dict[str, int] = {}
+    keys_of: dict[str, list] = {}
+    for i in range(8):  # prompt i: its first i chunks stored by both ranks (i == 0: a miss)
+        toks = tokens(8, seed=300 + 10 * frozen + i)
+        hashes = block_hashes(8 * PER_CHUNK, seed=400 + 10 * frozen + i)
+        hex_of[i] = [h.hex() for h in hashes]
+        for worker in ranks:
+            if i:
+                assert worker("store", req=f"many{frozen}-{i}", keys=toks[:i * CHUNK],
+                              blocks=blocks(0, i))["finished"]
+                assert worker("store", req=f"manyh{frozen}-{i}", keys=hex_of[i][:i * PER_CHUNK],
+                              blocks=blocks(0, i))["finished"]
+        for copy in range(3):  # the same prompt under three request ids
+            for mode, keys in (("t", toks), ("h", hashes)):
+                rid = f"{mode}{frozen}-{i}-{copy}"
+                keys_of[rid], expected[rid] = keys, i * CHUNK
+    order = list(expected)
+    rng.shuffle(order)
+    pid = scheduler.mq_client.call(RequestType.PING, m.PingRequest(), m.PingReply).pid
+    if frozen:
+        freeze(pid)
+    try:
+        for rid in order:
+            scheduler.maybe_submit_lookup_request(rid, keys_of[rid])
+        if frozen:
+            assert all(scheduler.check_lookup_result(rid) is None for rid in order)
+    finally:
+        if frozen:
+            os.kill(pid, signal.SIGCONT)
+    answered: dict[str, int] = {}
+    deadline = time.monotonic() + 10
+    while len(answered) < len(order):
+        assert time.monotonic() < deadline, f"{len(order) - len(answered)} lookups never finished"
+        rng.shuffle(order)
+        for rid in order[: rng.randint(1, len(order))]:
+            result = scheduler.check_lookup_result(rid)
+            if result is not None:
+                assert result == expected[rid], (rid, result, expected[rid])
+                assert answered.setdefault(rid, result) == result
+    for rid in reversed(order):  # answers stay put until cleaned up
+        assert scheduler.check_lookup_result(rid) == expected[rid]
+        scheduler.end_session(rid).result(5)
+    assert server_stats(scheduler).locks_held == 0
