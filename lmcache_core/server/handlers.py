@@ -17,6 +17,7 @@ from lmcache_core.config import LMCacheConfig
 from lmcache_core.engine import CacheEngine
 from lmcache_core.errors import IncompatibleError, ProtocolError
 from lmcache_core.keys import ChunkKey
+from lmcache_core.kv.cuda_events import open_ipc_event
 from lmcache_core.kv.mapped import MappedKVCache
 from lmcache_core.protocol import messages as m
 from lmcache_core.protocol.ops import RequestType
@@ -60,8 +61,9 @@ class CacheHandlers:
             RequestType.GET_CHUNK_SIZE: Route(self.get_chunk_size),
             RequestType.REGISTER_KV_CACHE: Route(self.register_kv_cache, blocking=True),
             RequestType.UNREGISTER_KV_CACHE: Route(self.unregister_kv_cache, blocking=True),
-            RequestType.STORE: Route(self.store, blocking=True),
-            RequestType.RETRIEVE: Route(self.retrieve, blocking=True),
+            # The worker's CUDA event is waited for in the transport's gate, not on a copy thread.
+            RequestType.STORE: Route(self.store, blocking=True, gate=self.event_gate),
+            RequestType.RETRIEVE: Route(self.retrieve, blocking=True, gate=self.event_gate),
             # With a disk or remote tier a lookup may read files or wait on Redis: off the loop.
             RequestType.LOOKUP: Route(self.lookup, blocking=self.engine.has_tiers),
             RequestType.FREE_LOOKUP_LOCKS: Route(self.free_lookup_locks),
@@ -145,6 +147,19 @@ class CacheHandlers:
             finally:
                 self.engine.finish_retrieve(plan)
         return m.RetrieveReply(retrieved=len(plan.found), missing=list(plan.missing))
+
+    def event_gate(self, request: m.StoreRequest | m.RetrieveRequest) -> tuple[Any, float] | None:
+        """The worker's CUDA event a store/retrieve waits for, opened, and how long it may take:
+        the transport parks the request until the event completes, so no copy thread waits for
+        a forward pass. None when there is nothing to wait for here (no handle, a CPU or unknown
+        instance: the handler answers those)."""
+        if not request.event_handle:
+            return None
+        device = self.registry.cuda_device(request.instance_id)
+        if device is None:
+            return None
+        event = open_ipc_event(request.event_handle, device)
+        return (event, self.event_timeout_s) if event is not None else None
 
     @property
     def event_timeout_s(self) -> float:

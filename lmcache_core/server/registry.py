@@ -198,6 +198,14 @@ class KVRegistry:
             return f"silent for over {limit:g}s"
         return ""
 
+    def cuda_device(self, instance_id: int) -> Any:
+        """The CUDA device of a registered GPU KV cache; None for CPU or unknown instances."""
+        with self._lock:
+            registration = self._by_id.get(instance_id)
+            if registration is None or not registration.device_uuid:
+                return None
+            return registration.mapped.device
+
     def gpu_instances(self) -> int:
         """How many registrations are KV caches on a GPU."""
         with self._lock:

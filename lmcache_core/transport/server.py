@@ -5,7 +5,10 @@ are). Cheap requests (ping, lookup, info) are then decoded and answered inline; 
 ``blocking`` (store, retrieve) are decoded and served on a worker thread, so neither a long copy nor
 a large payload delays a ping. Every request gets exactly one reply: its result, or an
 ``ErrorReply`` built at the one error boundary (``_answer``); no exception from one request reaches
-the loop. Workers hand replies back through a deque and an eventfd.
+the loop. Workers hand replies back through a deque and an eventfd. A route with a ``gate`` (store
+and retrieve on GPU hosts: the worker's CUDA event) has its request parked in a ``Gate`` until
+what it waits for completes, so no worker thread waits for a GPU's forward pass; one thread polls
+them all, and a request past its deadline is answered without its handler running.
 
 The loop and the workers are spawned through a ``Supervisor``: if one of them dies, the server
 fails as a whole (``lmcache serve`` exits so that it is restarted) instead of holding its port and
@@ -32,6 +35,7 @@ import zmq
 from lmcache_core.errors import (
     BindError,
     LMCacheError,
+    LMCacheTimeoutError,
     ServerBusyError,
     ServerError,
     ShuttingDownError,
@@ -50,6 +54,7 @@ from lmcache_core.protocol.codec import (
 )
 from lmcache_core.protocol.ops import RequestType
 from lmcache_core.supervision import Supervisor
+from lmcache_core.transport.gate import Gate, Waitable
 from lmcache_core.transport.waker import Waker
 
 logger = logging.getLogger(__name__)
@@ -64,11 +69,17 @@ _WORKER_JOIN_S = 2.0  # after the drain: how long stop() waits for a worker stil
 _QUEUED_REQUESTS_OF_MAX_SIZE = 4
 
 
+#: ``gate(payload) -> (waitable, timeout_s) | None``: what a blocking request must wait for before
+#: its handler runs (e.g. the worker's CUDA event); it then waits in the ``Gate``, not on a worker.
+GateFn = Callable[[Any], tuple[Waitable, float] | None]
+
+
 class Route(NamedTuple):
     """How one op is served: ``handler(payload, client_identity) -> Reply``."""
 
     handler: Handler
     blocking: bool = False
+    gate: GateFn | None = None
 
 
 class ServerCounters:
@@ -125,6 +136,9 @@ class _Job(NamedTuple):
     identity: bytes
     head: RequestHead
     route: Route
+    payload: Any = None  # decoded already (by the gate check)
+    gated: bool = False  # back from the gate: serve it now
+    expired: bool = False  # what it waited for did not complete in time: answer a timeout
 
 
 class MessageQueueServer:
@@ -155,6 +169,8 @@ class MessageQueueServer:
         self._thread: threading.Thread | None = None
         self._workers: list[threading.Thread] = []
         self._workers_lock = threading.Lock()  # add_workers against stop()
+        self._gate: Gate[_Job] = Gate(self._ungate)
+        self._gate_thread: threading.Thread | None = None
         self._rejections = LogBudget()
         self._failures = LogBudget()
         self.bound_url = url
@@ -167,6 +183,8 @@ class MessageQueueServer:
         self._thread = self._supervisor.spawn(f"{self._name}-loop", self._run)
         self._workers = [self._supervisor.spawn(f"{self._name}-worker-{i}", self._work)
                          for i in range(self._num_workers)]
+        if any(route.gate is not None for route in self.routes.values()):
+            self._gate_thread = self._supervisor.spawn(f"{self._name}-gate", self._gate.run)
         return self.bound_url
 
     def _bind(self, url: str) -> zmq.Socket[Any]:
@@ -212,6 +230,10 @@ class MessageQueueServer:
         deadline = time.monotonic() + _WORKER_JOIN_S
         for worker in self._workers:
             worker.join(max(0.0, deadline - time.monotonic()))
+        if self._gate_thread is not None:  # after the drain: it released what could complete
+            self._supervisor.retire(self._gate_thread)
+            self._gate.stop()
+            self._gate_thread.join(_WORKER_JOIN_S)
         if not any(w.is_alive() for w in self._workers):
             self._waker.close()  # else a worker still copying may wake it: leave the fd open
 
@@ -333,9 +355,32 @@ class MessageQueueServer:
     def _work(self) -> None:
         """A worker thread: serve queued jobs until a None arrives."""
         while (job := self._jobs.get()) is not None:
+            if self._park(job):
+                continue
             frames, code = self._answer(job)
             self._done.append(([job.identity, *frames], code, len(job.head.payload_frame)))
             self._waker.wake()
+
+    def _park(self, job: _Job) -> bool:
+        """Hand a request whose route must wait (its gate) to the gate thread; True if parked.
+
+        Anything unexpected leaves it to the handler, which meets the same problem and answers it."""
+        gate = job.route.gate
+        if gate is None or job.gated or self._gate_thread is None:
+            return False
+        try:
+            payload = decode_payload(job.head, self.limits)
+            waiting = gate(payload)
+            if waiting is None or waiting[0].query():
+                return False
+        except Exception:
+            return False
+        self._gate.park(job._replace(payload=payload), waiting[0], waiting[1])
+        return True
+
+    def _ungate(self, job: _Job, expired: bool) -> None:
+        """From the gate thread: back to the workers, to be served (or answered a timeout)."""
+        self._jobs.put(job._replace(gated=True, expired=expired))
 
     def _send_done(self) -> None:
         while self._done:
@@ -364,8 +409,13 @@ class MessageQueueServer:
         """The one error boundary: the reply frames (a result or a typed ErrorReply, whatever the
         payload or the handler does), and the error's code ("" for a result)."""
         head = job.head
+        if job.expired:
+            late = LMCacheTimeoutError(f"{head.op.value}: what it waits for (the worker's CUDA "
+                                       "event) did not complete in time; nothing was copied")
+            return self._reply_error(head, late), late.code.value
         try:
-            reply = job.route.handler(decode_payload(head, self.limits), job.identity)
+            payload = job.payload if job.payload is not None else decode_payload(head, self.limits)
+            reply = job.route.handler(payload, job.identity)
         except LMCacheError as exc:
             _log(self._rejections, logging.INFO, "%s failed: %s", head.op.value, clip(str(exc)))
             return self._reply_error(head, exc), exc.code.value

@@ -196,3 +196,31 @@ def test_copy_threads_grow_with_the_gpus_registered(
         server.stop(1.0)
     assert server.add_workers(10) == 2 + 2 * COPY_THREADS_PER_GPU  # none after stop
     assert not any(w.is_alive() for w in server._workers)  # every one joined
+
+
+def test_the_event_gate_opens_the_worker_event_of_gpu_registrations_only(
+        registry: KVRegistry, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lmcache_core.config import load_config
+    from lmcache_core.server import handlers as handlers_module
+
+    opened: list[tuple[bytes, Any]] = []
+
+    def open_event(handle: bytes, device: Any) -> str:
+        opened.append((handle, device))
+        return "event"
+
+    monkeypatch.setattr(handlers_module, "open_ipc_event", open_event)
+    engine = SimpleNamespace(has_tiers=False)
+    handlers = handlers_module.CacheHandlers(load_config(None), engine, registry,  # type: ignore[arg-type]
+                                             SimpleNamespace(), "tcp://x")  # type: ignore[arg-type]
+    gpu = registry.register(cuda_request(1, os.getpid()))
+    gpu.mapped.device = "cuda:3"
+    store = m.StoreRequest(instance_id=1, chunk_hashes=[], block_ids=[], event_handle=b"e" * 64)
+    assert handlers.event_gate(store) == ("event", handlers.event_timeout_s)
+    assert opened == [(b"e" * 64, "cuda:3")]
+    no_event = m.StoreRequest(instance_id=1, chunk_hashes=[], block_ids=[])
+    unknown = m.StoreRequest(instance_id=2, chunk_hashes=[], block_ids=[], event_handle=b"e" * 64)
+    assert handlers.event_gate(no_event) is None and handlers.event_gate(unknown) is None
+    routes = handlers.routes()
+    assert routes[handlers_module.RequestType.STORE].gate == handlers.event_gate
+    assert routes[handlers_module.RequestType.RETRIEVE].gate == handlers.event_gate
