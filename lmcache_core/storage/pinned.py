@@ -27,6 +27,7 @@ def pin_exact(shape: tuple[int, int]) -> torch.Tensor:
     nbytes = shape[0] * shape[1]
     if not torch.cuda.is_available():
         raise RuntimeError("CUDA is not available")
+    torch.cuda.init()  # torch's CUDA state first: the runtime call below would make a context
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     tensor = torch.frombuffer(mapping, dtype=torch.uint8)
     address = tensor.data_ptr()

@@ -46,6 +46,7 @@ def cudart(monkeypatch: pytest.MonkeyPatch) -> FakeCudart:
     fake = FakeCudart()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
 
     empty = torch.empty
 
