@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -132,6 +132,21 @@ def _log(budget: LogBudget, level: int, msg: str, *args: Any, exc_info: bool = F
     logger.log(level, msg, *args, exc_info=exc_info)
 
 
+@contextlib.contextmanager
+def _owner_only_files(active: bool) -> Iterator[None]:
+    """Files created meanwhile get mode 0600: an ipc:// socket is then never connectable by other
+    users, not even between its bind and the chmod after it. (The umask is per process; the
+    server binds at start, before its other threads make files.)"""
+    if not active:
+        yield
+        return
+    previous = os.umask(0o177)
+    try:
+        yield
+    finally:
+        os.umask(previous)
+
+
 class _Job(NamedTuple):
     identity: bytes
     head: RequestHead
@@ -200,7 +215,8 @@ class MessageQueueServer:
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
         try:
-            sock.bind(url)
+            with _owner_only_files(path is not None):
+                sock.bind(url)
         except zmq.ZMQError as exc:
             sock.close(0)
             hint = " (is another lmcache serve running there?)" if exc.errno == errno.EADDRINUSE else ""
