@@ -37,6 +37,9 @@ R = TypeVar("R", bound=m.Reply)
 _RECV_BATCH = 256
 _HOLD_S = 0.002  # longest a short call holds the socket waiting for its reply
 _IDLE_WAKE_S = 1.0  # with nothing pending the thread still looks at the clock this often
+# Plain ints: ``int & zmq.POLLIN`` builds an IntFlag through enum's Python code (~1 us a poll).
+_POLLIN = int(zmq.POLLIN)
+_EVENTS = int(zmq.EVENTS)
 
 
 class _Pending(NamedTuple):
@@ -45,6 +48,7 @@ class _Pending(NamedTuple):
     future: MessagingFuture[Any]
     deadline: float
     waited_on: bool  # a caller blocks on it in call(), receiving the reply on its own thread
+    counted: bool  # in _unattended: the I/O thread watches the socket for its reply
 
 
 class MessageQueueClient:
@@ -95,13 +99,20 @@ class MessageQueueClient:
     # ------------------------------------------------------------------ caller side
 
     def submit_request(self, op: RequestType, payloads: Sequence[Any],
-                       timeout_s: float | None = None) -> MessagingFuture[Any]:
+                       timeout_s: float | None = None, *,
+                       polled: bool = False) -> MessagingFuture[Any]:
         """Send one request; returns at once. The future fails after ``timeout_s`` (default: the
-        client's request timeout) if no reply came."""
-        return self._submit(op, payloads, timeout_s, waited_on=False)[1]
+        client's request timeout) if no reply came.
+
+        ``polled``: the caller takes the reply itself by polling (``poll_replies``, as the
+        scheduler adapter's ``check_lookup_result`` does), so the I/O thread is not woken to watch
+        the socket for it: no thread hop, no GIL ping-pong with a polling scheduler (it cost
+        ~80 us a lookup). The I/O thread still fails the future at its deadline, and still takes
+        the reply when it watches the socket for another request."""
+        return self._submit(op, payloads, timeout_s, waited_on=False, polled=polled)[1]
 
     def _submit(self, op: RequestType, payloads: Sequence[Any], timeout_s: float | None,
-                waited_on: bool) -> tuple[int, MessagingFuture[Any]]:
+                waited_on: bool, polled: bool = False) -> tuple[int, MessagingFuture[Any]]:
         future: MessagingFuture[Any] = MessagingFuture(f"{op.value} to {self.server_url}")
         uid = next(self._uids)
         try:
@@ -113,15 +124,17 @@ class MessageQueueClient:
         with self._lock:
             error = self._send_locked(frames)
             if error is None:
-                self._pending[uid] = _Pending(op, frames[1], future, deadline, waited_on)
+                counted = not waited_on and not polled
+                self._pending[uid] = _Pending(op, frames[1], future, deadline, waited_on, counted)
                 if not waited_on:  # a caller in call() enforces its own deadline
                     heapq.heappush(self._deadlines, (deadline, uid))
+                if counted:
                     self._unattended += 1
                 # A send can move arrived replies into the socket without the fd firing again
                 # (ZMQ_FD is edge-triggered); an early deadline must shorten the thread's wait; and
                 # the thread must start watching the socket once a reply has no one waiting on it.
-                wake = (deadline < self._next_wake or bool(self._events() & zmq.POLLIN)
-                        or (not waited_on and not self._watching))
+                wake = (deadline < self._next_wake or (counted and not self._watching)
+                        or (self._watching and bool(self._events() & _POLLIN)))
         if error is not None:
             future.set_exception(error)
         elif wake:
@@ -141,7 +154,7 @@ class MessageQueueClient:
         return None
 
     def _events(self) -> int:
-        return int(self._socket.get(zmq.EVENTS))
+        return int(self._socket.getsockopt(_EVENTS))
 
     def call(self, op: RequestType, payload: Any, reply_type: type[R],
              timeout_s: float | None = None) -> R:
@@ -284,7 +297,7 @@ class MessageQueueClient:
     def _receive_locked(self) -> list[_Outcome]:
         done: list[_Outcome] = []
         for _ in range(_RECV_BATCH):
-            if not self._events() & zmq.POLLIN:
+            if not self._events() & _POLLIN:
                 break
             outcome = self._resolve(self._socket.recv_multipart(zmq.NOBLOCK))
             if outcome is not None:
@@ -313,7 +326,7 @@ class MessageQueueClient:
 
     def _pop(self, uid: int) -> _Pending | None:
         pending = self._pending.pop(uid, None)
-        if pending is not None and not pending.waited_on:
+        if pending is not None and pending.counted:
             self._unattended -= 1
         return pending
 

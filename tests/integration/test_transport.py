@@ -171,3 +171,59 @@ def test_a_flood_of_long_requests_is_bounded_and_pings_still_answer(release):
     finally:
         release.set()
         srv.stop(1.0)
+
+
+def test_polled_requests_wake_no_thread_yet_resolve_and_expire(server, release):
+    """``polled=True`` (the scheduler adapter's lookups): the caller's ``poll_replies`` takes the
+    reply on its own thread; unpolled, the I/O thread still fails it at its deadline; and while the
+    I/O thread watches the socket for another request, it resolves polled replies too."""
+    with MessageQueueClient(server.bound_url) as client:
+        client.wait_until_reachable(2)
+        futures = [client.submit_request(RequestType.PING, [m.PingRequest()], polled=True)
+                   for _ in range(32)]
+        deadline = time.monotonic() + 5
+        while not all(f.query() for f in futures):
+            assert time.monotonic() < deadline
+            client.poll_replies()
+        assert all(f.result(0).chunk_size == 16 for f in futures)
+        # nobody polls: the deadline still fails it (the I/O thread), without a reply getting lost
+        store = client.submit_request(RequestType.STORE, [m.StoreRequest(
+            instance_id=1, chunk_hashes=[b"x"], block_ids=[0])], timeout_s=0.2, polled=True)
+        with pytest.raises(LMCacheTimeoutError):
+            store.result(2)
+        release.set()
+        # an unattended request makes the I/O thread watch the socket: it settles polled ones too
+        polled = client.submit_request(RequestType.PING, [m.PingRequest()], polled=True)
+        other = client.submit_request(RequestType.PING, [m.PingRequest()])
+        assert other.result(2).chunk_size == 16 and polled.result(2).chunk_size == 16
+        assert client.in_flight == 0
+
+
+def test_future_semantics():
+    from lmcache_core.transport.future import MessagingFuture
+
+    seen = []
+    future: MessagingFuture[int] = MessagingFuture("t")
+    future.add_done_callback(lambda f: seen.append(f.result(0)))
+    future.add_done_callback(lambda f: 1 / 0)  # logged, does not stop the others
+    future.add_done_callback(lambda f: seen.append("second"))
+    assert not future.query()
+    with pytest.raises(LMCacheTimeoutError):
+        future.result(0)
+    with pytest.raises(LMCacheTimeoutError):
+        future.result(0.01)
+    setter = threading.Timer(0.05, future.set_result, args=(7,))
+    setter.start()
+    assert future.result(2) == 7 and future.exception(0) is None
+    setter.join(2)  # the callbacks run on the settling thread, after the waiters are woken
+    assert seen == [7, "second"]
+    future.set_result(8)  # settled once
+    future.set_exception(RuntimeError("late"))
+    assert future.result(0) == 7
+    future.add_done_callback(lambda f: seen.append("after"))  # already done: at once
+    assert seen[-1] == "after"
+    failed = MessagingFuture.failed(ServerError("x"))
+    assert failed.query() and isinstance(failed.exception(0), ServerError)
+    with pytest.raises(ServerError):
+        failed.result(0)
+    assert MessagingFuture.completed(3).result() == 3

@@ -178,8 +178,9 @@ class LMCacheMPSchedulerAdapter:
         request = m.LookupRequest(model_name=self._conn.model_name,
                                   world_size=self._conn.world_size, lookup_id=request_id,
                                   chunk_hashes=hashes, lock=True)
+        # polled: check_lookup_result takes the reply on the scheduler's thread (no I/O thread hop)
         self._lookups[request_id] = self.mq_client.submit_request(
-            RequestType.LOOKUP, [request], timeout_s=self.lookup_timeout_s)
+            RequestType.LOOKUP, [request], timeout_s=self.lookup_timeout_s, polled=True)
 
     def check_lookup_result(self, request_id: str) -> int | None:
         """Matched tokens once the answer is in (chunks every rank holds x chunk size), else None.
