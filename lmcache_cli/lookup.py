@@ -30,6 +30,9 @@ from lmcache_cli.common import (
 
 MAX_TOKEN = 2**32 - 1
 _SHAPES = 'a list of token ids, a list of such lists, or {"prompts": [...]}'
+#: Keys a tokens file object may carry beside "prompts" (store-bench --tokens-out writes them): the
+#: keys' model and world size, which lookup then uses unless --model / --world-size say otherwise.
+_META_KEYS = {"model", "world_size"}
 
 
 class TokenFileError(ValueError):
@@ -38,6 +41,12 @@ class TokenFileError(ValueError):
 
 def load_prompts(path: str) -> list[list[int]]:
     """The prompts of a tokens file (``-`` reads stdin); TokenFileError says what is wrong."""
+    return load_token_file(path)[0]
+
+
+def load_token_file(path: str) -> tuple[list[list[int]], dict[str, Any]]:
+    """The prompts of a tokens file and what it says of their keys (``model``, ``world_size``:
+    present only when the file gives them)."""
     label = "<stdin>" if path == "-" else path
     try:
         text = sys.stdin.read() if path == "-" else Path(path).read_text()
@@ -52,13 +61,29 @@ def load_prompts(path: str) -> list[list[int]]:
     except json.JSONDecodeError as exc:
         raise TokenFileError(
             f"{label}: not valid JSON (line {exc.lineno}, column {exc.colno}): {exc.msg}") from None
-    return parse_prompts(data, label)
+    return parse_prompts(data, label), parse_meta(data, label)
+
+
+def parse_meta(data: Any, label: str = "tokens") -> dict[str, Any]:
+    """``model`` and ``world_size`` of a tokens file object, checked ({} for a plain list)."""
+    if not isinstance(data, dict):
+        return {}
+    meta = {key: data[key] for key in _META_KEYS & set(data)}
+    if "model" in meta and (not isinstance(meta["model"], str) or not meta["model"]):
+        raise TokenFileError(f"{label}: \"model\" must be a non-empty string, got "
+                             f"{_json_type(meta['model'])}")
+    size = meta.get("world_size")
+    if "world_size" in meta and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        raise TokenFileError(f"{label}: \"world_size\" must be a positive integer, got "
+                             f"{json.dumps(size)}")
+    return meta
 
 
 def parse_prompts(data: Any, label: str = "tokens") -> list[list[int]]:
     """Accept ``[ids]``, ``[[ids], ...]`` or ``{"prompts": [[ids], ...]}``; check every token."""
     if isinstance(data, dict):
-        if set(data) != {"prompts"} or not isinstance(data["prompts"], list):
+        if "prompts" not in data or set(data) - _META_KEYS - {"prompts"} or not isinstance(
+                data["prompts"], list):
             raise TokenFileError(f"{label}: expected {_SHAPES}; got an object with keys "
                                  f"{sorted(data)}")
         prompts = data["prompts"]
@@ -104,13 +129,18 @@ def lookup(
 ) -> None:
     """Look up how many leading chunks of each prompt the server holds (never locks them).
 
+    Keys name a model and a world size: from --model / --world-size, else from the tokens file
+    (store-bench --tokens-out writes the ones it stored under), else from the config.
+
     Example: [cyan]lmcache lookup --tokens prompts.json -c configs/llama8b.yaml[/]
     """
     try:
-        prompts = load_prompts(tokens)
+        prompts, meta = load_token_file(tokens)
     except TokenFileError as exc:
         fail(str(exc), EXIT_USAGE)
-    cfg = config_from(config, {"server.url": url, "model.name": model, "world_size": world_size})
+    cfg = config_from(config, {
+        "server.url": url, "model.name": model if model is not None else meta.get("model"),
+        "world_size": world_size if world_size is not None else meta.get("world_size")})
     from lmcache_core.keys import chain_hashes
     from lmcache_core.protocol import messages as m
     from lmcache_core.protocol.ops import RequestType

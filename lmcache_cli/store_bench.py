@@ -108,7 +108,8 @@ def store_bench(
         show_default=False)] = None,
     tokens_out: Annotated[Path | None, typer.Option(
         "--tokens-out", metavar="FILE",
-        help='Write the stored prompts as {"prompts": [...]} for lmcache lookup --tokens.',
+        help='Write the stored prompts as {"prompts": [...], "model": ..., "world_size": ...} for '
+             "lmcache lookup --tokens (which then looks them up under that model and world size).",
         show_default=False)] = None,
     config: ConfigOption = None,
     url: UrlOption = None,
@@ -136,7 +137,7 @@ def store_bench(
                    lookups, seed, threads)
     _check_fits(specs, info)
     if tokens_out is not None:
-        _write_tokens(tokens_out, specs[0])
+        _write_tokens(tokens_out, specs[0], len(specs))
     if note and not as_json:  # once the checks passed, so a usage error stays one line
         err_console.print(note, highlight=False)
     if not as_json:
@@ -187,11 +188,14 @@ def _check_fits(specs: list[WorkerSpec], info: Any) -> None:
              f"holds {slots}: lower --chunks", EXIT_USAGE)
 
 
-def _write_tokens(path: Path, spec: WorkerSpec) -> None:
+def _write_tokens(path: Path, spec: WorkerSpec, world_size: int) -> None:
+    """The stored prompts, and the model and world size their keys carry (the workers' count, not
+    necessarily the config's): ``lmcache lookup --tokens`` uses both."""
     prompts = [round_tokens(spec.seed, r, spec.chunks * spec.chunk_size)
                for r in range(spec.warmup + spec.rounds)]
+    data = {"prompts": prompts, "model": spec.model_name, "world_size": world_size}
     try:
-        path.write_text(json.dumps({"prompts": prompts}, separators=(",", ":")) + "\n")
+        path.write_text(json.dumps(data, separators=(",", ":")) + "\n")
     except OSError as exc:
         fail(f"--tokens-out {path}: cannot write: {exc.strerror}", EXIT_USAGE)
 
@@ -201,8 +205,10 @@ def _header(cfg: LMCacheConfig, specs: list[WorkerSpec]) -> str:
     where = "CPU (shared memory)" if s.gpu is None else "GPU " + ",".join(str(x.gpu) for x in specs)
     shape = (f"{s.num_layers} layers x {s.head_dim} dim (MLA)" if s.use_mla else
              f"{s.num_layers} layers x {s.num_kv_heads} KV heads x {s.head_dim} dim")
-    return (f"[bold]store-bench[/] {cfg.server.url}: {len(specs)} worker(s) on {where}, model "
-            f"{cfg.model.name} ({shape}, {s.dtype}), chunk {s.chunk_size} tokens = "
+    world = f"world size {len(specs)} (one rank per worker"
+    world += (f"; the config says {cfg.world_size})" if cfg.world_size != len(specs) else ")")
+    return (f"[bold]store-bench[/] {cfg.server.url}: {len(specs)} worker(s) on {where}, {world}, "
+            f"model {cfg.model.name} ({shape}, {s.dtype}), chunk {s.chunk_size} tokens = "
             f"{human_bytes(s.chunk_bytes)}, {s.chunks} chunks x {s.rounds} round(s) "
             f"(+{s.warmup} warm-up), {s.batch} chunk(s) per request, seed {s.seed}")
 

@@ -176,6 +176,9 @@ def test_ping_unreachable_json_says_why(workdir: Path) -> None:
     ("[true]", "position 0: true is not a token id"),
     ('{"tokens": [1]}', "expected a list of token ids, a list of such lists, or"),
     ('{"prompts": []}', '"prompts" is empty'),
+    ('{"prompts": [[1]], "world_size": 0}', '"world_size" must be a positive integer, got 0'),
+    ('{"prompts": [[1]], "model": 3}', '"model" must be a non-empty string'),
+    ('{"prompts": [[1]], "extra": 1}', "got an object with keys"),
     ('"hello"', "got a string"),
 ])
 def test_lookup_bad_tokens_file_is_one_line_and_exit_2(content: str | None, expected: str,
@@ -223,6 +226,24 @@ def test_lookup_finds_what_store_bench_stored_and_leaves_no_locks(
     assert [r["hit_chunks"] for r in wider.json()["prompts"]] == [0, 0, 0]  # rank 1 holds none
     summary = cli("inspect-chunks", "-c", cfg, "--json").json()["summary"]
     assert summary["locks_held"] == 0
+
+
+def test_two_cpu_workers_store_as_world_size_2_and_lookup_follows_the_tokens_file(
+        server: ServerProcess, cfg: str, workdir: Path) -> None:
+    """The config says world size 1, store-bench runs 2 workers (ranks 0 and 1 of world size 2):
+    it says so, its tokens file carries the model and world size, and lookup uses them."""
+    tokens = workdir / "two-ranks.json"
+    result = cli("store-bench", "-c", cfg, "--gpus", "cpu", "--cpu-workers", "2", "--chunks", "2",
+                 "--rounds", "1", "--warmup", "0", "--lookups", "1", "--tokens-out", str(tokens))
+    assert result.code == 0, result.err
+    assert "world size 2 (one rank per worker; the config says 1)" in " ".join(result.out.split())
+    data = json.loads(tokens.read_text())
+    assert (data["model"], data["world_size"]) == (TINY["model"]["name"], 2)
+    found = cli("lookup", "-c", cfg, "--tokens", str(tokens), "--json").json()
+    assert found["world_size"] == 2 and [r["hit_chunks"] for r in found["prompts"]] == [2]
+    forced = cli("lookup", "-c", cfg, "--tokens", str(tokens), "--world-size", "1", "--json")
+    assert [r["hit_chunks"] for r in forced.json()["prompts"]] == [0]  # the flag wins
+    assert cli("inspect-chunks", "-c", cfg, "--json").json()["summary"]["locks_held"] == 0
 
 
 def test_tier_sections_import_neither_torch_nor_redis(server: ServerProcess, workdir: Path) -> None:
