@@ -75,6 +75,7 @@ class CacheServer:
         self.registry = self.handlers.registry
         self.transport.routes = self.handlers.routes()
         self.handlers.add_copy_threads = self.transport.add_workers  # more per GPU registered
+        self.transport.on_disconnect = self.registry.disconnected  # a killed GPU worker
         self._stop = threading.Event()
         self._housekeeper: threading.Thread | None = None
         self._populator: threading.Thread | None = None  # server.prefault: maps the pool's pages

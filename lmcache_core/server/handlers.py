@@ -75,8 +75,9 @@ class CacheHandlers:
 
     # ------------------------------------------------------------------ control
 
-    def ping(self, request: m.PingRequest, _client: bytes) -> m.PingReply:
-        known = None if request.instance_id is None else self.registry.touch(request.instance_id)
+    def ping(self, request: m.PingRequest, client: bytes) -> m.PingReply:
+        known = (None if request.instance_id is None
+                 else self.registry.touch(request.instance_id, client))
         return m.PingReply(version=__version__, chunk_size=self.config.chunk_size,
                            uptime_s=time.monotonic() - self.started, pid=os.getpid(),
                            registered=known)
@@ -85,11 +86,11 @@ class CacheHandlers:
         return m.ChunkSizeReply(chunk_size=self.config.chunk_size)
 
     def register_kv_cache(self, request: m.RegisterKVCacheRequest,
-                          _client: bytes) -> m.RegisterKVCacheReply:
+                          client: bytes) -> m.RegisterKVCacheReply:
         if request.kv_rank >= request.world_size:  # each is bounded by its type
             raise ProtocolError(
                 f"kv_rank {request.kv_rank} is outside world size {request.world_size}")
-        registration = self.registry.register(request)
+        registration = self.registry.register(request, client)
         if registration.device_uuid and self.add_copy_threads is not None:
             self.add_copy_threads(COPY_THREADS_PER_GPU * self.registry.gpu_count())
         mapped = registration.mapped

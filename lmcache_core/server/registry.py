@@ -12,7 +12,9 @@ worker whose process is gone (a zombie included) gets its segments unlinked (:mo
 GPU registrations hold the worker's GPU memory while mapped (CUDA IPC keeps an allocation alive
 while any process has it open), so a restarted vLLM would fail its free-memory check: they are
 reaped after ``gpu_silence_s`` without a ping (the adapter pings every few seconds), not the long
-``reap_timeout_s``. Their pid is trusted only if that process exists here when they register (a
+``reap_timeout_s``, and ``DISCONNECT_GRACE_S`` after the transport saw their client's connection
+close, unless a request of theirs arrived since (connection numbers are reused, so a report alone
+is no proof). Their pid is trusted only if that process exists here when they register (a
 worker in another pid namespace names no process here, or some other one); closing a GPU mapping
 also empties the server's CUDA cache.
 """
@@ -42,12 +44,15 @@ logger = logging.getLogger(__name__)
 HOSTNAME = socket.gethostname()
 #: How long a GPU registration may go without a ping: three of the adapter's 5 s heartbeats.
 GPU_SILENCE_S = 15.0
+#: A GPU worker whose connection closed is reaped this long after, unless it was heard from since.
+DISCONNECT_GRACE_S = 2.0
 
 
 class Registration:
     """One worker's KV cache as this server sees it."""
 
-    def __init__(self, request: RegisterKVCacheRequest, mapped: Any, now: float) -> None:
+    def __init__(self, request: RegisterKVCacheRequest, mapped: Any, now: float,
+                 client: bytes = b"") -> None:
         self.instance_id = request.instance_id
         self.model_name = request.model_name
         self.world_size = request.world_size
@@ -62,6 +67,8 @@ class Registration:
         self.shm_files: list[SegmentFile] = list(getattr(mapped, "shm_files", []))
         self.copy_stream = CopyStream(getattr(mapped, "device", None))
         self.last_seen = now
+        self.client = client  # the transport identity it registered (or last pinged) from
+        self.disconnected_at: float | None = None  # when that client's connection closed
         self.leases = 0
         self.retired = False
 
@@ -126,10 +133,10 @@ class KVRegistry:
         self._by_id: dict[int, Registration] = {}
         self.reaped = 0
 
-    def register(self, request: RegisterKVCacheRequest) -> Registration:
+    def register(self, request: RegisterKVCacheRequest, client: bytes = b"") -> Registration:
         """Map a worker's tensors; registering the same instance again replaces its mapping."""
         mapped = self._open_mapping(request)  # slow (mmap), outside the lock
-        registration = Registration(request, mapped, self._clock())
+        registration = Registration(request, mapped, self._clock(), client)
         with self._lock:
             old = self._by_id.pop(request.instance_id, None)
             self._by_id[request.instance_id] = registration
@@ -145,12 +152,25 @@ class KVRegistry:
         self._retire(registration)
         return True
 
-    def touch(self, instance_id: int) -> bool:
+    def touch(self, instance_id: int, client: bytes | None = None) -> bool:
+        """A ping of ``instance_id`` (from ``client``): it lives; False if it is not registered."""
         with self._lock:
             registration = self._by_id.get(instance_id)
             if registration is not None:
                 registration.last_seen = self._clock()
+                if client is not None and client != registration.client:
+                    registration.client = client  # it reconnected (a new identity)
+                    registration.disconnected_at = None
         return registration is not None
+
+    def disconnected(self, client: bytes) -> None:
+        """The transport saw ``client``'s connection close: its GPU registrations are reaped
+        after ``DISCONNECT_GRACE_S`` unless heard from before."""
+        now = self._clock()
+        with self._lock:
+            for registration in self._by_id.values():
+                if registration.device_uuid and registration.client == client:
+                    registration.disconnected_at = now
 
     @contextmanager
     def lease(self, instance_id: int) -> Iterator[Registration]:
@@ -193,6 +213,10 @@ class KVRegistry:
         """Why ``registration`` should be reaped now ("" if it should not)."""
         if registration.process_gone():
             return "process exited"
+        gone_at = registration.disconnected_at
+        if (gone_at is not None and registration.last_seen <= gone_at
+                and now - gone_at >= DISCONNECT_GRACE_S):
+            return "disconnected"
         limit = self._gpu_silence_s if registration.device_uuid else self._reap_timeout_s
         if now - registration.last_seen > limit:
             return f"silent for over {limit:g}s"

@@ -55,6 +55,7 @@ from lmcache_core.protocol.codec import (
 from lmcache_core.protocol.ops import RequestType
 from lmcache_core.supervision import Supervisor
 from lmcache_core.transport.gate import Gate, Waitable
+from lmcache_core.transport.peers import PeerWatch
 from lmcache_core.transport.waker import Waker
 
 logger = logging.getLogger(__name__)
@@ -186,6 +187,10 @@ class MessageQueueServer:
         self._workers_lock = threading.Lock()  # add_workers against stop()
         self._gate: Gate[_Job] = Gate(self._ungate)
         self._gate_thread: threading.Thread | None = None
+        #: ``on_disconnect(identity)``, on the loop thread: a client's connection closed (set
+        #: before ``start``; e.g. the registry, so a killed GPU worker's memory is freed fast).
+        self.on_disconnect: Callable[[bytes], None] | None = None
+        self._peers: PeerWatch | None = None
         self._rejections = LogBudget()
         self._failures = LogBudget()
         self.bound_url = url
@@ -195,6 +200,8 @@ class MessageQueueServer:
     def start(self) -> str:
         """Bind and start the loop and worker threads; returns the bound url (real port for :0)."""
         self._socket = self._bind(self.url)
+        if self.on_disconnect is not None:
+            self._peers = PeerWatch(self._socket, self.on_disconnect)
         self._thread = self._supervisor.spawn(f"{self._name}-loop", self._run)
         self._workers = [self._supervisor.spawn(f"{self._name}-worker-{i}", self._work)
                          for i in range(self._num_workers)]
@@ -292,6 +299,8 @@ class MessageQueueServer:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._waker.fd, zmq.POLLIN)
+        if self._peers is not None:
+            poller.register(self._peers.monitor, zmq.POLLIN)
         try:
             while not self._drained():
                 events = dict(poller.poll(100 if self._stopping.is_set() else -1))
@@ -300,7 +309,11 @@ class MessageQueueServer:
                 self._send_done()
                 if self._socket in events:
                     self._receive()
+                if self._peers is not None and self._peers.monitor in events:
+                    self._peers.drain()
         finally:
+            if self._peers is not None:
+                self._peers.close(self._socket)
             self._socket.close(0)
             self._remove_ipc_file()
 
@@ -319,8 +332,9 @@ class MessageQueueServer:
         messages is cheaper than ending each batch with a zmq.Again exception."""
         sock = self._socket
         assert sock is not None
+        peers = self._peers
         for _ in range(_RECV_BATCH):
-            frames = sock.recv_multipart(zmq.NOBLOCK)
+            frames = peers.recv(sock) if peers is not None else sock.recv_multipart(zmq.NOBLOCK)
             self._dispatch(frames[0], frames[1:])
             if not int(sock.get(zmq.EVENTS)) & zmq.POLLIN:
                 return

@@ -224,3 +224,39 @@ def test_the_event_gate_opens_the_worker_event_of_gpu_registrations_only(
     routes = handlers.routes()
     assert routes[handlers_module.RequestType.STORE].gate == handlers.event_gate
     assert routes[handlers_module.RequestType.RETRIEVE].gate == handlers.event_gate
+
+
+# ---------------------------------------------------------------- finding 3: a closed connection
+
+
+def test_a_gpu_worker_whose_connection_closed_is_reaped_after_the_grace(
+        registry: KVRegistry, clock: list[float]) -> None:
+    from lmcache_core.server.registry import DISCONNECT_GRACE_S
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(10)  # a pid that names no process here: not local, no pid check
+    gpu = registry.register(cuda_request(1, child.pid), client=b"A")
+    cpu_like = registry.register(cuda_request(2, child.pid), client=b"B")
+    registry.disconnected(b"A")
+    clock[0] = DISCONNECT_GRACE_S / 2
+    assert registry.reap() == []  # a hint, not yet a verdict
+    clock[0] = DISCONNECT_GRACE_S + 0.1
+    assert registry.reap() == [1] and gpu.mapped.closed
+    assert not cpu_like.mapped.closed
+
+
+def test_a_worker_heard_from_after_the_report_is_kept(
+        registry: KVRegistry, clock: list[float]) -> None:
+    registry.register(cuda_request(1, os.getpid()), client=b"A")
+    registry.register(cuda_request(2, os.getpid()), client=b"B")
+    registry.disconnected(b"A")
+    registry.disconnected(b"B")
+    clock[0] = 0.5
+    assert registry.touch(1, b"A2")  # it reconnected: a new identity
+    with registry.lease(2):  # a store of it arrived: the connection number was reused
+        pass
+    clock[0] = 10.0
+    assert registry.reap() == []
+    registry.disconnected(b"A")  # the old identity again: no longer this worker's
+    clock[0] = 14.0
+    assert registry.reap() == []
