@@ -8,7 +8,8 @@ a large payload delays a ping. Every request gets exactly one reply: its result,
 the loop. Workers hand replies back through a deque and an eventfd. A route with a ``gate`` (store
 and retrieve on GPU hosts: the worker's CUDA event) has its request parked in a ``Gate`` until
 what it waits for completes, so no worker thread waits for a GPU's forward pass; one thread polls
-them all, and a request past its deadline is answered without its handler running.
+them all, and a request past its deadline is answered without its handler running. With an
+``on_disconnect`` observer, a ``PeerWatch`` reports the identities of clients whose connection closed.
 
 The loop and the workers are spawned through a ``Supervisor``: if one of them dies, the server
 fails as a whole (``lmcache serve`` exits so that it is restarted) instead of holding its port and
