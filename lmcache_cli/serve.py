@@ -100,6 +100,8 @@ def _pool_pages(server: CacheServer) -> str:
     pool = server.pool
     if pool.pinned:
         how = "pinned (resident)"
+    elif pool.pin_failed:
+        how = "NOT pinned: pinning failed (see the log), GPU copies are slower and synchronous"
     elif server.config.server.prefault:
         how = "populating in the background"
     else:

@@ -55,6 +55,8 @@ class MemoryPool:
         self._num_slots = num_slots
         want_pin = torch.cuda.is_available() if pin is None else pin
         self._buf, self._pinned, self._mapping = _allocate(num_slots, slot_bytes, want_pin)
+        #: pinning was wanted (a CUDA host) but failed: the ready panel says so
+        self.pin_failed = want_pin and not self._pinned
         #: transparent huge pages were asked for (after the populate) and the kernel offers them
         self.huge_pages = False
         # A stack, lowest slot on top, so a lightly used pool touches few pages.

@@ -76,7 +76,7 @@ def test_a_pool_that_cannot_pin_says_so_loudly(cudart: FakeCudart,
     cudart.fail = True
     with caplog.at_level(logging.ERROR, logger="lmcache_core.storage.pool"):
         pool = MemoryPool(slot_bytes=4096, num_slots=2)
-    assert not pool.pinned and pool.pinned_bytes == 0
+    assert not pool.pinned and pool.pinned_bytes == 0 and pool.pin_failed
     (record,) = caplog.records
     assert record.levelno == logging.ERROR
     assert "PAGEABLE" in record.getMessage() and "cudaErrorMemoryAllocation" in record.getMessage()
@@ -104,3 +104,17 @@ def test_server_info_reports_the_pinned_bytes(cudart: FakeCudart) -> None:
     handlers.http_url = None
     info = handlers.server_info(None, b"")  # type: ignore[arg-type]
     assert info.stats.pool_pinned_bytes == 15000 and info.stats.gpu_instances == 0
+
+
+def test_the_ready_panel_says_when_pinning_failed(cudart: FakeCudart) -> None:
+    from types import SimpleNamespace
+
+    from lmcache_cli.serve import _pool_pages
+
+    cudart.fail = True
+    server = SimpleNamespace(pool=MemoryPool(slot_bytes=4096, num_slots=2),
+                             config=SimpleNamespace(server=SimpleNamespace(prefault=True)))
+    assert _pool_pages(server).startswith("NOT pinned: pinning failed")  # type: ignore[arg-type]
+    cudart.fail = False
+    server.pool = MemoryPool(slot_bytes=4096, num_slots=2)
+    assert _pool_pages(server).startswith("pinned (resident)")  # type: ignore[arg-type]
