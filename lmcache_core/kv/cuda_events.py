@@ -5,12 +5,13 @@ The worker records a ``torch.cuda.Event(interprocess=True)`` after its forward p
 the request (:class:`InflightEvents`): CUDA leaves ``cudaIpcOpenEventHandle`` of a destroyed event
 undefined (failed opens, no-op waits that let half-written KV be stored, or waits that never end).
 
-The server opens the event and polls it, with a deadline, before it queues any copy
-(:class:`CopyStream`): a worker that died or hung times the request out *before* anything was
-queued, so no copy can land after the reply said it failed. Its own copies are then waited for the
-same way (a polled event, bounded), never with an unbounded ``stream.synchronize()``. On CPU hosts
-everything here is a no-op that accepts the empty handle ``b""``. CUDA is only touched when a CUDA
-device is actually used.
+The server opens the event and polls it, with a deadline, before it queues any copy: first in the
+transport's gate (one thread for all requests, so no copy thread waits for a forward pass; see
+``server/handlers.py``), then once more in :class:`CopyStream`. A worker that died or hung times the
+request out *before* anything was queued, so no copy can land after the reply said it failed. Its
+own copies are then waited for the same way (a polled event, bounded), never with an unbounded
+``stream.synchronize()``. On CPU hosts everything here is a no-op that accepts the empty handle
+``b""``. CUDA is only touched when a CUDA device is actually used.
 """
 
 from __future__ import annotations
