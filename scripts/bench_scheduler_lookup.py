@@ -144,6 +144,11 @@ def run(args: argparse.Namespace, server_url: str, echo_url: str) -> None:
     pid = scheduler.mq_client.call(__import__("lmcache_core.protocol", fromlist=["x"]).RequestType.PING,
                                    m.PingRequest(), m.PingReply).pid
     os.kill(pid, signal.SIGSTOP)
+    stopped_by = time.monotonic() + 5  # kill() returns before the process really is stopped
+    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+        if time.monotonic() > stopped_by:
+            raise SystemExit("the server did not stop")
+        time.sleep(0.001)
     try:
         scheduler.maybe_submit_lookup_request("pending", block_hashes)
         pending = [timed_once(lambda: scheduler.check_lookup_result("pending")) for _ in range(20000)]

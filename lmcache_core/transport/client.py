@@ -131,10 +131,12 @@ class MessageQueueClient:
                 if counted:
                     self._unattended += 1
                 # A send can move arrived replies into the socket without the fd firing again
-                # (ZMQ_FD is edge-triggered); an early deadline must shorten the thread's wait; and
-                # the thread must start watching the socket once a reply has no one waiting on it.
+                # (ZMQ_FD is edge-triggered): the thread must then receive them if some reply has
+                # no one else to take it (polled and waited-on ones have); an early deadline must
+                # shorten its wait; and it must start watching the socket once a reply has no one
+                # waiting on it.
                 wake = (deadline < self._next_wake or (counted and not self._watching)
-                        or (self._watching and bool(self._events() & _POLLIN)))
+                        or (self._unattended > 0 and bool(self._events() & _POLLIN)))
         if error is not None:
             future.set_exception(error)
         elif wake:
@@ -264,6 +266,7 @@ class MessageQueueClient:
         poller = select.poll()
         poller.register(self._waker.fd, select.POLLIN)
         zmq_fd: Any = self._socket.getsockopt(zmq.FD)
+        registered = False
         try:
             while True:
                 with self._lock:
@@ -273,13 +276,14 @@ class MessageQueueClient:
                     now = time.monotonic()
                     done += self._expire_locked(now)
                     timeout_ms = self._wait_ms_locked(now)
-                    watch = self._unattended > 0
-                if watch != self._watching:
+                    # Decided under the lock, so a submitter that sees False knows to wake us.
+                    self._watching = watch = self._unattended > 0
+                if watch != registered:
                     if watch:
                         poller.register(zmq_fd, select.POLLIN)
                     else:
                         poller.unregister(zmq_fd)
-                    self._watching = watch
+                    registered = watch
                 _settle(done)  # outside the lock: done-callbacks may send requests
                 poller.poll(timeout_ms)
                 self._waker.drain()
