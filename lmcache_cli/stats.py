@@ -148,13 +148,12 @@ def snapshot(info: ServerInfoReply, previous: ServerInfoReply | None = None) -> 
 def render(snap: dict[str, Any]) -> RenderableType:
     """The live view of one snapshot."""
     from rich.console import Group
+    from rich.markup import escape
     from rich.table import Table
     from rich.text import Text
 
     head = (f"lmcache stats {snap['url']} · version {snap['version']} · pid {snap['pid']} · "
             f"up {human_age(snap['uptime_s'])}")
-    if snap["http_url"]:
-        head += f" · metrics {snap['http_url']}/metrics"
     rates: dict[str, float] = snap["rates"] or {}
     c = snap["counters"]
 
@@ -206,6 +205,7 @@ def render(snap: dict[str, Any]) -> RenderableType:
                       f"{r['dropped_writes']}, errors {r['errors']}, outages {r['outages']}")
     if not tiers:
         state.add_row("tiers", "memory only")
+    state.add_row("metrics", escape(f"{snap['http_url']}/metrics") if snap["http_url"] else "off")
     footer = Text("rates over the last interval; Ctrl-C to quit" if snap["rates"] is not None
                   else "rates from the next refresh on; Ctrl-C to quit", style="dim")
     return Group(Text(head, style="bold"), traffic, state, footer)

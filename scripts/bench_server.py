@@ -8,12 +8,13 @@
 - the scheduler adapter's ``check_lookup_result`` on a pending lookup, and a batched store of 32
   requests x 1 chunk vs 32 single stores.
 
-``--metrics compare`` measures it all with the server's HTTP listener off and on (its /metrics
-collector and per-request latency histogram), alternating fresh servers ``--repeat`` times each, and
-prints the three ratios of each mode (medians) and how much metrics change them.
+``--metrics compare`` runs two servers at once, one with its HTTP listener off and one with it on
+(the /metrics collector and the per-request latency histogram), and measures the lookup round trip
+and store/retrieve against the same floors, taking turns within every batch and round, then prints
+both servers' ratios and how much metrics change them (the issue's target: within 5 %).
 
 Usage: python scripts/bench_server.py [--chunks 8] [--rounds 5] [--lookups 2000]
-       [--metrics on|off|compare] [--repeat 2]
+       [--metrics on|off|compare]
 """
 
 from __future__ import annotations
@@ -50,37 +51,22 @@ COPY_NAP_S = 0.0002  # poll interval while a 256 MiB copy (~20-40 ms) runs in th
 def main() -> None:
     args = parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="lmcache-bench-"))
-    echo = start_echo(f"ipc://{workdir}/echo.sock")
-    modes = ["off", "on"] * args.repeat if args.metrics == "compare" else [args.metrics]
-    results: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
+    echo_url = f"ipc://{workdir}/echo.sock"
+    echo = start_echo(echo_url)
+    modes = ["off", "on"] if args.metrics == "compare" else [args.metrics]
+    urls = {mode: f"ipc://{workdir}/server-{mode}.sock" for mode in modes}
+    servers = [start_server(workdir, args, url, http=mode == "on") for mode, url in urls.items()]
     try:
-        for i, mode in enumerate(modes):
-            if len(modes) > 1:
-                print(f"\n===== metrics {mode} (server.http_url {'off' if mode == 'off' else 'on'}), "
-                      f"run {i + 1} of {len(modes)}")
-            server_url = f"ipc://{workdir}/server{i}.sock"
-            server = start_server(workdir, args, server_url, http=mode == "on")
-            try:
-                results[mode].append(run(args, workdir, server_url=server_url,
-                                         echo_url=f"ipc://{workdir}/echo.sock"))
-            finally:
-                server.send_signal(signal.SIGTERM)
-                server.wait(30)
+        if args.metrics == "compare":
+            compare_metrics(args, urls, echo_url)
+        else:
+            run(args, workdir, server_url=urls[args.metrics], echo_url=echo_url)
     finally:
+        for server in servers:
+            server.send_signal(signal.SIGTERM)
         echo.kill()
-    if len(modes) > 1:
-        compare_metrics(results)
-
-
-def compare_metrics(results: dict[str, list[dict[str, float]]]) -> None:
-    """The ratios with metrics off and on (medians of the runs), and the change metrics make."""
-    print(f"\nmetrics off vs on, medians of {len(results['on'])} run(s) each (target: within 5 %):")
-    print(f"{'':28s} {'off':>8s} {'on':>8s} {'change':>8s}")
-    for key, label in (("lookup_vs_echo", "lookup / echo (lower=better)"),
-                       ("store_vs_raw", "store / raw gather"), ("retrieve_vs_raw", "retrieve / raw scatter")):
-        off = statistics.median(r[key] for r in results["off"])
-        on = statistics.median(r[key] for r in results["on"])
-        print(f"{label:28s} {off:8.3f} {on:8.3f} {100 * (on - off) / off:+7.1f}%")
+        for server in servers:
+            server.wait(30)
 
 
 def parse_args() -> argparse.Namespace:
@@ -91,8 +77,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lookups", type=int, default=2000)
     parser.add_argument("--lookup-chunks", type=int, default=64, help="64 x 256 = a 16k-token prompt")
     parser.add_argument("--metrics", choices=("on", "off", "compare"), default="on",
-                        help="the server's HTTP listener (metrics) on, off, or both in turn")
-    parser.add_argument("--repeat", type=int, default=2, help="runs of each mode with --metrics compare")
+                        help="the server's HTTP listener (metrics) on, off, or two servers compared")
     return parser.parse_args()
 
 
@@ -107,14 +92,15 @@ def start_server(workdir: Path, args: argparse.Namespace, url: str, http: bool) 
     config = yaml.safe_load((ROOT / "configs/llama8b.yaml").read_text())
     config["server"].update(url=url, pool_size=slots * 32 * 2**20,
                             http_url="http://127.0.0.1:0" if http else "off")
-    path = workdir / "bench.yaml"
+    name = url.rsplit("/", 1)[-1].removesuffix(".sock")
+    path = workdir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
-    log = (workdir / "server.log").open("wb")
+    log = (workdir / f"{name}.log").open("wb")
     return subprocess.Popen([sys.executable, "-m", "lmcache_cli", "serve", "-c", str(path),
                              "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT)
 
 
-def run(args: argparse.Namespace, workdir: Path, server_url: str, echo_url: str) -> dict[str, float]:
+def run(args: argparse.Namespace, workdir: Path, server_url: str, echo_url: str) -> None:
     import torch
 
     from lmcache_core.integration.vllm.vllm_multi_process_adapter import (
@@ -225,8 +211,89 @@ def run(args: argparse.Namespace, workdir: Path, server_url: str, echo_url: str)
     worker.shutdown()
     scheduler.close()
     release_shared_kv_caches(segment)
-    return {"lookup_vs_echo": lookup_us / echo_us, "store_vs_raw": store_gbs / raw_gather,
-            "retrieve_vs_raw": retrieve_gbs / raw_scatter}
+
+
+def compare_metrics(args: argparse.Namespace, urls: dict[str, str], echo_url: str) -> None:
+    """Lookup, store and retrieve through the server without metrics and the one with them, in
+    turns (the order flips every round), against one echo and one gather/scatter floor."""
+    import torch
+
+    from lmcache_core.integration.vllm.vllm_multi_process_adapter import (
+        LMCacheMPSchedulerAdapter,
+        LMCacheMPWorkerAdapter,
+        LoadStoreOp,
+    )
+    from lmcache_core.keys import chain_hashes
+    from lmcache_core.kv.share import allocate_shared_kv_caches, release_shared_kv_caches
+    from lmcache_core.protocol import RequestType
+    from lmcache_core.protocol import messages as m
+
+    ctx = zmq.Context.instance()
+    n_blocks = max(args.chunks, args.lookup_chunks) * PER_CHUNK * 2
+    caches, segment = allocate_shared_kv_caches(LAYERS, [2, n_blocks, BLOCK, HEADS, DIM], torch.bfloat16)
+    for layer in caches.values():
+        layer.uniform_()
+    workers, schedulers = {}, {}
+    for mode, url in urls.items():
+        workers[mode] = wait_for(lambda url=url: LMCacheMPWorkerAdapter(url, ctx, "bench", 1, 0, BLOCK))
+        workers[mode].register_kv_caches(caches)
+        schedulers[mode] = LMCacheMPSchedulerAdapter(url, ctx, "bench", 1, 0, BLOCK)
+    clients = {mode: worker.mq_client for mode, worker in workers.items()}
+    for client in clients.values():
+        wait_populated(client)
+    chunk_bytes = LAYERS * 2 * CHUNK * HEADS * DIM * 2
+    print(f"metrics off vs on: two servers, torch threads {torch.get_num_threads()}, "
+          f"{args.chunks} x 32 MiB chunks per store/retrieve, load average "
+          f"{os.getloadavg()[0]:.2f}\n")
+
+    prompt = list(range(args.lookup_chunks * CHUNK))
+    request = m.LookupRequest(model_name="bench", world_size=1, lookup_id="bench",
+                              chunk_hashes=chain_hashes(prompt, CHUNK), lock=False)
+    for mode in urls:
+        wait_store(workers[mode], "lk", LoadStoreOp(prompt, list(range(args.lookup_chunks * PER_CHUNK))))
+        assert clients[mode].call(RequestType.LOOKUP, request, m.LookupReply).hit_chunks == args.lookup_chunks
+    frame_bytes = len(__import__("msgspec").msgpack.encode(request))
+    lookups = [lambda c=clients[mode]: c.call(RequestType.LOOKUP, request, m.LookupReply) for mode in urls]
+    echo_us, *lookup_us = interleaved_p50s([echo_once(ctx, echo_url, frame_bytes), *lookups], args.lookups)
+
+    src_blocks = list(range(args.chunks * PER_CHUNK))
+    dst_blocks = list(range(args.chunks * PER_CHUNK, 2 * args.chunks * PER_CHUNK))
+    raw = RawCopy(list(caches.values()), src_blocks, args.chunks)
+    floors: dict[str, list[float]] = {"gather": [], "scatter": []}
+    times: dict[str, list[float]] = {f"{op} {mode}": [] for op in ("store", "retrieve") for mode in urls}
+    for r in range(args.rounds + 1):
+        order = list(urls) if r % 2 == 0 else list(urls)[::-1]
+        for mode in order:
+            clients[mode].call(RequestType.CLEAR, m.ClearRequest(force=True), m.ClearReply)
+        toks = [r * 7 + 1, *range(args.chunks * CHUNK - 1)]
+        floors["gather"].append(raw.gather())
+        for mode in order:
+            times[f"store {mode}"].append(wait_store(workers[mode], f"s{r}", LoadStoreOp(toks, src_blocks)))
+        floors["scatter"].append(raw.scatter())
+        for mode in order:
+            times[f"retrieve {mode}"].append(
+                wait_retrieve(schedulers[mode], workers[mode], f"s{r}", toks, dst_blocks))
+    check_equal(caches, src_blocks, dst_blocks)
+
+    def gbs(samples: list[float]) -> float:
+        return args.chunks * chunk_bytes / statistics.median(samples[1:]) / 1e9
+
+    ratios = {mode: (lookup_us[i] / echo_us, gbs(times[f"store {mode}"]) / gbs(floors["gather"]),
+                     gbs(times[f"retrieve {mode}"]) / gbs(floors["scatter"]))
+              for i, mode in enumerate(urls)}
+    print(f"bare zmq echo p50 {echo_us:.1f} us; raw gather {gbs(floors['gather']):.2f} GB/s, raw "
+          f"scatter {gbs(floors['scatter']):.2f} GB/s (p50 of {args.lookups} lookups, median of "
+          f"{args.rounds} rounds)")
+    print(f"{'':30s} {'metrics off':>12s} {'metrics on':>12s} {'change':>8s}")
+    labels = ("lookup / echo (lower better)", "store / raw gather", "retrieve / raw scatter")
+    for i, label in enumerate(labels):
+        off, on = ratios["off"][i], ratios["on"][i]
+        print(f"{label:30s} {off:12.3f} {on:12.3f} {100 * (on - off) / off:+7.1f}%")
+    for worker in workers.values():
+        worker.shutdown()
+    for scheduler in schedulers.values():
+        scheduler.close()
+    release_shared_kv_caches(segment)
 
 
 def wait_for(make):  # the server may still be starting
@@ -376,16 +443,22 @@ def echo_once(ctx, url: str, frame_bytes: int):
 
 def interleaved(floor, ours, n: int, batch: int = 100) -> tuple[float, float]:
     """p50s (us) of ``floor`` and ``ours``, taking turns in batches so load swings hit both."""
-    timed(floor, batch)  # warm-up
-    timed(ours, batch)
-    samples: tuple[list[float], list[float]] = ([], [])
+    floor_us, ours_us = interleaved_p50s([floor, ours], n, batch)
+    return floor_us, ours_us
+
+
+def interleaved_p50s(fns, n: int, batch: int = 100) -> list[float]:
+    """p50s (us) of each of ``fns``, taking turns in batches so load swings hit them all."""
+    for fn in fns:
+        timed(fn, batch)  # warm-up
+    samples: list[list[float]] = [[] for _ in fns]
     for _ in range(max(1, n // batch)):
-        for fn, out in ((floor, samples[0]), (ours, samples[1])):
+        for fn, out in zip(fns, samples, strict=True):
             for _ in range(batch):
                 start = time.perf_counter()
                 fn()
                 out.append(time.perf_counter() - start)
-    return statistics.median(samples[0]) * 1e6, statistics.median(samples[1]) * 1e6
+    return [statistics.median(out) * 1e6 for out in samples]
 
 
 def timed(fn, n: int) -> float:

@@ -121,7 +121,7 @@ class CacheServer:
                                  {"/healthz": self.health, "/readyz": self.readiness},
                                  self.supervisor)
         self.handlers.http_url = self.http.start()
-        logger.info("metrics and probes on %s (/metrics, /healthz, /readyz)", self.http.url)
+        logger.info("metrics and probes on %s", self.http.url)
 
     @property
     def http_url(self) -> str | None:

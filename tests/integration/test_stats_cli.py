@@ -80,7 +80,7 @@ def test_live_view_refreshes_count_times_and_exits_0(server: ServerProcess) -> N
     assert result.code == 0, result.err
     assert_no_torch(result)
     for text in ("lmcache stats", server.url, "requests", "hit ratio", "GB/s", "pool", "workers",
-                 "memory only", "rates over the last interval"):
+                 "memory only", "rates over the last interval", server.http_url() + "/metrics"):
         assert text in result.out, result.out
 
 
