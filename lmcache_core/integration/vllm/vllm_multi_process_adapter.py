@@ -16,6 +16,7 @@ import os
 import random
 import socket
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -55,6 +56,10 @@ DEFAULT_CONNECT_TIMEOUT_S = 5.0
 DEFAULT_REQUEST_TIMEOUT_S = 30.0
 DEFAULT_LOOKUP_TIMEOUT_S = 2.0
 DEFAULT_HEARTBEAT_S = 5.0
+#: A pending ``check_lookup_result`` looks at the socket at most this often: a scheduler sweeping
+#: its N waiting requests then pays one socket poll (~2 us, a system call), not N; a reply is seen
+#: at most this much later.
+LOOKUP_POLL_INTERVAL_S = 10e-6
 
 
 class KVCache(NamedTuple):
@@ -164,6 +169,7 @@ class LMCacheMPSchedulerAdapter:
         self.chunk_size = self._conn.chunk_size
         self.lookup_timeout_s = lookup_timeout_s
         self._lookups: dict[str, MessagingFuture[Any]] = {}
+        self._last_poll = 0.0
 
     def maybe_submit_lookup_request(self, request_id: str, block_hashes: list[bytes]) -> None:
         """Send this request's lookup unless one is already in flight or answered; returns at once.
@@ -190,7 +196,11 @@ class LMCacheMPSchedulerAdapter:
         if future is None:
             return 0
         if not future.query():
-            self.mq_client.poll_replies()  # take an arrived reply now, without a thread hop
+            now = time.perf_counter()
+            if now - self._last_poll < LOOKUP_POLL_INTERVAL_S:
+                return None
+            self._last_poll = now
+            self.mq_client.poll_replies()  # take arrived replies now, without a thread hop
             if not future.query():
                 return None
         try:
