@@ -55,8 +55,10 @@ def main() -> None:
     echo = start_echo(echo_url)
     modes = ["off", "on"] if args.metrics == "compare" else [args.metrics]
     urls = {mode: f"ipc://{workdir}/server-{mode}.sock" for mode in modes}
-    servers = [start_server(workdir, args, url, http=mode == "on") for mode, url in urls.items()]
+    servers: list[subprocess.Popen[bytes]] = []
     try:
+        for mode, url in urls.items():
+            servers.append(start_server(workdir, args, url, http=mode == "on"))
         if args.metrics == "compare":
             compare_metrics(args, urls, echo_url)
         else:
