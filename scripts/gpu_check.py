@@ -104,7 +104,8 @@ def _with_server(args: argparse.Namespace) -> dict[str, Any]:
         url = f"tcp://127.0.0.1:{_free_port()}"
         config.write_text(json.dumps({  # YAML is a superset of JSON
             "model": MODEL, "world_size": 1, "chunk_size": CHUNK,
-            "server": {"url": url, "pool_size": f"{args.server_pool_gib}GiB", "workers": 2},
+            "server": {"url": url, "pool_size": f"{args.server_pool_gib}GiB", "workers": 2,
+                       "http_url": "http://127.0.0.1:0"},
             "timeouts": {"connect_s": 5, "request_s": 30, "lookup_ms": 2000, "lock_ttl_s": 60},
         }))
         log = (Path(tmp) / "serve.log").open("w")

@@ -29,7 +29,7 @@ SERVER: dict[str, Any] = {
               "num_kv_heads": TINY_LLAMA["num_key_value_heads"], "head_dim": TINY_LLAMA["head_dim"],
               "dtype": TINY_LLAMA["dtype"]},
     "chunk_size": CHUNK,
-    "server": {"pool_size": "256MiB", "workers": 2},
+    "server": {"pool_size": "256MiB", "workers": 2, "http_url": "http://127.0.0.1:0"},
     "timeouts": {"connect_s": 2, "request_s": 5, "lookup_ms": 1000, "lock_ttl_s": 120},
 }
 
