@@ -97,8 +97,23 @@ def pid_namespace() -> int:
         return 0
 
 
+#: LMCache 0.5.6's own CPU segments (its ``CpuShmTensorWrapper``): ``lmcache_kv_<pid>_<n>``.
+_LMCACHE_NAME = re.compile(r"lmcache_kv_(?P<pid>[1-9][0-9]{0,6})_(?P<n>[0-9]{1,20})")
+
+
+def parse_lmcache_segment_name(name: str) -> int | None:
+    """The creator's pid in a name of LMCache 0.5.6's own form; None for any other name. Such
+    names are admitted for that pid only and never unlinked by this server (their client does)."""
+    match = _LMCACHE_NAME.fullmatch(name) if isinstance(name, str) else None
+    if match is None or int(match["pid"]) > PID_MAX:
+        return None
+    return int(match["pid"])
+
+
 def check_segment_name(name: str, owner_pid: int) -> None:
-    """IncompatibleError unless ``name`` was made by lmcache for process ``owner_pid``."""
+    """IncompatibleError unless ``name`` was made by lmcache (or LMCache) for ``owner_pid``."""
+    if parse_lmcache_segment_name(name) == owner_pid:
+        return
     owner = parse_segment_name(name)
     if owner is None:
         raise IncompatibleError(

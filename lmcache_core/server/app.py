@@ -34,6 +34,7 @@ from lmcache_core.protocol.codec import Limits
 from lmcache_core.server.events import KVEventPublisher
 from lmcache_core.server.handlers import CacheHandlers
 from lmcache_core.server.http import HttpListener
+from lmcache_core.server.lmcache_dialect import LMCacheDialect
 from lmcache_core.server.metrics import ServerCollector, ServerMetrics
 from lmcache_core.server.registry import KVRegistry
 from lmcache_core.server.segments import sweep_stale_segments
@@ -74,6 +75,7 @@ class CacheServer:
             self.transport.counters, config.server.url)
         self.registry = self.handlers.registry
         self.transport.routes = self.handlers.routes()
+        self.transport.dialect = LMCacheDialect(self.handlers)  # LMCache 0.5.6's own clients
         self.handlers.add_copy_threads = self.transport.add_workers  # more per GPU registered
         self.transport.on_disconnect = self.registry.disconnected  # a killed GPU worker
         self._stop = threading.Event()

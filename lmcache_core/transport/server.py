@@ -10,6 +10,8 @@ and retrieve on GPU hosts: the worker's CUDA event) has its request parked in a 
 what it waits for completes, so no worker thread waits for a GPU's forward pass; one thread polls
 them all, and a request past its deadline is answered without its handler running. With an
 ``on_disconnect`` observer, a ``PeerWatch`` reports the identities of clients whose connection closed.
+A ``dialect`` (LMCache 0.5.6's own clients) claims the requests whose op frame is its own before our
+codec reads them, and answers them in its own form (silence for a bad one, as LMCache's server).
 
 The loop and the workers are spawned through a ``Supervisor``: if one of them dies, the server
 fails as a whole (``lmcache serve`` exits so that it is restarted) instead of holding its port and
@@ -29,7 +31,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import zmq
 
@@ -82,6 +84,25 @@ class Route(NamedTuple):
     handler: Handler
     blocking: bool = False
     gate: GateFn | None = None
+
+
+class Dialect(Protocol):
+    """A second wire on the same socket (LMCache's own clients): it claims a request by its op
+    frame, then answers it (reply frames, or None: no reply) or hands back a task for a worker
+    thread. It never raises; its replies bypass our codec."""
+
+    def owns(self, op_frame: bytes) -> str | None: ...
+
+    def serve(self, op: str, frames: list[bytes],
+              client: bytes) -> list[bytes] | Callable[[], list[bytes] | None] | None: ...
+
+
+class _Task(NamedTuple):
+    """A dialect's request to serve on a worker thread."""
+
+    identity: bytes
+    run: Callable[[], list[bytes] | None]
+    size: int  # the request's bytes, counted against the workers' queue bound
 
 
 class ServerCounters:
@@ -174,7 +195,8 @@ class MessageQueueServer:
         self._num_workers = max(1, workers)
         self._supervisor = supervisor if supervisor is not None else Supervisor()
         self._observe = observe  # e.g. a latency histogram; None costs nothing per request
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Job | _Task | None] = queue.SimpleQueue()
+        self.dialect: Dialect | None = None  # e.g. LMCache's own clients (set before start)
         self._done: deque[tuple[list[bytes], str, int]] = deque()  # (frames, error code, size)
         self._in_flight = 0
         self._queued_bytes = 0  # payload bytes of the jobs in flight (loop thread only)
@@ -353,6 +375,11 @@ class MessageQueueServer:
             self._send([identity, *rejection_frames(frames, error)])
 
     def _route(self, identity: bytes, frames: list[bytes]) -> None:
+        if self.dialect is not None and len(frames) >= 2 and not self._stopping.is_set():
+            op = self.dialect.owns(frames[1])
+            if op is not None:
+                self._serve_dialect(identity, op, frames)
+                return
         try:
             head = decode_head(frames, self.limits)
             route = self.routes.get(head.op)
@@ -383,9 +410,37 @@ class MessageQueueServer:
             self._queued_bytes += len(head.payload_frame)
             self._jobs.put(_Job(identity, head, route))
 
+    def _serve_dialect(self, identity: bytes, op: str, frames: list[bytes]) -> None:
+        """A request of the other dialect: answered now, never (its error behaviour: too large or
+        too many queued are not served either), or later on a worker."""
+        size = sum(len(f) for f in frames)
+        if size > self.limits.max_request_bytes:
+            _log(self._rejections, logging.INFO, "dropped a %d-byte %s request", size, op)
+            return
+        out = self.dialect.serve(op, frames, identity) if self.dialect is not None else None
+        if callable(out):
+            if self._in_flight and self._queued_bytes + size > self._max_queued_bytes:
+                _log(self._rejections, logging.INFO, "dropped a %s request: %d long requests "
+                     "are queued", op, self._in_flight)
+                return
+            self._in_flight += 1
+            self._queued_bytes += size
+            self._jobs.put(_Task(identity, out, size))
+        elif out is not None:
+            self._send([identity, *out])
+
     def _work(self) -> None:
         """A worker thread: serve queued jobs until a None arrives."""
         while (job := self._jobs.get()) is not None:
+            if isinstance(job, _Task):
+                try:
+                    out = job.run()
+                except Exception:  # a dialect's task never raises; if it did, no reply
+                    _log(self._failures, logging.ERROR, "a dialect task raised", exc_info=True)
+                    out = None
+                self._done.append(([job.identity, *out] if out is not None else [], "", job.size))
+                self._waker.wake()
+                continue
             if self._park(job):
                 continue
             frames, code = self._answer(job)
@@ -420,7 +475,8 @@ class MessageQueueServer:
             self._queued_bytes -= size
             if code:
                 self.counters.error(code)
-            self._send(frames)
+            if frames:  # empty: a dialect request answered with silence
+                self._send(frames)
 
     def _answer(self, job: _Job) -> tuple[list[bytes], str]:
         """``_serve``, timed for ``observe`` when there is one."""

@@ -25,6 +25,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 from lmcache_core.protocol.codec import encode, encode_request
+from lmcache_core.protocol.lmcache_wire import dialect_op
 from lmcache_core.protocol.ops import OPS, RequestType
 
 #: 5000 nested one-element arrays around a nil: this op frame killed the server loop (RecursionError).
@@ -32,7 +33,8 @@ DEEP_ARRAY = b"\x91" * 5000 + b"\xc0"
 #: the same depth as one-entry maps ``{"a": {"a": ...}}``.
 DEEP_MAP = b"\x81\xa1a" * 5000 + b"\xc0"
 HUGE_INTS = (2**63 - 1, 2**64 - 1, -(2**63), -1, -(2**31), 2**31, 2**32, 2**62, 1_500_000)
-#: LMCache 0.5.6's own op names (its clients send these or integers 1-33; we serve neither yet).
+#: LMCache 0.5.6's own op names (its clients send these or integers 1-33: its dialect, whose error
+#: behaviour is silence; see ``Case.lmcache``).
 LEGACY_NAMES = ("ping", "store", "retrieve", "lookup", "register_kv_cache", "end_session", "clear")
 #: msgpack headers that announce far more than follows (str32, bin32, array32, map32, ext32).
 LYING_HEADERS = (b"\xdb\xff\xff\xff\xff", b"\xc6\xff\xff\xff\xff", b"\xdd\xff\xff\xff\xff",
@@ -69,6 +71,12 @@ class Case:
     @property
     def size(self) -> int:
         return sum(len(f) for f in self.frames)
+
+    @property
+    def lmcache(self) -> bool:
+        """LMCache's dialect (its op frame): a reply is not owed (its server answers bad requests
+        with silence), and one that comes is LMCache's, not ours."""
+        return len(self.frames) >= 2 and dialect_op(self.frames[1]) is not None
 
     def describe(self, limit: int = 160) -> str:
         """The kind, frame sizes and the first bytes of each frame (for failure reports)."""

@@ -1,0 +1,287 @@
+"""LMCache 0.5.6's multi-process wire as a second dialect of our socket: frames in, our requests out.
+
+No I/O here. LMCache's clients send ``[uid, op, payload_1, ..., payload_n]`` where ``op`` is a
+msgpack int (its frozen legacy id, 1-33) or a snake_case name, and one msgpack frame per contract
+parameter; a reply is ``[uid, op]`` for a void result or ``[uid, op, result]``, with the request's
+own uid and op bytes echoed (reference ``lmcache-mp-wire.md`` §2-§3). Our own ops are ``lmc.*``
+strings, so :func:`dialect_op` tells the two apart from the op frame alone.
+
+The structs mirror LMCache's payloads field by field (maps keyed by field name; unknown fields
+ignored, as LMCache's decoder does) and are bounded like ours in :mod:`messages`: every int and
+length. :func:`decode_call` raises :class:`DialectError` for anything malformed; LMCache's own
+server answers such a request with silence, and so does ours (the client's timeout decides).
+
+The translation: a key's ``token_ids[0:end]`` become blake3 chain hashes (LMCache's chain, ours
+too), the chunks ``[start, end)`` of it are the ones named, and ``(world_size, worker_id)`` is our
+``(world_size, kv_rank)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal, NamedTuple
+
+import msgspec
+
+from lmcache_core.errors import MAX_MESSAGE_CHARS, clip
+from lmcache_core.keys import chain_hashes
+from lmcache_core.protocol import messages as m
+
+#: LMCache's frozen legacy op ids (its ``wire.py``); the names are the ops themselves.
+LEGACY_IDS: dict[int, str] = {
+    1: "register_kv_cache", 2: "unregister_kv_cache", 3: "register_q_cache",
+    4: "unregister_q_cache", 5: "store_q", 6: "store", 7: "retrieve", 8: "lookup",
+    9: "query_prefetch_status", 10: "wait_prefetch_status", 12: "free_lookup_locks",
+    13: "end_session", 14: "register_kv_cache_engine_driven_context",
+    15: "unregister_kv_cache_engine_driven_context", 16: "prepare_store", 17: "commit_store",
+    18: "prepare_retrieve", 19: "commit_retrieve", 20: "clear", 21: "get_chunk_size", 22: "ping",
+    23: "report_block_allocation", 24: "noop", 25: "cb_register_rope", 26: "cb_unregister_rope",
+    27: "cb_retrieve_pre_computed", 28: "cb_unified_lookup", 29: "p2p_lookup_and_lock",
+    30: "p2p_query_lookup_results", 31: "p2p_unlock_objects", 32: "get_experimental",
+    33: "cb_protocol_handshake",
+}
+#: Names LMCache sends only as strings.
+STRING_ONLY = frozenset({"cb_reorder_plan", "subscribe_kv_events", "server_module_call"})
+OP_NAMES = frozenset(LEGACY_IDS.values()) | STRING_ONLY
+#: The longest op frame either form takes (a msgpack str of the longest name).
+MAX_OP_FRAME = 48
+#: LMCache's request ids, model names and salts are short; these bounds are far above real ones.
+MAX_TOKENS = 2**22
+MAX_GROUPS = 64
+
+_decode_any = msgspec.msgpack.Decoder().decode
+_encoder = msgspec.msgpack.Encoder()
+
+Name = Annotated[str, msgspec.Meta(max_length=256)]
+RequestId = Annotated[str, msgspec.Meta(max_length=1024)]
+InstanceId = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+TokenIds = Annotated[tuple[Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)], ...],
+                     msgspec.Meta(max_length=MAX_TOKENS)]
+TokenIndex = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
+BlockIdGroups = Annotated[list[m.BlockIds], msgspec.Meta(max_length=MAX_GROUPS)]
+EventHandle = Annotated[bytes, msgspec.Meta(max_length=256)]
+Small = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+
+
+class DialectError(Exception):
+    """A malformed LMCache frame or one this server does not serve: answered with silence."""
+
+
+class IPCCacheServerKey(msgspec.Struct, kw_only=True):
+    """LMCache's ``IPCCacheServerKey`` (a map keyed by field name)."""
+
+    model_name: Name
+    world_size: m.WorldSize
+    worker_id: m.Rank | None
+    token_ids: TokenIds
+    start: TokenIndex
+    end: TokenIndex
+    request_id: RequestId
+    cache_salt: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    request_configs: dict[Name, Any] | None = None
+    num_kv_readers: Annotated[int, msgspec.Meta(ge=0, le=m.MAX_WORLD_SIZE)] = 0
+
+
+class TensorMetadata(msgspec.Struct, forbid_unknown_fields=True):
+    """LMCache's ``ipc_wire.TensorMetadata``."""
+
+    dtype: Annotated[str, msgspec.Meta(max_length=32)]
+    shape: m.Dims
+    stride: m.Dims
+    storage_offset: m.ByteCount
+    device_uuid: Annotated[str, msgspec.Meta(max_length=64)]
+
+
+class CpuShmIPCData(msgspec.Struct, tag="cpu_shm", tag_field="type", forbid_unknown_fields=True,
+                    kw_only=True):
+    """LMCache's ``cpu_shm`` descriptor: a tensor in POSIX shared memory ``shm_name``."""
+
+    version: Literal[1]
+    metadata: TensorMetadata
+    shm_name: Annotated[str, msgspec.Meta(min_length=2, max_length=201)]
+    nbytes: m.ByteCount
+
+
+class EngineGroupInfo(msgspec.Struct, kw_only=True):
+    engine_group_id: Small
+    layer_indices: Annotated[tuple[Small, ...], msgspec.Meta(max_length=4096)] = ()
+    tokens_per_block: Small = 0
+    sw_size_tokens: Annotated[int, msgspec.Meta(ge=-1, le=2**31 - 1)] = -1
+    extra_object_group_tag: Small = 0
+    recurrent_state: bool = False
+
+
+class LayoutHints(msgspec.Struct, kw_only=True):
+    """LMCache's ``LayoutHints`` TypedDict (every key optional)."""
+
+    kv_layout: Annotated[str, msgspec.Meta(max_length=16)] | None = None
+    num_kv_heads: Small | None = None
+    tokens_per_block: Small | None = None
+    kv_list_layout: Annotated[str, msgspec.Meta(max_length=16)] | None = None
+    head_dim: Small | None = None
+
+
+_decode_shm = msgspec.msgpack.Decoder(CpuShmIPCData).decode
+
+
+def _ext_hook(code: int, data: memoryview) -> Any:
+    """LMCache sends each ``DeviceIPCWrapper`` as msgpack ext type 1 holding a tagged struct."""
+    if code != 1:
+        raise DialectError(f"unexpected msgpack ext type {code}")
+    try:
+        return _decode_shm(data)
+    except msgspec.DecodeError as exc:  # cuda, cuda_raw, cuda_vmm: not served on this path yet
+        raise DialectError(f"unsupported KV descriptor: {clip(str(exc))}") from None
+
+
+ShmLayers = Annotated[list[Any], msgspec.Meta(min_length=1, max_length=4096)]
+
+#: Each served op's payload types, in LMCache's contract order (§3 of the reference).
+PAYLOADS: dict[str, tuple[Any, ...]] = {
+    "noop": (),
+    "get_chunk_size": (),
+    "get_experimental": (),
+    "ping": (InstanceId | None,),
+    "register_kv_cache": (InstanceId, ShmLayers, Name, m.WorldSize, Name, LayoutHints,
+                          Annotated[list[EngineGroupInfo], msgspec.Meta(max_length=MAX_GROUPS)]),
+    "unregister_kv_cache": (InstanceId,),
+    "store": (IPCCacheServerKey, InstanceId, BlockIdGroups, EventHandle),
+    "retrieve": (IPCCacheServerKey, InstanceId, BlockIdGroups, EventHandle, TokenIndex),
+    "lookup": (IPCCacheServerKey, Small),
+    "query_prefetch_status": (RequestId,),
+    "wait_prefetch_status": (RequestId, Annotated[float, msgspec.Meta(ge=0, le=3600)]),
+    "free_lookup_locks": (IPCCacheServerKey, Small),
+    "end_session": (RequestId,),
+    "clear": (bool,),
+    "report_block_allocation": (InstanceId, Name, Any),
+}
+#: Ops whose work may be long (mapping, copies): served off the server's loop thread.
+BLOCKING = frozenset({"register_kv_cache", "unregister_kv_cache", "store", "retrieve"})
+_decoders = {op: [msgspec.msgpack.Decoder(t, ext_hook=_ext_hook) for t in types]
+             for op, types in PAYLOADS.items()}
+
+
+class Call(NamedTuple):
+    """One decoded LMCache request: its frames to echo, its op name, its typed payloads."""
+
+    uid_frame: bytes
+    op_frame: bytes
+    op: str
+    args: tuple[Any, ...]
+
+
+def dialect_op(op_frame: bytes) -> str | None:
+    """LMCache's op name when ``op_frame`` is one of its ops (an int 1-33 or a name); else None
+    (our ``lmc.*`` ops and garbage are left to our own codec)."""
+    if not op_frame or len(op_frame) > MAX_OP_FRAME:
+        return None
+    try:
+        op = _decode_any(op_frame)
+    except Exception:  # not msgpack: our codec answers it
+        return None
+    if isinstance(op, bool):
+        return None
+    if isinstance(op, int):
+        return LEGACY_IDS.get(op, f"legacy_{op}") if 1 <= op <= 33 else None
+    return op if isinstance(op, str) and op in OP_NAMES else None
+
+
+def decode_call(frames: Sequence[bytes], op: str) -> Call:
+    """``[uid, op, payloads...]`` of op ``op`` (from :func:`dialect_op`) into a typed call."""
+    if len(frames) < 2 or len(frames[0]) > 9:
+        raise DialectError("a request is [uid, op, payloads...] with a msgpack int uid")
+    decoders = _decoders.get(op)
+    if decoders is None:
+        raise DialectError(f"LMCache op {op!r} is not served by this server")
+    payloads = frames[2:]
+    if len(payloads) != len(decoders):
+        raise DialectError(f"{op} takes {len(decoders)} payload frame(s), got {len(payloads)}")
+    try:
+        uid = _decode_any(frames[0])
+        if not isinstance(uid, int) or isinstance(uid, bool):
+            raise DialectError("the uid frame must hold a msgpack int")
+        args = tuple(d.decode(p) for d, p in zip(decoders, payloads, strict=True))
+    except DialectError:
+        raise
+    except Exception as exc:  # ValidationError, DecodeError, RecursionError...: the client's frame
+        raise DialectError(f"bad {op} payload: {clip(str(exc), MAX_MESSAGE_CHARS)}") from None
+    return Call(frames[0], frames[1], op, args)
+
+
+def reply_frames(call: Call, result: Any) -> list[bytes]:
+    """LMCache's reply: ``[uid, op]`` for None, else ``[uid, op, result]`` (op echoed as sent)."""
+    if result is None:
+        return [call.uid_frame, call.op_frame]
+    return [call.uid_frame, call.op_frame, _encoder.encode(result)]
+
+
+# ---------------------------------------------------------------- key translation
+
+
+def check_range(key: IPCCacheServerKey, chunk_size: int) -> None:
+    """LMCache's STORE/RETRIEVE assertions: chunk-aligned ``[start, end)`` within the tokens."""
+    if key.start % chunk_size or key.end % chunk_size or key.start > key.end \
+            or key.end > len(key.token_ids):
+        raise DialectError(f"[{key.start}, {key.end}) is not chunk-aligned ({chunk_size}) "
+                           f"within {len(key.token_ids)} tokens")
+
+
+def key_hashes(key: IPCCacheServerKey, chunk_size: int, *, from_start: bool = True) -> list[bytes]:
+    """The chain hashes of the complete chunks of ``token_ids[0:end]``, those from ``start`` on
+    (or all of them: a lookup ignores ``start``)."""
+    hashes = chain_hashes(key.token_ids[:key.end], chunk_size)
+    return hashes[key.start // chunk_size:] if from_start else hashes
+
+
+def lookup_request(key: IPCCacheServerKey, chunk_size: int) -> m.LookupRequest:
+    """A LOOKUP (worker_id None: every rank) as our locking lookup under its request id."""
+    if key.num_kv_readers < 1:
+        raise DialectError("num_kv_readers must be at least 1")
+    return m.LookupRequest(model_name=key.model_name, world_size=key.world_size,
+                           lookup_id=key.request_id,
+                           chunk_hashes=key_hashes(key, chunk_size, from_start=False))
+
+
+def _flat_blocks(groups: Sequence[Sequence[int]], num_chunks: int, per_chunk: int) -> list[int]:
+    """The block ids of ``num_chunks`` chunks; one KV group only (hybrid models are not served)."""
+    if len(groups) != 1:
+        raise DialectError(f"{len(groups)} KV groups: this server serves one plain group")
+    blocks = list(groups[0])
+    if len(blocks) < num_chunks * per_chunk:
+        raise ValueError("too few block ids")  # LMCache answers this in-band: (event, False)
+    return blocks[:num_chunks * per_chunk]
+
+
+def store_request(key: IPCCacheServerKey, instance_id: int, groups: Sequence[Sequence[int]],
+                  chunk_size: int, per_chunk: int) -> m.StoreRequest:
+    """A STORE of chunks ``[start, end)`` into our store (``ValueError``: answer ``False``)."""
+    check_range(key, chunk_size)
+    hashes = key_hashes(key, chunk_size)
+    return m.StoreRequest(instance_id=instance_id, chunk_hashes=hashes,
+                          block_ids=_flat_blocks(groups, len(hashes), per_chunk),
+                          request_ids=[key.request_id])
+
+
+def retrieve_request(key: IPCCacheServerKey, instance_id: int, groups: Sequence[Sequence[int]],
+                     chunk_size: int, per_chunk: int) -> m.RetrieveRequest:
+    """A RETRIEVE of chunks ``[start, end)``, consuming the locks of its request's LOOKUP."""
+    check_range(key, chunk_size)
+    hashes = key_hashes(key, chunk_size)
+    return m.RetrieveRequest(instance_id=instance_id, chunk_hashes=hashes,
+                             block_ids=_flat_blocks(groups, len(hashes), per_chunk),
+                             lookup_id=key.request_id, request_ids=[key.request_id])
+
+
+def tensor_descriptor(layer: CpuShmIPCData) -> m.TensorDescriptor:
+    """An LMCache ``cpu_shm`` layer as our shared-memory descriptor (its leading '/' dropped)."""
+    meta = layer.metadata
+    if meta.device_uuid != "cpu":
+        raise DialectError(f"cpu_shm descriptor on device {meta.device_uuid!r}")
+    from lmcache_core.kv.tensors import parse_dtype  # torch only where a KV cache is registered
+    try:
+        itemsize = parse_dtype(meta.dtype).itemsize
+    except Exception as exc:
+        raise DialectError(f"unsupported dtype {meta.dtype!r}: {clip(str(exc))}") from None
+    return m.TensorDescriptor(kind="shm", dtype=meta.dtype, shape=meta.shape, stride=meta.stride,
+                              offset_bytes=meta.storage_offset * itemsize,
+                              segment_nbytes=layer.nbytes, shm_name=layer.shm_name.lstrip("/"))

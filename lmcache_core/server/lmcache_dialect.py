@@ -1,0 +1,241 @@
+"""LMCache 0.5.6's clients on our socket: each of its ops served by our handlers.
+
+The transport hands every request whose op frame is LMCache's (an int 1-33 or one of its names) to
+:meth:`LMCacheDialect.serve`; the frames are decoded and answered by
+:mod:`lmcache_core.protocol.lmcache_wire`, the work is done by :class:`CacheHandlers`, over the
+same engine, tiers and copies as our own dialect. What LMCache's server does differently, and what
+this one chose, is listed in the README ("LMCache's own clients").
+
+Failures: a malformed or unserved request is answered with silence, as LMCache's server does (its
+client's timeout decides); a store or retrieve that fails in a way LMCache reports in-band (an
+unknown instance, too few block ids, a chunk missing) is answered ``(b"", False)`` at once, so the
+client recomputes instead of waiting.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from lmcache_core.errors import LMCacheError, clip
+from lmcache_core.kv.shm import parse_lmcache_segment_name
+from lmcache_core.protocol import lmcache_wire as w
+from lmcache_core.protocol import messages as m
+from lmcache_core.server.handlers import CacheHandlers
+from lmcache_core.server.registry import HOSTNAME
+from lmcache_core.server.segments import process_gone
+
+logger = logging.getLogger(__name__)
+#: Lookup results waiting for their one ``query_prefetch_status``; the oldest are dropped beyond
+#: this (a client that never asks must not grow the table).
+MAX_PENDING_RESULTS = 65536
+#: What an answered-at-once retrieve or store replies when it failed: no device work, not ok.
+_FAILED = (b"", False)
+_PENDING = -1
+#: ``run()`` -> reply frames or None (silence): a request to serve on a worker thread.
+Task = Callable[[], list[bytes] | None]
+
+
+class LMCacheDialect:
+    """Serves LMCache's ops over ``handlers``; one per server."""
+
+    def __init__(self, handlers: CacheHandlers) -> None:
+        self.handlers = handlers
+        self._lock = threading.Lock()
+        self._results: OrderedDict[str, int] = OrderedDict()  # request id -> hit chunks
+        self._registrations: dict[int, m.RegisterKVCacheRequest] = {}
+        self._rejections = 0
+
+    # ------------------------------------------------------------------ entry point
+
+    @staticmethod
+    def owns(op_frame: bytes) -> str | None:
+        """LMCache's op name when this request is LMCache's; None for ours."""
+        return w.dialect_op(op_frame)
+
+    def serve(self, op: str, frames: list[bytes], client: bytes) -> list[bytes] | Task | None:
+        """The reply frames of an inline op, None for silence, or a task for a worker thread."""
+        try:
+            call = w.decode_call(frames, op)
+        except w.DialectError as exc:
+            self._reject(op, exc)
+            return None
+        if op in w.BLOCKING or (op == "lookup" and self.handlers.engine.has_tiers):
+            if op == "lookup":
+                self._set_result(call.args[0].request_id, _PENDING)
+            return lambda: self._answer(call, client)
+        return self._answer(call, client)
+
+    def _answer(self, call: w.Call, client: bytes) -> list[bytes] | None:
+        try:
+            return w.reply_frames(call, getattr(self, "_op_" + call.op)(*call.args, client=client))
+        except (w.DialectError, LMCacheError) as exc:
+            self._reject(call.op, exc)
+        except Exception:
+            logger.exception("LMCache %s failed", call.op)
+        if call.op == "lookup":  # the prefetch job ends with no hits, as LMCache's would
+            self._set_result(call.args[0].request_id, 0)
+        return None
+
+    def _reject(self, op: str, exc: Exception) -> None:
+        self._rejections += 1
+        if self._rejections <= 20 or self._rejections % 1000 == 0:
+            logger.info("LMCache %s request not answered (%d so far): %s", op, self._rejections,
+                        clip(str(exc)))
+
+    # ------------------------------------------------------------------ control ops
+
+    def _op_noop(self, *, client: bytes) -> str:
+        return "OK"
+
+    def _op_get_chunk_size(self, *, client: bytes) -> int:
+        return self.handlers.config.chunk_size
+
+    def _op_get_experimental(self, *, client: bytes) -> list[str]:
+        return []  # neither transfer_query nor kv_event_stream: the client skips both paths
+
+    def _op_ping(self, instance_id: int | None, *, client: bytes) -> bool:
+        if instance_id is not None:
+            self.handlers.registry.touch(instance_id, client)
+        return True
+
+    def _op_clear(self, force: bool, *, client: bytes) -> None:
+        self.handlers.clear(m.ClearRequest(force=bool(force)), client)
+
+    def _op_report_block_allocation(self, _iid: int, _model: str, _records: Any, *,
+                                    client: bytes) -> None:
+        return None  # an observability event in LMCache; nothing to do here
+
+    # ------------------------------------------------------------------ registration
+
+    def _op_register_kv_cache(self, instance_id: int, layers: list[Any], model_name: str,
+                              world_size: int, _engine: str, hints: w.LayoutHints,
+                              groups: list[w.EngineGroupInfo], *, client: bytes) -> None:
+        if len(groups) > 1:
+            raise w.DialectError(f"{len(groups)} engine KV groups: one plain group is served")
+        if hints.kv_layout not in (None, "NHD"):
+            raise w.DialectError(f"kv_layout {hints.kv_layout!r}: only NHD is served")
+        descs = [w.tensor_descriptor(layer) for layer in layers]
+        pid = self._owner_pid(descs)
+        from lmcache_core.kv.layout import detect_layout, kv_geometry
+        layout = detect_layout(descs[0].shape)
+        request = m.RegisterKVCacheRequest(
+            instance_id=instance_id, model_name=model_name, world_size=world_size, kv_rank=0,
+            block_size=kv_geometry(descs[0].shape, layout).block_size, layout=layout,
+            layers=descs, pid=pid, hostname=HOSTNAME)
+        known = self._registrations.get(instance_id)
+        if known is not None and _same_cache(known, request):
+            self.handlers.registry.touch(instance_id, client)  # LMCache: re-register = liveness
+            return None
+        self.handlers.register_kv_cache(request, client)
+        self._registrations[instance_id] = request
+        return None
+
+    @staticmethod
+    def _owner_pid(descs: list[m.TensorDescriptor]) -> int:
+        """The one live process all layers' LMCache segment names name (else refused)."""
+        pids = {parse_lmcache_segment_name(d.shm_name) for d in descs}
+        if len(pids) != 1 or None in pids:
+            raise w.DialectError("KV segments must all be named lmcache_kv_<pid>_<n> by one pid")
+        pid = pids.pop()
+        assert pid is not None
+        if process_gone(pid):
+            raise w.DialectError(f"process {pid} that named the KV segments is not running")
+        return pid
+
+    def _op_unregister_kv_cache(self, instance_id: int, *, client: bytes) -> None:
+        self._registrations.pop(instance_id, None)
+        self.handlers.unregister_kv_cache(m.UnregisterKVCacheRequest(instance_id=instance_id),
+                                          client)
+
+    def _registration(self, instance_id: int, worker_id: int | None,
+                      client: bytes) -> m.RegisterKVCacheRequest | None:
+        """The instance's registration, mapped for ``worker_id``'s rank (LMCache's register names
+        no rank: the first store or retrieve of another rank maps it again under that rank)."""
+        request = self._registrations.get(instance_id)
+        if request is None or worker_id is None:
+            return None
+        if request.kv_rank != worker_id:
+            if worker_id >= request.world_size:
+                return None
+            request = msgspec.structs.replace(request, kv_rank=worker_id)
+            self.handlers.register_kv_cache(request, client)
+            self._registrations[instance_id] = request
+        return request
+
+    # ------------------------------------------------------------------ data path
+
+    def _op_store(self, key: w.IPCCacheServerKey, instance_id: int, groups: list[list[int]],
+                  event: bytes, *, client: bytes) -> tuple[bytes, bool]:
+        chunk = self.handlers.config.chunk_size
+        w.check_range(key, chunk)
+        reg = self._registration(instance_id, key.worker_id, client)
+        if reg is None:
+            return _FAILED
+        try:
+            request = w.store_request(key, instance_id, groups, chunk, chunk // reg.block_size)
+        except ValueError:
+            return _FAILED
+        if request.chunk_hashes:
+            self.handlers.store(request, client)
+        return _FAILED[0], True
+
+    def _op_retrieve(self, key: w.IPCCacheServerKey, instance_id: int, groups: list[list[int]],
+                     event: bytes, skip_first_n_tokens: int, *, client: bytes) -> tuple[bytes, bool]:
+        chunk = self.handlers.config.chunk_size
+        w.check_range(key, chunk)
+        reg = self._registration(instance_id, key.worker_id, client)
+        if reg is None:
+            return _FAILED
+        try:
+            request = w.retrieve_request(key, instance_id, groups, chunk, chunk // reg.block_size)
+        except ValueError:
+            return _FAILED
+        if not request.chunk_hashes:
+            return _FAILED[0], True
+        reply = self.handlers.retrieve(request, client)
+        return _FAILED[0], not reply.missing
+
+    # ------------------------------------------------------------------ lookups
+
+    def _op_lookup(self, key: w.IPCCacheServerKey, _tp: int, *, client: bytes) -> None:
+        request = w.lookup_request(key, self.handlers.config.chunk_size)
+        reply = self.handlers.lookup(request, client)
+        self._set_result(key.request_id, reply.hit_chunks)
+
+    def _op_query_prefetch_status(self, request_id: str, *, client: bytes) -> int | None:
+        with self._lock:
+            hits = self._results.get(request_id, 0)
+            if hits == _PENDING:
+                return None
+            self._results.pop(request_id, None)
+        return hits  # once; an unknown id is 0, as in LMCache
+
+    def _op_wait_prefetch_status(self, request_id: str, _timeout: float, *,
+                                 client: bytes) -> int | None:
+        return self._op_query_prefetch_status(request_id, client=client)  # never blocks the loop
+
+    def _op_free_lookup_locks(self, key: w.IPCCacheServerKey, _tp: int, *, client: bytes) -> None:
+        self.handlers.free_lookup_locks(m.LookupIdRequest(lookup_id=key.request_id), client)
+
+    def _op_end_session(self, request_id: str, *, client: bytes) -> None:
+        with self._lock:
+            self._results.pop(request_id, None)
+        self.handlers.end_session(m.LookupIdRequest(lookup_id=request_id), client)
+
+    def _set_result(self, request_id: str, hits: int) -> None:
+        with self._lock:
+            self._results[request_id] = hits
+            self._results.move_to_end(request_id)
+            while len(self._results) > MAX_PENDING_RESULTS:
+                self._results.popitem(last=False)
+
+
+def _same_cache(a: m.RegisterKVCacheRequest, b: m.RegisterKVCacheRequest) -> bool:
+    """The same tensors (a re-register after a server recovery or a heartbeat)."""
+    return (a.model_name, a.world_size, a.layers) == (b.model_name, b.world_size, b.layers)

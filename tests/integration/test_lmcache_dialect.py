@@ -1,0 +1,80 @@
+"""LMCache 0.5.6's wire on a real ``lmcache serve``, from a raw DEALER (no lmcache package needed):
+its replies, its silence on bad frames, and our own ops beside it on the same socket."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import pytest
+import zmq
+
+from lmcache_core.protocol import RequestType
+from lmcache_core.protocol import messages as m
+from lmcache_core.transport.client import MessageQueueClient
+from tests.integration.servers import ServerProcess
+
+enc = msgspec.msgpack.encode
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = ServerProcess(tmp_path_factory.mktemp("dialect")).start()
+    yield srv
+    srv.kill()
+
+
+@pytest.fixture
+def dealer(server):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.url)
+    yield sock
+    sock.close(0)
+
+
+def call(sock: zmq.Socket, frames: list[bytes], timeout_ms: int = 5000) -> list[bytes] | None:
+    sock.send_multipart(frames)
+    if not sock.poll(timeout_ms):
+        return None
+    return sock.recv_multipart()
+
+
+def key(request_id: str = "r") -> dict:
+    return {"model_name": "tiny", "world_size": 1, "worker_id": None,
+            "token_ids": list(range(200)), "start": 0, "end": 128, "request_id": request_id,
+            "cache_salt": "", "request_configs": None, "num_kv_readers": 1}
+
+
+def test_lmcache_ops_answer_as_lmcache_does(dealer):
+    assert call(dealer, [enc(0), enc(24)]) == [enc(0), enc(24), enc("OK")]
+    assert call(dealer, [enc(1), enc("noop")]) == [enc(1), enc("noop"), enc("OK")]
+    assert call(dealer, [enc(2), enc(21)]) == [enc(2), enc(21), enc(64)]
+    assert call(dealer, [enc(3), enc(22), enc(None)]) == [enc(3), enc(22), enc(True)]
+    assert call(dealer, [enc(4), enc(8), enc(key("a")), enc(1)]) == [enc(4), enc(8)]  # void ack
+    assert call(dealer, [enc(5), enc(9), enc("a")]) == [enc(5), enc(9), enc(0)]  # a miss, once
+    assert call(dealer, [enc(6), enc(9), enc("never")]) == [enc(6), enc(9), enc(0)]
+    assert call(dealer, [enc(7), enc(13), enc("a")]) == [enc(7), enc(13)]
+    unknown = {**key("s"), "worker_id": 0}
+    assert call(dealer, [enc(8), enc(6), enc(unknown), enc(42), enc([[1, 2]]), enc(b"")]) == \
+        [enc(8), enc(6), enc([b"", False])]  # an unregistered instance: in-band failure
+
+
+def test_bad_lmcache_frames_get_silence_and_the_server_keeps_serving(server, dealer):
+    rng = random.Random(15)
+    ops = [rng.choice([enc(i) for i in range(1, 34)] + [enc("lookup"), enc("store")])
+           for _ in range(2000)]
+    for i, op in enumerate(ops):
+        payloads = [rng.randbytes(rng.randint(0, 40)) for _ in range(rng.randint(0, 8))]
+        if i % 3 == 0:
+            payloads = [enc(key()), enc(rng.randint(-5, 5))]
+        dealer.send_multipart([enc(1000 + i), op, *payloads])
+    # Replies may come for frames that happen to be valid; drain them, then check liveness.
+    while dealer.poll(300):
+        dealer.recv_multipart()
+    assert call(dealer, [enc(9), enc(24)]) == [enc(9), enc(24), enc("OK")]
+    with MessageQueueClient(server.url, connect_timeout_s=2) as client:
+        reply = client.call(RequestType.PING, m.PingRequest(), m.PingReply)
+        assert reply.chunk_size == 64
+    assert call(dealer, [enc(10), enc(8), enc({**key(), "num_kv_readers": 0}), enc(1)],
+                timeout_ms=500) is None  # LMCache's behaviour: no reply

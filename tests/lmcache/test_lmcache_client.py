@@ -1,0 +1,141 @@
+"""LMCache 0.5.6's ``LMCacheMPSchedulerAdapter`` / ``LMCacheMPWorkerAdapter``, unchanged, against a
+real ``lmcache serve``; then the same chunks through this project's adapters (one blake3 chain)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import zmq
+from blake3 import blake3
+
+os.environ.setdefault("LMCACHE_MP_TRANSFER_MODE", "lmcache_driven")  # CPU: SHM, server-driven
+os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+
+from lmcache.integration.vllm.vllm_multi_process_adapter import (
+    LMCacheMPSchedulerAdapter,
+    LMCacheMPWorkerAdapter,
+    LoadStoreOp,
+    ParallelStrategy,
+)
+
+from lmcache_core.integration.vllm import vllm_multi_process_adapter as ours
+from tests.integration.servers import ServerProcess, WorkerProcess
+
+CHUNK, BLOCK, NUM_BLOCKS = 64, 16, 64
+PER_CHUNK = CHUNK // BLOCK
+N_CHUNKS = 4
+TOKENS = [(7 + i * 31) % 32000 for i in range(N_CHUNKS * CHUNK + 10)]  # a partial tail too
+SRC = list(range(0, N_CHUNKS * PER_CHUNK))
+DST = list(range(N_CHUNKS * PER_CHUNK, 2 * N_CHUNKS * PER_CHUNK))
+EXTRA = {"lmcache.mp.mq_timeout": 20, "lmcache.mp.heartbeat_interval": 1}
+
+
+def strategy() -> ParallelStrategy:
+    return ParallelStrategy(mla_only=False, vllm_world_size=1, vllm_worker_id=0, tp_size=1,
+                            pp_size=1, n_servers=1)
+
+
+def until(fn, what: str, timeout_s: float = 20.0):
+    deadline = time.monotonic() + timeout_s
+    while (result := fn()) is None or result is False:
+        assert time.monotonic() < deadline, f"{what} did not finish within {timeout_s}s"
+        time.sleep(0.005)
+    return result
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = ServerProcess(tmp_path_factory.mktemp("lmcache-client")).start()
+    yield srv
+    srv.kill()
+
+
+@pytest.fixture(scope="module")
+def worker(server):
+    layers = {f"model.layers.{i}.attn": torch.zeros(2, NUM_BLOCKS, BLOCK, 4, 32, dtype=torch.float16)
+              for i in range(2)}
+    adapter = LMCacheMPWorkerAdapter(server.url, zmq.Context.instance(), "tiny", BLOCK, strategy(),
+                                     extra_config=EXTRA)
+    adapter.register_kv_caches(layers, layout_hints={"kv_layout": "NHD"})
+    yield adapter, layers
+    adapter.shutdown()
+
+
+@pytest.fixture(scope="module")
+def scheduler(server):
+    adapter = LMCacheMPSchedulerAdapter([server.url], zmq.Context.instance(), "tiny", BLOCK,
+                                        strategy(), extra_config=EXTRA)
+    yield adapter
+    adapter.shutdown()
+
+
+def lookup(scheduler: LMCacheMPSchedulerAdapter, request_id: str) -> int:
+    scheduler.maybe_submit_lookup_request(request_id, TOKENS)
+    return until(lambda: scheduler.check_lookup_result(request_id), "lookup")
+
+
+def finished(adapter: LMCacheMPWorkerAdapter, request_id: str, store: bool) -> None:
+    def done() -> bool:
+        stores, retrieves = adapter.get_finished({request_id} if store else set())
+        return request_id in ((stores if store else retrieves) or set())
+    until(done, "store" if store else "retrieve")
+
+
+def test_lmcache_client_store_lookup_retrieve_byte_exact(worker, scheduler):
+    adapter, layers = worker
+    assert scheduler.lmcache_tokens_per_chunk == CHUNK  # get_chunk_size
+    gen = torch.Generator().manual_seed(3)
+    for layer in layers.values():
+        layer[:, SRC] = torch.randint(-100, 100, layer[:, SRC].shape, generator=gen).half()
+    end = N_CHUNKS * CHUNK
+    op = LoadStoreOp(token_ids=TOKENS, block_ids=[SRC], start=0, end=end)
+    adapter.submit_store_request("req-store", op, adapter.create_recorded_event())
+    finished(adapter, "req-store", store=True)
+    time.sleep(0.05)
+
+    assert lookup(scheduler, "req-1") == end  # token mode: every complete chunk
+    op = LoadStoreOp(token_ids=TOKENS, block_ids=[DST], start=0, end=end)
+    adapter.submit_retrieve_request("req-1", op, adapter.create_recorded_event())
+    finished(adapter, "req-1", store=False)
+    assert not adapter.get_block_ids_with_load_errors()
+    for layer in layers.values():
+        assert torch.equal(layer[:, SRC], layer[:, DST])
+    scheduler.end_session("req-1")
+
+    assert lookup(scheduler, "req-other") == end
+    scheduler.free_lookup_locks(TOKENS, 0, end, "req-other")
+    scheduler.end_session("req-other")
+
+
+def test_a_miss_is_zero_and_a_prefix_counts(scheduler):
+    other = [t + 1 for t in TOKENS]
+    scheduler.maybe_submit_lookup_request("req-miss", other)
+    assert until(lambda: scheduler.check_lookup_result("req-miss") is not None, "lookup")
+    assert scheduler.check_lookup_result("req-miss") == 0
+    scheduler.end_session("req-miss")
+
+
+def test_chunks_stored_by_lmcache_are_hits_for_our_adapters(server, worker):
+    _adapter, layers = worker
+    ours_scheduler = ours.LMCacheMPSchedulerAdapter(server.url, zmq.Context.instance(), "tiny", 1,
+                                                    0, BLOCK)
+    ours_worker = WorkerProcess(server.url, num_blocks=NUM_BLOCKS)
+    try:
+        end = N_CHUNKS * CHUNK
+        ours_scheduler.maybe_submit_lookup_request("ours-1", TOKENS)
+        hit = until(lambda: ours_scheduler.check_lookup_result("ours-1"), "our lookup")
+        assert hit == end
+        got = ours_worker("retrieve", req="ours-1", keys=TOKENS[:end], blocks=DST)
+        assert got["finished"] and not got["failed"] and not got["load_errors"]
+        # byte-exact: our worker's blocks hold what LMCache's worker stored
+        hasher = blake3()
+        for layer in layers.values():
+            hasher.update(layer[:, SRC].contiguous().view(torch.uint8).numpy().tobytes())
+        assert ours_worker("digest", blocks=DST)["digest"] == hasher.hexdigest()
+        ours_scheduler.end_session("ours-1")
+    finally:
+        ours_worker.close()
+        ours_scheduler.close()
