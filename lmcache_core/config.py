@@ -26,6 +26,8 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "f
 DTypeName = Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "uint8"]
 Positive = Annotated[int, msgspec.Meta(gt=0)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 2**10, "ki": 2**10, "m": 1000**2,
           "mb": 1000**2, "mib": 2**20, "mi": 2**20, "g": 1000**3, "gb": 1000**3, "gib": 2**30,
@@ -96,6 +98,9 @@ class ServerConfig(_Section):
     # Users besides the server's own whose shared-memory KV caches workers may register (the server
     # maps them read-write and removes them when their creator dies); a list, or "1000,1001".
     shm_allowed_uids: list[int] | int | str = msgspec.field(default_factory=list)
+    # TEST ONLY (fault injection, off by default): sleep this long before each chunk a retrieve
+    # copies, to make loads slow on purpose (tests of the load deadline). Never set in production.
+    test_copy_delay_ms: NonNegativeFloat = 0.0
 
     def __post_init__(self) -> None:
         self.pool_size = parse_size(self.pool_size)
@@ -195,6 +200,10 @@ class TimeoutConfig(_Section):
     request_s: PositiveFloat = 30.0
     lookup_ms: Positive = 2000
     lock_ttl_s: PositiveFloat = 300.0
+    # A retrieve's deadline (server side, from when a copy thread takes it up; a request's
+    # deadline_ms overrides it): chunks not reached in time are not copied and are answered
+    # missing, so vLLM recomputes them. 0: no deadline (one batched copy, the fastest path).
+    load_ms: NonNegative = 2000
 
 
 class DiskConfig(_Section):

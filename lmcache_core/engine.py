@@ -98,6 +98,7 @@ class _Counters:
     retrieved_chunks: int = 0
     retrieved_bytes: int = 0
     retrieve_missing: int = 0
+    retrieve_late_chunks: int = 0
     evictions: int = 0
     locks_expired: int = 0
 
@@ -452,8 +453,11 @@ class CacheEngine:
                       for index, entry in zip(indexes, found, strict=True)]
         return plan
 
-    def finish_retrieve(self, plan: RetrievePlan) -> None:
+    def finish_retrieve(self, plan: RetrievePlan, copied: int | None = None) -> None:
         """Unpin the plan's entries and release ``plan.lookup_id``'s lock on exactly those keys.
+
+        ``copied``: how many of ``plan.found`` (a prefix) were copied, when a deadline cut the
+        rest (counted late, and not as retrieved); None: all of them.
 
         The retrieve consumed the lookup's lock for this rank; the other ranks' keys stay locked
         until their own retrieves. Calling it twice for one plan does nothing the second time.
@@ -464,6 +468,12 @@ class CacheEngine:
             plan.done = True
             for entry in plan.entries:
                 entry.readers -= 1
+            if copied is not None and copied < len(plan.entries):
+                late = plan.entries[copied:]
+                n = self._n
+                n.retrieve_late_chunks += len(late)
+                n.retrieved_chunks -= len(late)
+                n.retrieved_bytes -= sum(entry.nbytes for entry in late)
             held = self._locks.get(plan.lookup_id)
             if held is None:
                 return

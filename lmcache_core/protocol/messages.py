@@ -42,6 +42,8 @@ LookupId = Annotated[str, msgspec.Meta(max_length=1024)]
 RequestIds = Annotated[list[LookupId], msgspec.Meta(max_length=MAX_KEYS)]
 #: A CUDA IPC event or memory handle is 64 bytes; the ref-counter handle is a short file name.
 IpcHandle = Annotated[bytes, msgspec.Meta(max_length=256)]
+#: A load deadline: at most an hour (0: none).
+DeadlineMs = Annotated[int, msgspec.Meta(ge=0, le=3_600_000)]
 Dims = Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=MAX_BYTES)]], msgspec.Meta(max_length=8)]
 
 
@@ -137,6 +139,10 @@ class RetrieveRequest(Message):
     event_handle: IpcHandle = b""
     lookup_id: LookupId = ""
     request_ids: RequestIds = []
+    #: How long the server may spend copying, from when it takes the retrieve up: None for the
+    #: server's ``timeouts.load_ms``, 0 for no deadline. Chunks it did not reach in time are
+    #: answered in ``RetrieveReply.missing`` (and counted in ``late``).
+    deadline_ms: DeadlineMs | None = None
 
     def num_keys(self) -> int:
         return len(self.chunk_hashes)
@@ -220,8 +226,13 @@ class StoreReply(Reply):
 
 
 class RetrieveReply(Reply):
+    """``missing``: the request indexes of every chunk not copied (not cached, or not reached
+    before the deadline), sorted; ``late``: how many of them were cut by the deadline. A client
+    that predates ``late`` still sees every unloaded chunk in ``missing``."""
+
     retrieved: int
     missing: list[int] = []
+    late: int = 0
 
     @property
     def ok(self) -> bool:
@@ -257,6 +268,7 @@ class ServerStats(msgspec.Struct, kw_only=True):
     retrieved_chunks: int = 0
     retrieved_bytes: int = 0
     retrieve_missing: int = 0
+    retrieve_late_chunks: int = 0  # chunks a retrieve did not copy: its deadline passed
     evictions: int = 0
     locks_held: int = 0
     locks_expired: int = 0

@@ -7,6 +7,7 @@ byte copies run outside the engine's lock, between its ``begin_*`` and ``finish_
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -135,32 +136,88 @@ class CacheHandlers:
                             skipped_full=plan.skipped_full)
 
     def retrieve(self, request: m.RetrieveRequest, _client: bytes) -> m.RetrieveReply:
+        """Copy the found chunks into the worker's blocks, within the load deadline.
+
+        Without a deadline (and without the test-only copy delay) all chunks go in one scatter.
+        With one, the deadline is checked before each chunk: once it passed, the rest are not
+        copied and are answered in ``missing`` (``late`` counts them). A chunk copy that started
+        always finishes (on GPU: is synchronized) before the next check and before the reply, so
+        nothing lands in a block after the client was told it was not loaded."""
+        deadline_s = self.load_deadline_s(request)
+        started = time.monotonic()
         with self.registry.lease(request.instance_id) as reg:
             per_chunk = self._check_blocks(reg, request.chunk_hashes, request.block_ids)
             keys = self._keys(reg, request.chunk_hashes)
             plan = self.engine.begin_retrieve(keys, request.lookup_id)
+            copied: int | None = None
             try:
                 if plan.found:
-                    indices = [f[0] for f in plan.found]
-                    blocks = _chunk_blocks(request.block_ids, indices, per_chunk)
                     with reg.copy_stream.run(request.event_handle, self.event_timeout_s):
-                        reg.mapped.scatter([f[2] for f in plan.found], blocks)
+                        if deadline_s is None and not self.copy_delay_s:
+                            indices = [f[0] for f in plan.found]
+                            blocks = _chunk_blocks(request.block_ids, indices, per_chunk)
+                            reg.mapped.scatter([f[2] for f in plan.found], blocks)
+                        else:
+                            until = math.inf if deadline_s is None else started + deadline_s
+                            copied = self._scatter_until(reg, plan.found, request.block_ids,
+                                                         per_chunk, until)
             finally:
-                self.engine.finish_retrieve(plan)
-        return m.RetrieveReply(retrieved=len(plan.found), missing=list(plan.missing))
+                self.engine.finish_retrieve(plan, copied)
+        if copied is None or copied == len(plan.found):
+            return m.RetrieveReply(retrieved=len(plan.found), missing=list(plan.missing))
+        late = [f[0] for f in plan.found[copied:]]
+        return m.RetrieveReply(retrieved=copied, missing=sorted(plan.missing + late),
+                               late=len(late))
+
+    def _scatter_until(self, reg: Registration, found: Sequence[tuple[int, ChunkKey, Any]],
+                       block_ids: Sequence[int], per_chunk: int, deadline: float) -> int:
+        """Copy ``found`` chunk by chunk while ``deadline`` (monotonic) is not reached; returns how
+        many were copied (a prefix). Each copy is complete before the next check."""
+        delay_s = self.copy_delay_s
+        clock = time.monotonic
+        for done, (index, _key, slot) in enumerate(found):
+            if clock() >= deadline:
+                return done
+            if delay_s:
+                time.sleep(delay_s)  # server.test_copy_delay_ms: test-only fault injection
+            reg.mapped.scatter([slot], block_ids[index * per_chunk:(index + 1) * per_chunk])
+            reg.copy_stream.synchronize(self.event_timeout_s)  # no-op on CPU
+        return len(found)
+
+    def load_deadline_s(self, request: m.RetrieveRequest) -> float | None:
+        """The retrieve's deadline in seconds: its own ``deadline_ms``, else ``timeouts.load_ms``;
+        None when that is 0 (no deadline)."""
+        ms = request.deadline_ms
+        if ms is None:
+            ms = self.config.timeouts.load_ms
+        return ms / 1000 if ms else None
+
+    @property
+    def copy_delay_s(self) -> float:
+        return self.config.server.test_copy_delay_ms / 1000
 
     def event_gate(self, request: m.StoreRequest | m.RetrieveRequest) -> tuple[Any, float] | None:
         """The worker's CUDA event a store/retrieve waits for, opened, and how long it may take:
         the transport parks the request until the event completes, so no copy thread waits for
         a forward pass. None when there is nothing to wait for here (no handle, a CPU or unknown
-        instance: the handler answers those)."""
+        instance: the handler answers those). A retrieve waits at most its load deadline: past
+        it, the transport answers a timeout without copying anything, which the worker adapter
+        reports as load errors for all the request's blocks (the same outcome as a deadline that
+        passed before the first chunk)."""
         if not request.event_handle:
             return None
         device = self.registry.cuda_device(request.instance_id)
         if device is None:
             return None
         event = open_ipc_event(request.event_handle, device)
-        return (event, self.event_timeout_s) if event is not None else None
+        if event is None:
+            return None
+        timeout_s = self.event_timeout_s
+        if isinstance(request, m.RetrieveRequest):
+            deadline_s = self.load_deadline_s(request)
+            if deadline_s is not None:
+                timeout_s = min(timeout_s, deadline_s)
+        return event, timeout_s
 
     @property
     def event_timeout_s(self) -> float:

@@ -52,6 +52,8 @@ _ENGINE_COUNTERS = (
     ("retrieved_chunks", "retrieved_chunks", "Chunks copied out of the pool by retrieves."),
     ("retrieved_bytes", "retrieved_bytes", "Bytes copied out of the pool by retrieves."),
     ("retrieve_missing_chunks", "retrieve_missing", "Chunks retrieves asked for and did not find."),
+    ("retrieve_late_chunks", "retrieve_late_chunks",
+     "Chunks retrieves did not copy because their load deadline passed (vLLM recomputes them)."),
     ("evictions", "evictions", "Chunks evicted from the pool (least recently used first)."),
     ("lock_expirations", "locks_expired",
      "Chunk locks released by their TTL (a lookup whose retrieve never came)."),

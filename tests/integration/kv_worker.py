@@ -72,6 +72,9 @@ def handle(adapter: LMCacheMPWorkerAdapter, layers: list[torch.Tensor], c: dict)
         submit = adapter.submit_store_request if cmd == "store" else adapter.submit_retrieve_request
         submit(c["req"], op, None)
         return wait(adapter, [c["req"]], cmd)
+    if cmd == "set_load_deadline":  # RetrieveRequest.deadline_ms of the next retrieves
+        adapter.load_deadline_ms = c["ms"]
+        return {"ok": True}
     if cmd == "batch_store":
         ops = [LoadStoreOp(block_hashes=keys(k), block_ids=b)
                for k, b in zip(c["keys"], c["blocks"], strict=True)]

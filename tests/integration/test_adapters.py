@@ -307,3 +307,50 @@ def test_many_lookups_in_flight_polled_out_of_order(server, ranks, scheduler, fr
         assert scheduler.check_lookup_result(rid) == expected[rid]
         scheduler.end_session(rid).result(5)
     assert server_stats(scheduler).locks_held == 0
+
+
+def test_a_retrieve_past_its_deadline_reports_exactly_the_unloaded_chunks(tmp_path):
+    """server.test_copy_delay_ms makes each chunk copy take 60 ms; with a 150 ms deadline the
+    server copies the chunks it reaches in time (byte-exact), answers the rest missing, and the
+    adapter reports exactly their blocks as load errors; nothing lands in them afterwards."""
+    delay_ms, deadline_ms, n = 60, 150, 8
+    srv = ServerProcess(tmp_path, {"server": {"test_copy_delay_ms": delay_ms},
+                                   "timeouts": {"load_ms": deadline_ms}}).start()
+    worker = WorkerProcess(srv.url, num_blocks=64)
+    scheduler = LMCacheMPSchedulerAdapter(srv.url, zmq.Context.instance(), "tiny", 1, 0, BLOCK)
+    try:
+        toks = tokens(n, seed=5)
+        worker("fill", blocks=blocks(0, n), seed=11)
+        assert worker("store", req="d", keys=toks, blocks=blocks(0, n))["finished"]
+        want = [worker("digest", blocks=blocks(i, 1))["digest"] for i in range(n)]
+        worker("zero", blocks=blocks(n, n))
+        zero = worker("digest", blocks=blocks(n, 1))["digest"]
+        assert wait_lookup(scheduler, "d1", toks) == n * CHUNK
+        started = time.monotonic()
+        result = worker("retrieve", req="d1", keys=toks, blocks=blocks(n, n))
+        elapsed_ms = (time.monotonic() - started) * 1000
+        assert result["finished"] and "past the load deadline" in result["failed"]["d1"]
+        errors = result["load_errors"]
+        loaded = n - len(errors) // PER_CHUNK
+        assert 1 <= loaded < n and errors == blocks(n + loaded, n - loaded)
+        # reported within one chunk copy (the one in progress) past the deadline, plus overheads
+        print(f"retrieve answered {elapsed_ms - deadline_ms:.1f} ms past its deadline")
+        assert elapsed_ms < deadline_ms + delay_ms + 500
+        time.sleep(2 * delay_ms / 1000)  # a late copy would have landed by now
+        got = [worker("digest", blocks=blocks(n + i, 1))["digest"] for i in range(n)]
+        assert got[:loaded] == want[:loaded] and got[loaded:] == [zero] * (n - loaded)
+        stats = server_stats(scheduler)
+        assert stats.retrieve_late_chunks == n - loaded and stats.locks_held == 0
+        # deadline_ms=0 on the request: no deadline, every chunk copied
+        worker("zero", blocks=blocks(n, n))
+        worker("set_load_deadline", ms=0)
+        assert wait_lookup(scheduler, "d2", toks) == n * CHUNK
+        result = worker("retrieve", req="d2", keys=toks, blocks=blocks(n, n))
+        assert result["finished"] and not result["failed"] and not result["load_errors"]
+        assert [worker("digest", blocks=blocks(n + i, 1))["digest"] for i in range(n)] == want
+        for request_id in ("d1", "d2"):
+            scheduler.end_session(request_id).result(5)
+    finally:
+        scheduler.close()
+        worker.close()
+        srv.kill()

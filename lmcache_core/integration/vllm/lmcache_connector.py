@@ -12,7 +12,9 @@ Load it with::
 
 ``kv_connector_extra_config`` keys (all optional): ``url`` (the server), ``config_file`` (an lmcache
 YAML config; its ``server.url`` and ``timeouts`` apply), ``connect_timeout_s``,
-``request_timeout_s``, ``lookup_timeout_s``, ``heartbeat_s``, ``model_name`` (the key's model name;
+``request_timeout_s``, ``lookup_timeout_s``, ``heartbeat_s``, ``load_deadline_ms`` (each load's
+deadline on the server; default: the server's ``timeouts.load_ms``; 0: none; chunks past it are
+reported as load errors and recomputed), ``model_name`` (the key's model name;
 default: vLLM's model), ``recompute_on_load_failure`` (default true: a cache miss never fails a
 request, so vLLM's ``kv_load_failure_policy`` is set to ``recompute``). ``LMCACHE_*`` environment
 variables apply as for every lmcache client.
@@ -261,7 +263,10 @@ class LMCacheConnector(KVConnectorBase_V1):
         common = dict(connect_timeout_s=timeouts.connect_s, request_timeout_s=timeouts.request_s)
         self._scheduler: LMCacheMPSchedulerAdapter | None = None
         self._worker: LMCacheMPWorkerAdapter | None = None
-        self._worker_kwargs = dict(common, heartbeat_interval_s=float(extra.get("heartbeat_s", 5.0)))
+        deadline = extra.get("load_deadline_ms")  # None: the server's timeouts.load_ms
+        self._worker_kwargs: dict[str, Any] = dict(
+            common, heartbeat_interval_s=float(extra.get("heartbeat_s", 5.0)),
+            load_deadline_ms=None if deadline is None else int(deadline))
         self._views: KVViews | None = None
         self._mem_pool: _SharedKVAllocation | None = None
         # scheduler side

@@ -302,10 +302,14 @@ class LMCacheMPWorkerAdapter:
                  world_size: int, kv_rank: int, vllm_block_size: int, *,
                  connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
-                 heartbeat_interval_s: float = DEFAULT_HEARTBEAT_S) -> None:
+                 heartbeat_interval_s: float = DEFAULT_HEARTBEAT_S,
+                 load_deadline_ms: int | None = None) -> None:
         self._conn = _Connection(server_url, context, model_name, world_size, kv_rank,
                                  vllm_block_size, connect_timeout_s, request_timeout_s,
                                  f"lmcache-worker-{kv_rank}")
+        #: Each retrieve's deadline (``RetrieveRequest.deadline_ms``): None for the server's
+        #: ``timeouts.load_ms``, 0 for none.
+        self.load_deadline_ms = load_deadline_ms
         self.mq_client = self._conn.mq_client
         self.chunk_size = self._conn.chunk_size
         self.instance_id = random.getrandbits(63)
@@ -410,7 +414,8 @@ class LMCacheMPWorkerAdapter:
             hashes, blocks = self._flatten([op])
             payload = m.RetrieveRequest(instance_id=self.instance_id, chunk_hashes=hashes,
                                         block_ids=blocks, event_handle=handle,
-                                        lookup_id=request_id, request_ids=[request_id])
+                                        lookup_id=request_id, request_ids=[request_id],
+                                        deadline_ms=self.load_deadline_ms)
             self._submit(RequestType.RETRIEVE, payload, [request_id], blocks, self._retrieves)
 
     def _flatten(self, ops: Iterable[LoadStoreOp]) -> tuple[list[bytes], list[int]]:
@@ -466,11 +471,29 @@ class LMCacheMPWorkerAdapter:
             if reason is not None:
                 failures[request_id] = reason
                 if book is self._retrieves:
-                    self._load_error_blocks.update(transfer.block_ids)
+                    self._load_error_blocks.update(self._unloaded_blocks(transfer))
                 logger.warning("%s of request %s failed: %s",
                                "store" if book is self._stores else "retrieve", request_id, reason)
                 break
         return True
+
+    def _unloaded_blocks(self, transfer: _Transfer) -> list[int]:
+        """The blocks a failed retrieve left unfilled: those of the chunks its reply names
+        missing (not cached, or cut by the deadline), or all of them after an error reply
+        (nothing was copied then, or what was is not trusted)."""
+        if transfer.future.exception(0) is not None:
+            return transfer.block_ids
+        reply = transfer.future.result(0)
+        if not isinstance(reply, m.RetrieveReply):
+            return transfer.block_ids
+        per_chunk = self._conn.blocks_in_chunk
+        blocks: list[int] = []
+        for index in reply.missing:
+            chunk = transfer.block_ids[index * per_chunk:(index + 1) * per_chunk]
+            if len(chunk) != per_chunk:  # an index the request did not have: trust nothing
+                return transfer.block_ids
+            blocks += chunk
+        return blocks
 
     @staticmethod
     def _failure(transfer: _Transfer) -> str | None:
@@ -479,6 +502,10 @@ class LMCacheMPWorkerAdapter:
             return f"{type(exc).__name__}: {exc}"
         reply = transfer.future.result(0)
         if isinstance(reply, m.RetrieveReply) and reply.missing:
+            if reply.late:
+                rest = len(reply.missing) - reply.late
+                return (f"{len(reply.missing)} chunk(s) not loaded: {reply.late} past the load "
+                        f"deadline" + (f", {rest} no longer cached" if rest else ""))
             return f"{len(reply.missing)} chunk(s) were no longer cached"
         if isinstance(reply, m.StoreReply) and reply.skipped_full:
             return f"{reply.skipped_full} chunk(s) skipped: the server's pool is full of locked chunks"
