@@ -257,6 +257,10 @@ class LMCacheConfig(_Section):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     world_size: Positive = 1
     chunk_size: Positive = 256
+    # Clients (the scheduler adapter, the vLLM connector): a lookup whose load would bring fewer
+    # tokens than this (beyond what vLLM already computed) is declined: 0 hits, its locks released
+    # at once, vLLM computes those tokens. 0: every hit is loaded. Not read by the server.
+    min_hit_tokens: NonNegative = 0
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     timeouts: TimeoutConfig = msgspec.field(default_factory=TimeoutConfig)
     disk: DiskConfig | None = None

@@ -354,3 +354,35 @@ def test_a_retrieve_past_its_deadline_reports_exactly_the_unloaded_chunks(tmp_pa
         scheduler.close()
         worker.close()
         srv.kill()
+
+
+def test_min_hit_tokens_declines_short_loads_and_releases_their_locks(server, ranks):
+    """A hit whose load (past what the engine computed) is under min_hit_tokens reports 0 and its
+    locks are released at once; a load long enough is kept (and stays locked)."""
+    scheduler = LMCacheMPSchedulerAdapter(server.url, zmq.Context.instance(), "tiny", 2, 0, BLOCK,
+                                          min_hit_tokens=3 * CHUNK)
+    try:
+        toks = tokens(4, seed=14)
+        for r, worker in enumerate(ranks):
+            worker("fill", blocks=blocks(0, 4), seed=140 + r)
+            assert worker("store", req="mh", keys=toks, blocks=blocks(0, 4))["finished"]
+        short = toks[:2 * CHUNK]  # 2 chunks: under 3 chunks' worth
+        assert wait_lookup(scheduler, "mh-short", short) == 0
+        # 4 chunks hit, but the engine has 2 already: a 2-chunk load is declined too
+        scheduler.maybe_submit_lookup_request("mh-partial", toks)
+        deadline = time.monotonic() + 10
+        while (got := scheduler.check_lookup_result("mh-partial", 2 * CHUNK)) is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert got == 0 and scheduler.check_lookup_result("mh-partial", 0) == 0  # stays declined
+        assert scheduler.declined_lookups == 2
+        deadline = time.monotonic() + 10
+        while server_stats(scheduler).locks_held:  # the releases are sent, not waited for
+            assert time.monotonic() < deadline, "declined lookups kept their locks"
+            time.sleep(0.01)
+        assert wait_lookup(scheduler, "mh-full", toks) == 4 * CHUNK  # a 4-chunk load: kept
+        assert server_stats(scheduler).locks_held == 4 * 2  # 4 chunks x 2 ranks
+        for request_id in ("mh-short", "mh-partial", "mh-full"):
+            scheduler.end_session(request_id).result(5)
+    finally:
+        scheduler.close()

@@ -32,6 +32,8 @@ class FakeSchedulerAdapter:
         self.answers: dict[str, int | None] = {}
         self.freed: list[str] = []
         self.ended: list[str] = []
+        self.computed: dict[str, int] = {}  # num_computed_tokens each check passed
+        self.kwargs = kwargs
 
     def num_blocks_per_chunk(self) -> int:
         return BPC
@@ -39,7 +41,8 @@ class FakeSchedulerAdapter:
     def maybe_submit_lookup_request(self, request_id: str, block_hashes: list[bytes]) -> None:
         self.lookups.setdefault(request_id, list(block_hashes[BPC - 1::BPC]))
 
-    def check_lookup_result(self, request_id: str) -> int | None:
+    def check_lookup_result(self, request_id: str, num_computed_tokens: int = 0) -> int | None:
+        self.computed[request_id] = num_computed_tokens
         return self.answers.get(request_id)
 
     def cleanup_lookup_result(self, request_id: str) -> None:
@@ -244,3 +247,16 @@ def test_metadata_is_picklable() -> None:
     meta.preempted.add("q")
     again = pickle.loads(pickle.dumps(meta))
     assert again.loads == meta.loads and again.preempted == {"q"}
+
+
+def test_min_hit_tokens_reaches_the_scheduler_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The connector hands min_hit_tokens (extra config) to the adapter, and each check the
+    tokens vLLM already computed, so the adapter declines loads by what they would bring."""
+    monkeypatch.setattr(lc, "LMCacheMPSchedulerAdapter", FakeSchedulerAdapter)
+    vllm_config, kv_cache_config = _config()
+    vllm_config.kv_transfer_config.kv_connector_extra_config["min_hit_tokens"] = 512
+    connector = lc.LMCacheConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    sched: FakeSchedulerAdapter = connector._scheduler
+    assert sched.kwargs["min_hit_tokens"] == 512
+    connector.get_num_new_matched_tokens(_request("m", TOKENS), CHUNK)
+    assert sched.computed["m"] == CHUNK

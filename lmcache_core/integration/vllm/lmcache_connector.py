@@ -14,7 +14,9 @@ Load it with::
 YAML config; its ``server.url`` and ``timeouts`` apply), ``connect_timeout_s``,
 ``request_timeout_s``, ``lookup_timeout_s``, ``heartbeat_s``, ``load_deadline_ms`` (each load's
 deadline on the server; default: the server's ``timeouts.load_ms``; 0: none; chunks past it are
-reported as load errors and recomputed), ``model_name`` (the key's model name;
+reported as load errors and recomputed), ``min_hit_tokens`` (a hit whose load would bring fewer
+tokens than this, past vLLM's own prefix-cache hit, is declined and its locks released; default
+0: config ``min_hit_tokens``), ``model_name`` (the key's model name;
 default: vLLM's model), ``recompute_on_load_failure`` (default true: a cache miss never fails a
 request, so vLLM's ``kv_load_failure_policy`` is set to ``recompute``). ``LMCACHE_*`` environment
 variables apply as for every lmcache client.
@@ -286,7 +288,8 @@ class LMCacheConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = LMCacheMPSchedulerAdapter(
                 self._url, self._context, self._model_name, self._world_size, 0,
-                self._block_size, lookup_timeout_s=timeouts.lookup_ms / 1000.0, **common)
+                self._block_size, lookup_timeout_s=timeouts.lookup_ms / 1000.0,
+                min_hit_tokens=self._config.min_hit_tokens, **common)
             self._chunk_size = self._scheduler.chunk_size
             self._bpc = self._scheduler.num_blocks_per_chunk()
             if extra.get("recompute_on_load_failure", True) and (
@@ -583,7 +586,7 @@ class LMCacheConnector(KVConnectorBase_V1):
         self._scheduler.maybe_submit_lookup_request(request.request_id,
                                                     per_block_hashes(hashes, self._bpc))
         tracker.looked_up = True
-        hit_tokens = self._scheduler.check_lookup_result(request.request_id)
+        hit_tokens = self._scheduler.check_lookup_result(request.request_id, num_computed_tokens)
         if hit_tokens is None:
             return None, False  # still waiting for the server: vLLM asks again next step
         tracker.hit_chunks = min(hit_tokens // size, n_chunks)
@@ -702,6 +705,7 @@ class LMCacheConnector(KVConnectorBase_V1):
 def _client_config(extra: dict[str, Any]) -> LMCacheConfig:
     overrides = {
         "server.url": extra.get("url"),
+        "min_hit_tokens": extra.get("min_hit_tokens"),
         "timeouts.connect_s": extra.get("connect_timeout_s"),
         "timeouts.request_s": extra.get("request_timeout_s"),
         "timeouts.lookup_ms": (int(float(extra["lookup_timeout_s"]) * 1000)

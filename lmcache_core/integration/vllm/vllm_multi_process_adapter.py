@@ -161,13 +161,17 @@ class LMCacheMPSchedulerAdapter:
                  world_size: int, kv_rank: int, vllm_block_size: int, *,
                  connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
                  lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S,
-                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> None:
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+                 min_hit_tokens: int = 0) -> None:
         self._conn = _Connection(server_url, context, model_name, world_size, kv_rank,
                                  vllm_block_size, connect_timeout_s, request_timeout_s,
                                  "lmcache-scheduler")
         self.mq_client = self._conn.mq_client
         self.chunk_size = self._conn.chunk_size
         self.lookup_timeout_s = lookup_timeout_s
+        #: Loads shorter than this many tokens are declined (see ``check_lookup_result``).
+        self.min_hit_tokens = min_hit_tokens
+        self.declined_lookups = 0
         self._lookups: dict[str, MessagingFuture[Any]] = {}
         self._last_poll = 0.0
 
@@ -188,10 +192,13 @@ class LMCacheMPSchedulerAdapter:
         self._lookups[request_id] = self.mq_client.submit_request(
             RequestType.LOOKUP, [request], timeout_s=self.lookup_timeout_s, polled=True)
 
-    def check_lookup_result(self, request_id: str) -> int | None:
+    def check_lookup_result(self, request_id: str, num_computed_tokens: int = 0) -> int | None:
         """Matched tokens once the answer is in (chunks every rank holds x chunk size), else None.
 
-        Never blocks. A failed or timed-out lookup counts as 0 hits (the engine recomputes)."""
+        Never blocks. A failed or timed-out lookup counts as 0 hits (the engine recomputes).
+        With ``min_hit_tokens``, a hit whose load (the tokens past ``num_computed_tokens``, what
+        the engine already has) would be shorter is declined: 0 from now on for this request,
+        and the server's locks on it are released at once (not at the request's end)."""
         future = self._lookups.get(request_id)
         if future is None:
             return 0
@@ -208,7 +215,17 @@ class LMCacheMPSchedulerAdapter:
         except LMCacheError as exc:
             logger.warning("lookup for %s failed, recomputing: %s", request_id, exc)
             return 0
-        return reply.hit_chunks * self.chunk_size
+        hit = reply.hit_chunks * self.chunk_size
+        if 0 < hit - num_computed_tokens < self.min_hit_tokens:
+            self._decline(request_id)
+            return 0
+        return hit
+
+    def _decline(self, request_id: str) -> None:
+        """Forget a hit not worth loading and release its locks now (one message, not waited)."""
+        self._lookups[request_id] = MessagingFuture.completed(m.LookupReply(hit_chunks=0))
+        self.declined_lookups += 1
+        self.free_lookup_locks(request_id)
 
     def num_blocks_per_chunk(self) -> int:
         return self._conn.num_blocks_per_chunk()
