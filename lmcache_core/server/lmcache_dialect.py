@@ -193,7 +193,8 @@ class LMCacheDialect:
         if reg is None:
             return _FAILED
         try:
-            request = w.retrieve_request(key, instance_id, groups, chunk, chunk // reg.block_size)
+            request = w.retrieve_request(key, instance_id, groups, chunk, chunk // reg.block_size,
+                                         skip_first_n_tokens)
         except ValueError:
             return _FAILED
         if not request.chunk_hashes:

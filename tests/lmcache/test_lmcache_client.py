@@ -110,6 +110,23 @@ def test_lmcache_client_store_lookup_retrieve_byte_exact(worker, scheduler):
     scheduler.end_session("req-other")
 
 
+def test_retrieve_leaves_skipped_whole_chunks_unwritten(worker, scheduler):
+    adapter, layers = worker
+    end = N_CHUNKS * CHUNK
+    for layer in layers.values():
+        layer[:, DST] = 0
+    assert lookup(scheduler, "req-skip") == end
+    op = LoadStoreOp(token_ids=TOKENS, block_ids=[DST], start=0, end=end,
+                     skip_first_n_tokens=CHUNK)  # vLLM's prefix cache holds the first chunk
+    adapter.submit_retrieve_request("req-skip", op, adapter.create_recorded_event())
+    finished(adapter, "req-skip", store=False)
+    assert not adapter.get_block_ids_with_load_errors()
+    for layer in layers.values():
+        assert not layer[:, DST[:PER_CHUNK]].any()
+        assert torch.equal(layer[:, SRC[PER_CHUNK:]], layer[:, DST[PER_CHUNK:]])
+    scheduler.end_session("req-skip")
+
+
 def test_a_miss_is_zero_and_a_prefix_counts(scheduler):
     other = [t + 1 for t in TOKENS]
     scheduler.maybe_submit_lookup_request("req-miss", other)

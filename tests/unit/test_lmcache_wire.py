@@ -92,6 +92,8 @@ def test_keys_become_our_chain_hashes_and_ranges() -> None:
     assert look.chunk_hashes == full and look.lookup_id == "r1"  # a lookup ignores start
     ret = w.retrieve_request(k, 9, [list(range(8))], C, 4)
     assert ret.lookup_id == "r1" and ret.chunk_hashes == full[1:3]
+    skipped = w.retrieve_request(k, 9, [list(range(8))], C, 4, skip_tokens=C + 5)
+    assert skipped.chunk_hashes == full[2:3] and skipped.block_ids == [4, 5, 6, 7]
     with pytest.raises(ValueError, match="too few"):
         w.store_request(k, 9, [list(range(7))], C, 4)
     with pytest.raises(w.DialectError):
