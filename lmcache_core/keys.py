@@ -4,6 +4,10 @@ A chunk of ``chunk_size`` tokens is named by ``h_i = blake3(h_{i-1} || tokens_i 
 uint32)``, starting from LMCache's ``NONE_HASH``, so one 32-byte hash names the whole prefix and our
 hashes agree with LMCache's. Only complete chunks are hashed. In vLLM's hash mode a block hash already
 covers its prefix, so a chunk is named by the hash of its last block (``striding_block_hashes``).
+
+A request's ``cache_salt`` (and, in the vLLM connector, its LoRA adapter) seeds the chain instead of
+``NONE_HASH``: ``salted_prefix``, so requests with different salts never share a chunk, while
+unsalted hashes stay exactly LMCache's. (vLLM's block hashes already include the salt.)
 """
 
 from __future__ import annotations
@@ -72,6 +76,25 @@ def _array_bytes(tokens: np.ndarray) -> bytes | memoryview:
         raise ValueError("token ids must fit in uint32 (0 .. 4294967295)")
     big = np.ascontiguousarray(tokens.reshape(-1), dtype=">u4")  # no copy if it already is
     return memoryview(big.data).cast("B")
+
+
+def salted_prefix(parts: Sequence[tuple[str, str]]) -> bytes:
+    """The chain's seed: ``NONE_HASH`` without ``parts``, else
+    ``blake3(NONE_HASH || name_1 0x00 uint32_be(len(value_1)) value_1 || ...)`` (UTF-8; the length
+    keeps any value, NULs included, from posing as other parts), so salted keys never collide
+    with unsalted ones, nor with other salts."""
+    if not parts:
+        return NONE_HASH
+    hasher = blake3(NONE_HASH)
+    for name, value in parts:
+        data = value.encode()
+        hasher.update(name.encode() + b"\0" + struct.pack(">I", len(data)) + data)
+    return hasher.digest()
+
+
+def salt_prefix(cache_salt: str | None) -> bytes:
+    """The chain's seed of a request with this ``cache_salt`` (``NONE_HASH`` for none or "")."""
+    return salted_prefix([("salt", cache_salt)]) if cache_salt else NONE_HASH
 
 
 def chain_hashes(token_ids: Sequence[int] | Any, chunk_size: int,

@@ -68,7 +68,8 @@ def handle(adapter: LMCacheMPWorkerAdapter, layers: list[torch.Tensor], c: dict)
             hasher.update(layer[:, c["blocks"]].contiguous().view(torch.uint8).numpy().tobytes())
         return {"digest": hasher.hexdigest()}
     if cmd in ("store", "retrieve"):
-        op = LoadStoreOp(block_hashes=keys(c["keys"]), block_ids=c["blocks"])
+        op = LoadStoreOp(block_hashes=keys(c["keys"]), block_ids=c["blocks"],
+                         cache_salt=c.get("salt"))
         submit = adapter.submit_store_request if cmd == "store" else adapter.submit_retrieve_request
         submit(c["req"], op, None)
         return wait(adapter, [c["req"]], cmd)

@@ -386,3 +386,33 @@ def test_min_hit_tokens_declines_short_loads_and_releases_their_locks(server, ra
             scheduler.end_session(request_id).result(5)
     finally:
         scheduler.close()
+
+
+def test_different_cache_salts_never_share_chunks(ranks, scheduler):
+    """Token mode: the salt seeds the chain, so a prompt stored under one salt is a hit for that
+    salt only (not for another, nor unsalted), and retrieves under it are byte-exact."""
+    toks = tokens(3, seed=15)
+    for r, worker in enumerate(ranks):
+        worker("fill", blocks=blocks(0, 3), seed=150 + r)
+        assert worker("store", req="salt-a", keys=toks, blocks=blocks(0, 3), salt="a")["finished"]
+    scheduler.maybe_submit_lookup_request("sa", toks, cache_salt="a")
+    scheduler.maybe_submit_lookup_request("sb", toks, cache_salt="b")
+    scheduler.maybe_submit_lookup_request("s0", toks)
+    deadline = time.monotonic() + 10
+    results: dict[str, int | None] = {}
+    while any(results.get(r) is None for r in ("sa", "sb", "s0")):
+        assert time.monotonic() < deadline, "lookups never finished"
+        results = {r: scheduler.check_lookup_result(r) for r in ("sa", "sb", "s0")}
+        time.sleep(0.001)
+    assert results == {"sa": 3 * CHUNK, "sb": 0, "s0": 0}
+    for worker in ranks:
+        want = worker("digest", blocks=blocks(0, 3))["digest"]
+        worker("zero", blocks=blocks(3, 3))
+        result = worker("retrieve", req="sa", keys=toks, blocks=blocks(3, 3), salt="a")
+        assert result["finished"] and not result["failed"] and not result["load_errors"]
+        assert worker("digest", blocks=blocks(3, 3))["digest"] == want
+        # under another salt the same tokens name other chunks: nothing to load
+        result = worker("retrieve", req="sb", keys=toks, blocks=blocks(3, 3), salt="b")
+        assert result["load_errors"] == blocks(3, 3)
+    for request_id in ("sa", "sb", "s0"):
+        scheduler.end_session(request_id).result(5)

@@ -11,6 +11,8 @@ from lmcache_core.keys import (
     TokenDatabase,
     block_hash_bytes,
     chain_hashes,
+    salt_prefix,
+    salted_prefix,
     striding_block_hashes,
 )
 
@@ -124,3 +126,22 @@ def test_small_chunk_pins_and_int32_inputs():
 def test_array_tokens_must_fit_uint32(bad):
     with pytest.raises(ValueError):
         chain_hashes(bad, 64)
+
+
+def test_cache_salt_seeds_the_chain_and_unsalted_stays_lmcache():
+    # the salt's seed: blake3(NONE_HASH || "salt" 0x00 uint32_be(len) salt); pinned, so chunks
+    # stored under a salt stay hits across versions
+    seed = salt_prefix("tenant-1")
+    assert seed == blake3(NONE_HASH + b"salt\0" + struct.pack(">I", 8) + b"tenant-1").digest()
+    assert seed.hex() == "cae3e9eb6ce3646b6e1b60417eb2e84b90a8946195e80d03c84434bb5bf7fbbb"
+    tokens = list(range(512))
+    assert chain_hashes(tokens, 256, seed)[-1].hex() == (
+        "f9003e9796431d085f2d705164903ed4ec87e75657a210af3b6d0f72ca0edf7e")
+    # no salt (None or ""): exactly LMCache's chain
+    assert salt_prefix(None) == salt_prefix("") == salted_prefix([]) == NONE_HASH
+    assert chain_hashes(tokens, 256, salt_prefix(None)) == chain_hashes(tokens, 256)
+    # different salts (and no salt) never share a chunk hash, at any position
+    chains = [set(chain_hashes(tokens, 256, salt_prefix(salt))) for salt in (None, "a", "b", "ab")]
+    assert sum(len(c) for c in chains) == len(set().union(*chains)) == 4 * 2
+    # the parts are delimited: ("salt", "a\0lora") is not ("salt", "a") + ("lora", ...)
+    assert salted_prefix([("salt", "a"), ("lora", "x")]) != salted_prefix([("salt", "a\0lora\0x")])

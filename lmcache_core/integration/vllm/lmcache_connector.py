@@ -64,7 +64,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import zmq
-from blake3 import blake3
 from torch.overrides import TorchFunctionMode
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -84,7 +83,7 @@ from lmcache_core.integration.vllm.vllm_multi_process_adapter import (
     LMCacheMPWorkerAdapter,
     LoadStoreOp,
 )
-from lmcache_core.keys import NONE_HASH, chain_hashes
+from lmcache_core.keys import chain_hashes, salted_prefix
 from lmcache_core.kv.cuda_events import InflightEvents
 
 if TYPE_CHECKING:
@@ -171,16 +170,6 @@ def _uncacheable_reason(request: Request) -> str:
     if getattr(request, "prompt_embeds", None) is not None:
         return "prompt embeddings"
     return ""
-
-
-def salted_prefix(parts: list[tuple[str, str]]) -> bytes:
-    """LMCache's seed hash, or one derived from it and ``parts`` (so salted keys never collide)."""
-    if not parts:
-        return NONE_HASH
-    hasher = blake3(NONE_HASH)
-    for name, value in parts:
-        hasher.update(name.encode() + b"\0" + value.encode() + b"\0")
-    return hasher.digest()
 
 
 def _request_prefix(request: Request) -> bytes:

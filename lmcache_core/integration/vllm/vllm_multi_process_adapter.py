@@ -28,7 +28,7 @@ from lmcache_core.errors import (
     LMCacheTimeoutError,
     ServerUnreachableError,
 )
-from lmcache_core.keys import chain_hashes, striding_block_hashes
+from lmcache_core.keys import chain_hashes, salt_prefix, striding_block_hashes
 from lmcache_core.protocol import messages as m
 from lmcache_core.protocol.ops import RequestType
 from lmcache_core.transport.client import MessageQueueClient
@@ -107,18 +107,23 @@ class LoadStoreOp:
     ``block_hashes``: vLLM block hashes, one per block (each chunk is named by its last block's
     hash), or the request's token ids from token 0 (hashed into chunks). ``block_ids``: the vLLM
     blocks, from the same start. Only whole chunks are stored or retrieved; a partial tail is left.
+    ``cache_salt``: the request's salt, which seeds the chain in token mode (requests with
+    different salts never share chunks); ignored in hash mode (vLLM's block hashes include it).
     """
 
     block_hashes: list[bytes]
     block_ids: list[int]
+    cache_salt: str | None = None
 
 
-def _chunk_hashes(block_hashes: Sequence[Any], blocks_in_chunk: int, chunk_size: int) -> list[bytes]:
-    """Chunk hashes from vLLM block hashes (strided) or from token ids (prefix-chain hashed)."""
+def _chunk_hashes(block_hashes: Sequence[Any], blocks_in_chunk: int, chunk_size: int,
+                  cache_salt: str | None = None) -> list[bytes]:
+    """Chunk hashes from vLLM block hashes (strided) or from token ids (prefix-chain hashed,
+    from the salt's seed)."""
     if not block_hashes:
         return []
     if isinstance(block_hashes[0], int):
-        return chain_hashes(block_hashes, chunk_size)
+        return chain_hashes(block_hashes, chunk_size, salt_prefix(cache_salt))
     return [bytes(h) for h in striding_block_hashes(block_hashes, blocks_in_chunk)]
 
 
@@ -147,8 +152,9 @@ class _Connection:
             raise
         self.blocks_in_chunk = self.chunk_size // vllm_block_size
 
-    def chunk_hashes(self, block_hashes: Sequence[Any]) -> list[bytes]:
-        return _chunk_hashes(block_hashes, self.blocks_in_chunk, self.chunk_size)
+    def chunk_hashes(self, block_hashes: Sequence[Any], cache_salt: str | None = None
+                     ) -> list[bytes]:
+        return _chunk_hashes(block_hashes, self.blocks_in_chunk, self.chunk_size, cache_salt)
 
     def num_blocks_per_chunk(self) -> int:
         return self.blocks_in_chunk
@@ -175,13 +181,15 @@ class LMCacheMPSchedulerAdapter:
         self._lookups: dict[str, MessagingFuture[Any]] = {}
         self._last_poll = 0.0
 
-    def maybe_submit_lookup_request(self, request_id: str, block_hashes: list[bytes]) -> None:
+    def maybe_submit_lookup_request(self, request_id: str, block_hashes: list[bytes],
+                                    cache_salt: str | None = None) -> None:
         """Send this request's lookup unless one is already in flight or answered; returns at once.
 
-        ``block_hashes``: vLLM block hashes, or the prompt's token ids."""
+        ``block_hashes``: vLLM block hashes, or the prompt's token ids (then ``cache_salt`` seeds
+        their chain, as for the request's stores and retrieves)."""
         if request_id in self._lookups:
             return
-        hashes = self._conn.chunk_hashes(block_hashes)
+        hashes = self._conn.chunk_hashes(block_hashes, cache_salt)
         if not hashes:  # shorter than one chunk: nothing can hit, no round trip
             self._lookups[request_id] = MessagingFuture.completed(m.LookupReply(hit_chunks=0))
             return
@@ -441,7 +449,7 @@ class LMCacheMPWorkerAdapter:
         blocks: list[int] = []
         per_chunk = self._conn.blocks_in_chunk
         for op in ops:
-            chunk_hashes = self._conn.chunk_hashes(op.block_hashes)
+            chunk_hashes = self._conn.chunk_hashes(op.block_hashes, op.cache_salt)
             n = min(len(chunk_hashes), len(op.block_ids) // per_chunk)
             hashes += chunk_hashes[:n]
             blocks += op.block_ids[:n * per_chunk]
