@@ -175,11 +175,13 @@ def run(args: argparse.Namespace, workdir: Path, server_url: str, echo_url: str)
         gather_s.append(raw.gather())
         store_s.append(wait_store(worker, f"s{r}", LoadStoreOp(toks, src_blocks)))
         scatter_s.append(raw.scatter())
-        # the server's default load deadline (timeouts.load_ms): checked before each chunk copy
-        worker.load_deadline_ms = None
-        retrieve_s.append(wait_retrieve(scheduler, worker, f"s{r}", toks, dst_blocks))
-        worker.load_deadline_ms = 0  # no deadline: one batched scatter
-        batched_s.append(wait_retrieve(scheduler, worker, f"n{r}", toks, dst_blocks))
+        # the server's default load deadline (timeouts.load_ms: checked before each chunk copy)
+        # and none (0: one batched scatter), first one then the other, so neither gets the
+        # warmer destination every time
+        for deadline in ((None, 0) if r % 2 else (0, None)):
+            worker.load_deadline_ms = deadline
+            samples = retrieve_s if deadline is None else batched_s
+            samples.append(wait_retrieve(scheduler, worker, f"{deadline}-{r}", toks, dst_blocks))
     check_equal(caches, src_blocks, dst_blocks)
     store_gbs, retrieve_gbs, raw_gather, raw_scatter, batched_gbs = (
         nbytes / statistics.median(samples[1:]) / 1e9
