@@ -224,6 +224,16 @@ def test_the_event_gate_opens_the_worker_event_of_gpu_registrations_only(
     routes = handlers.routes()
     assert routes[handlers_module.RequestType.STORE].gate == handlers.event_gate
     assert routes[handlers_module.RequestType.RETRIEVE].gate == handlers.event_gate
+    # a retrieve waits for its event at most its load deadline (then: a timeout, nothing copied,
+    # all its blocks reported failed), as the handler would stop copying at it
+    def retrieve(deadline_ms: int | None) -> m.RetrieveRequest:
+        return m.RetrieveRequest(instance_id=1, chunk_hashes=[], block_ids=[],
+                                 event_handle=b"e" * 64, deadline_ms=deadline_ms)
+
+    assert handlers.event_gate(retrieve(None)) == ("event", 2.0)  # timeouts.load_ms
+    assert handlers.event_gate(retrieve(250)) == ("event", 0.25)
+    assert handlers.event_gate(retrieve(0)) == ("event", handlers.event_timeout_s)  # no deadline
+    assert handlers.load_deadline_s(retrieve(0)) is None
 
 
 # ---------------------------------------------------------------- finding 3: a closed connection

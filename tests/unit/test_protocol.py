@@ -142,6 +142,10 @@ def test_hostile_frames_are_protocol_errors(frames):
     ("lmc.store", {"instance_id": 1, "chunk_hashes": [], "block_ids": [0] * (2**20 + 1)},
      "block_ids"),
     ("lmc.retrieve", {"instance_id": 1, "chunk_hashes": [b""], "block_ids": []}, "chunk_hashes"),
+    ("lmc.retrieve", {"instance_id": 1, "chunk_hashes": [], "block_ids": [],
+                      "deadline_ms": 3_600_001}, "deadline_ms"),
+    ("lmc.retrieve", {"instance_id": 1, "chunk_hashes": [], "block_ids": [], "deadline_ms": -1},
+     "deadline_ms"),
     ("lmc.list_chunks", {"limit": -1}, "limit"),
     ("lmc.ping", {"instance_id": 2**64 - 1}, "instance_id"),
 ])
@@ -197,3 +201,16 @@ def test_every_stats_counter_has_a_server_stats_field():
     wire = set(msgspec.structs.asdict(m.ServerStats()))
     for counters in (_Counters, DiskCounters, RemoteCounters):
         assert {f.name for f in fields(counters)} <= wire, counters.__name__
+
+
+def test_an_older_client_reads_a_late_retrieve_as_missing_chunks():
+    """RetrieveReply.late is new: a client decoding the reply without it still finds every
+    unloaded chunk (late ones included) in ``missing``, so it never takes a cut load as whole."""
+
+    class OldRetrieveReply(m.Reply, tag="retrievereply"):
+        retrieved: int
+        missing: list[int] = []
+
+    new = m.RetrieveReply(retrieved=2, missing=[2, 3], late=2)
+    old = msgspec.msgpack.decode(msgspec.msgpack.encode(new), type=OldRetrieveReply)
+    assert old.missing == [2, 3] and not new.ok
