@@ -290,3 +290,26 @@ def tensor_descriptor(layer: CpuShmIPCData) -> m.TensorDescriptor:
     return m.TensorDescriptor(kind="shm", dtype=meta.dtype, shape=meta.shape, stride=meta.stride,
                               offset_bytes=meta.storage_offset * itemsize,
                               segment_nbytes=layer.nbytes, shm_name=layer.shm_name.lstrip("/"))
+
+
+def hnd_as_nhd(desc: m.TensorDescriptor) -> m.TensorDescriptor:
+    """An HND tensor seen as a flash-attn (NHD) view over the same bytes.
+
+    5-D ``[2, NB, NH, BS, HS]`` / ``[NB, 2, NH, BS, HS]``: the head and block-size dims swapped.
+    4-D ``[NB, NH, BS, 2*HS]`` is vLLM's CPU backend (the only vLLM backend on a CPU host): each
+    (block, head) run holds ``BS`` K rows then ``BS`` V rows of ``HS`` (as our own connector reads
+    it, ``integration/vllm/kv_views.py``), so chunks match those our connector stores."""
+    if len(desc.shape) == 4:
+        nb, h, n, c = desc.shape
+        sb, sh, sn, sc = desc.stride
+        if c % 2 or sc != 1 or sn != c:
+            raise DialectError(f"4-D HND tensor {desc.shape} (stride {desc.stride}) is not vLLM's "
+                               "CPU layout [blocks, heads, block size, 2 * head size], contiguous")
+        d = c // 2
+        return msgspec.structs.replace(desc, shape=[2, nb, n, h, d], stride=[n * d, sb, d, sh, 1])
+    if len(desc.shape) != 5:
+        raise DialectError(f"kv_layout HND with a {len(desc.shape)}-D tensor")
+    shape, stride = list(desc.shape), list(desc.stride)
+    shape[2], shape[3] = shape[3], shape[2]
+    stride[2], stride[3] = stride[3], stride[2]
+    return msgspec.structs.replace(desc, shape=shape, stride=stride)

@@ -118,9 +118,11 @@ class LMCacheDialect:
                               groups: list[w.EngineGroupInfo], *, client: bytes) -> None:
         if len(groups) > 1:
             raise w.DialectError(f"{len(groups)} engine KV groups: one plain group is served")
-        if hints.kv_layout not in (None, "NHD"):
-            raise w.DialectError(f"kv_layout {hints.kv_layout!r}: only NHD is served")
+        if hints.kv_layout not in (None, "NHD", "HND"):
+            raise w.DialectError(f"kv_layout {hints.kv_layout!r}: NHD and HND are served")
         descs = [w.tensor_descriptor(layer) for layer in layers]
+        if hints.kv_layout == "HND":  # vLLM's CPU backend: viewed as NHD, chunks byte-identical
+            descs = [w.hnd_as_nhd(d) for d in descs]
         pid = self._owner_pid(descs)
         from lmcache_core.kv.layout import detect_layout, kv_geometry
         layout = detect_layout(descs[0].shape)

@@ -110,3 +110,16 @@ def test_lmcache_segment_names_are_admitted_for_their_pid_only() -> None:
     check_segment_name("lmcache_kv_123_0", 123)
     with pytest.raises(IncompatibleError):
         check_segment_name("lmcache_kv_123_0", 124)
+
+
+def test_hnd_tensors_are_viewed_as_nhd() -> None:
+    desc = w.tensor_descriptor(msgspec.convert(msgspec.msgpack.decode(shm_layer().data),
+                                               w.CpuShmIPCData))
+    hnd = msgspec.structs.replace(desc, shape=[2, 4, 1, 16, 8], stride=[512, 128, 128, 8, 1])
+    nhd = w.hnd_as_nhd(hnd)
+    assert nhd.shape == [2, 4, 16, 1, 8] and nhd.stride == [512, 128, 8, 128, 1]
+    cpu = msgspec.structs.replace(desc, shape=[4, 1, 16, 16], stride=[256, 256, 16, 1])
+    assert w.hnd_as_nhd(cpu).shape == [2, 4, 16, 1, 8]  # vLLM's CPU backend: K rows, then V rows
+    assert w.hnd_as_nhd(cpu).stride == [128, 256, 8, 256, 1]
+    with pytest.raises(w.DialectError):
+        w.hnd_as_nhd(msgspec.structs.replace(desc, shape=[4, 16, 8], stride=[128, 8, 1]))
