@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from lmcache_core.errors import LMCacheError, clip
+from lmcache_core.errors import LMCacheError, NotRegisteredError, clip
 from lmcache_core.kv.shm import parse_lmcache_segment_name
 from lmcache_core.protocol import lmcache_wire as w
 from lmcache_core.protocol import messages as m
@@ -184,7 +184,10 @@ class LMCacheDialect:
         except ValueError:
             return _FAILED
         if request.chunk_hashes:
-            self.handlers.store(request, client)
+            try:
+                self.handlers.store(request, client)
+            except LMCacheError as exc:  # e.g. reaped meanwhile: in-band, so the client goes on
+                return self._failed("store", instance_id, exc)
         return _FAILED[0], True
 
     def _op_retrieve(self, key: w.IPCCacheServerKey, instance_id: int, groups: list[list[int]],
@@ -201,8 +204,19 @@ class LMCacheDialect:
             return _FAILED
         if not request.chunk_hashes:
             return _FAILED[0], True
-        reply = self.handlers.retrieve(request, client)
+        try:
+            reply = self.handlers.retrieve(request, client)
+        except LMCacheError as exc:  # in-band: vLLM recomputes at once instead of timing out
+            return self._failed("retrieve", instance_id, exc)
         return _FAILED[0], not reply.missing
+
+    def _failed(self, op: str, instance_id: int, exc: LMCacheError) -> tuple[bytes, bool]:
+        if isinstance(exc, NotRegisteredError):
+            self._registrations.pop(instance_id, None)
+        self._rejections += 1
+        if self._rejections <= 20 or self._rejections % 1000 == 0:
+            logger.info("LMCache %s answered not ok: %s", op, clip(str(exc)))
+        return _FAILED
 
     # ------------------------------------------------------------------ lookups
 
