@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal, NamedTuple
 import msgspec
 
 from lmcache_core.errors import MAX_MESSAGE_CHARS, clip
-from lmcache_core.keys import chain_hashes
+from lmcache_core.keys import chain_hashes, salt_prefix
 from lmcache_core.protocol import messages as m
 
 #: LMCache's frozen legacy op ids (its ``wire.py``); the names are the ops themselves.
@@ -228,8 +228,10 @@ def check_range(key: IPCCacheServerKey, chunk_size: int) -> None:
 
 def key_hashes(key: IPCCacheServerKey, chunk_size: int, *, from_start: bool = True) -> list[bytes]:
     """The chain hashes of the complete chunks of ``token_ids[0:end]``, those from ``start`` on
-    (or all of them: a lookup ignores ``start``)."""
-    hashes = chain_hashes(key.token_ids[:key.end], chunk_size)
+    (or all of them: a lookup ignores ``start``). A ``cache_salt`` seeds the chain as in our own
+    token mode (``keys.salt_prefix``), so tenants with different salts never share chunks, in
+    either dialect; LMCache's server puts the salt in the object key instead."""
+    hashes = chain_hashes(key.token_ids[:key.end], chunk_size, salt_prefix(key.cache_salt))
     return hashes[key.start // chunk_size:] if from_start else hashes
 
 

@@ -133,6 +133,10 @@ def test_a_miss_is_zero_and_a_prefix_counts(scheduler):
     assert until(lambda: scheduler.check_lookup_result("req-miss") is not None, "lookup")
     assert scheduler.check_lookup_result("req-miss") == 0
     scheduler.end_session("req-miss")
+    scheduler.maybe_submit_lookup_request("req-salted", TOKENS, cache_salt="another-tenant")
+    assert until(lambda: scheduler.check_lookup_result("req-salted") is not None, "lookup")
+    assert scheduler.check_lookup_result("req-salted") == 0  # stored without a salt
+    scheduler.end_session("req-salted")
 
 
 def test_chunks_stored_by_lmcache_are_hits_for_our_adapters(server, worker):

@@ -123,3 +123,13 @@ def test_hnd_tensors_are_viewed_as_nhd() -> None:
     assert w.hnd_as_nhd(cpu).stride == [128, 256, 8, 256, 1]
     with pytest.raises(w.DialectError):
         w.hnd_as_nhd(msgspec.structs.replace(desc, shape=[4, 16, 8], stride=[128, 8, 1]))
+
+
+def test_a_cache_salt_seeds_the_chain_as_in_our_token_mode() -> None:
+    from lmcache_core.keys import salt_prefix
+
+    k = msgspec.convert(key(cache_salt="tenant-a"), w.IPCCacheServerKey)
+    salted = w.key_hashes(k, C)
+    assert salted == chain_hashes(TOKENS, C, salt_prefix("tenant-a"))
+    assert salted != chain_hashes(TOKENS, C)
+    assert w.key_hashes(msgspec.structs.replace(k, cache_salt=""), C) == chain_hashes(TOKENS, C)
