@@ -149,7 +149,7 @@ def test_bad_input_gets_typed_errors_while_another_client_is_served(server, clie
         cases = [
             [b"\x01", b"not msgpack", b""],
             [b"\x02", msgspec.msgpack.encode("lmc.nope"), b"\x80"],
-            [b"\x03", msgspec.msgpack.encode(8), b"\x80"],  # LMCache's LOOKUP id: not ours
+            [b"\x03", msgspec.msgpack.encode("lmc.lookup"), b"\xc1"],  # 0xc1: never msgpack
             [b"\x04", msgspec.msgpack.encode("lmc.lookup"), msgspec.msgpack.encode([1, 2])],
             [b"\x05", msgspec.msgpack.encode("lmc.store"), msgspec.msgpack.encode(
                 {"instance_id": "x", "chunk_hashes": [], "block_ids": []})],
@@ -164,8 +164,13 @@ def test_bad_input_gets_typed_errors_while_another_client_is_served(server, clie
             reply = raw.recv_multipart()
             assert reply[:2] == frames[:2]
             codes.append(msgspec.msgpack.decode(reply[2], type=m.ErrorReply).code)
-        assert codes == ["bad_request", "unknown_op", "unknown_op", "bad_request", "bad_request",
+        assert codes == ["bad_request", "unknown_op", "bad_request", "bad_request", "bad_request",
                          "not_registered", "bad_request", "too_large"]
+        # LMCache's dialect (its LOOKUP id 8) with a bad payload: silence, as LMCache's own server;
+        # a ping on the same socket right after still answers.
+        raw.send_multipart([b"\x09", msgspec.msgpack.encode(8), b"\x80"])
+        raw.send_multipart([b"\x0a", msgspec.msgpack.encode("lmc.ping"), b"\x80"])
+        assert raw.recv_multipart()[0] == b"\x0a"
     finally:
         raw.close(0)
         stop.set()
