@@ -11,5 +11,5 @@ import importlib.util
 collect_ignore: list[str] = []
 if importlib.util.find_spec("vllm") is None:
     collect_ignore += ["test_engine.py", "test_connector_logic.py", "test_scheduler_harness.py",
-                       "test_connector_events.py",
+                       "test_connector_events.py", "test_load_deadline.py",
                        "engine_runner.py", "scheduler_harness.py"]
