@@ -46,6 +46,7 @@ from lmcache_core.errors import LMCacheError
 from lmcache_core.protocol import RequestType, decode_request
 from lmcache_core.protocol import messages as m
 from lmcache_core.protocol.codec import Limits, encode, encode_request
+from lmcache_core.protocol.lmcache_wire import dialect_op
 from lmcache_core.transport.client import MessageQueueClient
 from tests.integration.fuzz_frames import (
     Case,
@@ -153,7 +154,12 @@ class Peer:
         while self.sock.get(zmq.EVENTS) & zmq.POLLIN:
             frames = self.sock.recv_multipart(zmq.NOBLOCK)
             case = self.by_uid.get(frames[0]) if frames else None
-            self.outstanding -= case is None or not case.lmcache
+            # Whose reply this is comes from its echoed op frame, not from the uid: uids repeat, and
+            # a reply of ours taken for LMCache's (sent later with the same uid) was never counted.
+            dialect = len(frames) > 1 and dialect_op(frames[1]) is not None
+            if case is not None and case.lmcache != dialect:
+                case = None
+            self.outstanding -= not dialect
             out.append((frames, case))
         return out
 
@@ -225,8 +231,8 @@ class FuzzReport:
     problems: list[str] = field(default_factory=list)
 
     def note_reply(self, frames: list[bytes], case: Case | None, gap_s: float) -> None:
-        outcome, message = ("lmcache:reply", "") if case is not None and case.lmcache \
-            else classify(frames)
+        dialect = len(frames) > 1 and dialect_op(frames[1]) is not None
+        outcome, message = ("lmcache:reply", "") if dialect else classify(frames)
         self.outcomes[outcome] += 1
         label = case.describe() if case is not None else f"(uid frame {frames[0][:40]!r})"
         if len(message) > self.longest_message[0]:
