@@ -13,9 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import random
-import statistics
 import sys
-import time
 from array import array
 from pathlib import Path
 
@@ -24,18 +22,9 @@ from blake3 import blake3
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchlib import timed  # (beside this script)
+
 from lmcache_core.keys import chain_hashes
-
-
-def p50_us(fn, n: int) -> float:
-    for _ in range(max(1, n // 10)):
-        fn()
-    samples = []
-    for _ in range(n):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e6
 
 
 def main() -> None:
@@ -65,14 +54,14 @@ def main() -> None:
         spec.loader.exec_module(before)
         implementations["before"] = before.chain_hashes
         assert before.chain_hashes(tokens, args.chunk_size) == chain_hashes(tokens, args.chunk_size)
-    floor = p50_us(blake3_floor, args.iters)
-    convert = p50_us(lambda: array("I", tokens), args.iters)
+    floor = timed(blake3_floor, args.iters)
+    convert = timed(lambda: array("I", tokens), args.iters)
     print(f"{args.tokens} tokens, {n_chunks} chunks of {args.chunk_size} (p50 of {args.iters})")
     print(f"  floor: {n_chunks} x blake3({len(block)} bytes), nothing else   {floor:8.1f} us")
     print(f"  floor: list -> array('I') conversion                 {convert:8.1f} us")
     for name, fn in implementations.items():
         for form, data in forms.items():
-            us = p50_us(lambda fn=fn, data=data: fn(data, args.chunk_size), args.iters)
+            us = timed(lambda fn=fn, data=data: fn(data, args.chunk_size), args.iters)
             print(f"  chain_hashes ({name:6s}) of a {form:13s}            {us:8.1f} us"
                   f"  ratio {us / floor:.2f}x the blake3 floor")
 

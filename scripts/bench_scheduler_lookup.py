@@ -33,14 +33,8 @@ import zmq
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-ECHO = """
-import sys, zmq
-sock = zmq.Context.instance().socket(zmq.ROUTER)
-sock.bind(sys.argv[1])
-print("ready", flush=True)
-while True:
-    sock.send_multipart(sock.recv_multipart())
-"""
+from benchlib import ECHO  # noqa: E402  (beside this script)
+
 CHUNK, BLOCK = 256, 16
 INFLIGHT = 64
 

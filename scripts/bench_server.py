@@ -35,14 +35,8 @@ import zmq
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-ECHO = """
-import sys, zmq
-sock = zmq.Context.instance().socket(zmq.ROUTER)
-sock.bind(sys.argv[1])
-print("ready", flush=True)
-while True:
-    sock.send_multipart(sock.recv_multipart())
-"""
+from benchlib import ECHO, timed  # noqa: E402  (beside this script)
+
 LAYERS, HEADS, DIM, BLOCK, CHUNK = 32, 8, 128, 16, 256
 PER_CHUNK = CHUNK // BLOCK
 COPY_NAP_S = 0.0002  # poll interval while a 256 MiB copy (~20-40 ms) runs in the server
@@ -472,16 +466,6 @@ def interleaved_p50s(fns, n: int, batch: int = 100) -> list[float]:
     return [statistics.median(out) * 1e6 for out in samples]
 
 
-def timed(fn, n: int) -> float:
-    """p50 of n calls, in microseconds (after n/10 warm-up calls)."""
-    for _ in range(max(1, n // 10)):
-        fn()
-    samples = []
-    for _ in range(n):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e6
 
 
 def report(label: str, value: float, unit: str, floor: float | None = None, target: str = "") -> None:
