@@ -64,7 +64,7 @@ def worker_main(conn: Connection, runtime_dir: str, worker_id: int, world_size: 
 
     torch.set_num_threads(1)
     hashes = chain_hashes(tokens, CHUNK)
-    engine = CacheEngine(MemoryPool(64, len(hashes) + 8, pin=False), CHUNK)
+    engine = CacheEngine(MemoryPool.slots(64, len(hashes) + 8, pin=False), CHUNK)
     plan = engine.begin_store([ChunkKey(MODEL, world_size, worker_id, h) for h in hashes], 64)
     engine.finish_store(plan)
     server = LMCacheAsyncLookupServer(engine, LMCacheMetadata(

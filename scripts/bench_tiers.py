@@ -130,7 +130,7 @@ def run(args: argparse.Namespace, url: str) -> None:
         for i, blob in enumerate(blobs):
             raw.set(f"raw:{i}", blob)
 
-    pool_a = MemoryPool(nbytes, n, pin=False)
+    pool_a = MemoryPool.slots(nbytes, n, pin=False)
     tier_a = RemoteTier(url, queue_size=4 * n, timeout_ms=5000)
     engine_a = CacheEngine(pool_a, 256, remote=tier_a)
     tier_a.start()
@@ -175,7 +175,7 @@ def run(args: argparse.Namespace, url: str) -> None:
         for i in range(n):
             raw.get(f"raw:{i}")
 
-    pool_b = MemoryPool(nbytes, n, pin=False)
+    pool_b = MemoryPool.slots(nbytes, n, pin=False)
     tier_b = RemoteTier(url, timeout_ms=5000)
     engine_b = CacheEngine(pool_b, 256, remote=tier_b)
     out = torch.empty(nbytes, dtype=torch.uint8)
@@ -222,7 +222,7 @@ def run(args: argparse.Namespace, url: str) -> None:
           f"(PING {ping:.1f} us)")
 
     # ---- memory-only fast path (no tier)
-    plain = CacheEngine(MemoryPool(64, 256, pin=False), 256)
+    plain = CacheEngine(MemoryPool.slots(64, 256, pin=False), 256)
     chain = [bytes([i, 7]) * 16 for i in range(64)]
     for rank in range(2):
         plain.finish_store(plain.begin_store([ChunkKey(MODEL, 2, rank, c) for c in chain], 8))

@@ -250,16 +250,17 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def _pool(gib: float) -> dict[str, Any]:
     from lmcache_core.storage.pool import MemoryPool
 
-    slot = 32 << 20
     started = time.monotonic()
-    pool = MemoryPool.from_bytes(int(gib * GIB), slot, pin=True)
+    pool = MemoryPool(int(gib * GIB), pin=True)
     seconds = time.monotonic() - started
     pinned = pool.pinned_bytes
     power_of_two = 1 << (pool.nbytes - 1).bit_length()  # what torch's pin_memory would pin
     ok = pool.pinned and pinned == pool.nbytes and pool.tensor.is_pinned()
+    slabs, slab_bytes = pool.num_slabs, pool.slab_bytes
     del pool
     return {"ok": ok, "pool_gib": round(gib, 2), "pin_s": round(seconds, 2),
-            "pinned_gib": round(pinned / GIB, 2),
+            "pinned_gib": round(pinned / GIB, 2), "slabs": slabs,
+            "slab_mib": round(slab_bytes / (1 << 20), 2),
             "torch_pin_memory_would_pin_gib": round(power_of_two / GIB, 2)}
 
 

@@ -91,7 +91,7 @@ def test_a_wait_on_an_unfinished_event_times_out_then_completes() -> None:
 
 
 def test_pinned_pool_is_page_locked_and_exact() -> None:
-    pool = MemoryPool(slot_bytes=3 << 20, num_slots=5, pin=True)  # 15 MiB: torch would pin 16
+    pool = MemoryPool.slots(slot_bytes=3 << 20, num_slots=5, pin=True)  # 15 MiB: torch would pin 16
     assert pool.pinned and pool.pinned_bytes == 15 << 20
     assert pool.tensor.is_pinned()
     src = torch.arange(3 << 20, device="cuda", dtype=torch.int64).to(torch.uint8)

@@ -38,7 +38,7 @@ def worker_main(conn: Connection, runtime_dir: str, engine_id: str, worker_id: i
             return super().async_lookup_and_prefetch(lookup_id, hashes, offsets, pin,
                                                      request_configs, **kw)
 
-    engine = GatedEngine(MemoryPool(64, 64, pin=False), chunk_size)
+    engine = GatedEngine(MemoryPool.slots(64, 64, pin=False), chunk_size)
     hashes = chain_hashes(tokens, chunk_size)[:num_chunks]
     plan = engine.begin_store([ChunkKey(MODEL, world_size, worker_id, h) for h in hashes], 64)
     engine.finish_store(plan)

@@ -61,7 +61,7 @@ def lookup_worker_main(conn: Connection, runtime_dir: str) -> None:
             return super().async_lookup_and_prefetch(lookup_id, hashes, offsets, pin,
                                                      request_configs, **kw)
 
-    lmcache_engine = Engine(MemoryPool(64, 16, pin=False), CHUNK)
+    lmcache_engine = Engine(MemoryPool.slots(64, 16, pin=False), CHUNK)
     keys = [ChunkKey(MODEL, 1, 0, h) for h in chain_hashes(TOKENS, CHUNK)[:HELD]]
     lmcache_engine.finish_store(lmcache_engine.begin_store(keys, 64))
     metadata = LMCacheMetadata(model_name=MODEL, world_size=1, worker_id=0, engine_id=ENGINE_ID,

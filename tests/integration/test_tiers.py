@@ -153,7 +153,7 @@ def pattern(i: int) -> torch.Tensor:
 
 def engine(remote: RemoteTier | None = None, disk: DiskTier | None = None,
            slots: int = 16) -> CacheEngine:
-    return CacheEngine(MemoryPool(SLOT, slots, pin=False), chunk_size=16, disk=disk, remote=remote)
+    return CacheEngine(MemoryPool.slots(SLOT, slots, pin=False), chunk_size=16, disk=disk, remote=remote)
 
 
 def store(e: CacheEngine, keys: list[ChunkKey]) -> None:

@@ -35,7 +35,7 @@ def key(i: int, rank: int = 0, world_size: int = 2, model: str = MODEL) -> Chunk
 
 
 def make(num_slots: int = 32, ttl: float = 300.0, clock: FakeClock | None = None) -> CacheEngine:
-    pool = MemoryPool(SLOT, num_slots, pin=False)
+    pool = MemoryPool.slots(SLOT, num_slots, pin=False)
     return CacheEngine(pool, chunk_size=16, lock_ttl_s=ttl, clock=clock or FakeClock())
 
 
@@ -484,7 +484,7 @@ def test_stats_fill_server_stats() -> None:
 
 
 def test_constructor_validates() -> None:
-    pool = MemoryPool(SLOT, 2, pin=False)
+    pool = MemoryPool.slots(SLOT, 2, pin=False)
     with pytest.raises(ValueError):
         CacheEngine(pool, chunk_size=0)
     with pytest.raises(ValueError):
@@ -493,7 +493,7 @@ def test_constructor_validates() -> None:
 
 def test_lookup_is_fast() -> None:
     """64 chunks x 2 ranks, all hits, with locking: well under 100 us (bound loose for CI noise)."""
-    pool = MemoryPool(SLOT, 256, pin=False)
+    pool = MemoryPool.slots(SLOT, 256, pin=False)
     engine = CacheEngine(pool, chunk_size=16)
     chain = [bytes([i, 7]) * 16 for i in range(64)]
     for rank in range(2):

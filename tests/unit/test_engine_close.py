@@ -28,7 +28,7 @@ def _store(engine: CacheEngine, keys: list[ChunkKey]) -> None:
 
 
 def test_close_without_tiers_is_a_no_op_and_lookups_go_on() -> None:
-    engine = CacheEngine(MemoryPool(SLOT, 4, pin=False), chunk_size=16)
+    engine = CacheEngine(MemoryPool.slots(SLOT, 4, pin=False), chunk_size=16)
     _store(engine, [ChunkKey("m", 1, 0, b"a" * 16)])
     assert engine.close() and engine.close()  # idempotent
     assert engine.async_lookup_and_prefetch("x", [b"a" * 16], model_name="m") == 16
@@ -39,12 +39,12 @@ def test_close_shuts_the_prefetch_pool_down(tmp_path: Path) -> None:
     hashes = [bytes([i]) * 16 for i in range(3)]
     keys = [ChunkKey("m", 1, 0, h) for h in hashes]
     disk = DiskTier(tmp_path, 1 << 20)
-    writer = CacheEngine(MemoryPool(SLOT, 8, pin=False), chunk_size=16, disk=disk)
+    writer = CacheEngine(MemoryPool.slots(SLOT, 8, pin=False), chunk_size=16, disk=disk)
     _store(writer, keys)
     for k in keys:
         with writer._pinned(k) as payload:
             assert payload is not None and disk.write(k, payload)
-    engine = CacheEngine(MemoryPool(SLOT, 8, pin=False), chunk_size=16,
+    engine = CacheEngine(MemoryPool.slots(SLOT, 8, pin=False), chunk_size=16,
                          disk=DiskTier(tmp_path, 1 << 20))
     assert engine.has_tiers and engine.disk is not None and engine.remote is None
     done = threading.Event()
@@ -72,11 +72,11 @@ def test_close_shuts_the_prefetch_pool_down(tmp_path: Path) -> None:
 
 
 def test_stats_and_spill_hooks_without_and_with_a_disk(tmp_path: Path) -> None:
-    plain = CacheEngine(MemoryPool(SLOT, 4, pin=False), chunk_size=16)
+    plain = CacheEngine(MemoryPool.slots(SLOT, 4, pin=False), chunk_size=16)
     assert plain.disk is None and plain.remote is None and not plain.has_tiers
     assert plain._spill_candidates(8) == []
     disk = DiskTier(tmp_path, 1 << 20)
-    engine = CacheEngine(MemoryPool(SLOT, 8, pin=False), chunk_size=16, disk=disk)
+    engine = CacheEngine(MemoryPool.slots(SLOT, 8, pin=False), chunk_size=16, disk=disk)
     keys = [ChunkKey("m", 1, 0, bytes([i]) * 16) for i in range(8)]
     for k in keys:
         _store(engine, [k])

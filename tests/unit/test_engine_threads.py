@@ -90,7 +90,7 @@ def admin(engine: CacheEngine, deadline: float, force: bool, errors: list[BaseEx
 
 def run_stress(force: bool, seconds: float = 0.6) -> CacheEngine:
     # 20 slots for 6 docs x 8 chunks x 2 ranks = 96 keys: stores evict all the time.
-    engine = CacheEngine(MemoryPool(SLOT, 20, pin=False), chunk_size=16)
+    engine = CacheEngine(MemoryPool.slots(SLOT, 20, pin=False), chunk_size=16)
     deadline = time.monotonic() + seconds
     errors: list[BaseException] = []
     threads = [threading.Thread(target=client, args=(engine, seed, deadline, not force, errors))

@@ -240,7 +240,7 @@ def test_two_clients_of_one_engine_each_get_their_own_answers(setup):
 
 
 def _engine_with(hashes: Sequence[bytes], ranks_chunks: dict[int, int]) -> CacheEngine:
-    engine = CacheEngine(MemoryPool(8, 32, pin=False), chunk_size=CHUNK)
+    engine = CacheEngine(MemoryPool.slots(8, 32, pin=False), chunk_size=CHUNK)
     for rank, n in ranks_chunks.items():
         plan = engine.begin_store([ChunkKey("m", 2, rank, h) for h in hashes[:n]], 8)
         engine.finish_store(plan)
@@ -272,7 +272,7 @@ def test_engine_with_a_disk_tier_loads_the_prefix_off_the_callers_thread(tmp_pat
 
     hashes = chain_hashes(TOKENS, CHUNK)
     disk = DiskTier(tmp_path, 1 << 20, write_through=True)
-    writer = CacheEngine(MemoryPool(64, 8, pin=False), chunk_size=CHUNK, disk=disk)
+    writer = CacheEngine(MemoryPool.slots(64, 8, pin=False), chunk_size=CHUNK, disk=disk)
     disk.start()
     try:
         plan = writer.begin_store([ChunkKey("m", 1, 0, h) for h in hashes[:3]], 64)
@@ -282,7 +282,7 @@ def test_engine_with_a_disk_tier_loads_the_prefix_off_the_callers_thread(tmp_pat
         assert disk.flush(5)
     finally:
         disk.stop()
-    engine = CacheEngine(MemoryPool(64, 8, pin=False), chunk_size=CHUNK,
+    engine = CacheEngine(MemoryPool.slots(64, 8, pin=False), chunk_size=CHUNK,
                          disk=DiskTier(tmp_path, 1 << 20))  # a restarted worker: memory is empty
     done = threading.Event()
     answers: list[tuple[str, int, str]] = []

@@ -60,12 +60,14 @@ def cudart(monkeypatch: pytest.MonkeyPatch) -> FakeCudart:
 
 
 def test_the_pool_pins_exactly_its_size(cudart: FakeCudart) -> None:
-    pool = MemoryPool(slot_bytes=5000, num_slots=3)  # 15000 bytes: torch would pin 16384
-    assert pool.pinned and pool.pinned_bytes == 15000
+    pool = MemoryPool.slots(5056, 3)  # 15168 bytes: torch would pin 16384
+    assert pool.pinned and pool.pinned_bytes == 15168
     ((address, nbytes, flags),) = cudart.registered
-    assert (address, nbytes, flags) == (pool.tensor.data_ptr(), 15000, 0)
-    pool.view(2)[:] = 7  # plain host memory, writable
-    assert int(pool.view(2).sum()) == 7 * 5000
+    assert (address, nbytes, flags) == (pool.tensor.data_ptr(), 15168, 0)
+    handle = [pool.allocate(5056) for _ in range(3)][2]
+    assert handle is not None
+    pool.view(handle)[:] = 7  # plain host memory, writable
+    assert int(pool.view(handle).sum()) == 7 * 5056
     del pool
     gc.collect()
     assert cudart.unregistered == [address]  # unpinned with the last view
@@ -75,7 +77,7 @@ def test_a_pool_that_cannot_pin_says_so_loudly(cudart: FakeCudart,
                                                caplog: pytest.LogCaptureFixture) -> None:
     cudart.fail = True
     with caplog.at_level(logging.ERROR, logger="lmcache_core.storage.pool"):
-        pool = MemoryPool(slot_bytes=4096, num_slots=2)
+        pool = MemoryPool.slots(4096, 2)
     assert not pool.pinned and pool.pinned_bytes == 0 and pool.pin_failed
     (record,) = caplog.records
     assert record.levelno == logging.ERROR
@@ -84,7 +86,7 @@ def test_a_pool_that_cannot_pin_says_so_loudly(cudart: FakeCudart,
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the host without CUDA")
 def test_no_cuda_no_pinning() -> None:
-    assert not MemoryPool(slot_bytes=4096, num_slots=2).pinned
+    assert not MemoryPool.slots(4096, 2).pinned
     with pytest.raises(RuntimeError, match="CUDA is not available"):
         pinned.pin_exact((1, 4096))
 
@@ -97,13 +99,13 @@ def test_server_info_reports_the_pinned_bytes(cudart: FakeCudart) -> None:
     from lmcache_core.server.registry import KVRegistry
     from lmcache_core.transport.server import ServerCounters
 
-    pool = MemoryPool(slot_bytes=5000, num_slots=3)
+    pool = MemoryPool.slots(5056, 3)
     engine = SimpleNamespace(pool=pool, stats=lambda: {})
     handlers = CacheHandlers(load_config(None), engine, KVRegistry(lambda r: None, 60.0),  # type: ignore[arg-type]
                              ServerCounters(), "tcp://x")
     handlers.http_url = None
     info = handlers.server_info(None, b"")  # type: ignore[arg-type]
-    assert info.stats.pool_pinned_bytes == 15000 and info.stats.gpu_instances == 0
+    assert info.stats.pool_pinned_bytes == 15168 and info.stats.gpu_instances == 0
 
 
 def test_the_ready_panel_says_when_pinning_failed(cudart: FakeCudart) -> None:
@@ -112,9 +114,9 @@ def test_the_ready_panel_says_when_pinning_failed(cudart: FakeCudart) -> None:
     from lmcache_cli.serve import _pool_pages
 
     cudart.fail = True
-    server = SimpleNamespace(pool=MemoryPool(slot_bytes=4096, num_slots=2),
+    server = SimpleNamespace(pool=MemoryPool.slots(4096, 2),
                              config=SimpleNamespace(server=SimpleNamespace(prefault=True)))
     assert _pool_pages(server).startswith("NOT pinned: pinning failed")  # type: ignore[arg-type]
     cudart.fail = False
-    server.pool = MemoryPool(slot_bytes=4096, num_slots=2)
+    server.pool = MemoryPool.slots(4096, 2)
     assert _pool_pages(server).startswith("pinned (resident)")  # type: ignore[arg-type]

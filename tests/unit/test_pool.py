@@ -1,8 +1,11 @@
-"""MemoryPool: one preallocated tensor, O(1) slots, zero-copy views, pinning fallback."""
+"""MemoryPool: a slab allocator over one preallocated buffer; populate, pinning fallback."""
 
 from __future__ import annotations
 
+import itertools
 import logging
+import random
+import threading
 import time
 from pathlib import Path
 
@@ -10,176 +13,343 @@ import pytest
 import torch
 
 from lmcache_core.errors import ConfigError
-from lmcache_core.storage.pool import MemoryPool
+from lmcache_core.storage import pages
+from lmcache_core.storage.pool import ALIGN, MemoryPool, auto_slab_bytes
+
+MIB = 1 << 20
 
 
-def test_shape_and_figures() -> None:
-    pool = MemoryPool(slot_bytes=64, num_slots=5, pin=False)
-    assert pool.tensor.shape == (5, 64)
-    assert pool.tensor.dtype == torch.uint8
-    assert (pool.slot_bytes, pool.num_slots, pool.num_free, pool.num_used) == (64, 5, 5, 0)
-    assert pool.nbytes == 320
-    assert not pool.pinned
+def test_buffer_and_figures() -> None:
+    pool = MemoryPool(1000, slab_bytes=256, pin=False)
+    assert pool.tensor.shape == (768,) and pool.tensor.dtype == torch.uint8
+    assert (pool.nbytes, pool.slab_bytes, pool.num_slabs, pool.free_slabs) == (768, 256, 3, 3)
+    assert (pool.num_allocated, pool.bytes_allocated, pool.bytes_free) == (0, 0, 768)
+    assert pool.max_alloc_bytes == 256 and pool.class_stats() == {}
+    assert not pool.pinned and pool.pinned_bytes == 0
 
 
-def test_from_bytes_floors_to_whole_slots() -> None:
-    pool = MemoryPool.from_bytes(1000, 64, pin=False)
-    assert pool.num_slots == 15
-    assert pool.nbytes == 960
+def test_size_classes_round_to_align() -> None:
+    pool = MemoryPool(4096, slab_bytes=1024, pin=False)
+    assert ALIGN == 64
+    assert [pool.size_class(n) for n in (1, 63, 64, 65, 1000, 1024)] == [64, 64, 64, 128, 1024,
+                                                                           1024]
+    for bad in (0, -1, 1025):
+        assert not pool.fits(bad) and not pool.can_allocate(bad)
+        with pytest.raises(ValueError):
+            pool.size_class(bad)
+        with pytest.raises(ValueError):
+            pool.allocate(bad)
+    assert pool.fits(1024) and pool.can_allocate(1)
 
 
-@pytest.mark.parametrize(("pool_bytes", "slot_bytes"), [(63, 64), (0, 64), (100, 0)])
-def test_from_bytes_refuses_zero_slots(pool_bytes: int, slot_bytes: int) -> None:
-    with pytest.raises(ConfigError, match=str(slot_bytes)):
-        MemoryPool.from_bytes(pool_bytes, slot_bytes)
+def test_every_handle_is_aligned_and_lowest_first() -> None:
+    pool = MemoryPool(5000, slab_bytes=1000 // ALIGN * ALIGN, pin=False)  # 960-byte slabs
+    handles = [pool.allocate(100) for _ in range(7)]  # class 128: 7 per slab, 64 bytes left
+    assert handles == [i * 128 for i in range(7)]
+    assert pool.free_slabs == 4 and pool.slab_class(0) == 128 and pool.slab_class(1) == 0
+    odd = [pool.allocate(n) for n in (1, 65, 130, 100, 200, 1, 960)]
+    assert odd == [960, 1920, 2880, 2048, 3840, 1024, None]  # a new class takes a new slab
+    assert pool.free_slabs == 0 and pool.nbytes == 4800
+    assert all(h % ALIGN == 0 for h in handles + odd if h is not None)
 
 
-def test_constructor_refuses_nonpositive_sizes() -> None:
-    with pytest.raises(ConfigError):
-        MemoryPool(0, 4)
-    with pytest.raises(ConfigError):
-        MemoryPool(64, 0)
+def test_slabs_assigned_on_demand() -> None:
+    pool = MemoryPool(4096, slab_bytes=1024, pin=False)
+    first = pool.allocate(512)
+    assert first == 0 and pool.free_slabs == 3
+    assert pool.allocate(512) == 512 and pool.free_slabs == 3  # same slab
+    assert pool.allocate(512) == 1024 and pool.free_slabs == 2  # slab 0 full: take slab 1
+    assert pool.class_stats() == {512: (2, 3)}
+    assert (pool.num_allocated, pool.bytes_allocated, pool.bytes_free) == (3, 1536, 4096 - 1536)
 
 
-def test_allocate_until_full_then_reuse() -> None:
-    pool = MemoryPool(8, 3, pin=False)
-    slots = [pool.allocate() for _ in range(3)]
-    assert slots == [0, 1, 2]  # lowest first: a lightly used pool touches few pages
-    assert pool.allocate() is None
-    assert pool.num_free == 0
-    pool.free(1)
-    assert pool.num_free == 1
-    assert pool.allocate() == 1
-    assert pool.is_allocated(1)
+def test_two_classes_share_the_pool() -> None:
+    pool = MemoryPool(4096, slab_bytes=1024, pin=False)
+    a = [pool.allocate(1000) for _ in range(2)]  # class 1024: one per slab
+    b = [pool.allocate(200) for _ in range(6)]  # class 256: four per slab
+    assert a == [0, 1024]
+    assert b == [2048, 2304, 2560, 2816, 3072, 3328]
+    assert pool.allocate(1000) is None and not pool.can_allocate(1000)
+    assert pool.can_allocate(200)  # slab 3 has two free 256-byte slots
+    assert pool.allocate(256) == 3584 and pool.allocate(250) == 3840
+    assert pool.allocate(1) is None  # class 64 has no slab and none is free
+    assert pool.class_stats() == {256: (2, 8), 1024: (2, 2)}
+    assert [pool.slab_class(s) for s in range(4)] == [1024, 1024, 256, 256]
+    assert pool.slab_handles(2) == [2048, 2304, 2560, 2816]
+    assert pool.slab_of(2600) == 2 and pool.class_of(2560) == 256 and pool.class_of(1024) == 1024
 
 
-def test_double_free_and_bad_slot_raise() -> None:
-    pool = MemoryPool(8, 2, pin=False)
-    slot = pool.allocate()
-    assert slot is not None
-    pool.free(slot)
+def test_a_freed_slab_is_reused_by_another_class() -> None:
+    pool = MemoryPool(2048, slab_bytes=1024, pin=False)
+    big = pool.allocate(1024)
+    small = [pool.allocate(64) for _ in range(16)]
+    assert big == 0 and small[0] == 1024 and pool.allocate(64) is None
+    pool.free(big)  # (the engine would evict to get here)
+    assert pool.slab_class(0) == 0 and pool.free_slabs == 1 and pool.slab_handles(0) == []
+    assert pool.allocate(64) == 0  # class 64 takes the freed slab
+    assert pool.slab_class(0) == 64 and pool.class_stats() == {64: (2, 17)}
+    for handle in [0, *small]:
+        pool.free(handle)
+    assert pool.free_slabs == 2 and pool.class_stats() == {} and pool.bytes_allocated == 0
+    assert pool.allocate(1024) == 0  # the lowest free slab first
+
+
+def test_a_freed_slot_is_filled_before_a_new_one() -> None:
+    pool = MemoryPool(4096, slab_bytes=1024, pin=False)
+    handles = [pool.allocate(256) for _ in range(6)]  # slab 0 full, slab 1 half
+    pool.free(handles[1])
+    assert pool.allocate(256) == handles[1]  # the hole in slab 0, before slab 1's free slots
+    assert pool.allocate(256) == 1536
+
+
+def test_double_free_and_foreign_handles_raise() -> None:
+    pool = MemoryPool(2048, slab_bytes=1024, pin=False)
+    handle = pool.allocate(64)
+    assert handle is not None
+    other = pool.allocate(64)
+    pool.free(handle)
+    for bad in (handle, 7, 64 * 5, 1024, -64, 2048, 10**9, 64.0, "0"):
+        with pytest.raises(ValueError, match="not allocated"):
+            pool.free(bad)  # type: ignore[arg-type]
+        assert not pool.is_allocated(bad)  # type: ignore[arg-type]
+    assert pool.is_allocated(other)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        pool.class_of(handle)
+    with pytest.raises(ValueError):
+        pool.slab_class(2)
+    with pytest.raises(ValueError):
+        pool.slab_handles(-1)
+    with pytest.raises(ValueError):
+        pool.slab_of(2048)
+    assert pool.num_allocated == 1
+
+
+def test_view_is_zero_copy_and_bounded() -> None:
+    pool = MemoryPool(2048, slab_bytes=1024, pin=False)
+    pool.allocate(16)
+    handle = pool.allocate(100)  # class 128
+    assert handle == 1024
+    view = pool.view(handle, 100)
+    assert view.shape == (100,) and view.dtype == torch.uint8
+    assert view.data_ptr() == pool.tensor.data_ptr() + handle
+    view.copy_(torch.arange(100, dtype=torch.uint8))
+    assert pool.tensor[handle:handle + 100].tolist() == list(range(100))
+    assert pool.view(handle).shape == (128,)  # default: the whole slot
+    assert pool.view(handle, 128).shape == (128,)
+    with pytest.raises(ValueError, match="exceeds"):
+        pool.view(handle, 129)
     with pytest.raises(ValueError, match="not allocated"):
-        pool.free(slot)
+        pool.view(handle + 128, 10)
+    pool.free(handle)
     with pytest.raises(ValueError, match="not allocated"):
-        pool.free(7)
-    with pytest.raises(ValueError, match="not allocated"):
-        pool.free(-1)
-    assert pool.num_free == 2
+        pool.view(handle, 10)
 
 
-def test_view_is_zero_copy_row() -> None:
-    pool = MemoryPool(16, 4, pin=False)
-    slot = pool.allocate()
-    assert slot is not None
-    view = pool.view(slot)
-    assert view.shape == (16,)
-    assert view.data_ptr() == pool.tensor.data_ptr() + slot * 16
-    view.copy_(torch.arange(16, dtype=torch.uint8))
-    assert pool.tensor[slot].tolist() == list(range(16))
-    head = pool.view(slot, 5)
-    assert head.shape == (5,)
-    assert head.data_ptr() == view.data_ptr()
+@pytest.mark.parametrize(("slot_bytes", "cls"), [(64, 64), (100, 128), (4096, 4096)])
+def test_slots_behaves_like_the_equal_slot_pool(slot_bytes: int, cls: int) -> None:
+    pool = MemoryPool.slots(slot_bytes, 5, pin=False)
+    assert (pool.num_slabs, pool.slab_bytes, pool.nbytes) == (5, cls, 5 * cls)
+    handles = [pool.allocate(slot_bytes) for _ in range(5)]
+    assert handles == [i * cls for i in range(5)]  # lowest first
+    assert pool.allocate(slot_bytes) is None and not pool.can_allocate(slot_bytes)
+    pool.free(handles[3])
+    assert pool.allocate(slot_bytes) == handles[3]
+    assert pool.view(handles[0], slot_bytes).shape == (slot_bytes,)
+
+
+def test_auto_slab_bytes() -> None:
+    assert auto_slab_bytes(1000) == 960  # a small pool: one slab, rounded down to ALIGN
+    assert auto_slab_bytes(100 * MIB) == 100 * MIB
+    assert auto_slab_bytes(1 << 30) == 128 * MIB
+    assert auto_slab_bytes(4 << 30) == 256 * MIB
+    assert auto_slab_bytes((64 << 30) + 1000) == ((64 << 30) + 1000) // 16 // 64 * 64
+    pool = MemoryPool(1000, pin=False)
+    assert (pool.slab_bytes, pool.num_slabs, pool.nbytes) == (960, 1, 960)
+
+
+@pytest.mark.parametrize(("nbytes", "slab_bytes", "match"), [
+    (0, None, "positive"), (-5, 64, "positive"), (1024, 0, "multiple of 64"),
+    (1024, -64, "multiple of 64"), (1024, 100, "multiple of 64"), (100, 128, "smaller than one slab"),
+    (63, None, "smaller than one 64-byte"),
+])
+def test_config_errors(nbytes: int, slab_bytes: int | None, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        MemoryPool(nbytes, slab_bytes, pin=False)
+
+
+@pytest.mark.parametrize(("slot_bytes", "num_slots"), [(0, 4), (64, 0), (-1, 1)])
+def test_slots_config_errors(slot_bytes: int, num_slots: int) -> None:
+    with pytest.raises(ConfigError, match="positive"):
+        MemoryPool.slots(slot_bytes, num_slots)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="pinning works on this host")
 def test_pin_failure_falls_back_with_warning(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="lmcache_core.storage.pool"):
-        pool = MemoryPool(64, 2, pin=True)
-    assert not pool.pinned
+        pool = MemoryPool.slots(64, 2, pin=True)
+    assert not pool.pinned and pool.pin_failed
     assert "cannot pin" in caplog.text
-    pool.allocate()
+    assert pool.allocate(64) == 0
 
 
 def test_pin_default_follows_cuda() -> None:
-    pool = MemoryPool(64, 2)
+    pool = MemoryPool.slots(64, 2)
     assert pool.pinned == torch.cuda.is_available()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="pinned allocation touches the pages")
 def test_large_pool_starts_at_once() -> None:
     start = time.perf_counter()
-    pool = MemoryPool.from_bytes(4 << 30, 32 << 20, pin=False)
+    pool = MemoryPool(4 << 30, pin=False)
     elapsed = time.perf_counter() - start
-    assert pool.num_slots == 128
+    assert (pool.num_slabs, pool.slab_bytes) == (16, 256 * MIB)
     assert elapsed < 0.5
 
 
-def test_prefault_touches_every_page_and_keeps_slots_usable():
-    pool = MemoryPool(slot_bytes=4096 * 4, num_slots=8, pin=False)
+# ---- randomized allocate/free against a simple model
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_allocate_free_matches_a_model(seed: int) -> None:
+    rng = random.Random(seed)
+    slab = 4096
+    pool = MemoryPool(slab * 12, slab_bytes=slab, pin=False)
+    sizes = [1, 60, 64, 100, 700, 1365, 2049, 4096]
+    live: dict[int, int] = {}  # handle -> class
+    for _ in range(3000):
+        if live and rng.random() < 0.45:
+            handle = rng.choice(list(live))
+            pool.free(handle)
+            del live[handle]
+        else:
+            n = rng.choice(sizes)
+            cls = -(-n // 64) * 64
+            expected = pool.can_allocate(n)
+            handle = pool.allocate(n)
+            assert (handle is not None) == expected
+            # the model: a slot is free in a slab of this class, or a slab is free
+            by_slab: dict[int, list[int]] = {}
+            for h, c in live.items():
+                by_slab.setdefault(h // slab, []).append(c)
+            room = len(by_slab) < 12 or any(
+                cs[0] == cls and len(cs) < slab // cls for cs in by_slab.values())
+            assert (handle is not None) == room
+            if handle is None:
+                continue
+            assert handle % 64 == 0 and handle not in live
+            assert handle // slab == (handle + cls - 1) // slab  # inside one slab
+            live[handle] = cls
+        spans = sorted((h, h + c) for h, c in live.items())
+        assert all(a_end <= b for (_, a_end), (b, _) in itertools.pairwise(spans))
+        assert pool.num_allocated == len(live)
+        assert pool.bytes_allocated == sum(live.values())
+        assert pool.bytes_free == pool.nbytes - sum(live.values())
+        slabs = {h // slab for h in live}
+        assert pool.free_slabs == 12 - len(slabs)
+        for s in range(12):
+            assert pool.slab_handles(s) == sorted(h for h in live if h // slab == s)
+            assert pool.slab_class(s) == (live[pool.slab_handles(s)[0]] if s in slabs else 0)
+    stats: dict[int, tuple[int, int]] = {}
+    for s in slabs:
+        cls = pool.slab_class(s)
+        n_slabs, n_alloc = stats.get(cls, (0, 0))
+        stats[cls] = (n_slabs + 1, n_alloc + len(pool.slab_handles(s)))
+    assert pool.class_stats() == stats
+    for handle in list(live):
+        pool.free(handle)
+    assert pool.free_slabs == 12 and pool.num_allocated == 0 and pool.bytes_allocated == 0
+
+
+# ---- populate (issue 13): map the pages ahead of use, never racing a store into wrong data
+
+
+def _no_advice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel without MADV_POPULATE_WRITE: the populate zeroes what no allocation holds."""
+    monkeypatch.setattr(MemoryPool, "_populate_advised", lambda self, stop: None)
+
+
+def _pattern(handle: int, n: int) -> torch.Tensor:
+    return torch.full((n,), (handle // 64 * 37 + 11) % 251, dtype=torch.uint8)
+
+
+def test_prefault_touches_every_page_and_keeps_slots_usable() -> None:
+    pool = MemoryPool.slots(4096 * 4, 8, pin=False)
     pool.prefault()
-    slot = pool.allocate()
-    assert slot is not None
-    view = pool.view(slot)
+    handle = pool.allocate(4096 * 4)
+    assert handle is not None
+    view = pool.view(handle)
     view.fill_(7)
     assert int(view.sum()) == 7 * view.numel()
     assert int(pool.tensor.sum()) == 7 * view.numel()  # every other byte was zeroed
 
 
-# ---- populate (issue 13): map the pages ahead of use, never racing a store into wrong data
-
-def _pattern(slot: int, n: int) -> torch.Tensor:
-    return torch.full((n,), (slot * 37 + 11) % 251, dtype=torch.uint8)
-
-
-@pytest.mark.parametrize("advised", [True, False], ids=["populate-write", "zero-free-slots"])
-def test_populate_keeps_allocated_slots_and_reports(monkeypatch, advised) -> None:
-    if not advised:  # a kernel without MADV_POPULATE_WRITE
-        monkeypatch.setattr(MemoryPool, "_populate_advised", lambda self, stop: None)
-    pool = MemoryPool(slot_bytes=1 << 20, num_slots=16, pin=False)
+@pytest.mark.parametrize("advised", [True, False], ids=["populate-write", "zero-free-slabs"])
+def test_populate_keeps_allocations_and_reports(monkeypatch: pytest.MonkeyPatch,
+                                                advised: bool) -> None:
+    if not advised:
+        _no_advice(monkeypatch)
+    pool = MemoryPool(16 * MIB, slab_bytes=4 * MIB, pin=False)
     assert (pool.populate_state, pool.populated_bytes, pool.populate_s) == ("pending", 0, None)
-    held = [pool.allocate() for _ in range(3)]
-    for slot in held:
-        assert slot is not None
-        pool.view(slot).copy_(_pattern(slot, 1 << 20))
+    sizes = [MIB, MIB, 3 * MIB, 100_000, 100_000]  # slab 0: two of 1 MiB; 1: 3 MiB; 2: small
+    held = [(pool.allocate(n), n) for n in sizes]
+    for handle, n in held:
+        assert handle is not None
+        pool.view(handle, n).copy_(_pattern(handle, n))
     pool.populate()
     assert pool.populate_state == "done" and pool.populated_bytes == pool.nbytes
     assert pool.populate_s is not None and pool.populate_s >= 0
-    for slot in held:
-        assert torch.equal(pool.view(slot), _pattern(slot, 1 << 20))
+    for handle, n in held:
+        assert handle is not None
+        assert torch.equal(pool.view(handle, n), _pattern(handle, n))
     pool.populate()  # a second call is a no-op
     assert pool.populate_state == "done"
 
 
-@pytest.mark.parametrize("advised", [True, False], ids=["populate-write", "zero-free-slots"])
-def test_stores_racing_the_populate_keep_their_bytes(monkeypatch, advised) -> None:
-    """Slots are allocated, written and freed on another thread all through the populate; every
-    slot still allocated holds exactly what was written, and no write was lost."""
-    import threading
-
+@pytest.mark.parametrize("advised", [True, False], ids=["populate-write", "zero-free-slabs"])
+def test_stores_racing_the_populate_keep_their_bytes(monkeypatch: pytest.MonkeyPatch,
+                                                     advised: bool) -> None:
+    """Allocations of two sizes are made, written and freed on another thread all through the
+    populate; every one still allocated holds exactly what was written."""
     if not advised:
-        monkeypatch.setattr(MemoryPool, "_populate_advised", lambda self, stop: None)
-    slot_bytes = 256 << 10
-    pool = MemoryPool(slot_bytes=slot_bytes, num_slots=256, pin=False)
+        _no_advice(monkeypatch)
+    pool = MemoryPool(64 * MIB, slab_bytes=2 * MIB, pin=False)
     populating = threading.Thread(target=pool.populate)
-    errors: list[str] = []
-    held: list[int] = []
+    held: list[tuple[int, int]] = []
+    rng = random.Random(1)
     populating.start()
     rounds = 0
     while populating.is_alive() or rounds < 50:
-        slot = pool.allocate()
-        if slot is None:
-            for old in held[::2]:
+        n = rng.choice([256 << 10, 96 << 10])
+        handle = pool.allocate(n)
+        if handle is None:
+            for old, _ in held[::2]:
                 pool.free(old)
             held = held[1::2]
             continue
-        pool.view(slot).copy_(_pattern(slot, slot_bytes))
-        held.append(slot)
+        pool.view(handle, n).copy_(_pattern(handle, n))
+        held.append((handle, n))
         rounds += 1
     populating.join(10)
-    for slot in held:
-        if not torch.equal(pool.view(slot), _pattern(slot, slot_bytes)):
-            errors.append(f"slot {slot} changed")
-    assert not errors and pool.populate_state == "done" and rounds >= 50
+    changed = [h for h, n in held if not torch.equal(pool.view(h, n), _pattern(h, n))]
+    assert not changed and pool.populate_state == "done" and rounds >= 50
+
+
+def test_zeroing_skips_held_memory_and_zeroes_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    _no_advice(monkeypatch)
+    pool = MemoryPool(4 * MIB, slab_bytes=MIB, pin=False)
+    pool.tensor.fill_(9)  # stand-in for stale bytes
+    a, b = pool.allocate(256 << 10), pool.allocate(256 << 10)  # slab 0, never-used tail after b
+    assert (a, b) == (0, 256 << 10)
+    pool.populate()
+    assert int(pool.tensor[: 512 << 10].min()) == 9  # held: untouched
+    assert int(pool.tensor[512 << 10:].max()) == 0  # the tail of slab 0 and the free slabs
+    assert pool.populated_bytes == pool.nbytes
 
 
 def test_populate_stops_when_asked_and_resumes() -> None:
-    import threading
-
-    from lmcache_core.storage import pool as pool_mod
-
     stop = threading.Event()
     stop.set()
-    pool = MemoryPool(slot_bytes=pool_mod._POPULATE_STEP, num_slots=2, pin=False)
+    pool = MemoryPool.slots(pages.POPULATE_STEP, 2, pin=False)
     pool.populate(stop)
     assert pool.populate_state == "stopped" and pool.populate_s is None
     pool.populate()
@@ -190,7 +360,7 @@ def test_populate_stops_when_asked_and_resumes() -> None:
 def test_populate_makes_the_pool_resident() -> None:
     from lmcache_core.storage.pool import process_rss_bytes
 
-    pool = MemoryPool.from_bytes(128 << 20, 4 << 20, pin=False)
+    pool = MemoryPool(128 * MIB, slab_bytes=4 * MIB, pin=False)
     before = process_rss_bytes()
     pool.populate()
     assert process_rss_bytes() - before >= 0.9 * pool.nbytes
