@@ -34,7 +34,7 @@ def files(path: Path) -> list[Path]:
 
 
 def engine_with(disk: DiskTier | None, slots: int = 8) -> CacheEngine:
-    return CacheEngine(MemoryPool(SLOT, slots, pin=False), chunk_size=16, disk=disk)
+    return CacheEngine(MemoryPool.slots(SLOT, slots, pin=False), chunk_size=16, disk=disk)
 
 
 def store(engine: CacheEngine, keys: list[ChunkKey]) -> None:

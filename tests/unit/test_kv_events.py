@@ -390,7 +390,7 @@ def store(engine: CacheEngine, keys: list[ChunkKey]) -> None:
 def test_engine_reports_stores_evictions_clears_and_tier_loads(tmp_path):
     sink = Recorder()
     disk = DiskTier(tmp_path, 2**20, write_through=True)
-    engine = CacheEngine(MemoryPool(SLOT, 3, pin=False), chunk_size=16, disk=disk, events=sink)
+    engine = CacheEngine(MemoryPool.slots(SLOT, 3, pin=False), chunk_size=16, disk=disk, events=sink)
     store(engine, [key(1), key(2)])
     store(engine, [key(1), key(3), key(4)])  # 1 is there; 3 fills the pool, 4 evicts 2 (the LRU)
     assert sink.calls == [(STORED, MEMORY, [key(1), key(2)]),
