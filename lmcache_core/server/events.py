@@ -23,6 +23,10 @@ The payload is vLLM's ``KVEventBatch(ts, events, data_parallel_rank)`` (msgpack,
 ``[seq, payload]``). What our chunks lack is sent as vLLM sends "unknown": ``token_ids`` empty,
 ``parent_block_hash``/``lora_id``/``lora_name`` None; ``block_size`` is the chunk size; the model is
 in the topic; a hash is the low 64 bits of the chunk hash as an int (vLLM's default form).
+
+Events are per chunk hash per model: the tiers report pieces (``ChunkKey``: a head range of a chunk
+of one layout), and the layout and head range are not sent, so the pieces of one chunk in one report
+(several ranks' head ranges, or several layouts) are one hash in its event.
 """
 
 from __future__ import annotations
@@ -109,7 +113,8 @@ def build_batches(records: Sequence[Record], block_size: int, ts: float
 
     A store's report becomes one ``BlockStored`` (its keys are one prefix, in order, which routers
     that build prefix trees rely on); consecutive removals of one medium merge into one
-    ``BlockRemoved``. A hash repeated in one event (one chunk's pieces for several ranks) is sent once.
+    ``BlockRemoved``. A hash repeated in one event (one chunk's pieces: several head ranges or
+    layouts) is sent once.
     """
     runs: dict[str, list[_Run]] = {}
     for kind, medium, keys in records:
@@ -136,6 +141,8 @@ def _event(run: _Run, block_size: int) -> BlockStored | BlockRemoved:
 
 
 def _hashes_by_model(keys: Sequence[ChunkKey]) -> dict[str, list[int]]:
+    """Each model's chunk hashes in ``keys``, in order, each once (pieces collapse to their chunk:
+    only the model name and the chunk hash of a key are read)."""
     out: dict[str, dict[int, None]] = {}
     for key in keys:
         out.setdefault(key.model_name, {})[wire_hash(key.chunk_hash)] = None

@@ -1,4 +1,9 @@
-"""The L2 disk tier: one self-checking file per chunk in one directory, capped, LRU-deleted.
+"""The L2 disk tier: one self-checking file per chunk piece in one directory, capped, LRU-deleted.
+
+A file holds one piece (``ChunkKey``: KV heads ``[head_lo, head_hi)`` of one chunk of one model and
+layout) and is named ``<hash hex>.<head_lo>-<head_hi>.<tag>.lmkv``, ``tag`` being the first 6 bytes
+(12 hex digits) of blake3(model name 0x00 layout) (``file_name``). ``pieces_of`` lists the pieces
+of one chunk on disk (a secondary index, kept with the main one).
 
 Files are written behind, never on a request's path: a writer thread (a ``BackgroundWriter``)
 takes chunk keys from a bounded queue (every store when ``write_through``; a full queue drops the
@@ -43,9 +48,12 @@ from lmcache_core.supervision import Supervisor
 
 logger = logging.getLogger(__name__)
 
+#: A chunk, all of whose pieces share it: (model name, layout, chunk hash) (``ChunkKey.chunk``).
+Chunk = tuple[str, str, bytes]
+
 SUFFIX = ".lmkv"
 TMP_PREFIX = ".tmp-"
-_HEAD_READ = 4096  # one read covers any header (44 bytes + hash + model name)
+_HEAD_READ = 4096  # one read covers any usual header (48 bytes + hash + model name + layout)
 _MAX_LOGGED_AT_START = 10
 
 #: Gives the writer a chunk's bytes while it stays pinned in memory (None: no longer resident).
@@ -78,9 +86,11 @@ class DiskCounters(Counters):
 
 
 def file_name(key: ChunkKey) -> str:
-    """``<hash hex>.<world>.<rank>.<model tag>.lmkv``: readable, and unique per key."""
-    model_tag = blake3(key.model_name.encode()).hexdigest(6)
-    return f"{key.chunk_hash.hex()}.{key.world_size}.{key.kv_rank}.{model_tag}{SUFFIX}"
+    """``<hash hex>.<head_lo>-<head_hi>.<tag>.lmkv``, ``tag`` the first 12 hex digits of
+    blake3(model name 0x00 layout): readable, and unique per key (the header holds the key itself,
+    and a file whose header names another key than its name is dropped at the scan)."""
+    tag = blake3(key.model_name.encode() + b"\0" + key.layout.encode()).hexdigest(6)
+    return f"{key.chunk_hash.hex()}.{key.head_lo}-{key.head_hi}.{tag}{SUFFIX}"
 
 
 class DiskTier:
@@ -104,6 +114,8 @@ class DiskTier:
         self.n = DiskCounters()
         self._mutex = threading.Lock()
         self._index: OrderedDict[ChunkKey, _File] = OrderedDict()  # front = least recently used
+        # The pieces of each chunk in ``_index`` (insertion-ordered sets), changed with it.
+        self._chunks: dict[Chunk, dict[ChunkKey, None]] = {}
         self._bytes = 0  # file bytes indexed plus bytes reserved by writes in progress
         self._writer: BackgroundWriter[ChunkKey] = BackgroundWriter(
             "disk tier", "lmcache-disk-writer", queue_size, self._write_batch, idle=self._spill)
@@ -145,6 +157,9 @@ class DiskTier:
         found.sort(key=lambda item: item[0])
         with self._mutex:
             self._index = OrderedDict((key, meta) for _, key, meta in found)
+            self._chunks = {}
+            for key in self._index:
+                self._chunks.setdefault(key.chunk, {})[key] = None
             self._bytes = sum(meta.size for _, _, meta in found)
             victims = self._over_cap(0)
         self._delete(victims)
@@ -156,6 +171,9 @@ class DiskTier:
     def _read_meta(self, name: str, size: int) -> tuple[ChunkKey, _File]:
         with open(self.path / name, "rb") as f:
             head = f.read(_HEAD_READ)
+            length, _ = record.fixed_lengths(head)
+            if length > len(head):  # a long model name or layout
+                head += f.read(length - len(head))
         header = record.parse_header(head)
         if size != header.length + header.nbytes:
             raise record.RecordError(
@@ -163,6 +181,26 @@ class DiskTier:
         if file_name(header.key) != name:
             raise record.RecordError(f"file name does not match the key it holds ({header.key.short()})")
         return header.key, _File(name, header.length, header.nbytes, size)
+
+    def _unindex(self, key: ChunkKey) -> None:
+        """Drop ``key`` from the chunk index (under the lock, as ``_index`` loses it)."""
+        chunk = key.chunk
+        pieces = self._chunks.get(chunk)
+        if pieces is not None:
+            pieces.pop(key, None)
+            if not pieces:
+                del self._chunks[chunk]
+
+    def pieces_of(self, model_name: str, layout: str, chunk_hash: bytes) -> list[tuple[ChunkKey, int]]:
+        """The pieces of chunk ``(model_name, layout, chunk_hash)`` on disk, with their payload
+        nbytes, by head range (no I/O; O(pieces))."""
+        with self._mutex:
+            pieces = self._chunks.get((model_name, layout, chunk_hash))
+            if not pieces:
+                return []
+            found = [(key, self._index[key].nbytes) for key in pieces]
+        found.sort(key=lambda item: (item[0].head_lo, item[0].head_hi))
+        return found
 
     def contains(self, key: ChunkKey) -> bool:
         """Whether a file for ``key`` is indexed (a dict lookup: no I/O, no lock)."""
@@ -234,6 +272,7 @@ class DiskTier:
             if self._index.get(key) is not meta:
                 return False
             del self._index[key]
+            self._unindex(key)
             self._bytes -= meta.size
             if self.events is not None:
                 self.events.removed((key,), DISK)
@@ -278,6 +317,7 @@ class DiskTier:
             if old is not None:
                 self._bytes -= old.size
             self._index[key] = _File(name, len(header), nbytes, size)
+            self._chunks.setdefault(key.chunk, {})[key] = None
             if self.events is not None:
                 self.events.stored((key,), DISK)
         self.n.add(disk_written_chunks=1)
@@ -293,6 +333,7 @@ class DiskTier:
         index = self._index
         while index and self._bytes + incoming > self.max_bytes:
             key, meta = index.popitem(last=False)
+            self._unindex(key)
             self._bytes -= meta.size
             victims.append(meta)
             gone.append(key)

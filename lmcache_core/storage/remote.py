@@ -1,12 +1,19 @@
 """The L3 remote tier: chunks in Redis or Valkey (one node or a cluster), shared by every server.
 
-Keys carry the format version, the model, world size, rank and chunk hash in hex::
+Each value is one chunk piece (``ChunkKey``: KV heads ``[head_lo, head_hi)`` of one chunk). Keys
+carry the record format version, the model, the layout fingerprint, the head range and the chunk
+hash in hex (``redis_key``)::
 
-    <prefix>:v1:<model>:<world_size>:<kv_rank>:<hash hex>
+    <prefix>:v2:<model>:<layout>:<head_lo>-<head_hi>:<hash hex>
 
-so servers on different machines that use the same Redis find each other's chunks. Values are
-``record``s (header with the key, size and a blake3 checksum, then the bytes): a bad value is
-counted, logged, deleted and never served.
+e.g. ``lmcache:v2:org/llama:bfloat16:32x8x128:0-4:9f3a...``, so servers on different machines
+(and at different tensor-parallel sizes) that use the same Redis find each other's chunks. The
+model and the layout may hold ``:``; the split is still unambiguous because a layout is a
+fingerprint (``layout_key``: ``dtype:...``, one ``:``; ``opaque_layout``: ``ranksN``, none), and
+``_key_of`` only takes back a key that ``redis_key`` would write. Values are ``record``s (header
+with the key, size and a blake3 checksum, then the bytes): a bad value, or one whose header names
+another key (another head range, say), is counted, logged, deleted and never served. Keys of
+format v1 (``<prefix>:v1:<model>:<world_size>:<kv_rank>:<hash hex>``) are never read.
 
 * **Writes** go behind, never on a store's path: ``submit`` puts keys on a bounded queue (a full
   queue drops the write and counts it, ``remote_write_dropped``); a writer thread (a
@@ -42,7 +49,7 @@ from redis.exceptions import RedisClusterException, RedisError
 from redis.retry import Retry
 
 from lmcache_core.events import REMOTE, KVEventSink
-from lmcache_core.keys import ChunkKey
+from lmcache_core.keys import ChunkKey, layout_heads
 from lmcache_core.storage import record
 from lmcache_core.storage.counters import Counters
 from lmcache_core.storage.disk import Source
@@ -115,7 +122,8 @@ class RemoteTier:
     # ------------------------------------------------------------------ client and health
 
     def redis_key(self, key: ChunkKey) -> bytes:
-        return (f"{self.key_prefix}{key.model_name}:{key.world_size}:{key.kv_rank}:"
+        """``<prefix>:v2:<model>:<layout>:<head_lo>-<head_hi>:<hash hex>`` (UTF-8)."""
+        return (f"{self.key_prefix}{key.model_name}:{key.layout}:{key.head_lo}-{key.head_hi}:"
                 f"{key.chunk_hash.hex()}").encode()
 
     def client(self) -> Any:
@@ -373,14 +381,32 @@ class RemoteTier:
         return results
 
     def _key_of(self, rkey: bytes) -> ChunkKey | None:
-        text = rkey.decode()[len(self.key_prefix):]
+        """The key ``redis_key`` made ``rkey`` of; None for anything else (another prefix or
+        format version, a malformed key, a layout that is no fingerprint)."""
         try:
-            rest, hexhash = text.rsplit(":", 1)
-            rest, rank = rest.rsplit(":", 1)
-            model, world = rest.rsplit(":", 1)
-            return ChunkKey(model, int(world), int(rank), bytes.fromhex(hexhash))
-        except ValueError:
+            text = rkey.decode()
+            if not text.startswith(self.key_prefix):
+                return None
+            rest, heads, hexhash = text[len(self.key_prefix):].rsplit(":", 2)
+            lo, _, hi = heads.partition("-")
+            chunk_hash = bytes.fromhex(hexhash)
+            if not chunk_hash:
+                return None
+            for cut in (1, 2):  # the layout's own ":"s: none (ranksN) or one (dtype:...)
+                parts = rest.rsplit(":", cut)
+                if len(parts) != cut + 1:
+                    continue
+                layout = ":".join(parts[1:])
+                try:
+                    layout_heads(layout)
+                except ValueError:
+                    continue
+                key = ChunkKey(parts[0], layout, int(lo), int(hi), chunk_hash)
+                ok = key.head_lo < key.head_hi and self.redis_key(key) == rkey
+                return key if ok else None
+        except ValueError:  # UnicodeDecodeError too
             return None
+        return None
 
     def stats(self) -> dict[str, int]:
         out = self.n.snapshot()

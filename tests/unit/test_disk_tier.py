@@ -1,28 +1,42 @@
-"""Disk tier: records and checksums, corruption and truncation, re-index, size cap, engine paths."""
+"""Disk tier: records and checksums, corruption and truncation, re-index, size cap, pieces of a
+chunk, old-format files, engine paths."""
 
 from __future__ import annotations
 
 import os
+import struct
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
+from blake3 import blake3
 
-from lmcache_core.engine import CacheEngine
 from lmcache_core.errors import ConfigError
-from lmcache_core.keys import ChunkKey
+from lmcache_core.keys import ChunkKey, layout_key, opaque_layout, rank_heads, world_heads
 from lmcache_core.storage import record
 from lmcache_core.storage.disk import SUFFIX, TMP_PREFIX, DiskTier, file_name
-from lmcache_core.storage.pool import MemoryPool
+
+if TYPE_CHECKING:
+    from lmcache_core.engine import CacheEngine
 
 SLOT = 1024
 NBYTES = 1000
+LAYOUT = layout_key("bfloat16", 2, 8, 64, False)  # 8 KV heads
 
 
 def key(i: int, rank: int = 0, world: int = 1, model: str = "m") -> ChunkKey:
-    return ChunkKey(model, world, rank, bytes([i, 0xAB]) * 16)
+    """Chunk ``i``'s piece that rank ``rank`` of ``world`` holds, under the opaque layout an
+    in-process engine without a KV shape uses (its heads are the ranks)."""
+    layout = opaque_layout(world)
+    return ChunkKey(model, layout, *rank_heads(layout, world, rank), bytes([i, 0xAB]) * 16)
+
+
+def piece(i: int, lo: int, hi: int, model: str = "m", layout: str = LAYOUT) -> ChunkKey:
+    """Heads ``[lo, hi)`` of chunk ``i`` under a real layout fingerprint."""
+    return ChunkKey(model, layout, lo, hi, bytes([i, 0xAB]) * 16)
 
 
 def payload(i: int, nbytes: int = NBYTES) -> memoryview:
@@ -34,6 +48,9 @@ def files(path: Path) -> list[Path]:
 
 
 def engine_with(disk: DiskTier | None, slots: int = 8) -> CacheEngine:
+    from lmcache_core.engine import CacheEngine  # here: the tier-only tests need no engine
+    from lmcache_core.storage.pool import MemoryPool
+
     return CacheEngine(MemoryPool.slots(SLOT, slots, pin=False), chunk_size=16, disk=disk)
 
 
@@ -49,12 +66,28 @@ def _tensor(data: memoryview) -> torch.Tensor:
 
 
 def retrieved(engine: CacheEngine, keys: list[ChunkKey], lookup_id: str = "") -> list[bytes | None]:
-    plan = engine.begin_retrieve(keys, lookup_id)
+    """Each key's bytes as a retrieve of its head range finds them (keys of one model, layout and
+    head range; each stored as exactly that piece)."""
+    first = keys[0]
+    assert all((k.model_name, k.layout, k.head_lo, k.head_hi) ==
+               (first.model_name, first.layout, first.head_lo, first.head_hi) for k in keys)
+    plan = engine.begin_retrieve(first.model_name, first.layout, (first.head_lo, first.head_hi),
+                                 [k.chunk_hash for k in keys], lookup_id)
     out: list[bytes | None] = [None] * len(keys)
-    for index, _, view in plan.found:
+    for index, sources in plan.found:
+        (view, lo, hi), = sources
+        assert (lo, hi) == (first.head_lo, first.head_hi)
         out[index] = bytes(view.numpy())
     engine.finish_retrieve(plan)
     return out
+
+
+def lookup_tiers(engine: CacheEngine, world: int, hashes: list[bytes], lookup_id: str,
+                 **kw: Any) -> int:
+    """A tiered lookup of every rank of ``world`` (opaque layout: as ``key`` names pieces)."""
+    layout = opaque_layout(world)
+    return engine.lookup_tiers("m", layout, world_heads(layout, world), hashes, lookup_id,
+                               **kw)
 
 
 # ---------------------------------------------------------------- records
@@ -78,6 +111,69 @@ def test_record_round_trip_and_checksum() -> None:
         record.decode_into(data[:-1], k, out)  # truncated
     with pytest.raises(record.RecordError, match="fit"):
         record.decode_into(data, k, memoryview(bytearray(10)))
+
+
+def v1_record(model: str, world: int, rank: int, chunk_hash: bytes, data: memoryview) -> bytes:
+    """A record as format version 1 wrote it (world size and rank, no layout, no head range)."""
+    name = model.encode()
+    fixed = struct.pack("<4sHHQIIHH", b"LMKV", 1, 0, data.nbytes, world, rank, len(chunk_hash),
+                        len(name))
+    hasher = blake3(fixed)
+    for part in (chunk_hash, name, data):
+        hasher.update(part)
+    return b"".join((fixed, hasher.digest(16), chunk_hash, name, data))
+
+
+def v1_file_name(model: str, world: int, rank: int, chunk_hash: bytes) -> str:
+    return f"{chunk_hash.hex()}.{world}.{rank}.{blake3(model.encode()).hexdigest(6)}{SUFFIX}"
+
+
+def test_record_v2_header_names_model_layout_and_head_range() -> None:
+    k = piece(1, 4, 8, model="org/model:v1")
+    data = record.encode(k, payload(1))
+    assert record.FORMAT_VERSION == 2 and record.FIXED_BYTES == 48
+    assert record.header_bytes(k) == 48 + 32 + len("org/model:v1") + len(LAYOUT)
+    magic, version, flags, nbytes, lo, hi, hash_len, model_len, layout_len, reserved = (
+        struct.unpack_from("<4sHHQIIHHHH", data))
+    assert (magic, version, flags, nbytes, lo, hi) == (b"LMKV", 2, 0, NBYTES, 4, 8)
+    assert (hash_len, model_len, layout_len, reserved) == (32, 12, len(LAYOUT), 0)
+    assert data[48 + 32:record.header_bytes(k)] == b"org/model:v1" + LAYOUT.encode()
+    header = record.parse_header(data)
+    assert header.key == k and header.nbytes == NBYTES and header.length == record.header_bytes(k)
+    out = bytearray(10)
+    assert record.encode_into(k, payload(1), out) == len(data) and bytes(out) == data
+    with pytest.raises(ValueError, match="head range"):
+        record.encode(piece(1, 4, 4), payload(1))  # an empty head range is no key
+
+
+@pytest.mark.parametrize("other", [
+    piece(1, 0, 4),                                   # another piece of the same chunk
+    piece(1, 4, 8, layout=layout_key("float16", 2, 8, 64, False)),  # another layout
+    piece(1, 4, 8, model="n"),                        # another model
+    piece(2, 4, 8),                                   # another chunk
+])
+def test_record_of_another_key_is_rejected(other: ChunkKey) -> None:
+    data = record.encode(piece(1, 4, 8), payload(1))
+    out = memoryview(bytearray(SLOT))
+    with pytest.raises(record.RecordError, match="not"):
+        record.decode_into(data, other, out)
+    assert bytes(out) == bytes(SLOT)  # nothing copied
+    with pytest.raises(record.RecordError, match="not"):
+        record.verify(record.parse_header(data), memoryview(data)[record.header_bytes(other):], other)
+
+
+def test_a_v1_record_is_never_served() -> None:
+    h = bytes([1, 0xAB]) * 16
+    old = v1_record("m", 1, 0, h, payload(1))
+    out = memoryview(bytearray(SLOT))
+    for expected in (key(1), ChunkKey("m", "ranks1", 0, 1, h)):
+        with pytest.raises(record.RecordError, match="version 1"):
+            record.decode_into(old, expected, out)
+    with pytest.raises(record.RecordError, match="version 1"):
+        record.parse_header(old)
+    with pytest.raises(record.RecordError, match="version 1"):
+        record.fixed_lengths(old[:44])  # what a v1 reader needed first is enough to refuse it
+    assert bytes(out) == bytes(SLOT)
 
 
 # ---------------------------------------------------------------- files
@@ -133,11 +229,11 @@ def test_damaged_file_is_a_miss_for_the_engine(tmp_path: Path) -> None:
     data[-1] ^= 0x55
     bad.write_bytes(bytes(data))
     hashes = [k.chunk_hash for k in keys]
-    assert engine.lookup_tiers("m", 1, hashes, "r", timeout_s=2) == 2  # stops before the bad one
+    assert lookup_tiers(engine, 1, hashes, "r", timeout_s=2) == 2  # stops before the bad one
     assert retrieved(engine, keys[:2], "r") == [bytes(payload(0)), bytes(payload(1))]
     assert not engine.is_resident(keys[2]) and not bad.exists()
     stats = engine.stats()
-    assert stats["disk_corrupt"] == 1 and stats["slots_used"] == 2 + 1  # chunk 3 loaded, unlocked
+    assert stats["disk_corrupt"] == 1 and stats["chunks"] == 2 + 1  # chunk 3 loaded, unlocked
     assert stats["lookup_hit_chunks"] == 2 and stats["lookup_miss_chunks"] == 2
 
 
@@ -165,6 +261,87 @@ def test_reindex_after_restart(tmp_path: Path, caplog: pytest.LogCaptureFixture)
     assert again.read_into(key(1, model="llama"), out) == NBYTES
     assert bytes(out[:NBYTES]) == bytes(payload(1))
     assert "truncated" in caplog.text
+
+
+def test_pieces_of_one_chunk_are_distinct_files_listed_by_pieces_of(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path, 1 << 20)
+    quarters = [piece(1, lo, lo + 2) for lo in (6, 0, 4, 2)]  # TP 4's pieces, written out of order
+    halves = [piece(1, lo, hi) for lo, hi in world_heads(LAYOUT, 2)]  # TP 2's pieces of it too
+    for i, k in enumerate(quarters + halves):
+        assert disk.write(k, payload(i, nbytes=NBYTES - i))
+    assert disk.write(piece(2, 0, 4), payload(9))  # another chunk
+    assert disk.write(piece(1, 0, 4, model="n"), payload(9))  # another model's chunk, same hash
+    names = {file_name(k) for k in quarters + halves}
+    assert len(names) == 6 and names <= {p.name for p in files(tmp_path)}
+    assert len({file_name(piece(1, 0, 4, model="n")), file_name(piece(1, 0, 4)),
+                file_name(piece(1, 0, 4, layout=opaque_layout(8)))}) == 3
+    assert file_name(piece(1, 2, 4)) == (f"{(bytes([1, 0xAB]) * 16).hex()}.2-4."
+                                         f"{blake3(b'm' + bytes(1) + LAYOUT.encode()).hexdigest(6)}"
+                                         f"{SUFFIX}")
+    sizes = {k: NBYTES - i for i, k in enumerate(quarters + halves)}
+    expected = sorted(sizes.items(), key=lambda item: (item[0].head_lo, item[0].head_hi))
+    chunk = bytes([1, 0xAB]) * 16
+    assert disk.pieces_of("m", LAYOUT, chunk) == expected
+    assert disk.pieces_of("n", LAYOUT, chunk) == [(piece(1, 0, 4, model="n"), NBYTES)]
+    assert disk.pieces_of("m", opaque_layout(2), chunk) == []
+    assert disk.pieces_of("m", LAYOUT, bytes(32)) == []
+    out = memoryview(bytearray(SLOT))
+    for i, k in enumerate(quarters + halves):  # each piece reads back its own bytes
+        assert disk.read_into(k, out) == NBYTES - i
+        assert bytes(out[:NBYTES - i]) == bytes(payload(i, nbytes=NBYTES - i))
+
+    again = DiskTier(tmp_path, 1 << 20)  # a restart: the scan rebuilds the chunk index too
+    assert again.pieces_of("m", LAYOUT, chunk) == expected
+    assert again.pieces_of("m", LAYOUT, bytes([2, 0xAB]) * 16) == [(piece(2, 0, 4), NBYTES)]
+    assert again.remove(piece(1, 2, 4))
+    (tmp_path / file_name(piece(1, 4, 6))).unlink()  # gone behind its back: the read finds out
+    assert again.read_into(piece(1, 4, 6), out) == 0
+    assert [k for k, _ in again.pieces_of("m", LAYOUT, chunk)] == [
+        piece(1, 0, 2), piece(1, 0, 4), piece(1, 4, 8), piece(1, 6, 8)]
+
+    one = record.header_bytes(piece(2, 0, 4)) + NBYTES
+    small = DiskTier(tmp_path, 2 * one)  # a smaller cap at the scan deletes (the LRU) pieces
+    left = small.lru_keys()
+    assert len(left) == 2
+    for c in {k.chunk for k in again.lru_keys()}:
+        assert [k for k, _ in small.pieces_of(*c)] == sorted(
+            (k for k in left if k.chunk == c), key=lambda k: (k.head_lo, k.head_hi))
+    assert small.write(piece(3, 0, 8), payload(3))  # evicts the least recently used piece
+    assert sum(len(small.pieces_of(*k.chunk)) for k in {k.chunk: k for k in left}.values()) == 1
+    assert small.pieces_of("m", LAYOUT, bytes([3, 0xAB]) * 16) == [(piece(3, 0, 8), NBYTES)]
+
+
+def test_v1_files_are_dropped_at_the_scan_never_served(tmp_path: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    h = bytes([1, 0xAB]) * 16
+    old = tmp_path / v1_file_name("m", 1, 0, h)  # as the previous format named and wrote it
+    old.write_bytes(v1_record("m", 1, 0, h, payload(1)))
+    renamed = tmp_path / file_name(key(1))  # a v1 record under a v2 name
+    renamed.write_bytes(v1_record("m", 1, 0, h, payload(1)))
+    disk = DiskTier(tmp_path, 1 << 20)
+    assert len(disk) == 0 and disk.stats()["disk_corrupt"] == 2 and disk.bytes_used == 0
+    assert not old.exists() and not renamed.exists()
+    assert not disk.contains(key(1)) and disk.pieces_of("m", "ranks1", h) == []
+    assert disk.read_into(key(1), memoryview(bytearray(SLOT))) == 0
+    assert "version 1" in caplog.text
+
+
+def test_a_file_holding_another_head_range_is_never_served(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path, 1 << 20)
+    low, high = piece(1, 0, 4), piece(1, 4, 8)
+    assert disk.write(low, payload(1)) and disk.write(high, payload(2))
+    # Swapped behind the tier's back (same size): the header names the other piece.
+    (tmp_path / file_name(high)).write_bytes((tmp_path / file_name(low)).read_bytes())
+    out = memoryview(bytearray(SLOT))
+    assert disk.read_into(high, out) == 0
+    assert not disk.contains(high) and disk.stats()["disk_corrupt"] == 1
+    assert disk.pieces_of("m", LAYOUT, low.chunk_hash) == [(low, NBYTES)]
+    assert disk.read_into(low, out) == NBYTES and bytes(out[:NBYTES]) == bytes(payload(1))
+    # ... and at a restart's scan, a file named for one piece that holds another is dropped.
+    (tmp_path / file_name(high)).write_bytes((tmp_path / file_name(low)).read_bytes())
+    again = DiskTier(tmp_path, 1 << 20)
+    assert again.lru_keys() == [low] and again.stats()["disk_corrupt"] == 1
+    assert not (tmp_path / file_name(high)).exists()
 
 
 def test_size_cap_deletes_least_recently_used(tmp_path: Path) -> None:
@@ -209,8 +386,8 @@ def test_write_through_and_lookup_after_restart(tmp_path: Path) -> None:
 
     fresh = engine_with(DiskTier(tmp_path, 1 << 20))  # a new server on the same directory
     hashes = [k.chunk_hash for k in keys] + [key(7).chunk_hash]
-    assert fresh.lookup("m", 1, hashes, "q") == 0
-    assert fresh.lookup_tiers("m", 1, hashes, "q", timeout_s=2) == 3
+    assert fresh.lookup("m", opaque_layout(1), [(0, 1)], hashes, "q") == 0
+    assert lookup_tiers(fresh, 1, hashes, "q", timeout_s=2) == 3
     assert fresh.locks_of("q") and set(fresh.locks_of("q")) == set(keys)
     assert retrieved(fresh, keys, "q") == [bytes(payload(i)) for i in range(3)]
     assert fresh.locks_of("q") == []
@@ -228,7 +405,7 @@ def test_prefix_needs_every_rank(tmp_path: Path) -> None:
                 disk.write(key(i, rank, world=2), payload(i))
     store(engine, [key(0, 0, world=2), key(0, 1, world=2), key(1, 1, world=2)])
     hashes = [key(i).chunk_hash for i in range(4)]
-    assert engine.lookup_tiers("m", 2, hashes, "tp", timeout_s=2) == 2
+    assert lookup_tiers(engine, 2, hashes, "tp", timeout_s=2) == 2
     assert len(engine.locks_of("tp")) == 4
     assert not engine.is_resident(key(2, 0, world=2))  # beyond the prefix: not loaded
     assert engine.stats()["disk_loaded_chunks"] == 1  # only (chunk 1, rank 0) was read
@@ -246,13 +423,13 @@ def test_eviction_spills_to_disk_ahead(tmp_path: Path) -> None:
         assert not any(disk.contains(key(i)) for i in range(1, 7))  # warmer chunks are not
         for i in range(7, 12):
             store(engine, [key(i)])
-            _wait(lambda: not engine._spill_candidates(8))
+            _wait(lambda: engine.tiers is not None and not engine.tiers.spill_candidates(8))
         assert engine.stats()["evictions"] == 4
         assert engine.stats()["disk_evicted_unsaved"] == 0
         evicted = [key(i) for i in range(4)]
         assert all(disk.contains(k) and not engine.is_resident(k) for k in evicted)
         hashes = [k.chunk_hash for k in evicted]
-        assert engine.lookup_tiers("m", 1, hashes, "back", timeout_s=2) == 4
+        assert lookup_tiers(engine, 1, hashes, "back", timeout_s=2) == 4
         assert retrieved(engine, evicted, "back") == [bytes(payload(i)) for i in range(4)]
     finally:
         disk.stop()
@@ -272,7 +449,7 @@ def test_no_tier_means_no_tier_work(tmp_path: Path) -> None:
     engine = engine_with(None)
     assert not engine.has_tiers
     store(engine, [key(0)])
-    assert engine.lookup_tiers("m", 1, [key(0).chunk_hash, key(1).chunk_hash], "x") == 1
+    assert lookup_tiers(engine, 1, [key(0).chunk_hash, key(1).chunk_hash], "x") == 1
     assert "disk_chunks" not in engine.stats()
 
 

@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import pytest
 import zmq
 
 from lmcache_core.config import load_config
-from lmcache_core.engine import CacheEngine
 from lmcache_core.errors import BindError, ConfigError
 from lmcache_core.events import DISK, MEMORY
-from lmcache_core.keys import ChunkKey
+from lmcache_core.keys import ChunkKey, layout_key, opaque_layout, rank_heads, world_heads
 from lmcache_core.server.events import (
     END_SEQ,
     REMOVED,
@@ -28,8 +27,10 @@ from lmcache_core.server.events import (
     wire_hash,
 )
 from lmcache_core.storage.disk import DiskTier, file_name
-from lmcache_core.storage.pool import MemoryPool
 from lmcache_core.supervision import Supervisor
+
+if TYPE_CHECKING:
+    from lmcache_core.engine import CacheEngine
 
 # ------------------------------------------------------------------ vLLM's definitions, mirrored
 # vLLM 0.32 (vllm/distributed/kv_events.py, after vLLM PR #42892): the batch is an array, the
@@ -126,7 +127,16 @@ LEGACY = msgspec.msgpack.Decoder(LegacyKVEventBatch)
 
 
 def key(i: int, model: str = "m", rank: int = 0, world: int = 1) -> ChunkKey:
-    return ChunkKey(model, world, rank, bytes([i]) * 24 + i.to_bytes(8, "big"))
+    """Chunk ``i``'s piece that rank ``rank`` of ``world`` holds (opaque layout: heads are ranks)."""
+    layout = opaque_layout(world)
+    return ChunkKey(model, layout, *rank_heads(layout, world, rank), _hash(i))
+
+
+def _hash(i: int) -> bytes:
+    return bytes([i]) * 24 + i.to_bytes(8, "big")
+
+
+LAYOUT = layout_key("bfloat16", 4, 8, 128, False)
 
 
 class Recorder:
@@ -181,6 +191,30 @@ def test_batches_one_per_model_stores_apart_removals_merged():
         BlockStored([h[5]], None, [], 256, None, MEMORY, None),
     ]
     assert batches["other"].events == [BlockStored([h[3]], None, [], 256, None, MEMORY, None)]
+
+
+def test_pieces_of_one_chunk_are_one_hash_per_event():
+    """A chunk is held as pieces (head ranges, at several TP sizes or layouts); events name chunks."""
+    def pieces(i: int, world: int, layout: str = LAYOUT) -> list[ChunkKey]:
+        return [ChunkKey("m", layout, lo, hi, _hash(i)) for lo, hi in world_heads(layout, world)]
+
+    mla = layout_key("bfloat16", 4, 1, 576, True)
+    records = [
+        (STORED, MEMORY, pieces(1, 4) + pieces(2, 4) + pieces(1, 2)),  # TP 4 and TP 2 pieces of 1
+        (STORED, DISK, [*pieces(3, 1), *pieces(3, 1, mla), ChunkKey("n", LAYOUT, 0, 8, _hash(3))]),
+        (REMOVED, MEMORY, pieces(1, 2)),
+        (REMOVED, MEMORY, pieces(1, 4) + pieces(2, 8)),  # merged with the one before: 1 once
+        (STORED, MEMORY, pieces(1, 8)),  # another report: its own event, as before
+    ]
+    batches = build_batches(records, block_size=16, ts=1.0)
+    h = [wire_hash(_hash(i)) for i in range(4)]
+    assert batches["m"].events == [
+        BlockStored([h[1], h[2]], None, [], 16, None, MEMORY, None),
+        BlockStored([h[3]], None, [], 16, None, DISK, None),
+        BlockRemoved([h[1], h[2]], MEMORY),
+        BlockStored([h[1]], None, [], 16, None, MEMORY, None),
+    ]
+    assert batches["n"].events == [BlockStored([h[3]], None, [], 16, None, DISK, None)]
 
 
 def test_wire_hash_is_vllm_default_int_form():
@@ -388,6 +422,9 @@ def store(engine: CacheEngine, keys: list[ChunkKey]) -> None:
 
 
 def test_engine_reports_stores_evictions_clears_and_tier_loads(tmp_path):
+    from lmcache_core.engine import CacheEngine  # here: the other tests need no engine
+    from lmcache_core.storage.pool import MemoryPool
+
     sink = Recorder()
     disk = DiskTier(tmp_path, 2**20, write_through=True)
     engine = CacheEngine(MemoryPool.slots(SLOT, 3, pin=False), chunk_size=16, disk=disk, events=sink)
@@ -398,14 +435,15 @@ def test_engine_reports_stores_evictions_clears_and_tier_loads(tmp_path):
                           (STORED, MEMORY, [key(3), key(4)])]
     sink.calls.clear()
     for k in (key(3), key(4)):  # what write-through would write behind
-        with engine._pinned(k) as payload:
+        with engine.reading(k) as payload:
             assert payload is not None and disk.write(k, payload)
     assert sink.calls == [(STORED, DISK, [key(3)]), (STORED, DISK, [key(4)])]
     sink.calls.clear()
     assert engine.clear() == (3, 0)
     assert sink.calls == [(REMOVED, MEMORY, [key(1), key(4), key(3)])]  # LRU order
     sink.calls.clear()
-    assert engine.lookup_tiers("m", 1, [key(3).chunk_hash, key(4).chunk_hash], "q", lock=False) == 2
+    assert engine.lookup_tiers("m", opaque_layout(1), [(0, 1)],
+                               [key(3).chunk_hash, key(4).chunk_hash], "q", lock=False) == 2
     assert sink.calls == [(STORED, MEMORY, [key(3), key(4)])]  # loaded back, in prefix order
 
 
