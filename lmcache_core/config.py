@@ -56,7 +56,8 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class ModelConfig(_Section):
-    """The model whose KV cache is stored; it sizes the pool's chunk slots."""
+    """The model the CLI commands (lookup, store-bench, ...) assume unless told otherwise. The
+    server needs none: it learns each worker's KV shape when it registers."""
 
     name: str = "meta-llama/Llama-3.1-8B"
     num_layers: Positive = 32
@@ -78,6 +79,14 @@ class ServerConfig(_Section):
     # a free one; "off" (or YAML's bare off/false) disables it. No auth: keep it on loopback.
     http_url: str | bool = DEFAULT_HTTP_URL
     pool_size: int | str = "4GiB"
+    # The pool is one byte budget for every model and TP size, cut into slabs of this size, each
+    # holding chunk pieces of one size class (none: 1/16 of the pool, at least 128 MiB, at most the
+    # pool). The largest piece a worker may store is one slab: a registration whose chunks are
+    # bigger is refused.
+    slab_size: int | str | None = None
+    # Optional per-model memory quotas: {model name: size}; a model at its quota evicts its own
+    # oldest pieces first (or skips the store when all are held). Models not named share the rest.
+    quotas: dict[str, int | str] = msgspec.field(default_factory=dict)
     eviction: Literal["lru"] = "lru"
     workers: Positive = 2
     max_request_bytes: Positive = 16 * 2**20
@@ -104,6 +113,11 @@ class ServerConfig(_Section):
 
     def __post_init__(self) -> None:
         self.pool_size = parse_size(self.pool_size)
+        if self.slab_size is not None:
+            self.slab_size = parse_size(self.slab_size)
+            if self.slab_size <= 0 or self.slab_size % 64:
+                raise ValueError("slab_size: must be a positive multiple of 64 bytes")
+        self.quotas = {str(name): parse_size(size) for name, size in self.quotas.items()}
         if not self.url.startswith(("tcp://", "ipc://")):
             raise ValueError(f"url must start with tcp:// or ipc://, got {self.url!r}")
         self.events_url, self.events_replay_url = (
@@ -115,6 +129,14 @@ class ServerConfig(_Section):
     @property
     def pool_bytes(self) -> int:
         return parse_size(self.pool_size)
+
+    @property
+    def slab_bytes(self) -> int | None:
+        return None if self.slab_size is None else parse_size(self.slab_size)
+
+    @property
+    def quota_bytes(self) -> dict[str, int]:
+        return {name: parse_size(size) for name, size in self.quotas.items()}
 
     @property
     def events_urls(self) -> tuple[str, str] | None:
@@ -379,11 +401,14 @@ def _convert(raw: dict[str, Any], source: str) -> LMCacheConfig:
 
 
 def _check_pool(config: LMCacheConfig, source: str) -> None:
-    if config.server.pool_bytes < config.chunk_bytes:
+    server = config.server
+    slab = server.slab_bytes
+    if slab is not None and server.pool_bytes < slab:
         raise ConfigError(
-            f"{source}: server.pool_size: {config.server.pool_bytes} bytes is smaller than one "
-            f"chunk ({config.chunk_bytes} bytes for {config.model.name} at chunk_size "
-            f"{config.chunk_size})")
+            f"{source}: server.pool_size: {server.pool_bytes} bytes is smaller than one slab "
+            f"(server.slab_size {slab} bytes)")
+    if server.pool_bytes < 64:
+        raise ConfigError(f"{source}: server.pool_size: {server.pool_bytes} bytes is too small")
 
 
 def _check_tiers(config: LMCacheConfig, source: str) -> None:

@@ -12,6 +12,8 @@ unsalted hashes stay exactly LMCache's. (vLLM's block hashes already include the
 
 from __future__ import annotations
 
+import functools
+import re
 import struct
 import sys
 from array import array
@@ -31,16 +33,112 @@ _LITTLE = sys.byteorder == "little"
 
 
 class ChunkKey(NamedTuple):
-    """The identity of one stored chunk: one tensor-parallel rank's shard of one prefix chunk."""
+    """The identity of one stored piece: KV heads ``[head_lo, head_hi)`` of one prefix chunk.
+
+    A chunk is named by (model, layout fingerprint, chunk hash) and held as pieces, each covering
+    the head range one rank of one tensor-parallel size owns (``rank_heads``), so a chunk stored at
+    one TP size can be read at another. MLA caches are the same on every rank: one piece ``[0, 1)``.
+    """
 
     model_name: str
-    world_size: int
-    kv_rank: int
+    layout: str
+    head_lo: int
+    head_hi: int
     chunk_hash: bytes
 
     def short(self) -> str:
         """A human-sized form for tables and logs."""
-        return f"{self.chunk_hash[:6].hex()}@{self.kv_rank}/{self.world_size}"
+        return f"{self.chunk_hash[:6].hex()}@{self.head_lo}-{self.head_hi}"
+
+    @property
+    def chunk(self) -> tuple[str, str, bytes]:
+        """The chunk this piece belongs to: ``(model, layout, chunk hash)``."""
+        return (self.model_name, self.layout, self.chunk_hash)
+
+
+#: A piece's head range: ``(head_lo, head_hi)``.
+HeadRange = tuple[int, int]
+_LAYOUT_RE = re.compile(r"^([a-z0-9_]{1,24}):(\d{1,5})x(?:(\d{1,5})x|(mla))(\d{1,6})$")
+_OPAQUE_RE = re.compile(r"^ranks(\d{1,5})$")
+
+
+def layout_key(dtype: str, num_layers: int, kv_heads: int, head_size: int, mla: bool) -> str:
+    """The layout fingerprint of a KV cache: ``dtype:LAYERSxHEADSxHEAD_SIZE`` (``HEADS``: KV heads
+    of all tensor-parallel ranks together), or ``dtype:LAYERSxmlaSIZE`` for MLA, e.g.
+    ``bfloat16:32x8x128``. Engines whose chunk bytes differ in meaning never share a fingerprint."""
+    dtype = dtype.removeprefix("torch.")
+    if mla:
+        return f"{dtype}:{num_layers}xmla{head_size}"
+    return f"{dtype}:{num_layers}x{kv_heads}x{head_size}"
+
+
+def opaque_layout(world_size: int) -> str:
+    """A fingerprint for callers that know no KV shape (an in-process engine, bare tests): its
+    "heads" are the ranks of ``world_size``, so such pieces are never shared across TP sizes."""
+    return f"ranks{world_size}"
+
+
+@functools.lru_cache(maxsize=1024)
+def layout_heads(layout: str) -> int:
+    """How many heads a layout's pieces divide (1 for MLA); ValueError for a malformed one."""
+    match = _LAYOUT_RE.match(layout)
+    if match is not None:
+        return 1 if match.group(4) else int(match.group(3))
+    opaque = _OPAQUE_RE.match(layout)
+    if opaque is not None and int(opaque.group(1)) > 0:
+        return int(opaque.group(1))
+    raise ValueError(f"not a KV layout fingerprint: {layout[:80]!r}")
+
+
+def is_mla(layout: str) -> bool:
+    """Whether the layout is MLA (one piece serves every rank)."""
+    match = _LAYOUT_RE.match(layout)
+    return match is not None and match.group(4) is not None
+
+
+def rank_heads(layout: str, world_size: int, rank: int) -> HeadRange:
+    """The head range rank ``rank`` of ``world_size`` owns: ``[r*H/W, (r+1)*H/W)``, or ``(0, 1)``
+    for MLA; ValueError when the heads do not divide by the world size."""
+    heads = layout_heads(layout)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world size {world_size}")
+    if is_mla(layout):
+        return (0, 1)
+    if heads % world_size:
+        raise ValueError(f"{heads} KV heads of layout {layout} do not divide by world size "
+                         f"{world_size}")
+    step = heads // world_size
+    return (rank * step, (rank + 1) * step)
+
+
+def world_heads(layout: str, world_size: int) -> list[HeadRange]:
+    """Every rank's head range for ``world_size`` (one ``(0, 1)`` for MLA: all ranks share it)."""
+    if is_mla(layout):
+        return [(0, 1)]
+    return [rank_heads(layout, world_size, rank) for rank in range(world_size)]
+
+
+#: The most tensor-parallel sizes a lower-tier lookup probes for pieces of one range.
+MAX_PROBED_TP = 64
+
+
+@functools.lru_cache(maxsize=4096)
+def candidate_ranges(layout: str, heads: HeadRange) -> tuple[HeadRange, ...]:
+    """The head ranges of the pieces that may hold part of ``heads``: those each TP size that
+    divides the layout's heads would have stored, overlapping ``heads``; ``heads`` itself first,
+    then wider pieces before narrower ones. Opaque layouts only ever hold their own ranges."""
+    if _OPAQUE_RE.match(layout) or is_mla(layout):
+        return (heads,)
+    total = layout_heads(layout)
+    lo, hi = heads
+    out: dict[HeadRange, None] = {heads: None}
+    for world in range(1, min(total, MAX_PROBED_TP) + 1):
+        if total % world:
+            continue
+        step = total // world
+        for start in range(lo - lo % step, hi, step):
+            out[(start, start + step)] = None
+    return tuple(out)
 
 
 def _token_bytes(token_ids: Any) -> bytes | memoryview:

@@ -17,6 +17,7 @@ from collections.abc import Collection, Sequence
 import torch
 
 from lmcache_core.errors import IncompatibleError, NotRegisteredError, ProtocolError
+from lmcache_core.keys import layout_key
 from lmcache_core.kv.copy import BlockCopier, BlockIds
 from lmcache_core.kv.cuda_ipc import StorageKey, open_cuda_tensor, require_cuda
 from lmcache_core.kv.layout import kv_geometry
@@ -116,6 +117,19 @@ class MappedKVCache:
         return self._info.device
 
     @property
+    def token_shape(self) -> tuple[int, ...]:
+        """Per token and plane: ``(heads, head_size)``, or ``(latent size,)`` for MLA."""
+        return self._info.token_shape
+
+    def fingerprint(self, world_size: int) -> str:
+        """The layout fingerprint (``keys.layout_key``) of this cache as one rank of
+        ``world_size``: dtype, layers, the heads of all ranks, head size, MLA or not."""
+        mla = self.layout == "mla"
+        heads = 1 if mla else self.token_shape[0] * world_size
+        dtype = str(self.dtype).removeprefix("torch.")
+        return layout_key(dtype, self.num_layers, heads, self.token_shape[-1], mla)
+
+    @property
     def stacked(self) -> bool:
         """True when one op per chunk covers every layer."""
         return self._info.stacked
@@ -143,6 +157,12 @@ class MappedKVCache:
     def scatter(self, slots: Sequence[torch.Tensor], block_ids: BlockIds) -> None:
         """Copy ``slots[i]`` into chunk ``i``'s blocks of every layer."""
         self._live().scatter(slots, block_ids)
+
+    def scatter_heads(self, chunks: Sequence[Sequence[tuple[torch.Tensor, int, int]]],
+                      heads: tuple[int, int], block_ids: BlockIds) -> None:
+        """Copy chunk ``i``, held as pieces ``chunks[i]`` of other head ranges, into its blocks
+        (``BlockCopier.scatter_heads``: this cache holds heads ``heads`` of the model)."""
+        self._live().scatter_heads(chunks, heads, block_ids)
 
     def _live(self) -> BlockCopier:
         copier = self._copier
@@ -185,6 +205,7 @@ class _Frozen:
         self.dtype = src.dtype
         self.device = src.device
         self.stacked = src.stacked
+        self.token_shape = src.geometry.token_shape
 
 
 def _check_descriptors(

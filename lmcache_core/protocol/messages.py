@@ -38,6 +38,8 @@ Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_WORLD_SIZE)]
 Pid = Annotated[int, msgspec.Meta(ge=0, le=2**22)]
 ByteCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_BYTES)]
 Name = Annotated[str, msgspec.Meta(max_length=256)]  # model names, dtypes, host names
+#: A KV layout fingerprint (``keys.layout_key``), e.g. "bfloat16:32x8x128".
+LayoutName = Annotated[str, msgspec.Meta(max_length=64)]
 LookupId = Annotated[str, msgspec.Meta(max_length=1024)]
 RequestIds = Annotated[list[LookupId], msgspec.Meta(max_length=MAX_KEYS)]
 #: A CUDA IPC event or memory handle is 64 bytes; the ref-counter handle is a short file name.
@@ -156,6 +158,9 @@ class LookupRequest(Message):
     lookup_id: LookupId
     chunk_hashes: ChunkHashes
     lock: bool = True
+    # The KV layout fingerprint of the asking engine; None: the layouts of the registered workers
+    # of this model and world size, else every layout the server holds for the model.
+    layout: LayoutName | None = None
 
     def num_keys(self) -> int:
         # One key per rank per chunk: that is what the lookup (and a tier load) works through.
@@ -217,6 +222,9 @@ class ChunkSizeReply(Reply):
 class RegisterKVCacheReply(Reply):
     chunk_bytes: int
     blocks_per_chunk: int
+    layout: str = ""  # the KV layout fingerprint the server files this cache's chunks under
+    head_lo: int = 0  # the heads [head_lo, head_hi) of the model this rank holds
+    head_hi: int = 0
 
 
 class StoreReply(Reply):
@@ -253,10 +261,11 @@ class ClearReply(Reply):
 
 
 class ServerStats(msgspec.Struct, kw_only=True):
-    chunks: int = 0
+    chunks: int = 0  # resident pieces
     bytes_used: int = 0
-    slots_total: int = 0
-    slots_used: int = 0
+    pool_bytes_allocated: int = 0  # bytes of the pool's allocations (size classes)
+    pool_slabs: int = 0
+    pool_slabs_free: int = 0
     lookups: int = 0
     lookup_hit_chunks: int = 0
     lookup_miss_chunks: int = 0
@@ -264,6 +273,7 @@ class ServerStats(msgspec.Struct, kw_only=True):
     stored_chunks: int = 0
     stored_bytes: int = 0
     store_skipped_full: int = 0
+    store_skipped_quota: int = 0  # pieces not stored: their model was at its quota
     retrieves: int = 0
     retrieved_chunks: int = 0
     retrieved_bytes: int = 0
@@ -309,9 +319,10 @@ class ServerInfoReply(Reply):
     chunk_size: int
     uptime_s: float
     pool_bytes: int
-    slot_bytes: int
+    slab_bytes: int
     eviction: str
     stats: ServerStats
+    models: list[ModelStats] = msgspec.field(default_factory=list)
     http_url: str | None = None  # the HTTP listener (/metrics, /healthz, /readyz), None when off
     tiers: list[str] = msgspec.field(default_factory=list)  # lower tiers configured: disk, remote
     # The pool's pages (server.prefault): populate "pending", "running", "done", "stopped",
@@ -324,11 +335,25 @@ class ServerInfoReply(Reply):
     rss_bytes: int = 0
 
 
+class ModelStats(msgspec.Struct, kw_only=True):
+    """One model's share of the pool."""
+
+    model_name: str
+    pieces: int
+    bytes_used: int
+    layouts: list[str] = msgspec.field(default_factory=list)
+    quota_bytes: int | None = None
+    registered: int = 0  # workers registered with this model
+
+
 class ChunkInfo(msgspec.Struct, kw_only=True):
+    """One piece: heads [head_lo, head_hi) of a chunk of ``model_name`` in ``layout``."""
+
     chunk_hash: bytes
     model_name: str
-    world_size: int
-    kv_rank: int
+    layout: str
+    head_lo: int
+    head_hi: int
     tier: str
     nbytes: int
     locks: int

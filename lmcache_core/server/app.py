@@ -55,12 +55,13 @@ class CacheServer:
 
     def __init__(self, config: LMCacheConfig, context: zmq.Context[Any] | None = None) -> None:
         self.config = config
-        self.pool = MemoryPool.from_bytes(config.server.pool_bytes, config.chunk_bytes)
+        self.pool = MemoryPool(config.server.pool_bytes, config.server.slab_bytes)
         self.disk, self.remote = build_tiers(config)
         self.events = KVEventPublisher.from_config(config, context)  # None unless server.events_url
         self.engine = CacheEngine(self.pool, config.chunk_size,
                                   lock_ttl_s=config.timeouts.lock_ttl_s, disk=self.disk,
-                                  remote=self.remote, events=self.events)
+                                  remote=self.remote, events=self.events,
+                                  quotas=config.server.quota_bytes)
         workers = config.server.workers + (2 if self.engine.has_tiers else 0)
         self._done = threading.Event()  # a stop was asked for, or a thread died
         self.supervisor = Supervisor(on_failure=lambda _reason: self._done.set())

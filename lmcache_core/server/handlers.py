@@ -15,9 +15,9 @@ from typing import Any
 
 from lmcache_core import __version__
 from lmcache_core.config import LMCacheConfig
-from lmcache_core.engine import CacheEngine
+from lmcache_core.engine import CacheEngine, RetrievePlan
 from lmcache_core.errors import IncompatibleError, ProtocolError
-from lmcache_core.keys import ChunkKey
+from lmcache_core.keys import ChunkKey, opaque_layout, rank_heads, world_heads
 from lmcache_core.kv.cuda_events import open_ipc_event
 from lmcache_core.kv.mapped import MappedKVCache
 from lmcache_core.protocol import messages as m
@@ -96,18 +96,30 @@ class CacheHandlers:
             self.add_copy_threads(COPY_THREADS_PER_GPU * self.registry.gpu_count())
         mapped = registration.mapped
         return m.RegisterKVCacheReply(chunk_bytes=mapped.chunk_bytes,
-                                      blocks_per_chunk=mapped.blocks_per_chunk)
+                                      blocks_per_chunk=mapped.blocks_per_chunk,
+                                      layout=registration.layout, head_lo=registration.heads[0],
+                                      head_hi=registration.heads[1])
 
     def open_mapping(self, request: m.RegisterKVCacheRequest) -> MappedKVCache:
-        """Map a worker's tensors and check its chunks fit this server's slots."""
+        """Map a worker's tensors; check its chunk pieces fit the pool's slabs and its heads
+        divide among its world size."""
         mapped = MappedKVCache.open(request.layers, request.layout, request.block_size,
                                     self.config.chunk_size, owner_pid=request.pid,
                                     allowed_uids=self.config.server.allowed_uids)
-        if mapped.chunk_bytes > self.engine.pool.slot_bytes:
+        try:
+            if not self.engine.pool.fits(mapped.chunk_bytes):
+                raise IncompatibleError(
+                    f"a chunk of this KV cache is {mapped.chunk_bytes} bytes per rank but the "
+                    f"pool's slabs hold {self.engine.pool.max_alloc_bytes} (raise "
+                    "server.slab_size, or server.pool_size)")
+            try:
+                rank_heads(mapped.fingerprint(request.world_size), request.world_size,
+                           request.kv_rank)
+            except ValueError as exc:
+                raise IncompatibleError(str(exc)) from None
+        except BaseException:
             mapped.close()
-            raise IncompatibleError(
-                f"a chunk of this KV cache is {mapped.chunk_bytes} bytes but the server's slots hold "
-                f"{self.engine.pool.slot_bytes} (set the model in the server's config to match)")
+            raise
         return mapped
 
     def unregister_kv_cache(self, request: m.UnregisterKVCacheRequest,
@@ -147,19 +159,18 @@ class CacheHandlers:
         started = time.monotonic()
         with self.registry.lease(request.instance_id) as reg:
             per_chunk = self._check_blocks(reg, request.chunk_hashes, request.block_ids)
-            keys = self._keys(reg, request.chunk_hashes)
-            plan = self.engine.begin_retrieve(keys, request.lookup_id)
+            plan = self.engine.begin_retrieve(reg.model_name, reg.layout, reg.heads,
+                                              request.chunk_hashes, request.lookup_id)
             copied: int | None = None
             try:
                 if plan.found:
                     with reg.copy_stream.run(request.event_handle, self.event_timeout_s):
                         if deadline_s is None and not self.copy_delay_s:
-                            indices = [f[0] for f in plan.found]
-                            blocks = _chunk_blocks(request.block_ids, indices, per_chunk)
-                            reg.mapped.scatter([f[2] for f in plan.found], blocks)
+                            self._scatter(reg, plan, range(len(plan.found)), request.block_ids,
+                                          per_chunk)
                         else:
                             until = math.inf if deadline_s is None else started + deadline_s
-                            copied = self._scatter_until(reg, plan.found, request.block_ids,
+                            copied = self._scatter_until(reg, plan, request.block_ids,
                                                          per_chunk, until)
             finally:
                 self.engine.finish_retrieve(plan, copied)
@@ -169,20 +180,37 @@ class CacheHandlers:
         return m.RetrieveReply(retrieved=copied, missing=sorted(plan.missing + late),
                                late=len(late))
 
-    def _scatter_until(self, reg: Registration, found: Sequence[tuple[int, ChunkKey, Any]],
-                       block_ids: Sequence[int], per_chunk: int, deadline: float) -> int:
-        """Copy ``found`` chunk by chunk while ``deadline`` (monotonic) is not reached; returns how
-        many were copied (a prefix). Each copy is complete before the next check."""
+    @staticmethod
+    def _scatter(reg: Registration, plan: RetrievePlan, positions: Sequence[int],
+                 block_ids: Sequence[int], per_chunk: int) -> None:
+        """Copy ``plan.found[p]`` for ``p`` in ``positions`` into their blocks: chunks held as one
+        piece of exactly this rank's heads in one scatter, the others (pieces stored by another
+        tensor-parallel size) by head-range copies."""
+        exact = [p for p in positions if plan.is_exact(p)]
+        other = [p for p in positions if not plan.is_exact(p)]
+        if exact:
+            indices = [plan.found[p][0] for p in exact]
+            reg.mapped.scatter([plan.found[p][1][0][0] for p in exact],
+                               _chunk_blocks(block_ids, indices, per_chunk))
+        if other:
+            indices = [plan.found[p][0] for p in other]
+            reg.mapped.scatter_heads([plan.found[p][1] for p in other], plan.heads,
+                                     _chunk_blocks(block_ids, indices, per_chunk))
+
+    def _scatter_until(self, reg: Registration, plan: RetrievePlan, block_ids: Sequence[int],
+                       per_chunk: int, deadline: float) -> int:
+        """Copy ``plan.found`` chunk by chunk while ``deadline`` (monotonic) is not reached;
+        returns how many were copied (a prefix). Each copy is complete before the next check."""
         delay_s = self.copy_delay_s
         clock = time.monotonic
-        for done, (index, _key, slot) in enumerate(found):
+        for done in range(len(plan.found)):
             if clock() >= deadline:
                 return done
             if delay_s:
                 time.sleep(delay_s)  # server.test_copy_delay_ms: test-only fault injection
-            reg.mapped.scatter([slot], block_ids[index * per_chunk:(index + 1) * per_chunk])
+            self._scatter(reg, plan, (done,), block_ids, per_chunk)
             reg.copy_stream.synchronize(self.event_timeout_s)  # no-op on CPU
-        return len(found)
+        return len(plan.found)
 
     def load_deadline_s(self, request: m.RetrieveRequest) -> float | None:
         """The retrieve's deadline in seconds: its own ``deadline_ms``, else ``timeouts.load_ms``;
@@ -227,8 +255,8 @@ class CacheHandlers:
 
     @staticmethod
     def _keys(reg: Registration, hashes: Sequence[bytes]) -> list[ChunkKey]:
-        model, world, rank = reg.model_name, reg.world_size, reg.kv_rank
-        return [ChunkKey(model, world, rank, h) for h in hashes]
+        model, layout, (lo, hi) = reg.model_name, reg.layout, reg.heads
+        return [ChunkKey(model, layout, lo, hi, h) for h in hashes]
 
     @staticmethod
     def _check_blocks(reg: Registration, hashes: Sequence[bytes], block_ids: Sequence[int]) -> int:
@@ -240,14 +268,32 @@ class CacheHandlers:
         return per_chunk
 
     def lookup(self, request: m.LookupRequest, _client: bytes) -> m.LookupReply:
+        """Hit chunks for ``world_size`` ranks of the request's layout: its own ``layout``, else
+        those of the registered workers of this model and world size, else every layout held for
+        the model (the CLI's case); with several, the one with most hits is counted and locked."""
+        layouts = self.lookup_layouts(request)
+        if len(layouts) > 1:  # count each without locking; then lock the best one's hits
+            layouts = [max(layouts, key=lambda layout: self._lookup(request, layout, False))]
+        return m.LookupReply(hit_chunks=self._lookup(request, layouts[0], request.lock))
+
+    def _lookup(self, request: m.LookupRequest, layout: str, lock: bool) -> int:
+        try:
+            ranges = world_heads(layout, request.world_size)
+        except ValueError:
+            return 0  # heads that do not divide by this world size: never a hit
         if self.engine.has_tiers:
-            hits = self.engine.lookup_tiers(request.model_name, request.world_size,
-                                            request.chunk_hashes, request.lookup_id, request.lock,
+            return self.engine.lookup_tiers(request.model_name, layout, ranges,
+                                            request.chunk_hashes, request.lookup_id, lock,
                                             timeout_s=self.tier_budget_s)
-        else:
-            hits = self.engine.lookup(request.model_name, request.world_size, request.chunk_hashes,
-                                      request.lookup_id, request.lock)
-        return m.LookupReply(hit_chunks=hits)
+        return self.engine.lookup(request.model_name, layout, ranges, request.chunk_hashes,
+                                  request.lookup_id, lock)
+
+    def lookup_layouts(self, request: m.LookupRequest) -> list[str]:
+        if request.layout is not None:
+            return [request.layout]
+        return (self.registry.layouts(request.model_name, request.world_size)
+                or self.engine.layouts(request.model_name)
+                or [opaque_layout(request.world_size)])
 
     @property
     def tier_budget_s(self) -> float:
@@ -274,11 +320,18 @@ class CacheHandlers:
         stats.update(gpu_instances=self.registry.gpu_instances(),
                      pool_pinned_bytes=self.engine.pool.pinned_bytes)
         pool = self.engine.pool
+        registered = self.registry.models()
+        models = self.engine.model_stats()
+        for row in models:
+            row.registered = registered.pop(row.model_name, 0)
+        models += [m.ModelStats(model_name=name, pieces=0, bytes_used=0, registered=count,
+                                quota_bytes=self.engine.quotas.get(name))
+                   for name, count in sorted(registered.items())]
         return m.ServerInfoReply(
             version=__version__, url=self.url, pid=os.getpid(), chunk_size=self.config.chunk_size,
             uptime_s=time.monotonic() - self.started, pool_bytes=self.engine.pool.nbytes,
-            slot_bytes=self.engine.pool.slot_bytes, eviction=self.config.server.eviction,
-            stats=m.ServerStats(**stats), http_url=self.http_url,
+            slab_bytes=self.engine.pool.slab_bytes, eviction=self.config.server.eviction,
+            stats=m.ServerStats(**stats), http_url=self.http_url, models=models,
             tiers=[name for name in ("disk", "remote") if getattr(self.config, name) is not None],
             pool_populate=pool.populate_state, pool_populated_bytes=pool.populated_bytes,
             pool_populate_s=pool.populate_s, pool_huge_pages=pool.huge_pages,
@@ -290,13 +343,4 @@ class CacheHandlers:
 
     def list_chunks(self, request: m.ListChunksRequest, _client: bytes) -> m.ChunkListReply:
         rows, total = self.engine.list_chunks(request.model_name, request.limit, request.sort)
-        return m.ChunkListReply(chunks=[self._chunk_info(r) for r in rows], total=total)
-
-    @staticmethod
-    def _chunk_info(row: Any) -> m.ChunkInfo:
-        if isinstance(row, m.ChunkInfo):
-            return row
-        key: ChunkKey = row.key
-        return m.ChunkInfo(chunk_hash=key.chunk_hash, model_name=key.model_name,
-                           world_size=key.world_size, kv_rank=key.kv_rank, tier=row.tier,
-                           nbytes=row.nbytes, locks=row.locks, hits=row.hits, age_s=row.age_s)
+        return m.ChunkListReply(chunks=rows, total=total)

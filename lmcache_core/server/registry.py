@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from lmcache_core.errors import NotRegisteredError
+from lmcache_core.keys import opaque_layout, rank_heads
 from lmcache_core.kv.cuda_events import CopyStream
 from lmcache_core.kv.cuda_ipc import release_cached_cuda_memory
 from lmcache_core.kv.shm import SegmentFile, parse_segment_name
@@ -58,7 +59,12 @@ class Registration:
         self.world_size = request.world_size
         self.kv_rank = request.kv_rank
         self.block_size = request.block_size
-        self.layout = request.layout
+        self.kv_layout = request.layout  # vLLM's tensor layout name (flash_attn, ...)
+        # The fingerprint its chunks are filed under, and the heads of the model this rank holds.
+        fingerprint = getattr(mapped, "fingerprint", None)
+        self.layout = (fingerprint(request.world_size) if fingerprint is not None
+                       else opaque_layout(request.world_size))
+        self.heads = rank_heads(self.layout, request.world_size, request.kv_rank)
         self.pid = request.pid
         cuda = [d.device_uuid for d in request.layers if d.kind == "cuda"]
         self.device_uuid = cuda[0] if cuda else ""  # "" for shared memory (CPU)
@@ -249,6 +255,12 @@ class KVRegistry:
 
     def __len__(self) -> int:
         return len(self._by_id)
+
+    def layouts(self, model_name: str, world_size: int) -> list[str]:
+        """The layout fingerprints of the workers registered for this model and world size."""
+        with self._lock:
+            return list(dict.fromkeys(r.layout for r in self._by_id.values()
+                                      if r.model_name == model_name and r.world_size == world_size))
 
     def models(self) -> dict[str, int]:
         """Registered KV caches (workers) per model name."""

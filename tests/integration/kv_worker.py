@@ -5,6 +5,9 @@ obeys JSON-line commands on stdin, answering one JSON line each on stdout:
   {"cmd": "fill", "blocks": [...], "seed": 1}            random bytes into those blocks
   {"cmd": "zero", "blocks": [...]}
   {"cmd": "digest", "blocks": [...]}                     -> {"digest": hex} over the blocks, in order
+  {"cmd": "fill_model"|"check_model", "blocks": [...], "seed": 1}
+      the blocks as one seeded cache of *all* the model's heads would hold them, this rank's head
+      slice (MLA: the whole latent); check -> {"equal": bool}: so ranks of any TP size compare
   {"cmd": "store"|"retrieve", "req": id, "keys": tokens-or-hex-hashes, "blocks": [...]}
       -> {"finished": bool, "failed": reason-or-null}     (waits for get_finished, bounded)
   {"cmd": "batch_store", "reqs": [...], "keys": [[...]...], "blocks": [[...]...]}
@@ -32,6 +35,10 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 def main() -> None:
     spec = json.loads(sys.argv[1])
     shape = [2, spec["num_blocks"], spec["block_size"], spec["heads"], spec["head_dim"]]
+    if spec.get("mla"):
+        shape = [spec["num_blocks"], spec["block_size"], spec["head_dim"]]
+    global SPEC
+    SPEC = spec
     caches, segment = allocate_shared_kv_caches(spec["layers"], shape, DTYPES[spec["dtype"]])
     adapter = LMCacheMPWorkerAdapter(spec["url"], None, spec["model"], spec["world_size"],
                                      spec["rank"], spec["block_size"], heartbeat_interval_s=1.0)
@@ -50,8 +57,38 @@ def main() -> None:
     reply({"bye": True})
 
 
+SPEC: dict = {}
+
+
+def model_slice(layer: torch.Tensor, index: int, seed: int, n_blocks: int) -> torch.Tensor:
+    """What this rank's cache holds in ``n_blocks`` blocks of a seeded cache of all heads."""
+    gen = torch.Generator().manual_seed(seed * 1000 + index)
+    if SPEC.get("mla"):
+        full = torch.randint(-100, 100, (n_blocks, SPEC["block_size"], SPEC["head_dim"]),
+                             generator=gen)
+        return full.to(layer.dtype)
+    heads = SPEC["heads"]
+    full = torch.randint(-100, 100, (2, n_blocks, SPEC["block_size"], heads * SPEC["world_size"],
+                                     SPEC["head_dim"]), generator=gen)
+    lo = SPEC["rank"] * heads
+    return full[..., lo:lo + heads, :].to(layer.dtype)
+
+
 def handle(adapter: LMCacheMPWorkerAdapter, layers: list[torch.Tensor], c: dict) -> dict:
     cmd = c["cmd"]
+    if cmd in ("fill_model", "check_model"):
+        equal = True
+        for index, layer in enumerate(layers):
+            want = model_slice(layer, index, c["seed"], len(c["blocks"]))
+            if cmd == "fill_model":
+                if SPEC.get("mla"):
+                    layer[c["blocks"]] = want
+                else:
+                    layer[:, c["blocks"]] = want
+            else:
+                got = layer[c["blocks"]] if SPEC.get("mla") else layer[:, c["blocks"]]
+                equal = equal and torch.equal(got, want)
+        return {"ok": True, "equal": equal}
     if cmd == "fill":
         gen = torch.Generator().manual_seed(c["seed"])
         for layer in layers:
@@ -60,7 +97,10 @@ def handle(adapter: LMCacheMPWorkerAdapter, layers: list[torch.Tensor], c: dict)
         return {"ok": True}
     if cmd == "zero":
         for layer in layers:
-            layer[:, c["blocks"]] = 0
+            if SPEC.get("mla"):
+                layer[c["blocks"]] = 0
+            else:
+                layer[:, c["blocks"]] = 0
         return {"ok": True}
     if cmd == "digest":
         hasher = blake3()

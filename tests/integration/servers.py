@@ -105,12 +105,12 @@ class WorkerProcess:
 
     def __init__(self, url: str, *, rank: int = 0, world_size: int = 1, num_blocks: int = 64,
                  block_size: int = 16, model: str = "tiny", layers: int = 2, heads: int = 4,
-                 head_dim: int = 32, dtype: str = "float16") -> None:
+                 head_dim: int = 32, dtype: str = "float16", mla: bool = False) -> None:
         import json
 
         spec = {"url": url, "rank": rank, "world_size": world_size, "num_blocks": num_blocks,
                 "block_size": block_size, "model": model, "layers": layers, "heads": heads,
-                "head_dim": head_dim, "dtype": dtype}
+                "head_dim": head_dim, "dtype": dtype, "mla": mla}
         script = Path(__file__).with_name("kv_worker.py")
         self.proc = subprocess.Popen([sys.executable, str(script), json.dumps(spec)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

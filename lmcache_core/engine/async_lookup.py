@@ -14,12 +14,28 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from lmcache_core.errors import ProtocolError
+from lmcache_core.keys import HeadRange, opaque_layout, rank_heads
 
-if TYPE_CHECKING:
-    from lmcache_core.engine import CacheEngine
+
+class LookupEngine(Protocol):
+    """What the async lookups need of the engine (``cache.CacheEngine`` is one)."""
+
+    chunk_size: int
+
+    @property
+    def has_tiers(self) -> bool: ...
+
+    def lookup(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
+               chunk_hashes: Sequence[bytes], lookup_id: str, lock: bool = True) -> int: ...
+
+    def lookup_tiers(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
+                     chunk_hashes: Sequence[bytes], lookup_id: str, lock: bool = True,
+                     timeout_s: float = 1.0) -> int: ...
+
+    def free_lookup_locks(self, lookup_id: str) -> int: ...
 
 logger = logging.getLogger(__name__)
 PREFETCH_THREADS = 4
@@ -28,7 +44,7 @@ PREFETCH_THREADS = 4
 class AsyncLookups:
     """Answers async lookups against one engine; owns the prefetch threads of tiered ones."""
 
-    def __init__(self, engine: CacheEngine) -> None:
+    def __init__(self, engine: LookupEngine) -> None:
         self.engine = engine
         self._lock = threading.Lock()
         self._prefetch: ThreadPoolExecutor | None = None
@@ -38,6 +54,7 @@ class AsyncLookups:
     def lookup_and_prefetch(self, lookup_id: str, hashes: Sequence[bytes],
                             offsets: Sequence[int] | None = None, pin: bool = True, *,
                             model_name: str = "", world_size: int = 1, worker_id: int = 0,
+                            layout: str | None = None,
                             on_result: Callable[[str, int], None] | None = None) -> int | None:
         """``CacheEngine.async_lookup_and_prefetch`` (see there)."""
         if not 0 <= worker_id < world_size:
@@ -56,16 +73,20 @@ class AsyncLookups:
                 on_result(lookup_id, tokens)
             return tokens
 
-        ranks = (worker_id,)
+        if layout is None:
+            layout = opaque_layout(world_size)
+        try:
+            ranges = [rank_heads(layout, world_size, worker_id)]
+        except ValueError as exc:
+            raise ProtocolError(str(exc)) from None
         if not engine.has_tiers:
-            return answer(engine.lookup(model_name, world_size, hashes, lookup_id, lock=pin,
-                                        ranks=ranks))
+            return answer(engine.lookup(model_name, layout, ranges, hashes, lookup_id, lock=pin))
         if on_result is None:  # nobody to call back: wait here
-            return answer(engine.lookup_tiers(model_name, world_size, hashes, lookup_id, pin, ranks))
+            return answer(engine.lookup_tiers(model_name, layout, ranges, hashes, lookup_id, pin))
 
         def prefetch() -> None:
             try:
-                chunks = engine.lookup_tiers(model_name, world_size, hashes, lookup_id, pin, ranks)
+                chunks = engine.lookup_tiers(model_name, layout, ranges, hashes, lookup_id, pin)
             except Exception:
                 logger.exception("async lookup %r failed", lookup_id)
                 engine.free_lookup_locks(lookup_id)

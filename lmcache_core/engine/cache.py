@@ -1,0 +1,174 @@
+"""``CacheEngine``: the core (``core.CacheCore``) composed with its lower tiers, its in-process
+async lookups and the operators' views (clear, stats, chunk listings).
+
+Without ``disk``/``remote`` it holds no ``TieredStorage`` and every path is memory-only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from lmcache_core.engine.async_lookup import AsyncLookups
+from lmcache_core.engine.core import MEMORY_TIER, CacheCore
+from lmcache_core.engine.tiered import TieredStorage
+from lmcache_core.errors import ProtocolError
+from lmcache_core.events import KVEventSink
+from lmcache_core.keys import ChunkKey, HeadRange
+from lmcache_core.protocol.messages import ChunkInfo, ModelStats
+from lmcache_core.storage.pool import MemoryPool
+
+if TYPE_CHECKING:
+    from lmcache_core.engine.index import Piece
+    from lmcache_core.storage.disk import DiskTier
+    from lmcache_core.storage.remote import RemoteTier
+
+SORTS = ("age", "hits", "size", "key")
+
+
+class CacheEngine(CacheCore):
+    """The cache of one server (or one in-process worker); thread-safe."""
+
+    def __init__(self, pool: MemoryPool, chunk_size: int, lock_ttl_s: float = 300.0,
+                 clock: Callable[[], float] = time.monotonic, *, disk: DiskTier | None = None,
+                 remote: RemoteTier | None = None, events: KVEventSink | None = None,
+                 quotas: Mapping[str, int] | None = None) -> None:
+        super().__init__(pool, chunk_size, lock_ttl_s, clock, events=events, quotas=quotas)
+        self.tiers = (TieredStorage(self, disk, remote)
+                      if disk is not None or remote is not None else None)
+        self._async = AsyncLookups(self)
+
+    # ------------------------------------------------------------------ lower tiers
+
+    @property
+    def has_tiers(self) -> bool:
+        """Whether a disk or remote tier is attached (lookups then go through ``lookup_tiers``)."""
+        return self.tiers is not None
+
+    @property
+    def disk(self) -> DiskTier | None:
+        return self.tiers.disk if self.tiers is not None else None
+
+    @property
+    def remote(self) -> RemoteTier | None:
+        return self.tiers.remote if self.tiers is not None else None
+
+    def lookup_tiers(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
+                     chunk_hashes: Sequence[bytes], lookup_id: str, lock: bool = True,
+                     timeout_s: float = 1.0) -> int:
+        """``lookup``, then bring the rest of the prefix from disk and Redis into memory, for at
+        most about ``timeout_s`` (``TieredStorage.lookup``). Without tiers it is ``lookup``."""
+        if self.tiers is None:
+            return self.lookup(model_name, layout, ranges, chunk_hashes, lookup_id, lock)
+        return self.tiers.lookup(model_name, layout, ranges, chunk_hashes, lookup_id, lock,
+                                 timeout_s)
+
+    # ------------------------------------------------------------------ admin
+
+    def clear(self, force: bool = False) -> tuple[int, int]:
+        """Drop resident pieces; returns ``(removed, kept)``. Unforced, locked pieces stay;
+        forced, they go with their locks. Pieces being read always stay."""
+        removed = kept = 0
+        dropped: list[ChunkKey] = []
+        with self.mutex:
+            for piece in list(self.index):
+                if piece.readers or (piece.locks and not force):
+                    kept += 1
+                else:
+                    self.drop(piece)
+                    dropped.append(piece.key)
+                    removed += 1
+            if self.events is not None and dropped:
+                self.events.removed(dropped, MEMORY_TIER)
+            if force:
+                self.locks.purge(self.index.lru)  # type: ignore[arg-type]
+        return removed, kept
+
+    def stats(self) -> dict[str, int]:
+        """The engine's share of ``ServerStats``: ``ServerStats(**engine.stats(), ...)``."""
+        pool = self.pool
+        with self.mutex:
+            out = asdict(self.counters)
+            out.update(chunks=len(self.index), bytes_used=self.index.nbytes,
+                       pool_bytes_allocated=pool.bytes_allocated, pool_slabs=pool.num_slabs,
+                       pool_slabs_free=pool.free_slabs, locks_held=self.locks.held_count())
+        if self.tiers is not None:
+            out.update(self.tiers.stats())
+        return out
+
+    def model_stats(self) -> list[ModelStats]:
+        """Per model: pieces, bytes, layouts and quota (SERVER_INFO, ``inspect-chunks``)."""
+        with self.mutex:
+            counts = self.index.model_counts()
+            layouts: dict[str, list[str]] = {}
+            for model, layout in self.index.layout_chunks:
+                layouts.setdefault(model, []).append(layout)
+        return [ModelStats(model_name=model, pieces=pieces, bytes_used=nbytes,
+                           layouts=sorted(layouts.get(model, [])),
+                           quota_bytes=self.quotas.get(model))
+                for model, (pieces, nbytes) in sorted(counts.items())]
+
+    def list_chunks(self, model_name: str | None = None, limit: int = 100,
+                    sort: str = "age") -> tuple[list[ChunkInfo], int]:
+        """Up to ``limit`` resident pieces (of ``model_name`` if given) and how many match.
+
+        Sorts: ``age`` newest first, ``hits`` most first, ``size`` largest first, ``key`` by
+        (model, layout, chunk hash, heads) so a chunk's pieces sit together."""
+        if sort not in SORTS:
+            raise ProtocolError(f"sort must be one of {', '.join(SORTS)}, got {sort!r}")
+        with self.mutex:
+            now = self.clock()
+            rows = [(piece, now - piece.created, piece.locks, piece.hits) for piece in self.index
+                    if model_name is None or piece.key.model_name == model_name]
+        rows.sort(key=_SORT_KEYS[sort])
+        return [_chunk_info(*row) for row in rows[:max(limit, 0)]], len(rows)
+
+    def close(self, timeout_s: float = 5.0) -> bool:
+        """Shut down the engine's own threads (the async lookups' prefetch pool, if made).
+        The tiers are their owner's to stop. True if nothing was left running. Idempotent."""
+        return self._async.close(timeout_s)
+
+    # ------------------------------------------------------------------ in-process async lookup
+    # The seed's engine API for lmcache_core.lookup_client: a worker's LMCacheAsyncLookupServer
+    # calls these from its thread, for this engine's own rank only (``async_lookup``).
+
+    def async_lookup_and_prefetch(self, lookup_id: str, hashes: Sequence[bytes],
+                                  offsets: Sequence[int] | None = None, pin: bool = True,
+                                  request_configs: dict[str, Any] | None = None, *,
+                                  model_name: str = "", world_size: int = 1, worker_id: int = 0,
+                                  layout: str | None = None,
+                                  on_result: Callable[[str, int], None] | None = None) -> int | None:
+        """Count rank ``worker_id``'s cached prefix of ``hashes``, pin it when ``pin``, answer.
+
+        The hit tokens go to ``on_result(lookup_id, num_hit_tokens)`` and are returned; with a
+        disk or Redis tier the prefix is brought in on a prefetch thread, so this returns None
+        and ``on_result`` is called from there. ``layout``: the KV layout fingerprint (default:
+        ``keys.opaque_layout(world_size)``); ``request_configs`` is accepted for LMCache
+        compatibility."""
+        return self._async.lookup_and_prefetch(lookup_id, hashes, offsets, pin,
+                                               model_name=model_name, world_size=world_size,
+                                               worker_id=worker_id, layout=layout,
+                                               on_result=on_result)
+
+    def cleanup_memory_objs(self, lookup_id: str) -> int:
+        """Release what ``lookup_id``'s async lookup pinned (it was cancelled or timed out)."""
+        return self._async.cleanup(lookup_id)
+
+
+_Row = tuple["Piece", float, int, int]
+_SORT_KEYS: dict[str, Callable[[_Row], Any]] = {
+    "age": lambda row: row[1],
+    "hits": lambda row: (-row[3], row[1]),
+    "size": lambda row: (-row[0].nbytes, row[1]),
+    "key": lambda row: (row[0].key.model_name, row[0].key.layout, row[0].key.chunk_hash,
+                        row[0].key.head_lo),
+}
+
+
+def _chunk_info(piece: Piece, age_s: float, locks: int, hits: int) -> ChunkInfo:
+    key = piece.key
+    return ChunkInfo(chunk_hash=key.chunk_hash, model_name=key.model_name, layout=key.layout,
+                     head_lo=key.head_lo, head_hi=key.head_hi, tier=MEMORY_TIER,
+                     nbytes=piece.nbytes, locks=locks, hits=hits, age_s=age_s)

@@ -1,0 +1,399 @@
+"""``CacheEngine``: index, locks and eviction of chunk pieces over one pool (no sockets, no layouts).
+
+Callers copy bytes in and out of pool views; the engine decides which allocation holds which piece,
+who may see it and when it may go. One lock guards everything and is held only for dict work; the
+copies run outside it, between ``begin_*`` and ``finish_*``. A piece's life:
+
+* **writing**: ``begin_store`` reserved its pool bytes. Invisible to lookups and retrieves, never
+  evicted; a second store of the same key counts as already present.
+* **resident**: ``finish_store(ok=True)`` committed it; lookups see it from that moment.
+* **locked**: a lookup holds it for a coming retrieve (``locks.LockTable``, with a TTL).
+* **being read**: a retrieve or a tier writer copies out of it (a reader count).
+
+Keys (``keys.ChunkKey``) name pieces: (model, layout fingerprint, head range, chunk hash). A lookup
+for world size W counts a chunk only when its pieces cover every rank's head range; a retrieve of a
+rank copies its range from whichever pieces hold it. Pieces of another layout are never seen.
+
+LRU order: hits are touched (and new pieces committed) from the last chunk to the first, so a
+prefix's head is the most recently used and eviction eats prefixes from the tail. Eviction works
+across every model (``eviction``); optional per-model ``quotas`` (bytes) bound each model's share.
+
+The lower tiers (``tiered.TieredStorage``) and the in-process async lookups (``async_lookup``) are
+composed around the engine and use only its public methods (``engine.tier_api``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+
+from lmcache_core.engine import eviction
+from lmcache_core.engine.index import Piece, PieceIndex, cover, find_hits, touch_hits
+from lmcache_core.engine.locks import LockTable
+from lmcache_core.engine.plans import Counters, RetrievePlan, Source, StorePlan
+from lmcache_core.errors import IncompatibleError, ProtocolError
+from lmcache_core.events import KVEventSink
+from lmcache_core.keys import ChunkKey, HeadRange
+from lmcache_core.storage.pool import MemoryPool
+
+MEMORY_TIER = "memory"
+
+
+class CacheCore:
+    """Pieces of chunks in one ``MemoryPool``; thread-safe."""
+
+    def __init__(self, pool: MemoryPool, chunk_size: int, lock_ttl_s: float = 300.0,
+                 clock: Callable[[], float] = time.monotonic, *,
+                 events: KVEventSink | None = None,
+                 quotas: Mapping[str, int] | None = None) -> None:
+        if chunk_size <= 0:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        if lock_ttl_s <= 0:
+            raise ValueError(f"lock_ttl_s must be positive, got {lock_ttl_s}")
+        self.pool = pool
+        self.chunk_size = chunk_size
+        self.lock_ttl_s = lock_ttl_s
+        self.quotas = dict(quotas or {})
+        self.clock = clock
+        self.mutex = threading.Lock()
+        self.index = PieceIndex()
+        self.locks = LockTable(lock_ttl_s)
+        self.writing: dict[ChunkKey, int] = {}  # key -> pool handle while a store copies in
+        self.counters = Counters()
+        # Told of every piece that enters or leaves memory, under the lock (KV events for routers).
+        self.events = events
+        # The tiers' hooks: told of the keys a store committed (after it, outside the lock) and of
+        # each key evicted (under the lock: no I/O).
+        self.on_stored: Callable[[Sequence[ChunkKey]], None] | None = None
+        self.on_evicted: Callable[[ChunkKey], None] | None = None
+
+    # ------------------------------------------------------------------ lookup
+
+    def lookup(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
+               chunk_hashes: Sequence[bytes], lookup_id: str, lock: bool = True) -> int:
+        """How many leading chunks have pieces covering every head range in ``ranges`` (one per
+        rank); lock them for ``lookup_id`` when ``lock``. A locking re-lookup under the same id
+        replaces that id's previous locks. Hits are LRU-touched and counted."""
+        if not ranges:
+            raise ProtocolError("a lookup needs at least one head range")
+        with self.mutex:
+            chunks = self.lookup_locked(model_name, layout, ranges, chunk_hashes, lookup_id, lock)
+            n = self.counters
+            n.lookups += 1
+            n.lookup_hit_chunks += chunks
+            n.lookup_miss_chunks += len(chunk_hashes) - chunks
+        return chunks
+
+    def lookup_locked(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
+                      chunk_hashes: Sequence[bytes], lookup_id: str, lock: bool) -> int:
+        """``lookup``'s work (caller holds ``mutex``), without its counters."""
+        now = self.clock()
+        if self.locks.due(now):
+            self.counters.locks_expired += self.locks.expire(now)
+        hits = find_hits(self.index, model_name, layout, ranges, chunk_hashes)
+        if hits:
+            touch_hits(self.index, hits)
+        if lock:
+            self.locks.hold(lookup_id, (hit for chunk in hits for hit in chunk), now)
+        return len(hits)
+
+    def expire_locks(self) -> int:
+        """Release every lock older than ``lock_ttl_s``; returns how many piece locks went."""
+        with self.mutex:
+            expired = self.locks.expire(self.clock())
+            self.counters.locks_expired += expired
+            return expired
+
+    def free_lookup_locks(self, lookup_id: str) -> int:
+        """Release whatever ``lookup_id`` still locks (its chunks that were not retrieved)."""
+        with self.mutex:
+            return self.locks.release_all(lookup_id)
+
+    def end_session(self, lookup_id: str) -> int:
+        """A request is over: release its remaining locks (unlike LMCache, which keeps them)."""
+        return self.free_lookup_locks(lookup_id)
+
+    # ------------------------------------------------------------------ store
+
+    def begin_store(self, keys: Sequence[ChunkKey], nbytes: int) -> StorePlan:
+        """Reserve pool bytes for each piece not yet held, evicting as needed.
+
+        A key whose head range resident pieces already cover, or that is being written, counts as
+        ``already_present``; keys no room can be found for count as ``skipped_full`` (earlier
+        keys, the prefix's head, get room first). Never raises for a full pool."""
+        if not self.pool.fits(nbytes):
+            raise IncompatibleError(
+                f"a chunk piece of {nbytes} bytes does not fit the pool's "
+                f"{self.pool.max_alloc_bytes}-byte slabs (raise server.slab_size)")
+        plan = StorePlan(nbytes, [])
+        with self.mutex:
+            now = self.clock()
+            if self.locks.due(now):
+                self.counters.locks_expired += self.locks.expire(now)
+            claimed = self.claim(keys, nbytes, plan)
+            self.counters.stores += 1
+            self.counters.store_skipped_full += plan.skipped_full
+        view = self.pool.view
+        plan.writes = [(index, key, view(handle, nbytes))
+                       for (index, key), handle in zip(claimed, plan.handles, strict=True)]
+        return plan
+
+    def claim(self, keys: Sequence[ChunkKey], nbytes: int,
+              plan: StorePlan) -> list[tuple[int, ChunkKey]]:
+        """Under the lock: claim the keys not held yet and give them pool bytes, into ``plan``;
+        the (request index, key) pairs that got room."""
+        new: list[tuple[int, ChunkKey]] = []
+        index, writing = self.index, self.writing
+        for position, key in enumerate(keys):
+            if key in writing or index.covers(key.chunk, (key.head_lo, key.head_hi)):
+                plan.already_present += 1
+            else:
+                writing[key] = -1
+                new.append((position, key))
+        got = 0
+        for _, key in new:
+            handle = self._allocate(key.model_name, nbytes, len(new) - got)
+            if handle is None:
+                break
+            writing[key] = handle
+            plan.keys.append(key)
+            plan.handles.append(handle)
+            got += 1
+        for _, key in new[got:]:
+            del writing[key]
+        plan.skipped_full += len(new) - got
+        return new[:got]
+
+    def _allocate(self, model_name: str, nbytes: int, wanted: int) -> int | None:
+        """Pool bytes for one piece of ``model_name``, evicting (its quota first) as needed."""
+        quota = self.quotas.get(model_name)
+        if quota is not None:
+            excess = self.index.model_bytes.get(model_name, 0) + nbytes - quota
+            if excess > 0:
+                self._evict(eviction.quota_victims(self.index, model_name, excess))
+                if self.index.model_bytes.get(model_name, 0) + nbytes > quota:
+                    self.counters.store_skipped_quota += 1
+                    return None
+        handle = self.pool.allocate(nbytes)
+        if handle is None:
+            self._evict(eviction.victims_for(self.index, self.pool, nbytes, wanted))
+            handle = self.pool.allocate(nbytes)
+        return handle
+
+    def finish_store(self, plan: StorePlan, ok: bool = True) -> None:
+        """Commit the plan's pieces (visible to lookups from now on), or free them when not ``ok``.
+        Calling it twice for one plan does nothing the second time."""
+        with self.mutex:
+            if plan.done:
+                return
+            plan.done = True
+            if not ok:
+                for key, handle in zip(plan.keys, plan.handles, strict=True):
+                    del self.writing[key]
+                    self.pool.free(handle)
+                return
+            self.commit([(key, handle, plan.nbytes)
+                         for key, handle in zip(plan.keys, plan.handles, strict=True)])
+            self.counters.stored_chunks += len(plan.keys)
+            self.counters.stored_bytes += plan.nbytes * len(plan.keys)
+        if plan.keys and self.on_stored is not None:  # the tiers' queues: outside the lock
+            self.on_stored(plan.keys)
+
+    def commit(self, items: Sequence[tuple[ChunkKey, int, int]]) -> None:
+        """Under the lock: make written ``(key, handle, nbytes)`` pieces resident, tail first."""
+        now, writing, add = self.clock(), self.writing, self.index.add
+        for key, handle, nbytes in reversed(items):
+            del writing[key]
+            add(Piece(key, handle, nbytes, now))
+        if self.events is not None and items:
+            self.events.stored([key for key, _, _ in items], MEMORY_TIER)
+
+    # ------------------------------------------------------------------ eviction
+
+    def _evict(self, victims: Sequence[Piece]) -> None:
+        """Every eviction passes here (under the lock: no I/O)."""
+        for piece in victims:
+            self.drop(piece)
+            self.counters.evictions += 1
+            if self.on_evicted is not None:
+                self.on_evicted(piece.key)
+        if self.events is not None and victims:
+            self.events.removed([piece.key for piece in victims], MEMORY_TIER)
+
+    def drop(self, piece: Piece) -> None:
+        self.index.remove(piece)
+        self.pool.free(piece.handle)
+
+    # ------------------------------------------------------------------ retrieve
+
+    def begin_retrieve(self, model_name: str, layout: str, heads: HeadRange,
+                       chunk_hashes: Sequence[bytes], lookup_id: str = "") -> RetrievePlan:
+        """For each chunk, the resident pieces covering ``heads``, pinned (a reader count) so
+        nothing frees them mid-copy; chunks not covered are ``missing``."""
+        plan = RetrievePlan(lookup_id, heads, [], [])
+        lo, hi = heads
+        view = self.pool.view
+        with self.mutex:
+            chunks_of = self.index.chunks.get
+            for position, chunk_hash in enumerate(chunk_hashes):
+                chunk = (model_name, layout, chunk_hash)
+                pieces = chunks_of(chunk)
+                covering = cover(pieces, lo, hi) if pieces else None
+                if covering is None:
+                    plan.missing.append(position)
+                    continue
+                for piece in covering:
+                    piece.readers += 1
+                plan.pieces.append(covering)
+                plan.chunks.append(chunk)
+                plan.found.append((position, [(view(p.handle, p.nbytes), p.key.head_lo,
+                                               p.key.head_hi) for p in covering]))
+            move = self.index.lru.move_to_end
+            for covering in reversed(plan.pieces):
+                for piece in covering:
+                    move(piece.key)
+            n = self.counters
+            n.retrieves += 1
+            n.retrieved_chunks += len(plan.found)
+            n.retrieved_bytes += sum(p.nbytes for c in plan.pieces for p in c)
+            n.retrieve_missing += len(plan.missing)
+        return plan
+
+    def finish_retrieve(self, plan: RetrievePlan, copied: int | None = None) -> None:
+        """Unpin the plan's pieces and release ``plan.lookup_id``'s locks of its head range on
+        the chunks read. ``copied``: how many of ``plan.found`` (a prefix) were copied when a
+        deadline cut the rest (counted late, not retrieved); None: all. Idempotent."""
+        with self.mutex:
+            if plan.done:
+                return
+            plan.done = True
+            for covering in plan.pieces:
+                for piece in covering:
+                    piece.readers -= 1
+            if copied is not None and copied < len(plan.pieces):
+                late = plan.pieces[copied:]
+                n = self.counters
+                n.retrieve_late_chunks += len(late)
+                n.retrieved_chunks -= len(late)
+                n.retrieved_bytes -= sum(p.nbytes for c in late for p in c)
+            if plan.lookup_id:
+                self.locks.release_read(plan.lookup_id, plan.heads, plan.chunks)
+
+    # ------------------------------------------------------------------ for the lower tiers
+    # ``tiered.TieredStorage`` loads pieces into memory through these: room is reserved under the
+    # lock (as a store does), filled outside it, and committed under it again.
+
+    def uncovered(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
+                  chunk_hashes: Sequence[bytes]) -> list[list[HeadRange]]:
+        """Per chunk, the ranges of ``ranges`` resident pieces do not cover (stops after a
+        pool's worth of bytes would be needed: more could not be loaded at once anyway)."""
+        out: list[list[HeadRange]] = []
+        with self.mutex:
+            chunks_of = self.index.chunks.get
+            for chunk_hash in chunk_hashes:
+                pieces = chunks_of((model_name, layout, chunk_hash)) or []
+                out.append([(lo, hi) for lo, hi in ranges
+                            if not pieces or cover(pieces, lo, hi) is None])
+        return out
+
+    def reserve(self, items: Sequence[tuple[ChunkKey, int]]) -> list[tuple[ChunkKey, int, int]]:
+        """Pool bytes for the ``(key, nbytes)`` pieces neither resident nor being written, in
+        order as far as the pool allows (evicting as a store does): ``(key, handle, nbytes)``.
+        They count as being written until ``commit_loaded``."""
+        out: list[tuple[ChunkKey, int, int]] = []
+        with self.mutex:
+            for key, nbytes in items:
+                if key in self.writing or key in self.index.lru or not self.pool.fits(nbytes):
+                    continue
+                handle = self._allocate(key.model_name, nbytes, 1)
+                if handle is None:
+                    break
+                self.writing[key] = handle
+                out.append((key, handle, nbytes))
+        return out
+
+    def commit_loaded(self, items: Sequence[tuple[ChunkKey, int, int]],
+                      got: Sequence[int]) -> list[ChunkKey]:
+        """Make the reserved pieces whose load got all their bytes resident; free the others."""
+        with self.mutex:
+            whole = [item for item, n in zip(items, got, strict=True) if n == item[2]]
+            for (key, handle, nbytes), n in zip(items, got, strict=True):
+                if n != nbytes:
+                    del self.writing[key]
+                    self.pool.free(handle)
+            self.commit(whole)
+        return [key for key, _, _ in whole]
+
+    def relookup(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
+                 chunk_hashes: Sequence[bytes], lookup_id: str, lock: bool, hits: int) -> int:
+        """``lookup`` again after the tiers loaded pieces, counting the chunks found since its
+        first pass (``hits``) as hits of that same lookup rather than misses."""
+        with self.mutex:
+            chunks = self.lookup_locked(model_name, layout, ranges, chunk_hashes, lookup_id, lock)
+            n = self.counters
+            n.lookup_hit_chunks += chunks - hits
+            n.lookup_miss_chunks -= chunks - hits
+        return chunks
+
+    def memory(self, handle: int, nbytes: int) -> memoryview:
+        """A pool allocation's bytes as a memoryview (no copy)."""
+        return self.pool.view(handle, nbytes).numpy().data
+
+    @contextmanager
+    def reading(self, key: ChunkKey) -> Iterator[memoryview | None]:
+        """A resident piece's bytes, held (not evictable) for the ``with`` block; None if gone.
+        (The tiers' writers take bytes through it.)"""
+        with self.mutex:
+            piece = self.index.get(key)
+            if piece is not None:
+                piece.readers += 1
+        if piece is None:
+            yield None
+            return
+        try:
+            yield self.memory(piece.handle, piece.nbytes)
+        finally:
+            with self.mutex:
+                piece.readers -= 1
+
+    def coldest(self, limit: int, ahead_bytes: int,
+                saved: Callable[[ChunkKey], bool]) -> list[ChunkKey]:
+        """Up to ``limit`` pieces not ``saved`` among the least recently used ones holding
+        ``ahead_bytes - free pool bytes``: the next in line for eviction (``saved`` runs under the
+        lock: a dict lookup)."""
+        out: list[ChunkKey] = []
+        with self.mutex:
+            at_risk = ahead_bytes - self.pool.bytes_free
+            for piece in self.index.lru.values():
+                if at_risk <= 0 or len(out) >= limit:
+                    break
+                at_risk -= piece.nbytes
+                if not saved(piece.key):
+                    out.append(piece.key)
+        return out
+
+    # ------------------------------------------------------------------ inspection
+
+    def is_resident(self, key: ChunkKey) -> bool:
+        """Whether the piece ``key`` is committed (visible to lookups)."""
+        with self.mutex:
+            return key in self.index.lru
+
+    def locks_of(self, lookup_id: str) -> list[ChunkKey]:
+        """The pieces ``lookup_id`` holds a lock on (for inspection and tests)."""
+        with self.mutex:
+            return self.locks.keys_of(lookup_id)  # type: ignore[return-value]
+
+    def layouts(self, model_name: str) -> list[str]:
+        """The layouts of ``model_name`` that have resident pieces (a lookup by a client that
+        names no layout tries these)."""
+        with self.mutex:
+            return [layout for (model, layout) in self.index.layout_chunks if model == model_name]
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+
+__all__ = ["MEMORY_TIER", "CacheCore", "RetrievePlan", "Source", "StorePlan"]

@@ -1,0 +1,166 @@
+"""The engine's index: resident pieces by key, by chunk and by pool handle, in LRU order.
+
+A chunk ``(model, layout, chunk hash)`` is held as pieces (``ChunkKey``), each covering a range of
+KV heads. ``cover`` picks the pieces that together hold a head range, which is what a lookup counts
+and a retrieve copies from. Not thread-safe: the engine calls it under its lock.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+
+from lmcache_core.keys import ChunkKey, HeadRange
+
+ChunkId = tuple[str, str, bytes]  # (model, layout, chunk hash): ``ChunkKey.chunk``
+
+
+class Piece:
+    """One resident piece: where it lives in the pool and who holds it."""
+
+    __slots__ = ("created", "handle", "hits", "key", "locks", "nbytes", "readers")
+
+    def __init__(self, key: ChunkKey, handle: int, nbytes: int, created: float) -> None:
+        self.key = key
+        self.handle = handle
+        self.nbytes = nbytes
+        self.created = created
+        self.locks = 0  # (lookup id, head range) pairs holding it for a coming retrieve
+        self.readers = 0  # retrieves and tier writers copying out of it right now
+        self.hits = 0
+
+    @property
+    def evictable(self) -> bool:
+        return not self.locks and not self.readers
+
+
+def cover(pieces: Sequence[Piece], lo: int, hi: int) -> list[Piece] | None:
+    """The pieces that together hold heads ``[lo, hi)``, fewest first-found; None if some head
+    is missing. One piece holding the whole range is taken when there is one."""
+    for piece in pieces:
+        key = piece.key
+        if key.head_lo <= lo and key.head_hi >= hi:
+            return [piece]
+    chosen: list[Piece] = []
+    at = lo
+    while at < hi:
+        best: Piece | None = None
+        for piece in pieces:
+            key = piece.key
+            if key.head_lo <= at < key.head_hi and (best is None or key.head_hi > best.key.head_hi):
+                best = piece
+        if best is None:
+            return None
+        chosen.append(best)
+        at = best.key.head_hi
+    return chosen
+
+
+class PieceIndex:
+    """Resident pieces: by key (in LRU order, front = least recently used), by chunk, by handle,
+    with bytes per model (quotas and per-model figures)."""
+
+    def __init__(self) -> None:
+        self.lru: OrderedDict[ChunkKey, Piece] = OrderedDict()
+        self.chunks: dict[ChunkId, list[Piece]] = {}
+        self.by_handle: dict[int, Piece] = {}
+        self.model_bytes: dict[str, int] = {}
+        self.layout_chunks: dict[tuple[str, str], int] = {}  # (model, layout) -> chunks held
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self.lru)
+
+    def __iter__(self) -> Iterator[Piece]:
+        return iter(self.lru.values())
+
+    def get(self, key: ChunkKey) -> Piece | None:
+        return self.lru.get(key)
+
+    def pieces(self, chunk: ChunkId) -> list[Piece]:
+        return self.chunks.get(chunk, [])
+
+    def covers(self, chunk: ChunkId, heads: HeadRange) -> bool:
+        pieces = self.chunks.get(chunk)
+        return pieces is not None and cover(pieces, heads[0], heads[1]) is not None
+
+    def add(self, piece: Piece) -> None:
+        """Index a committed piece as the most recently used."""
+        key = piece.key
+        self.lru[key] = piece
+        siblings = self.chunks.get(key.chunk)
+        if siblings is None:
+            siblings = self.chunks[key.chunk] = []
+            pair = (key.model_name, key.layout)
+            self.layout_chunks[pair] = self.layout_chunks.get(pair, 0) + 1
+        siblings.append(piece)
+        self.by_handle[piece.handle] = piece
+        self.model_bytes[key.model_name] = self.model_bytes.get(key.model_name, 0) + piece.nbytes
+        self.nbytes += piece.nbytes
+
+    def remove(self, piece: Piece) -> None:
+        key = piece.key
+        del self.lru[key]
+        del self.by_handle[piece.handle]
+        siblings = self.chunks[key.chunk]
+        siblings.remove(piece)
+        if not siblings:
+            del self.chunks[key.chunk]
+            pair = (key.model_name, key.layout)
+            self.layout_chunks[pair] -= 1
+            if not self.layout_chunks[pair]:
+                del self.layout_chunks[pair]
+        left = self.model_bytes[key.model_name] - piece.nbytes
+        if left:
+            self.model_bytes[key.model_name] = left
+        else:
+            del self.model_bytes[key.model_name]
+        self.nbytes -= piece.nbytes
+
+    def touch(self, piece: Piece) -> None:
+        self.lru.move_to_end(piece.key)
+
+    def model_counts(self) -> dict[str, tuple[int, int]]:
+        """Per model: (pieces, bytes)."""
+        counts: dict[str, int] = {}
+        for key in self.lru:
+            counts[key.model_name] = counts.get(key.model_name, 0) + 1
+        return {model: (counts.get(model, 0), nbytes) for model, nbytes in self.model_bytes.items()}
+
+
+#: What a lookup found per chunk: ``(head range, chunk, pieces covering it)`` for each range.
+Hits = list[list[tuple[HeadRange, ChunkId, list[Piece]]]]
+
+
+def find_hits(index: PieceIndex, model_name: str, layout: str, ranges: Sequence[HeadRange],
+              chunk_hashes: Sequence[bytes]) -> Hits:
+    """The leading chunks whose pieces cover every range, with those pieces."""
+    chunks_of = index.chunks.get
+    hits: Hits = []
+    for chunk_hash in chunk_hashes:
+        chunk = (model_name, layout, chunk_hash)
+        pieces = chunks_of(chunk)
+        if not pieces:
+            break
+        found = []
+        for lo, hi in ranges:
+            covering = cover(pieces, lo, hi)
+            if covering is None:
+                return hits
+            found.append(((lo, hi), chunk, covering))
+        hits.append(found)
+    return hits
+
+
+def touch_hits(index: PieceIndex, hits: Hits) -> None:
+    """LRU-touch and count each hit piece once per chunk, the prefix's tail first (so eviction
+    eats prefixes from the tail, which keeps what remains of a prefix usable)."""
+    move = index.lru.move_to_end
+    for found in reversed(hits):
+        seen: set[int] = set()
+        for _, _, pieces in found:
+            for piece in pieces:
+                if piece.handle not in seen:
+                    seen.add(piece.handle)
+                    move(piece.key)
+                    piece.hits += 1

@@ -1,0 +1,134 @@
+"""Lookup locks: what each lookup id holds for its coming retrieves, released by them or a TTL.
+
+A lookup for world size W locks, for each rank's head range, the pieces that cover it; the retrieve
+of that rank releases its range's locks on each chunk it read (whichever pieces it used), so a piece
+serving two ranks (a TP=1 piece read by TP=2) stays locked until both have read it. Locked pieces are
+never evicted. Not thread-safe: the engine calls it under its lock.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterable
+
+from lmcache_core.engine.index import ChunkId, Piece
+from lmcache_core.keys import HeadRange
+
+
+class LockSet:
+    """The pieces one lookup id locked: per head range, per chunk."""
+
+    __slots__ = ("held", "seq")
+
+    def __init__(self, seq: int) -> None:
+        self.held: dict[HeadRange, dict[ChunkId, list[Piece]]] = {}
+        self.seq = seq
+
+    def count(self) -> int:
+        return sum(len(pieces) for chunks in self.held.values() for pieces in chunks.values())
+
+
+class LockTable:
+    """lookup id -> LockSet, with a min-heap of TTL deadlines."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self.sets: dict[str, LockSet] = {}
+        self._expiry: list[tuple[float, int, str]] = []
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self.sets)
+
+    def hold(self, lookup_id: str, hits: Iterable[tuple[HeadRange, ChunkId, list[Piece]]],
+             now: float) -> None:
+        """Lock ``hits`` for ``lookup_id`` (replacing what it held); a (range, chunk) repeated in
+        the request is locked once."""
+        self.release_all(lookup_id)
+        lock_set = LockSet(next(self._seq))
+        held = lock_set.held
+        for heads, chunk, pieces in hits:
+            chunks = held.setdefault(heads, {})
+            if chunk in chunks:
+                continue
+            chunks[chunk] = pieces
+            for piece in pieces:
+                piece.locks += 1
+        self.sets[lookup_id] = lock_set
+        heapq.heappush(self._expiry, (now + self.ttl_s, lock_set.seq, lookup_id))
+        if len(self._expiry) > 2 * len(self.sets) + 64:
+            self._compact()
+
+    def release_all(self, lookup_id: str) -> int:
+        """Drop every lock of ``lookup_id``; how many piece locks went."""
+        lock_set = self.sets.pop(lookup_id, None)
+        if lock_set is None:
+            return 0
+        released = 0
+        for chunks in lock_set.held.values():
+            for pieces in chunks.values():
+                for piece in pieces:
+                    piece.locks -= 1
+                released += len(pieces)
+        return released
+
+    def release_read(self, lookup_id: str, heads: HeadRange, chunks: Iterable[ChunkId]) -> None:
+        """A retrieve of range ``heads`` read ``chunks``: release that range's locks on them."""
+        lock_set = self.sets.get(lookup_id)
+        if lock_set is None:
+            return
+        held = lock_set.held.get(heads)
+        if held is None:
+            return
+        for chunk in chunks:
+            for piece in held.pop(chunk, ()):
+                piece.locks -= 1
+        if not held:
+            del lock_set.held[heads]
+            if not lock_set.held:
+                del self.sets[lookup_id]
+
+    def due(self, now: float) -> bool:
+        return bool(self._expiry) and self._expiry[0][0] <= now
+
+    def expire(self, now: float) -> int:
+        """Release the lock sets past their TTL; how many piece locks went."""
+        expired = 0
+        expiry = self._expiry
+        while expiry and expiry[0][0] <= now:
+            _, seq, lookup_id = heapq.heappop(expiry)
+            lock_set = self.sets.get(lookup_id)
+            if lock_set is not None and lock_set.seq == seq:
+                expired += self.release_all(lookup_id)
+        return expired
+
+    def purge(self, alive: dict[object, Piece]) -> None:
+        """Forget locks on pieces no longer indexed (after a forced clear)."""
+        for lookup_id, lock_set in list(self.sets.items()):
+            for heads, chunks in list(lock_set.held.items()):
+                for chunk, pieces in list(chunks.items()):
+                    kept = [p for p in pieces if alive.get(p.key) is p]
+                    if kept:
+                        chunks[chunk] = kept
+                    else:
+                        del chunks[chunk]
+                if not chunks:
+                    del lock_set.held[heads]
+            if not lock_set.held:
+                del self.sets[lookup_id]
+
+    def keys_of(self, lookup_id: str) -> list[object]:
+        lock_set = self.sets.get(lookup_id)
+        if lock_set is None:
+            return []
+        return list(dict.fromkeys(p.key for chunks in lock_set.held.values()
+                                  for pieces in chunks.values() for p in pieces))
+
+    def held_count(self) -> int:
+        return sum(lock_set.count() for lock_set in self.sets.values())
+
+    def _compact(self) -> None:
+        live = {lookup_id: lock_set.seq for lookup_id, lock_set in self.sets.items()}
+        self._expiry = [item for item in self._expiry if live.get(item[2]) == item[1]]
+        heapq.heapify(self._expiry)

@@ -1,0 +1,254 @@
+"""``TieredStorage``: the lower tiers (disk, Redis) around the engine's core, through its public
+methods only (``uncovered``, ``reserve``, ``commit_loaded``, ``relookup``, ``reading``, ``coldest``,
+``memory`` and the ``on_stored``/``on_evicted`` hooks).
+
+* **lookup** (``CacheEngine.lookup_tiers``): after a memory lookup, for each chunk whose head ranges
+  memory does not cover, the pieces that can cover them are found in the disk index (no I/O) or
+  asked of Redis in one pipelined round trip. Pieces of other tensor-parallel sizes count: a range
+  is covered by any pieces of the same chunk and layout whose head ranges together hold it
+  (``candidate_ranges``: the ranges every TP size dividing the heads would have stored). The
+  longest prefix of chunks that can be covered gets pool room (evicting as a store would), is read
+  in (disk on the caller's thread, Redis on the remote tier's threads at the same time) and
+  checksummed, then committed; a final locked re-lookup counts and locks what is resident.
+* **write-behind** (``stored``): a committed store is queued for Redis, and for disk
+  (``write_through``) or the disk writer is told to keep the coldest pieces saved. Never blocks.
+* **eviction** (``evicted``): a piece evicted before the disk writer saved it is counted.
+
+Tier I/O never runs under the engine's lock: room is reserved under it, filled outside it, and
+committed under it again. The writers take bytes through ``reading``, which holds a reader count.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TYPE_CHECKING, TypeVar
+
+from lmcache_core.engine.core import CacheCore
+from lmcache_core.keys import ChunkKey, HeadRange, candidate_ranges
+from lmcache_core.storage import record
+
+if TYPE_CHECKING:
+    from lmcache_core.storage.disk import DiskTier
+    from lmcache_core.storage.remote import RemoteTier
+
+T = TypeVar("T")
+#: A piece to load: ``(key, nbytes, from_disk)``.
+Load = tuple[ChunkKey, int, bool]
+#: A piece being loaded: ``(key, handle, nbytes)``.
+Item = tuple[ChunkKey, int, int]
+#: Spill ahead of eviction: the disk writer keeps this share of the pool's bytes saved.
+SPILL_AHEAD_SHARE = 4
+
+
+class TieredStorage:
+    """One engine's disk and/or remote tier; hooks itself into the core it is given."""
+
+    def __init__(self, core: CacheCore, disk: DiskTier | None = None,
+                 remote: RemoteTier | None = None) -> None:
+        self.core = core
+        self.disk = disk
+        self.remote = remote
+        self.spill_ahead_bytes = max(1, core.pool.nbytes // SPILL_AHEAD_SHARE)
+        core.on_stored = self.stored
+        core.on_evicted = self.evicted
+        if disk is not None:
+            disk.bind(core.reading, self.spill_candidates)
+            disk.events = core.events  # each tier reports its own pieces (KV events)
+        if remote is not None:
+            remote.bind(core.reading)
+            remote.events = core.events
+
+    # ------------------------------------------------------------------ lookup
+
+    def lookup(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
+               chunk_hashes: Sequence[bytes], lookup_id: str, lock: bool = True,
+               timeout_s: float = 1.0) -> int:
+        """``CacheEngine.lookup_tiers``: a memory lookup, then the rest of the prefix from the
+        tiers, for at most about ``timeout_s``. A reported hit is always in memory and locked;
+        a load that misses the deadline lands in memory (unlocked) when it completes."""
+        core = self.core
+        hits = core.lookup(model_name, layout, ranges, chunk_hashes, lookup_id, lock)
+        if hits == len(chunk_hashes):
+            return hits
+        deadline = time.monotonic() + timeout_s
+        rest = chunk_hashes[hits:]
+        wanted = core.uncovered(model_name, layout, ranges, rest)
+        loads = self._plan_loads(model_name, layout, rest, wanted, deadline)
+        if loads:
+            self._load(loads, deadline)
+        return core.relookup(model_name, layout, ranges, chunk_hashes, lookup_id, lock, hits)
+
+    def _plan_loads(self, model_name: str, layout: str, hashes: Sequence[bytes],
+                    wanted: list[list[HeadRange]], deadline: float) -> list[Load]:
+        """The pieces to load for the longest run of chunks whose uncovered ranges the tiers can
+        cover (disk first; Redis asked once, pipelined, for every other candidate piece)."""
+        disk = self.disk
+        per_chunk: list[tuple[dict[HeadRange, Load], list[ChunkKey]]] = []
+        for chunk_hash, ranges in zip(hashes, wanted, strict=True):
+            on_disk: dict[HeadRange, Load] = {}
+            if disk is not None and ranges:
+                on_disk = {(key.head_lo, key.head_hi): (key, nbytes, True)
+                           for key, nbytes in disk.pieces_of(model_name, layout, chunk_hash)}
+            probes = [ChunkKey(model_name, layout, lo, hi, chunk_hash)
+                      for heads in ranges for lo, hi in candidate_ranges(layout, heads)
+                      if (lo, hi) not in on_disk]
+            per_chunk.append((on_disk, probes))
+        in_redis = self._remote_lengths(
+            list(dict.fromkeys(key for _, probes in per_chunk for key in probes)), deadline)
+        budget = self.core.pool.nbytes
+        loads: list[Load] = []
+        chosen: set[ChunkKey] = set()
+        for ranges, (available, probes) in zip(wanted, per_chunk, strict=True):
+            for key in probes:
+                nbytes = in_redis.get(key)
+                if nbytes is not None:
+                    available.setdefault((key.head_lo, key.head_hi), (key, nbytes, False))
+            picked = pick_pieces(available, ranges)
+            if picked is None:
+                break
+            fresh = [load for load in picked if load[0] not in chosen]
+            budget -= sum(load[1] for load in fresh)
+            if budget < 0:
+                break
+            chosen.update(load[0] for load in fresh)
+            loads += fresh
+        return loads
+
+    def _remote_lengths(self, keys: list[ChunkKey], deadline: float) -> dict[ChunkKey, int]:
+        """Payload bytes of the ``keys`` Redis holds (one pipelined STRLEN); {} when down."""
+        remote = self.remote
+        if remote is None or remote.down or not keys:
+            return {}
+        try:
+            found = self._wait(remote.run(remote.lengths, keys, deadline), deadline)
+        except RuntimeError:  # the tier is shutting down
+            return {}
+        out: dict[ChunkKey, int] = {}
+        for key, length in zip(keys, found or (), strict=False):
+            nbytes = length - record.header_bytes(key)
+            if length and self.core.pool.fits(nbytes):
+                out[key] = nbytes
+        return out
+
+    def _wait(self, future: Future[T], deadline: float) -> T | None:
+        """The remote call's result, or None (counted) when the deadline passes first."""
+        try:
+            return future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            if self.remote is not None:
+                self.remote.count_lookup_timeout()
+            return None
+
+    def _load(self, loads: list[Load], deadline: float) -> None:
+        """Reserve slots for ``loads`` (in order, as far as the pool allows) and fill them."""
+        from_disk = {key: disk for key, _, disk in loads}
+        reserved = self.core.reserve([(key, nbytes) for key, nbytes, _ in loads])
+        disk_items = [item for item in reserved if from_disk[item[0]]]
+        remote_items = [item for item in reserved if not from_disk[item[0]]]
+        remote, future = self.remote, None
+        if remote_items and remote is not None:
+            try:
+                future = remote.run(self._load_remote, remote_items, deadline)
+            except RuntimeError:  # the tier is shutting down
+                self._commit_loads(remote_items, [0] * len(remote_items), from_disk=False)
+        if disk_items:
+            self._load_disk(disk_items, deadline)
+        if future is not None:
+            self._wait(future, deadline)
+
+    def _load_disk(self, items: list[Item], deadline: float) -> None:
+        disk, memory = self.disk, self.core.memory
+        got = [0] * len(items)
+        try:
+            for i, (key, handle, nbytes) in enumerate(items):
+                if disk is None or time.monotonic() >= deadline:
+                    break
+                got[i] = disk.read_into(key, memory(handle, nbytes))
+        finally:
+            self._commit_loads(items, got, from_disk=True)
+
+    def _load_remote(self, items: list[Item], deadline: float) -> None:
+        """On the remote tier's thread: GET into the slots, then commit (even after the caller
+        stopped waiting: the chunks are then simply warm in memory)."""
+        remote, memory = self.remote, self.core.memory
+        got = [0] * len(items)
+        try:
+            if remote is not None:
+                got = remote.fetch_into([key for key, _, _ in items],
+                                        [memory(handle, nbytes) for _, handle, nbytes in items],
+                                        deadline)
+        finally:
+            self._commit_loads(items, got, from_disk=False)
+
+    def _commit_loads(self, items: list[Item], got: list[int], from_disk: bool) -> None:
+        """Make the loaded pieces resident (a short or failed load frees its room); pieces that
+        came from Redis go to disk as a store's would."""
+        loaded = self.core.commit_loaded(items, got)
+        if loaded and not from_disk:
+            self._to_disk(loaded)
+
+    # ------------------------------------------------------------------ engine hooks
+
+    def stored(self, keys: Sequence[ChunkKey]) -> None:
+        """After a store commits: queue the chunks for Redis, and for disk (write-through) or wake
+        the disk writer to keep the coldest chunks saved. Never blocks."""
+        if self.remote is not None:
+            self.remote.submit(keys)
+        self._to_disk(keys)
+
+    def _to_disk(self, keys: Sequence[ChunkKey]) -> None:
+        disk = self.disk
+        if disk is not None:
+            if disk.write_through:
+                disk.submit(keys)
+            else:
+                disk.notify()
+
+    def evicted(self, key: ChunkKey) -> None:
+        """Every eviction passes here (under the engine's lock, so no I/O): the disk tier's writer
+        has already saved the chunks nearest eviction (``spill_candidates``); one it had not got to
+        is counted as ``disk_evicted_unsaved``."""
+        disk = self.disk
+        if disk is not None and not disk.contains(key):
+            disk.count_evicted_unsaved()
+
+    def spill_candidates(self, limit: int) -> list[ChunkKey]:
+        """Up to ``limit`` chunks among those next in line for eviction that are not on disk yet.
+
+        "Next in line": the least recently used pieces holding ``spill_ahead_bytes - free pool
+        bytes``, so the writer starts saving once the pool is three quarters full and stays ahead
+        of eviction.
+        """
+        disk = self.disk
+        if disk is None:
+            return []
+        return self.core.coldest(limit, self.spill_ahead_bytes, disk.contains)
+
+    def stats(self) -> dict[str, int]:
+        """The tiers' counters (names as in ``ServerStats``)."""
+        out: dict[str, int] = {}
+        if self.disk is not None:
+            out.update(self.disk.stats())
+        if self.remote is not None:
+            out.update(self.remote.stats())
+        return out
+
+
+def pick_pieces(available: dict[HeadRange, Load], ranges: Sequence[HeadRange]) -> list[Load] | None:
+    """Pieces of ``available`` that together cover every range of ``ranges`` (widest first at
+    each head), or None when some head is in none of them."""
+    picked: dict[ChunkKey, Load] = {}
+    for lo, hi in ranges:
+        at = lo
+        while at < hi:
+            best = max((heads for heads in available if heads[0] <= at < heads[1]),
+                       key=lambda heads: heads[1], default=None)
+            if best is None:
+                return None
+            load = available[best]
+            picked[load[0]] = load
+            at = best[1]
+    return list(picked.values())

@@ -1,0 +1,167 @@
+"""One server for a whole node: chunks shared across tensor-parallel sizes, several models and
+dtypes side by side, never a chunk of another layout. Real server, real worker processes."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+from lmcache_core.integration.vllm.vllm_multi_process_adapter import LMCacheMPSchedulerAdapter
+from lmcache_core.protocol import RequestType
+from lmcache_core.protocol import messages as m
+from tests.integration.servers import ServerProcess, WorkerProcess
+
+CHUNK, BLOCK = 64, 16
+PER_CHUNK = CHUNK // BLOCK
+HEADS = 8  # the model's KV heads, over all ranks
+
+
+def tokens(n_chunks: int, seed: int) -> list[int]:
+    return [(seed * 7919 + i * 37) % 32000 for i in range(n_chunks * CHUNK)]
+
+
+def blocks(first_chunk: int, n_chunks: int) -> list[int]:
+    return list(range(first_chunk * PER_CHUNK, (first_chunk + n_chunks) * PER_CHUNK))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = ServerProcess(tmp_path_factory.mktemp("cross_tp"),
+                        {"server": {"pool_size": "16MiB", "slab_size": "1MiB"}}).start()
+    yield srv
+    srv.kill()
+
+
+def group(url: str, world_size: int, model: str = "xtp", **spec: object) -> list[WorkerProcess]:
+    """The ranks of one engine of ``world_size`` (each holds HEADS / world_size heads)."""
+    heads = 1 if spec.get("mla") else HEADS // world_size
+    return [WorkerProcess(url, rank=r, world_size=world_size, model=model, heads=heads,
+                          **spec) for r in range(world_size)]  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def engines(server):
+    made = {w: group(server.url, w) for w in (1, 2, 4)}
+    yield made
+    for workers in made.values():
+        for worker in workers:
+            worker.close()
+
+
+def lookup(url: str, world_size: int, request_id: str, toks: list[int],
+           model: str = "xtp") -> int:
+    adapter = LMCacheMPSchedulerAdapter(url, zmq.Context.instance(), model, world_size, 0, BLOCK)
+    try:
+        adapter.maybe_submit_lookup_request(request_id, toks)
+        deadline = time.monotonic() + 10
+        while (result := adapter.check_lookup_result(request_id)) is None:
+            assert time.monotonic() < deadline, "lookup never finished"
+            time.sleep(0.001)
+        return result
+    finally:
+        adapter.close()
+
+
+def store(workers: list[WorkerProcess], toks: list[int], seed: int, n_chunks: int) -> None:
+    for worker in workers:
+        worker("fill_model", blocks=blocks(0, n_chunks), seed=seed)
+        result = worker("store", req=f"store-{seed}", keys=toks, blocks=blocks(0, n_chunks))
+        assert result["finished"] and not result["failed"], result
+
+
+def load_and_check(workers: list[WorkerProcess], request_id: str, toks: list[int], seed: int,
+                   n_chunks: int) -> None:
+    """Each rank retrieves into fresh blocks and holds exactly its slice of what was stored."""
+    target = blocks(8, n_chunks)
+    for worker in workers:
+        worker("zero", blocks=target)
+        result = worker("retrieve", req=request_id, keys=toks, blocks=target)
+        assert result["finished"] and not result["failed"] and not result["load_errors"], result
+        assert worker("check_model", blocks=target, seed=seed)["equal"]
+
+
+def server_info(url: str) -> m.ServerInfoReply:
+    from lmcache_core.transport.client import MessageQueueClient
+
+    with MessageQueueClient(url, connect_timeout_s=2) as client:
+        return client.call(RequestType.SERVER_INFO, m.NoArgs(), m.ServerInfoReply)
+
+
+@pytest.mark.parametrize(("stored_by", "read_by"), [(2, 1), (1, 2), (1, 4), (2, 4), (4, 1)])
+def test_chunks_stored_at_one_tp_size_load_byte_exact_at_another(server, engines, stored_by,
+                                                                  read_by):
+    seed = 10 * stored_by + read_by
+    toks = tokens(3, seed)
+    store(engines[stored_by], toks, seed, 3)
+    request_id = f"x{stored_by}{read_by}"
+    assert lookup(server.url, read_by, request_id, toks) == 3 * CHUNK
+    load_and_check(engines[read_by], request_id, toks, seed, 3)
+
+
+def test_a_lookup_does_not_count_a_chunk_missing_a_ranks_heads(server, engines):
+    toks = tokens(2, 99)
+    store(engines[2][:1], toks, 99, 2)  # rank 0 of TP=2 only: heads 0-3
+    assert lookup(server.url, 2, "half2", toks) == 0
+    assert lookup(server.url, 1, "half1", toks) == 0
+    store(engines[4][2:3], toks, 99, 2)  # rank 2 of TP=4: heads 4-5; 6-7 still missing
+    assert lookup(server.url, 1, "half1b", toks) == 0
+    store(engines[4][3:], toks, 99, 2)  # rank 3 of TP=4: now every head is there
+    assert lookup(server.url, 1, "whole1", toks) == 2 * CHUNK
+    load_and_check(engines[1], "whole1", toks, 99, 2)  # from three pieces of two TP sizes
+
+
+def test_another_dtype_or_shape_under_the_same_model_name_never_loads(server, engines):
+    """Same model name, same bytes per chunk, another dtype: never served (wrong tokens)."""
+    toks = tokens(2, 7)
+    store(engines[1], toks, 7, 2)
+    bf16 = WorkerProcess(server.url, model="xtp", heads=HEADS, dtype="bfloat16")
+    reshaped = WorkerProcess(server.url, model="xtp", heads=HEADS // 2, head_dim=64)
+    try:
+        for worker in (bf16, reshaped):
+            worker("fill", blocks=blocks(8, 2), seed=5)
+            before = worker("digest", blocks=blocks(8, 2))["digest"]
+            result = worker("retrieve", req="other", keys=toks, blocks=blocks(8, 2))
+            assert result["load_errors"] == blocks(8, 2)
+            assert worker("digest", blocks=blocks(8, 2))["digest"] == before  # untouched
+    finally:
+        bf16.close()
+        reshaped.close()
+
+
+def test_two_models_of_different_shapes_and_dtypes_share_one_server(server, engines):
+    other = group(server.url, 2, model="other", layers=3, head_dim=16, dtype="bfloat16")
+    try:
+        toks_a, toks_b = tokens(2, 31), tokens(2, 32)
+        store(engines[1], toks_a, 31, 2)
+        store(other, toks_b, 32, 2)
+        assert lookup(server.url, 2, "a", toks_a) == 2 * CHUNK
+        assert lookup(server.url, 2, "b", toks_b, model="other") == 2 * CHUNK
+        assert lookup(server.url, 2, "ab", toks_b) == 0  # model names keep them apart
+        load_and_check(engines[2], "a", toks_a, 31, 2)
+        load_and_check(other, "b", toks_b, 32, 2)
+        models = {row.model_name: row for row in server_info(server.url).models}
+        assert models["other"].layouts == ["bfloat16:3x8x16"]
+        assert models["other"].registered == 2 and models["other"].pieces >= 4
+        assert "float16:2x8x32" in models["xtp"].layouts
+    finally:
+        for worker in other:
+            worker.close()
+
+
+def test_mla_pieces_serve_every_tp_size(server):
+    made = {w: group(server.url, w, model="mla", mla=True, head_dim=64) for w in (1, 2)}
+    try:
+        toks = tokens(2, 41)
+        store(made[2], toks, 41, 2)  # both ranks store the same latent: one piece
+        stats = server_info(server.url)
+        assert {r.model_name: r.pieces for r in stats.models}["mla"] == 2
+        assert lookup(server.url, 1, "mla1", toks, model="mla") == 2 * CHUNK
+        load_and_check(made[1], "mla1", toks, 41, 2)
+        assert lookup(server.url, 2, "mla2", toks, model="mla") == 2 * CHUNK
+        load_and_check(made[2], "mla2", toks, 41, 2)
+    finally:
+        for workers in made.values():
+            for worker in workers:
+                worker.close()
