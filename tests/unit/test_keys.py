@@ -10,10 +10,16 @@ from lmcache_core.keys import (
     ChunkKey,
     TokenDatabase,
     block_hash_bytes,
+    candidate_ranges,
     chain_hashes,
+    is_mla,
+    layout_heads,
+    layout_key,
+    rank_heads,
     salt_prefix,
     salted_prefix,
     striding_block_hashes,
+    world_heads,
 )
 
 
@@ -68,10 +74,40 @@ def test_token_database_and_keys():
     db = TokenDatabase(16)
     assert db.chunk_hashes(list(range(40))) == chain_hashes(list(range(40)), 16)
     assert db.chunk_offsets(2) == [16, 32]
-    key = ChunkKey("m", 2, 1, b"\xab" * 32)
-    assert key == ChunkKey("m", 2, 1, b"\xab" * 32) and hash(key) == hash(tuple(key))
-    assert key.short() == "abababababab@1/2"
+    key = ChunkKey("m", "ranks2", 1, 2, b"\xab" * 32)
+    assert key == ChunkKey("m", "ranks2", 1, 2, b"\xab" * 32) and hash(key) == hash(tuple(key))
+    assert key.short() == "abababababab@1-2"
+    assert key.chunk == ("m", "ranks2", b"\xab" * 32)
     assert block_hash_bytes(b"xy") == b"xy"
+
+
+def test_layout_fingerprints_and_head_ranges():
+    gqa = layout_key("torch.bfloat16", 32, 8, 128, False)
+    mla = layout_key("bfloat16", 61, 1, 576, True)
+    assert (gqa, mla) == ("bfloat16:32x8x128", "bfloat16:61xmla576")
+    assert layout_key("float16", 32, 8, 128, False) != gqa  # dtype alone tells them apart
+    assert layout_heads(gqa) == 8 and layout_heads(mla) == 1 and layout_heads("ranks4") == 4
+    assert is_mla(mla) and not is_mla(gqa) and not is_mla("ranks4")
+    assert rank_heads(gqa, 2, 1) == (4, 8) and rank_heads(gqa, 4, 3) == (6, 8)
+    assert world_heads(gqa, 2) == [(0, 4), (4, 8)] and world_heads(mla, 8) == [(0, 1)]
+    assert world_heads("ranks3", 3) == [(0, 1), (1, 2), (2, 3)]
+    with pytest.raises(ValueError, match="divide"):
+        rank_heads(gqa, 3, 0)
+    with pytest.raises(ValueError, match="outside"):
+        rank_heads(gqa, 2, 2)
+    for bad in ("", "bfloat16", "bfloat16:32x8", "x" * 100, "ranks0", "bf16:1x2x3x4"):
+        with pytest.raises(ValueError):
+            layout_heads(bad)
+
+
+def test_candidate_ranges_cover_every_tp_split():
+    gqa = layout_key("float16", 2, 8, 16, False)
+    got = candidate_ranges(gqa, (4, 8))
+    assert got[0] == (4, 8) and (0, 8) in got and (6, 8) in got and (7, 8) in got
+    assert all(lo < 8 and hi > 4 for lo, hi in got)  # only pieces overlapping the range
+    assert len(set(got)) == len(got)
+    assert candidate_ranges("ranks2", (1, 2)) == ((1, 2),)
+    assert candidate_ranges(layout_key("float16", 2, 1, 64, True), (0, 1)) == ((0, 1),)
 
 
 # ---- pins taken before the vectorized hashing (issue 13): every input kind must keep these values
