@@ -22,6 +22,9 @@ here have no float8 ``index_select``/``index_copy_`` kernels, and the bytes are 
 When the KV tensors live on a GPU and the slots in host memory, each chunk goes through one staging
 buffer on the KV device (``index_select`` there, then one device->host copy), on the current
 stream; see :mod:`.cuda_events` for running that on a dedicated stream and synchronizing it.
+
+:meth:`BlockCopier.scatter_heads` reads chunks stored by another tensor-parallel size (pieces of
+head ranges) into this cache's heads; the copies live in :mod:`.heads`.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from collections.abc import Sequence
 import torch
 
 from lmcache_core.errors import IncompatibleError, ProtocolError
+from lmcache_core.kv.heads import HeadCopier
 from lmcache_core.kv.layout import KVGeometry, block_view, kv_geometry, merge_leading
 from lmcache_core.kv.tensors import check_uniform_layers, span_elems
 from lmcache_core.protocol.messages import KVLayoutName
@@ -116,6 +120,7 @@ class BlockCopier:
         self._stacked = stacked is not None
         self._native = _Plan.build(views, block_dim, self._bpc)
         self._wide = _widest_plan(views, block_dim, self._bpc) if allow_wide else None
+        self._heads: HeadCopier | None = None  # built by the first scatter_heads
 
     # ------------------------------------------------------------------ properties
 
@@ -200,7 +205,41 @@ class BlockCopier:
     def scatter(self, slots: Sequence[torch.Tensor], block_ids: BlockIds) -> None:
         """Copy ``slots[i]`` into chunk ``i``'s blocks of every layer, in place."""
         flats = [self._slot_bytes(s) for s in slots]
-        index = self.index(block_ids, len(flats))
+        self._scatter_flats(flats, self.index(block_ids, len(flats)))
+
+    def scatter_heads(self, chunks: Sequence[Sequence[tuple[torch.Tensor, int, int]]],
+                      heads: tuple[int, int], block_ids: BlockIds) -> None:
+        """Copy chunk ``i``, made of the pieces ``chunks[i] = [(piece slot, piece_lo, piece_hi),
+        ...]`` that together cover this cache's head range ``heads = (a, b)`` of the model's KV
+        heads, into chunk ``i``'s blocks (``block_ids[i*bpc:(i+1)*bpc]``) of every layer.
+
+        A piece slot holds the canonical chunk of heads ``[lo, hi)`` only (what :meth:`gather`
+        writes from a cache of those heads): at least ``chunk_bytes * (hi - lo) // (b - a)``
+        bytes, uint8 or the KV dtype, contiguous, aligned. ``b - a`` must be this cache's heads;
+        each head is copied from the first piece (in the given order) that covers it, so pieces
+        may overlap; a head no piece covers is a ProtocolError. Everything (pieces, coverage,
+        block ids) is checked before anything is copied. Copies go from the slots straight into
+        the cache (strided views, no reassembly buffer; see :mod:`.heads`); a piece of exactly
+        ``[a, b)`` takes the :meth:`scatter` path. MLA caches (no head dim) raise
+        IncompatibleError: their one piece serves every rank through :meth:`scatter`.
+        """
+        if self._heads is None:
+            self._heads = self._head_copier()
+        self._heads.scatter(chunks, heads, block_ids)
+
+    def _head_copier(self) -> HeadCopier:
+        """Views ``[*lead, NB, bs, H, D]`` of the cache with the heads dim kept."""
+        layers = [_byte_view(t) for t in self._layers]
+        flashinfer = self._layout == "flashinfer"
+        stacked = stack_layers(layers) if self._stacked and self._geometry.planes == 2 else None
+        if stacked is not None:  # [L, 2, NB, ...] -> [L * 2, NB, ...] when that is a view
+            view = merge_leading(stacked.transpose(1, 2) if flashinfer else stacked)
+            return HeadCopier(self, [view], view.dim() - 4)
+        views = [t.transpose(0, 1) if flashinfer else t for t in layers]  # [2, NB, bs, H, D]
+        return HeadCopier(self, views, 1)
+
+    def _scatter_flats(self, flats: list[torch.Tensor], index: torch.Tensor) -> None:
+        """``scatter`` of checked flat slots with a validated ``index``."""
         plan = self._scatter_plan(flats)
         staging: torch.Tensor | None = None
         with torch.inference_mode():
