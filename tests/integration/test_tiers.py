@@ -22,11 +22,18 @@ import redis
 import torch
 
 from lmcache_core.engine import CacheEngine
-from lmcache_core.keys import ChunkKey, chain_hashes
+from lmcache_core.keys import (
+    ChunkKey,
+    HeadRange,
+    chain_hashes,
+    layout_key,
+    rank_heads,
+    world_heads,
+)
 from lmcache_core.protocol import RequestType
 from lmcache_core.protocol import messages as m
 from lmcache_core.storage import record
-from lmcache_core.storage.disk import DiskTier, file_name
+from lmcache_core.storage.disk import SUFFIX, DiskTier, file_name
 from lmcache_core.storage.pool import MemoryPool
 from lmcache_core.storage.remote import RemoteTier
 from lmcache_core.transport.client import MessageQueueClient
@@ -142,34 +149,64 @@ def redis_up(redis_server: RedisServer) -> RedisServer:
 
 # ---------------------------------------------------------------- in-process engines
 
+LAYOUT = layout_key("float16", 2, 8, 16, False)  # 8 KV heads: TP 1, 2 and 4 hold 8, 4, 2 each
+
 
 def key(i: int, rank: int = 0, world: int = 1) -> ChunkKey:
-    return ChunkKey("m", world, rank, bytes([i, 0x5A]) * 16)
+    """Chunk ``i``'s piece that rank ``rank`` of ``world`` holds."""
+    return ChunkKey("m", LAYOUT, *rank_heads(LAYOUT, world, rank), bytes([i, 0x5A]) * 16)
 
 
-def pattern(i: int) -> torch.Tensor:
-    return (torch.arange(NBYTES, dtype=torch.int64) * (i + 3) % 251).to(torch.uint8)
+def every_rank(i: int, world: int) -> list[ChunkKey]:
+    return [key(i, rank, world) for rank in range(world)]
+
+
+def ranges(world: int) -> list[HeadRange]:
+    return world_heads(LAYOUT, world)
+
+
+def pattern(k: ChunkKey) -> torch.Tensor:
+    """The piece's own bytes: distinct per chunk and per head range (so per rank)."""
+    salt = 29 * (k.head_lo + 1) + 7 * k.head_hi
+    return ((torch.arange(NBYTES, dtype=torch.int64) * (k.chunk_hash[0] + 3) + salt)
+            % 251).to(torch.uint8)
+
+
+def payload(k: ChunkKey) -> memoryview:
+    return pattern(k).numpy().data
 
 
 def engine(remote: RemoteTier | None = None, disk: DiskTier | None = None,
-           slots: int = 16) -> CacheEngine:
-    return CacheEngine(MemoryPool.slots(SLOT, slots, pin=False), chunk_size=16, disk=disk, remote=remote)
+           slots: int = 40) -> CacheEngine:
+    return CacheEngine(MemoryPool.slots(SLOT, slots, pin=False), chunk_size=16, disk=disk,
+                       remote=remote)
 
 
 def store(e: CacheEngine, keys: list[ChunkKey]) -> None:
     plan = e.begin_store(keys, NBYTES)
+    assert plan.stored == len(keys)
     for _, k, view in plan.writes:
-        view.copy_(pattern(k.chunk_hash[0]))
+        view.copy_(pattern(k))
     e.finish_store(plan)
 
 
 def retrieve_ok(e: CacheEngine, keys: list[ChunkKey], lookup_id: str) -> bool:
-    plan = e.begin_retrieve(keys, lookup_id)
-    try:
-        return not plan.missing and all(torch.equal(view, pattern(k.chunk_hash[0]))
-                                        for _, k, view in plan.found)
-    finally:
-        e.finish_retrieve(plan)
+    """Each key's head range retrieves, for every chunk, exactly that piece with its own bytes."""
+    by_heads: dict[HeadRange, list[ChunkKey]] = {}
+    for k in keys:
+        by_heads.setdefault((k.head_lo, k.head_hi), []).append(k)
+    for heads, group in by_heads.items():
+        plan = e.begin_retrieve("m", LAYOUT, heads, [k.chunk_hash for k in group], lookup_id)
+        try:
+            if plan.missing or len(plan.found) != len(group):
+                return False
+            for index, sources in plan.found:
+                (view, lo, hi), = sources
+                if (lo, hi) != heads or not torch.equal(view, pattern(group[index])):
+                    return False
+        finally:
+            e.finish_retrieve(plan)
+    return True
 
 
 def tier(url: str, **kw: object) -> RemoteTier:
@@ -185,28 +222,77 @@ def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def test_two_engines_share_chunks_through_redis(redis_up: RedisServer) -> None:
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_two_engines_share_chunks_through_redis(redis_up: RedisServer, world: int) -> None:
     a_tier, b_tier = tier(redis_up.url), tier(redis_up.url.replace("redis://", "valkey://"))
-    a, b = engine(a_tier), engine(b_tier)
+    c_tier = tier(redis_up.url)
+    a, b, c = engine(a_tier), engine(b_tier), engine(c_tier)
     a_tier.start()
     try:
-        keys = [key(i) for i in range(4)]
+        keys = [k for i in range(4) for k in every_rank(i, world)]
         store(a, keys)
-        assert a_tier.flush(5) and a.stats()["remote_written_chunks"] == 4
-        with redis_up.client() as c:
-            rkey = f"lmcache:v{record.FORMAT_VERSION}:m:1:0:{keys[0].chunk_hash.hex()}".encode()
-            assert c.exists(rkey) and c.strlen(rkey) == record.header_bytes(keys[0]) + NBYTES
-        hashes = [k.chunk_hash for k in keys] + [key(9).chunk_hash]
-        assert b.lookup("m", 1, hashes, "q") == 0
-        assert b.lookup_tiers("m", 1, hashes, "q", timeout_s=2) == 4
+        assert a_tier.flush(5) and a.stats()["remote_written_chunks"] == 4 * world
+        with redis_up.client() as client:  # one value per piece, named by its head range
+            for k in keys:
+                rkey = (f"lmcache:v{record.FORMAT_VERSION}:m:{LAYOUT}:{k.head_lo}-{k.head_hi}:"
+                        f"{k.chunk_hash.hex()}").encode()
+                assert rkey == a_tier.redis_key(k)
+                assert client.exists(rkey) and client.strlen(rkey) == record.header_bytes(k) + NBYTES
+            assert client.dbsize() == 4 * world
+        hashes = [k.chunk_hash for k in keys[::world]] + [key(9).chunk_hash]
+        assert b.lookup("m", LAYOUT, ranges(world), hashes, "q") == 0
+        assert b.lookup_tiers("m", LAYOUT, ranges(world), hashes, "q", timeout_s=2) == 4
         assert set(b.locks_of("q")) == set(keys)  # resident and locked when the reply goes out
-        assert retrieve_ok(b, keys, "q")
+        assert retrieve_ok(b, keys, "q")  # every rank reads back its own bytes
         stats = b.stats()
-        assert stats["remote_loaded_chunks"] == 4 and stats["remote_errors"] == 0
+        assert stats["remote_loaded_chunks"] == 4 * world and stats["remote_errors"] == 0
         assert stats["lookup_hit_chunks"] == 4
+
+        # A's memory copy gone: A reads each rank's piece back from Redis too.
+        assert a.clear(force=True) == (4 * world, 0) and len(a) == 0
+        assert a.lookup_tiers("m", LAYOUT, ranges(world), hashes, "a", timeout_s=2) == 4
+        assert retrieve_ok(a, keys, "a")
+
+        # A TP=1 engine reads the chunks out of the pieces of this TP size, each its own bytes.
+        assert c.lookup_tiers("m", LAYOUT, ranges(1), hashes, "c", timeout_s=2) == 4
+        plan = c.begin_retrieve("m", LAYOUT, (0, 8), hashes[:4], "c")
+        try:
+            assert not plan.missing and len(plan.found) == 4
+            for index, sources in plan.found:
+                assert [(lo, hi) for _, lo, hi in sources] == ranges(world)
+                for (view, _, _), k in zip(sources, every_rank(index, world), strict=True):
+                    assert torch.equal(view, pattern(k))
+        finally:
+            c.finish_retrieve(plan)
     finally:
         a_tier.stop()
         b_tier.stop()
+        c_tier.stop()
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_disk_round_trip_every_rank(tmp_path: Path, world: int) -> None:
+    disk = DiskTier(tmp_path, 1 << 20, write_through=True)
+    e = engine(disk=disk)
+    disk.start()
+    try:
+        keys = [k for i in range(4) for k in every_rank(i, world)]
+        store(e, keys)
+        assert disk.flush(5) and e.stats()["disk_written_chunks"] == 4 * world
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(SUFFIX)) == sorted(
+            file_name(k) for k in keys)  # one file per piece
+        assert e.clear(force=True) == (4 * world, 0) and len(e) == 0
+        hashes = [k.chunk_hash for k in keys[::world]] + [key(9).chunk_hash]
+        assert e.lookup("m", LAYOUT, ranges(world), hashes, "q") == 0
+        assert e.lookup_tiers("m", LAYOUT, ranges(world), hashes, "q", timeout_s=2) == 4
+        assert set(e.locks_of("q")) == set(keys)
+        assert retrieve_ok(e, keys, "q")  # every rank reads back its own bytes
+        assert e.stats()["disk_loaded_chunks"] == 4 * world
+    finally:
+        disk.stop()
+    fresh = engine(disk=DiskTier(tmp_path, 1 << 20))  # a restart on the same directory
+    assert fresh.lookup_tiers("m", LAYOUT, ranges(world), hashes, "r", timeout_s=2) == 4
+    assert retrieve_ok(fresh, keys, "r")
 
 
 def test_cluster_url(tmp_path: Path) -> None:
@@ -218,7 +304,8 @@ def test_cluster_url(tmp_path: Path) -> None:
         keys = [key(i) for i in range(3)]
         store(a, keys)
         assert a_tier.flush(5) and a.stats()["remote_written_chunks"] == 3
-        assert b.lookup_tiers("m", 1, [k.chunk_hash for k in keys], "c", timeout_s=2) == 3
+        assert b.lookup_tiers("m", LAYOUT, ranges(1), [k.chunk_hash for k in keys], "c",
+                              timeout_s=2) == 3
         assert retrieve_ok(b, keys, "c") and b.stats()["remote_errors"] == 0
     finally:
         a_tier.stop()
@@ -230,7 +317,7 @@ def test_bad_values_are_never_served(redis_up: RedisServer) -> None:
     t = tier(redis_up.url)
     e = engine(t)
     keys = [key(i) for i in range(3)]
-    good = [record.encode(k, memoryview(pattern(k.chunk_hash[0]).numpy())) for k in keys]
+    good = [record.encode(k, payload(k)) for k in keys]
     flipped = bytearray(good[1])
     flipped[-7] ^= 0x10
     with redis_up.client() as c:
@@ -238,11 +325,27 @@ def test_bad_values_are_never_served(redis_up: RedisServer) -> None:
         c.set(t.redis_key(keys[1]), bytes(flipped))
         c.set(t.redis_key(keys[2]), good[1])  # an intact record, but of another key
     try:
-        assert e.lookup_tiers("m", 1, [k.chunk_hash for k in keys], "q", timeout_s=2) == 1
+        assert e.lookup_tiers("m", LAYOUT, ranges(1), [k.chunk_hash for k in keys], "q",
+                              timeout_s=2) == 1
         assert not e.is_resident(keys[1]) and not e.is_resident(keys[2])
         assert e.stats()["remote_corrupt"] == 2
         with redis_up.client() as c:
             assert not c.exists(t.redis_key(keys[1]))  # deleted so nobody fetches it again
+    finally:
+        t.stop()
+
+
+def test_a_value_of_another_head_range_is_never_served(redis_up: RedisServer) -> None:
+    """Rank 1's Redis key holding rank 0's (intact) record: refused, the chunk is a miss."""
+    t = tier(redis_up.url)
+    e = engine(t)
+    low, high = every_rank(0, 2)
+    with redis_up.client() as c:
+        c.set(t.redis_key(low), record.encode(low, payload(low)))
+        c.set(t.redis_key(high), record.encode(low, payload(low)))
+    try:
+        assert e.lookup_tiers("m", LAYOUT, ranges(2), [low.chunk_hash], "q", timeout_s=2) == 0
+        assert not e.is_resident(high) and e.stats()["remote_corrupt"] == 1
     finally:
         t.stop()
 
@@ -273,7 +376,7 @@ def test_redis_down_then_back(redis_up: RedisServer, caplog: pytest.LogCaptureFi
         hashes = [key(0).chunk_hash, key(1).chunk_hash]
         for i in range(20):  # memory keeps serving; every lookup answers within its budget
             start = time.monotonic()
-            assert e.lookup_tiers("m", 1, hashes, f"d{i}", timeout_s=0.5) == 1
+            assert e.lookup_tiers("m", LAYOUT, ranges(1), hashes, f"d{i}", timeout_s=0.5) == 1
             assert time.monotonic() - start < 0.6
         store(e, [key(2)])  # queued while down
         wait_for(lambda: e.stats()["remote_down"] == 1)
@@ -285,8 +388,14 @@ def test_redis_down_then_back(redis_up: RedisServer, caplog: pytest.LogCaptureFi
         wait_for(lambda: e.stats()["remote_down"] == 0)
         assert any("reachable again" in r.getMessage() for r in caplog.records)
         wait_for(lambda: e.stats()["remote_written_chunks"] >= 2)  # the queued write went out
-        other = engine(tier(redis_up.url))
-        assert other.lookup_tiers("m", 1, [key(2).chunk_hash], "o", timeout_s=2) == 1
+        other_tier = tier(redis_up.url)
+        other = engine(other_tier)
+        try:
+            assert other.lookup_tiers("m", LAYOUT, ranges(1), [key(2).chunk_hash], "o",
+                                      timeout_s=2) == 1
+            assert retrieve_ok(other, [key(2)], "o")
+        finally:
+            other_tier.stop()
     finally:
         t.stop()
 
@@ -299,31 +408,36 @@ def test_hung_redis_costs_a_lookup_at_most_its_budget(redis_up: RedisServer) -> 
     freeze(redis_up.proc.pid)
     try:
         start = time.monotonic()
-        assert e.lookup_tiers("m", 1, [key(5).chunk_hash], "h", timeout_s=0.3) == 0
+        assert e.lookup_tiers("m", LAYOUT, ranges(1), [key(5).chunk_hash], "h", timeout_s=0.3) == 0
         assert time.monotonic() - start < 0.5
         assert e.stats()["remote_lookup_timeouts"] == 1
         start = time.monotonic()
-        assert e.lookup("m", 1, [key(5).chunk_hash], "h") == 0  # the memory path never waits
+        assert e.lookup("m", LAYOUT, ranges(1), [key(5).chunk_hash], "h") == 0  # never waits
         assert time.monotonic() - start < 0.05
     finally:
         os.kill(redis_up.proc.pid, signal.SIGCONT)
         t.stop()
 
 
-def test_disk_first_then_redis_in_one_prefix(redis_up: RedisServer, tmp_path: Path) -> None:
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_disk_first_then_redis_in_one_prefix(redis_up: RedisServer, tmp_path: Path,
+                                             world: int) -> None:
     t = tier(redis_up.url)
     disk = DiskTier(tmp_path, 1 << 20)
     e = engine(t, disk)
-    keys = [key(i) for i in range(4)]
-    disk.write(keys[0], memoryview(pattern(0).numpy()))
-    disk.write(keys[1], memoryview(pattern(1).numpy()))
-    for k in keys[2:]:
-        assert t.put(k, memoryview(pattern(k.chunk_hash[0]).numpy()))
+    chunks = [every_rank(i, world) for i in range(4)]
+    for k in chunks[0] + chunks[1]:
+        assert disk.write(k, payload(k))
+    for k in chunks[2] + chunks[3]:
+        assert t.put(k, payload(k))
+    keys = [k for chunk in chunks for k in chunk]
     try:
-        assert e.lookup_tiers("m", 1, [k.chunk_hash for k in keys], "p", timeout_s=2) == 4
-        assert retrieve_ok(e, keys, "p")
+        assert e.lookup_tiers("m", LAYOUT, ranges(world), [c[0].chunk_hash for c in chunks], "p",
+                              timeout_s=2) == 4
+        assert retrieve_ok(e, keys, "p")  # every rank reads back its own bytes
         stats = e.stats()
-        assert stats["disk_loaded_chunks"] == 2 and stats["remote_loaded_chunks"] == 2
+        assert stats["disk_loaded_chunks"] == 2 * world
+        assert stats["remote_loaded_chunks"] == 2 * world
     finally:
         t.stop()
 
@@ -441,7 +555,8 @@ def test_two_servers_share_redis_and_disk_survives_restart(redis_up: RedisServer
         # with one of its files corrupted meanwhile: the prefix stops there, nothing bad is served.
         wa.close()
         assert srv_a.stop() == 0
-        bad = disk_dir / file_name(ChunkKey("tiny", 1, 0, chain_hashes(toks, CHUNK)[2]))
+        tiny = layout_key("float16", 2, 4, 32, False)  # the servers' model, at TP=1
+        bad = disk_dir / file_name(ChunkKey("tiny", tiny, 0, 4, chain_hashes(toks, CHUNK)[2]))
         data = bytearray(bad.read_bytes())
         data[-1] ^= 0xFF
         bad.write_bytes(bytes(data))

@@ -412,22 +412,37 @@ def test_prefix_needs_every_rank(tmp_path: Path) -> None:
 
 
 def test_eviction_spills_to_disk_ahead(tmp_path: Path) -> None:
-    disk = DiskTier(tmp_path, 1 << 20)  # write_through off: only chunks near eviction are saved
+    """The writer keeps saved the least recently used pieces holding ``spill_ahead_bytes - free
+    pool bytes`` (the next in line for eviction), never the warmer ones; so every eviction finds
+    its piece already on disk."""
+    disk = DiskTier(tmp_path, 1 << 20)  # write_through off: only pieces near eviction are saved
     engine = engine_with(disk, slots=8)
+    tiers = engine.tiers
+    assert tiers is not None and tiers.spill_ahead_bytes == 8 * SLOT // 4
     disk.start()
     try:
         for i in range(7):  # separate stores: key(0) is the least recently used
             store(engine, [key(i)])
-        # 1 slot free: the coldest 8 // 4 - 1 chunk is saved
-        _wait(lambda: disk.contains(key(0)))
-        assert not any(disk.contains(key(i)) for i in range(1, 7))  # warmer chunks are not
-        for i in range(7, 12):
+        # One slot free: 2 slots' bytes - 1 slot's at risk = more than one piece (NBYTES < SLOT)
+        # holds, so exactly the two coldest pieces are saved.
+        at_risk = tiers.spill_ahead_bytes - engine.pool.bytes_free
+        assert at_risk == SLOT and -(-at_risk // NBYTES) == 2
+        _wait(lambda: disk.contains(key(0)) and disk.contains(key(1)))
+        _wait(lambda: not tiers.spill_candidates(8))  # the writer is done, nothing more is due
+        assert [k.chunk_hash[0] for k in disk.lru_keys()] == [0, 1]  # warmer pieces are not
+        assert disk.stats()["disk_written_chunks"] == 2
+        store(engine, [key(7)])  # the pool is full: 2 slots' bytes at risk, three pieces
+        _wait(lambda: not tiers.spill_candidates(8))
+        assert sorted(k.chunk_hash[0] for k in disk.lru_keys()) == [0, 1, 2]
+        for i in range(8, 12):  # each store evicts the coldest piece, saved ahead of it
             store(engine, [key(i)])
-            _wait(lambda: engine.tiers is not None and not engine.tiers.spill_candidates(8))
+            _wait(lambda: not tiers.spill_candidates(8))
+            assert sorted(k.chunk_hash[0] for k in disk.lru_keys()) == list(range(i - 4))
         assert engine.stats()["evictions"] == 4
         assert engine.stats()["disk_evicted_unsaved"] == 0
         evicted = [key(i) for i in range(4)]
         assert all(disk.contains(k) and not engine.is_resident(k) for k in evicted)
+        assert not any(disk.contains(key(i)) for i in range(7, 12))  # the warmest never went
         hashes = [k.chunk_hash for k in evicted]
         assert lookup_tiers(engine, 1, hashes, "back", timeout_s=2) == 4
         assert retrieved(engine, evicted, "back") == [bytes(payload(i)) for i in range(4)]
