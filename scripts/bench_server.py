@@ -6,7 +6,9 @@
 - store and retrieve GB/s of Llama-8B-shaped chunks (32 layers, 8 kv heads x 128, bf16, 256 tokens =
   32 MiB) through shared memory vs a plain torch gather/scatter of the same blocks in one process;
 - the scheduler adapter's ``check_lookup_result`` on a pending lookup, and a batched store of 32
-  requests x 1 chunk vs 32 single stores.
+  requests x 1 chunk vs 32 single stores;
+- a TP=1 retrieve of chunks a TP=2 engine stored (head-range pieces) vs a same-TP retrieve and the
+  raw scatter.
 
 ``--metrics compare`` runs two servers at once, one with its HTTP listener off and one with it on
 (the /metrics collector and the per-request latency histogram), and measures the lookup round trip
@@ -187,6 +189,8 @@ def run(args: argparse.Namespace, workdir: Path, server_url: str, echo_url: str)
     report("  lmcache retrieve, no deadline (one scatter)", batched_gbs, "GB/s", floor=raw_scatter)
     report("  deadline checks per chunk vs one scatter", retrieve_gbs, "GB/s", floor=batched_gbs,
            target="~1.0x")
+
+    cross_tp(args, ctx, server_url, worker, scheduler, client, caches, raw, dst_blocks, nbytes)
 
     # ---- batched vs single stores: with copies, then of chunks already cached (pure round trips)
     n = 32
@@ -393,6 +397,65 @@ def drain(worker, request_ids: set[str]) -> None:
         return not left
 
     spin_until(settled, COPY_NAP_S)
+
+
+def cross_tp(args, ctx, server_url, worker, scheduler, client, caches, raw, dst_blocks,
+             nbytes) -> None:
+    """A TP=1 retrieve of chunks stored by the two ranks of a TP=2 engine of the same model
+    (each piece holds 4 of the 8 heads: two strided head-range copies per chunk) beside a TP=1
+    retrieve of chunks the TP=1 worker stored itself, and the raw scatter floor; taking turns."""
+    import torch
+
+    from lmcache_core.integration.vllm.vllm_multi_process_adapter import (
+        LMCacheMPWorkerAdapter,
+        LoadStoreOp,
+    )
+    from lmcache_core.kv.share import allocate_shared_kv_caches
+    from lmcache_core.protocol import RequestType
+    from lmcache_core.protocol import messages as m
+
+    blocks = list(range(args.chunks * PER_CHUNK))
+    tp1 = list(caches.values())
+    ranks, segments = [], []
+    for rank in range(2):  # each rank's cache holds its head slice of the TP=1 worker's blocks
+        rank_caches, segment = allocate_shared_kv_caches(
+            LAYERS, [2, len(blocks), BLOCK, HEADS // 2, DIM], torch.bfloat16)
+        for layer, full in zip(rank_caches.values(), tp1, strict=True):
+            lo = rank * HEADS // 2
+            layer.copy_(full[:, blocks, :, lo:lo + HEADS // 2])
+        adapter = LMCacheMPWorkerAdapter(server_url, ctx, "bench", 2, rank, BLOCK)
+        adapter.register_kv_caches(rank_caches)
+        ranks.append(adapter)
+        segments.append(segment)
+    same_s, cross_s, scatter_s = [], [], []
+    try:
+        for r in range(args.rounds + 1):
+            client.call(RequestType.CLEAR, m.ClearRequest(force=True), m.ClearReply)
+            same = [r * 11 + 3, *range(args.chunks * CHUNK - 1)]
+            cross = [r * 11 + 5, *range(args.chunks * CHUNK - 1)]
+            wait_store(worker, f"same{r}", LoadStoreOp(same, blocks))
+            for rank, adapter in enumerate(ranks):
+                wait_store(adapter, f"cross{r}-{rank}", LoadStoreOp(cross, blocks))
+            worker.load_deadline_ms = 0  # one batched copy for both, as the floor
+            for kind in (("same", "cross") if r % 2 else ("cross", "same")):
+                toks = same if kind == "same" else cross
+                sample = wait_retrieve(scheduler, worker, f"{kind}-x{r}", toks, dst_blocks)
+                (same_s if kind == "same" else cross_s).append(sample)
+                check_equal(caches, blocks, dst_blocks)  # both loads are byte-exact
+            scatter_s.append(raw.scatter())
+    finally:
+        for adapter in ranks:
+            adapter.shutdown()
+        worker.load_deadline_ms = None
+    same_gbs, cross_gbs, raw_scatter = (nbytes / statistics.median(samples[1:]) / 1e9
+                                        for samples in (same_s, cross_s, scatter_s))
+    print(f"\ncross-TP retrieve, {args.chunks} x 32 MiB chunks, TP=1 reader (median of "
+          f"{args.rounds}):")
+    report("  raw torch scatter (index_copy_)", raw_scatter, "GB/s")
+    report("  retrieve of TP=1 chunks (same TP)", same_gbs, "GB/s", floor=raw_scatter,
+           target=">= 0.9x")
+    report("  retrieve of TP=2 pieces (cross TP)", cross_gbs, "GB/s", floor=raw_scatter)
+    report("  cross TP vs same TP", cross_gbs, "GB/s", floor=same_gbs, target=">= 0.8x")
 
 
 class RawCopy:

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from lmcache_core.engine import eviction
 from lmcache_core.engine.index import Piece, PieceIndex, cover, find_hits, touch_hits
 from lmcache_core.engine.locks import LockTable
-from lmcache_core.engine.plans import Counters, RetrievePlan, Source, StorePlan
+from lmcache_core.engine.plans import Counters, RetrievePlan, StorePlan
 from lmcache_core.errors import IncompatibleError, ProtocolError
 from lmcache_core.events import KVEventSink
 from lmcache_core.keys import ChunkKey, HeadRange
@@ -154,7 +154,8 @@ class CacheCore:
                 new.append((position, key))
         got = 0
         for _, key in new:
-            handle = self._allocate(key.model_name, nbytes, len(new) - got)
+            # the request's own earlier pieces count against the model's quota too
+            handle = self._allocate(key.model_name, nbytes, len(new) - got, got * nbytes)
             if handle is None:
                 break
             writing[key] = handle
@@ -166,14 +167,16 @@ class CacheCore:
         plan.skipped_full += len(new) - got
         return new[:got]
 
-    def _allocate(self, model_name: str, nbytes: int, wanted: int) -> int | None:
-        """Pool bytes for one piece of ``model_name``, evicting (its quota first) as needed."""
+    def _allocate(self, model_name: str, nbytes: int, wanted: int,
+                  pending: int = 0) -> int | None:
+        """Pool bytes for one piece of ``model_name``, evicting (its quota first) as needed;
+        ``pending``: bytes of the model already reserved by the same request."""
         quota = self.quotas.get(model_name)
         if quota is not None:
-            excess = self.index.model_bytes.get(model_name, 0) + nbytes - quota
+            excess = self.index.model_bytes.get(model_name, 0) + pending + nbytes - quota
             if excess > 0:
                 self._evict(eviction.quota_victims(self.index, model_name, excess))
-                if self.index.model_bytes.get(model_name, 0) + nbytes > quota:
+                if self.index.model_bytes.get(model_name, 0) + pending + nbytes > quota:
                     self.counters.store_skipped_quota += 1
                     return None
         handle = self.pool.allocate(nbytes)
@@ -395,5 +398,3 @@ class CacheCore:
     def __len__(self) -> int:
         return len(self.index)
 
-
-__all__ = ["MEMORY_TIER", "CacheCore", "RetrievePlan", "Source", "StorePlan"]
