@@ -34,14 +34,36 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from lmcache_core.errors import IncompatibleError, ProtocolError
 
 if TYPE_CHECKING:
-    from lmcache_core.kv.copy import BlockCopier, BlockIds
+    from lmcache_core.kv.layout import KVGeometry
+
+BlockIds = Sequence[int] | torch.Tensor
+
+
+class BlockCopierLike(Protocol):
+    """What the head copies need of their ``copy.BlockCopier`` (typed here, so that the two
+    modules do not import each other)."""
+
+    @property
+    def geometry(self) -> KVGeometry: ...
+    @property
+    def layout(self) -> str: ...
+    @property
+    def chunk_bytes(self) -> int: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def blocks_per_chunk(self) -> int: ...
+    def index(self, block_ids: BlockIds, n_chunks: int) -> torch.Tensor: ...
+    def _scatter_flats(self, flats: list[torch.Tensor], index: torch.Tensor) -> None: ...
 
 Piece = tuple[torch.Tensor, int, int]
 
@@ -64,7 +86,7 @@ class _Segment:
 class HeadCopier:
     """Per-cache views with the heads dim kept, and the head-range scatter (see the module)."""
 
-    def __init__(self, copier: BlockCopier, views: list[torch.Tensor], block_dim: int) -> None:
+    def __init__(self, copier: BlockCopierLike, views: list[torch.Tensor], block_dim: int) -> None:
         """``views[g]``: group ``g`` (all layers, or one layer) as ``[*lead, NB, bs, H, D]`` in
         the copy dtype (KV dtype, or uint8 for float8), blocks along ``block_dim``."""
         geometry = copier.geometry
