@@ -1,4 +1,6 @@
-"""``lmcache inspect-chunks``: the chunks a server holds, with a footer of pool use and hit rate.
+"""``lmcache inspect-chunks``: the chunk pieces a server holds (a piece: KV heads ``lo-hi`` of one
+chunk of one model in one layout), each model's share of the pool, and a footer of pool use and hit
+rate.
 
 One LIST_CHUNKS and one SERVER_INFO request; never imports torch.
 """
@@ -37,11 +39,13 @@ def inspect_chunks(
         "--model", "-m", help="Only chunks of this model name.", show_default=False)] = None,
     limit: Annotated[int, typer.Option("--limit", "-n", min=0, help="Rows to show at most.")] = 50,
     sort: Annotated[SortOrder, typer.Option(
-        "--sort", "-s", help="age: newest first; hits, size: most first; key: by model, hash, rank.",
+        "--sort", "-s", help="age: newest first; hits, size: most first; key: by model, layout, "
+        "hash, heads.",
         case_sensitive=False)] = SortOrder.age,
     as_json: JsonOption = False,
 ) -> None:
-    """List the chunks the server holds: key, model, rank, tier, bytes, locks, hits, age.
+    """List the chunk pieces the server holds: hash, model, layout, heads, tier, size, locks,
+    hits, age; then each model's share of the pool.
 
     Example: [cyan]lmcache inspect-chunks --sort hits --limit 20 --model meta-llama/Llama-3.1-8B[/]
     """
@@ -59,12 +63,14 @@ def inspect_chunks(
         "shown": len(listing.chunks),
         "total": listing.total,
         "bytes_shown": sum(c.nbytes for c in listing.chunks),
-        "chunks_in_pool": stats.chunks,
+        "pieces_in_pool": stats.chunks,
         "bytes_used": stats.bytes_used,
         "pool_bytes": info.pool_bytes,
-        "slots_used": stats.slots_used,
-        "slots_total": stats.slots_total,
-        "pool_use": round(stats.slots_used / stats.slots_total, 4) if stats.slots_total else 0.0,
+        "pool_bytes_allocated": stats.pool_bytes_allocated,
+        "pool_use": round(stats.pool_bytes_allocated / info.pool_bytes, 4) if info.pool_bytes else 0.0,
+        "slab_bytes": info.slab_bytes,
+        "slabs": stats.pool_slabs,
+        "slabs_free": stats.pool_slabs_free,
         "lookup_hit_chunks": stats.lookup_hit_chunks,
         "lookup_miss_chunks": stats.lookup_miss_chunks,
         "hit_rate": round(stats.lookup_hit_chunks / looked_up, 4) if looked_up else None,
@@ -76,9 +82,15 @@ def inspect_chunks(
 
         print_json({"url": info.url, "model": model, "sort": sort.value, "limit": limit,
                     "chunks": [msgspec.structs.asdict(c) for c in listing.chunks],
+                    "models": [msgspec.structs.asdict(row) for row in _models(info, model)],
                     "summary": summary})
         return
     _render(listing.chunks, info, summary, model)
+
+
+def _models(info: Any, model: str | None) -> list[Any]:
+    """SERVER_INFO's per-model rows (only ``model``'s when one is asked for)."""
+    return [row for row in info.models if model is None or row.model_name == model]
 
 
 def _render(chunks: list[Any], info: Any, summary: dict[str, Any], model: str | None) -> None:
@@ -87,24 +99,47 @@ def _render(chunks: list[Any], info: Any, summary: dict[str, Any], model: str | 
 
     title = escape(f"chunks on {info.url}" + (f" (model {model})" if model else ""))
     table = Table(title=title, title_justify="left", show_footer=False)
-    for name, justify in (("key", "left"), ("model", "left"), ("rank", "right"),
-                          ("tier", "left"), ("bytes", "right"), ("locks", "right"),
-                          ("hits", "right"), ("age", "right")):
+    for name, justify in (("hash", "left"), ("model", "left"), ("layout", "left"),
+                          ("heads", "right"), ("tier", "left"), ("size", "right"),
+                          ("locks", "right"), ("hits", "right"), ("age", "right")):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     for c in chunks:
-        table.add_row(c.chunk_hash[:6].hex(), escape(c.model_name), f"{c.kv_rank}/{c.world_size}", c.tier,
-                      human_bytes(c.nbytes), str(c.locks) if c.locks else "-", str(c.hits),
-                      human_age(c.age_s), style="bold" if c.locks else "")
+        table.add_row(c.chunk_hash[:6].hex(), escape(c.model_name), escape(c.layout),
+                      f"{c.head_lo}-{c.head_hi}", c.tier, human_bytes(c.nbytes),
+                      str(c.locks) if c.locks else "-", str(c.hits), human_age(c.age_s),
+                      style="bold" if c.locks else "")
     if chunks:
         console.print(table)
     else:
         console.print(f"[dim]{title}: no chunks[/]", highlight=False)
+    _render_models(_models(info, model), info.pool_bytes)
     s = summary
     hit_rate = "-" if s["hit_rate"] is None else f"{100 * s['hit_rate']:.1f}%"
     console.print(
-        f"{s['shown']} of {s['total']} chunk(s) shown, {human_bytes(s['bytes_shown'])} · "
-        f"pool {s['slots_used']}/{s['slots_total']} slots ({100 * s['pool_use']:.1f}%), "
-        f"{human_bytes(s['bytes_used'])} of {human_bytes(s['pool_bytes'])} · "
+        f"{s['shown']} of {s['total']} piece(s) shown, {human_bytes(s['bytes_shown'])} · "
+        f"pool {human_bytes(s['pool_bytes_allocated'])} of {human_bytes(s['pool_bytes'])} "
+        f"allocated ({100 * s['pool_use']:.1f}%), {human_bytes(s['bytes_used'])} in "
+        f"{s['pieces_in_pool']} piece(s), {s['slabs_free']}/{s['slabs']} slabs free · "
         f"hit rate {hit_rate} ({s['lookup_hit_chunks']} of "
         f"{s['lookup_hit_chunks'] + s['lookup_miss_chunks']} chunks looked up) · "
         f"{s['locks_held']} locked", highlight=False)
+
+
+def _render_models(models: list[Any], pool_bytes: int) -> None:
+    """Each model's share of the pool: pieces, bytes, quota, registered workers, layouts."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    if not models:
+        return
+    table = Table(title="models", title_justify="left")
+    for name, justify in (("model", "left"), ("pieces", "right"), ("size", "right"),
+                          ("share", "right"), ("quota", "right"), ("workers", "right"),
+                          ("layouts", "left")):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for row in models:
+        share = f"{100 * row.bytes_used / pool_bytes:.1f}%" if pool_bytes else "-"
+        quota = "-" if row.quota_bytes is None else human_bytes(row.quota_bytes)
+        table.add_row(escape(row.model_name), str(row.pieces), human_bytes(row.bytes_used), share,
+                      quota, str(row.registered), escape(", ".join(row.layouts)) or "-")
+    console.print(table)

@@ -78,18 +78,36 @@ def serve(
     with user_errors():
         server = CacheServer(cfg)
         bound = server.start()
-    slots = server.pool.num_slots
     http = (f"{server.http_url}/metrics, /healthz, /readyz" if server.http_url is not None
             else "off (server.http_url)")
+    quotas = _quotas(cfg.server.quota_bytes)
     console.print(Panel.fit(
         f"[bold]lmcache serve[/] {__version__}\n"
-        f"url         {bound}\nmodel       {cfg.model.name} (world size {cfg.world_size})\n"
-        f"chunk size  {cfg.chunk_size} tokens = {human_bytes(cfg.chunk_bytes)}\n"
-        f"pool        {human_bytes(server.pool.nbytes)} = {slots} chunks, {cfg.server.eviction} eviction\n"
-        f"http        {http}\n"
+        f"url         {bound}\n"
+        f"models      any model, dtype and world size, in one pool (each worker's KV shape comes "
+        f"with its registration)\n"
+        f"chunk size  {cfg.chunk_size} tokens\n"
+        f"pool        {_pool_line(server)}, {cfg.server.eviction} eviction\n"
+        + (f"quotas      {quotas}\n" if quotas else "")
+        + f"http        {http}\n"
         f"pool pages  {_pool_pages(server)}",
         title="ready", border_style="green"), highlight=False)
     _run_until_signal(server)
+
+
+def _pool_line(server: CacheServer) -> str:
+    """The pool's byte budget and its slabs; a slab is also the largest piece a worker may store."""
+    pool = server.pool
+    slabs = f"{pool.num_slabs} slab{'s' if pool.num_slabs != 1 else ''}"
+    return (f"{human_bytes(pool.nbytes)} = {slabs} of {human_bytes(pool.slab_bytes)} "
+            f"(the largest piece a worker may store)")
+
+
+def _quotas(quotas: dict[str, int]) -> str:
+    """``model-a 2.0 GiB, model-b 512.0 MiB``, or "" when no model has a quota."""
+    from rich.markup import escape
+
+    return ", ".join(f"{escape(name)} {human_bytes(size)}" for name, size in sorted(quotas.items()))
 
 
 def _pool_pages(server: CacheServer) -> str:

@@ -116,9 +116,14 @@ def snapshot(info: ServerInfoReply, previous: ServerInfoReply | None = None) -> 
         "url": info.url, "version": info.version, "pid": info.pid, "uptime_s": round(info.uptime_s, 3),
         "http_url": info.http_url, "chunk_size": info.chunk_size,
         "hit_ratio": round(s.lookup_hit_chunks / looked_up, 4) if looked_up else None,
-        "pool": {"bytes": info.pool_bytes, "used_bytes": s.bytes_used, "slots": s.slots_total,
-                 "used_slots": s.slots_used, "chunks": s.chunks, "lookup_locks": s.locks_held,
-                 "use": round(s.slots_used / s.slots_total, 4) if s.slots_total else 0.0},
+        "pool": {"bytes": info.pool_bytes, "used_bytes": s.bytes_used,
+                 "allocated_bytes": s.pool_bytes_allocated, "slab_bytes": info.slab_bytes,
+                 "slabs": s.pool_slabs, "free_slabs": s.pool_slabs_free, "pieces": s.chunks,
+                 "lookup_locks": s.locks_held,
+                 "use": round(s.pool_bytes_allocated / info.pool_bytes, 4) if info.pool_bytes else 0.0},
+        "models": [{"model": row.model_name, "pieces": row.pieces, "bytes_used": row.bytes_used,
+                    "layouts": list(row.layouts), "quota_bytes": row.quota_bytes,
+                    "registered": row.registered} for row in info.models],
         "workers": {"registered": s.registered_instances, "reaped": s.reaped_instances},
         "tiers": {},
         "counters": msgspec.structs.asdict(s),
@@ -186,11 +191,16 @@ def render(snap: dict[str, Any]) -> RenderableType:
     state.add_column(style="bold")
     state.add_column()
     pool = snap["pool"]
-    state.add_row("pool", f"{pool['used_slots']:,}/{pool['slots']:,} slots ({100 * pool['use']:.1f}%), "
-                  f"{human_bytes(pool['used_bytes'])} of {human_bytes(pool['bytes'])}, "
-                  f"{pool['chunks']:,} chunks, {pool['lookup_locks']:,} lookup locks")
+    state.add_row("pool", f"{human_bytes(pool['allocated_bytes'])} of {human_bytes(pool['bytes'])} "
+                  f"allocated ({100 * pool['use']:.1f}%), {human_bytes(pool['used_bytes'])} in "
+                  f"{pool['pieces']:,} pieces, {pool['free_slabs']:,}/{pool['slabs']:,} slabs of "
+                  f"{human_bytes(pool['slab_bytes'])} free, {pool['lookup_locks']:,} lookup locks")
     workers = snap["workers"]
     state.add_row("workers", f"{workers['registered']} registered, {workers['reaped']} reaped")
+    if c["store_skipped_quota"]:
+        state.add_row("quotas", f"{c['store_skipped_quota']:,} piece(s) not stored: their model was "
+                      "at its quota", style="yellow")
+    models = _models_table(snap["models"], pool["bytes"])
     tiers = snap["tiers"]
     if "disk" in tiers:
         d = tiers["disk"]
@@ -208,7 +218,31 @@ def render(snap: dict[str, Any]) -> RenderableType:
     state.add_row("metrics", escape(f"{snap['http_url']}/metrics") if snap["http_url"] else "off")
     footer = Text("rates over the last interval; Ctrl-C to quit" if snap["rates"] is not None
                   else "rates from the next refresh on; Ctrl-C to quit", style="dim")
-    return Group(Text(head, style="bold"), traffic, state, footer)
+    parts: list[RenderableType] = [Text(head, style="bold"), traffic, state]
+    if models is not None:
+        parts.append(models)
+    return Group(*parts, footer)
+
+
+def _models_table(models: list[dict[str, Any]], pool_bytes: int) -> RenderableType | None:
+    """Each model's share of the pool (None when the server knows no model yet)."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    if not models:
+        return None
+    table = Table()
+    for name, justify in (("model", "left"), ("pieces", "right"), ("bytes", "right"),
+                          ("share", "right"), ("quota", "right"), ("workers", "right"),
+                          ("layouts", "left")):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for row in models:
+        quota = row["quota_bytes"]
+        share = f"{100 * row['bytes_used'] / pool_bytes:.1f}%" if pool_bytes else "-"
+        table.add_row(escape(row["model"]), f"{row['pieces']:,}", human_bytes(row["bytes_used"]),
+                      share, "-" if quota is None else human_bytes(quota), str(row["registered"]),
+                      escape(", ".join(row["layouts"])) or "-")
+    return table
 
 
 def _percent(ratio: float | None) -> str:

@@ -176,16 +176,21 @@ def _specs(cfg: LMCacheConfig, devices: list[int | None], chunk_size: int, block
 
 
 def _check_fits(specs: list[WorkerSpec], info: Any) -> None:
+    """Each worker stores one piece per chunk (its share of the heads): a piece must fit in one of
+    the server's slabs, and one round of every worker's pieces in its pool (an estimate: the
+    pool's byte budget over the piece size, before any slab's rounding)."""
     spec = specs[0]
-    if spec.chunk_bytes > info.slot_bytes:
+    if spec.chunk_bytes > info.slab_bytes:
         fail(f"a chunk of this model is {spec.chunk_bytes} bytes per worker but the server at "
-             f"{info.url} holds {info.slot_bytes}-byte chunks: use the server's config (-c)",
+             f"{info.url} holds pieces of at most {info.slab_bytes} bytes (its slab size): split "
+             f"the heads over more workers (--gpus, --cpu-workers) or raise its server.slab_size",
              EXIT_USAGE)
     need = spec.chunks * len(specs)
-    slots = info.stats.slots_total
-    if need > slots:
-        fail(f"{len(specs)} worker(s) x {spec.chunks} chunks = {need} chunks, but the server's pool "
-             f"holds {slots}: lower --chunks", EXIT_USAGE)
+    capacity = info.pool_bytes // spec.chunk_bytes
+    if need > capacity:
+        fail(f"{len(specs)} worker(s) x {spec.chunks} chunks = {need} chunks of {spec.chunk_bytes} "
+             f"bytes, but the server's pool ({info.pool_bytes} bytes) holds about {capacity}: "
+             "lower --chunks", EXIT_USAGE)
 
 
 def _write_tokens(path: Path, spec: WorkerSpec, world_size: int) -> None:

@@ -3,8 +3,9 @@
 Nothing here runs on a request's path but ``ServerMetrics.observe``, which the transport calls once
 per request (a ``perf_counter`` pair there, one ``Histogram.observe`` here: about 1 us). Everything
 else is read when Prometheus scrapes, by ``ServerCollector``: the engine's ``stats()`` (one short hold
-of its lock, the tiers' counters included), the registry's workers per model, and the transport's
-request and error counts and in-flight requests. Names follow Prometheus conventions (``lmcache_``
+of its lock, the tiers' counters included) and ``model_stats()`` (each model's share of the pool),
+the registry's workers per model, and the transport's request and error counts and in-flight
+requests. Names follow Prometheus conventions (``lmcache_``
 prefix, base units, ``_total`` counters); label values come from small fixed sets (op, error code,
 tier, model name: never a hash or a request id). The library's process and Python collectors add
 ``process_*`` and ``python_*``. README.md lists every name.
@@ -47,7 +48,10 @@ _ENGINE_COUNTERS = (
     ("stored_chunks", "stored_chunks", "Chunks copied into the pool by stores."),
     ("stored_bytes", "stored_bytes", "Bytes copied into the pool by stores."),
     ("store_skipped_full_chunks", "store_skipped_full",
-     "Chunks stores skipped: no slot could be freed (every chunk locked or being read)."),
+     "Chunk pieces stores skipped: no pool space could be freed (every piece locked or being read)."),
+    ("store_skipped_quota_chunks", "store_skipped_quota",
+     "Chunk pieces stores skipped: their model was at its quota (server.quotas) and none of its "
+     "own pieces could be evicted."),
     ("retrieves", "retrieves", "Retrieve requests served."),
     ("retrieved_chunks", "retrieved_chunks", "Chunks copied out of the pool by retrieves."),
     ("retrieved_bytes", "retrieved_bytes", "Bytes copied out of the pool by retrieves."),
@@ -136,11 +140,19 @@ class ServerCollector(Collector):
                        stats["lookup_hit_chunks"] * self._chunk_size)
         pool = self._engine.pool
         yield _gauge("pool_capacity_bytes", "Bytes of the memory pool (preallocated).", pool.nbytes)
-        yield _gauge("pool_used_bytes", "Bytes of chunks resident in the pool.", stats["bytes_used"])
-        yield _gauge("pool_slots", "Chunk slots of the pool.", stats["slots_total"])
-        yield _gauge("pool_used_slots", "Slots holding a chunk or being written.", stats["slots_used"])
-        yield _gauge("pool_chunks", "Chunks resident in the pool (visible to lookups).",
-                     stats["chunks"])
+        yield _gauge("pool_used_bytes", "Bytes of chunk pieces resident in the pool.",
+                     stats["bytes_used"])
+        yield _gauge("pool_allocated_bytes",
+                     "Bytes of the pool's allocations (resident pieces and those being written, "
+                     "each rounded up to its size class).", stats["pool_bytes_allocated"])
+        yield _gauge("pool_slabs", "Slabs of the pool (each holds pieces of one size class).",
+                     stats["pool_slabs"])
+        yield _gauge("pool_free_slabs", "Slabs of the pool assigned to no size class.",
+                     stats["pool_slabs_free"])
+        yield _gauge("pool_chunks",
+                     "Chunk pieces resident in the pool (visible to lookups; a piece is some KV "
+                     "heads of one chunk).", stats["chunks"])
+        yield from self._models()
         yield _gauge("lookup_locks",
                      "Chunk locks lookups hold for coming retrieves (a chunk locked by two lookups "
                      "counts twice); locked chunks are never evicted.", stats["locks_held"])
@@ -166,6 +178,32 @@ class ServerCollector(Collector):
         yield _gauge("requests_in_flight",
                      "Store, retrieve and registration requests (and lookups, with a lower tier) "
                      "queued for or running on the copy workers.", self._transport.in_flight)
+
+    def _models(self) -> Iterator[Metric]:
+        """Each model's share of the pool, by model (the largest first; beyond MAX_MODEL_LABELS
+        the rest summed under "other"), and the quotas of those that have one."""
+        rows = sorted(self._engine.model_stats(), key=lambda row: (-row.bytes_used, row.model_name))
+        used = GaugeMetricFamily("lmcache_model_used_bytes",
+                                 "Bytes of a model's chunk pieces resident in the pool, by model.",
+                                 labels=["model"])
+        pieces = GaugeMetricFamily("lmcache_model_pieces",
+                                   "A model's chunk pieces resident in the pool, by model.",
+                                   labels=["model"])
+        for row in rows[:MAX_MODEL_LABELS]:
+            used.add_metric([row.model_name], row.bytes_used)
+            pieces.add_metric([row.model_name], row.pieces)
+        if len(rows) > MAX_MODEL_LABELS:
+            rest = rows[MAX_MODEL_LABELS:]
+            used.add_metric(["other"], sum(row.bytes_used for row in rest))
+            pieces.add_metric(["other"], sum(row.pieces for row in rest))
+        yield used
+        yield pieces
+        quotas = GaugeMetricFamily("lmcache_model_quota_bytes",
+                                   "A model's memory quota (server.quotas), by model.",
+                                   labels=["model"])
+        for model, quota in sorted(self._engine.quotas.items())[:MAX_MODEL_LABELS]:
+            quotas.add_metric([model], quota)
+        yield quotas
 
     def _workers(self) -> Iterator[Metric]:
         models = self._registry.models()

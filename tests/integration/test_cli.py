@@ -76,7 +76,9 @@ def workdir() -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def server(workdir: Path) -> Iterator[ServerProcess]:
-    srv = ServerProcess(workdir, name="cli").start()
+    # 8 slabs of 1 MiB: the runs of one and of two workers store pieces of two sizes (classes),
+    # each in slabs of its own (one 8 MiB slab would make each size evict the other's pieces)
+    srv = ServerProcess(workdir, {"server": {"slab_size": "1MiB"}}, name="cli").start()
     yield srv
     srv.kill()
 
@@ -310,11 +312,18 @@ def test_store_bench_bad_usage_exit_2(args: list[str], expected: str, cfg: str) 
     assert expected in result.one_error_line()
 
 
-def test_store_bench_model_larger_than_the_server_slots_exit_2(server: ServerProcess) -> None:
-    result = cli("store-bench", "-c", str(ROOT / "configs/llama8b.yaml"), "--gpus", "cpu",
-                 "--url", server.url)
+def test_store_bench_piece_larger_than_the_server_slab_exit_2(server: ServerProcess) -> None:
+    """llama8b's chunk of the server's 64 tokens is 8 MiB for one worker; the server's slabs are
+    1 MiB. Split over 8 workers, 1 MiB each, the pieces fit a slab but 16 chunks x 8 workers do
+    not fit the 8 MiB pool."""
+    llama = ("store-bench", "-c", str(ROOT / "configs/llama8b.yaml"), "--url", server.url)
+    result = cli(*llama, "--gpus", "cpu")
     assert result.code == 2
-    assert "holds 65536-byte chunks: use the server's config" in result.one_error_line()
+    assert "holds pieces of at most 1048576 bytes (its slab size)" in result.one_error_line()
+    split = cli(*llama, "--gpus", "cpu", "--cpu-workers", "8")
+    assert split.code == 2
+    assert ("8 worker(s) x 16 chunks = 128 chunks of 1048576 bytes, but the server's pool "
+            "(8388608 bytes) holds about 8: lower --chunks") in split.one_error_line()
 
 
 def test_store_bench_gpu_missing_exit_2(cfg: str) -> None:
@@ -367,12 +376,22 @@ def test_inspect_chunks_json_filters_and_sorts(bench: dict[str, Any], cfg: str) 
     assert result.code == 0, result.err
     assert_no_torch(result)
     data = result.json()
-    assert data["summary"]["total"] >= 12 and data["summary"]["slots_total"] == 128
+    summary = data["summary"]
+    assert summary["total"] >= 12 and summary["pool_bytes"] == 8 * 2**20
+    assert (summary["slab_bytes"], summary["slabs"]) == (2**20, 8)
+    assert 0 < summary["bytes_used"] <= summary["pool_bytes_allocated"] <= summary["pool_bytes"]
     chunk = data["chunks"][0]
-    assert set(chunk) >= {"chunk_hash", "model_name", "kv_rank", "world_size", "tier", "nbytes",
-                          "locks", "hits", "age_s"}
+    assert set(chunk) >= {"chunk_hash", "model_name", "layout", "head_lo", "head_hi", "tier",
+                          "nbytes", "locks", "hits", "age_s"}
     assert len(bytes.fromhex(chunk["chunk_hash"])) == 32
-    assert 0 < data["summary"]["pool_use"] <= 1 and data["summary"]["hit_rate"] is not None
+    assert (chunk["model_name"], chunk["layout"]) == (TINY["model"]["name"], "float16:2x4x32")
+    # heads 0-4 from one worker, 0-2 or 2-4 from the two-worker run (world size 2)
+    assert (chunk["head_lo"], chunk["head_hi"]) in {(0, 4), (0, 2), (2, 4)}
+    assert 0 < summary["pool_use"] <= 1 and summary["hit_rate"] is not None
+    [model] = data["models"]
+    assert model["model_name"] == TINY["model"]["name"] and model["layouts"] == ["float16:2x4x32"]
+    assert model["pieces"] == summary["pieces_in_pool"] and model["bytes_used"] == summary["bytes_used"]
+    assert model["quota_bytes"] is None
     by_hits = cli("inspect-chunks", "-c", cfg, "--json", "--sort", "hits", "--limit", "5").json()
     hits = [c["hits"] for c in by_hits["chunks"]]
     assert len(hits) == 5 and hits == sorted(hits, reverse=True)
@@ -383,9 +402,10 @@ def test_inspect_chunks_json_filters_and_sorts(bench: dict[str, Any], cfg: str) 
 def test_inspect_chunks_table(bench: dict[str, Any], cfg: str) -> None:
     result = cli("inspect-chunks", "-c", cfg, "--limit", "3", "--sort", "size")
     assert result.code == 0, result.err
-    for text in ("key", "model", "rank", "tier", "bytes", "locks", "hits", "age",
-                 "3 of ", "chunk(s) shown", "slots", "hit rate"):
-        assert text in result.out
+    for text in ("hash", "model", "layout", "heads", "0-4", "float16:2x4x32", "tier", "size",
+                 "locks", "hits", "age", "3 of ", "piece(s) shown", "allocated", "slabs free",
+                 "share", "quota", "hit rate"):
+        assert text in result.out, result.out
     assert runner.invoke(app, ["inspect-chunks", "--sort", "weight"]).exit_code == 2
 
 
@@ -418,7 +438,8 @@ def test_serve_print_config_merges_file_set_and_flags(cfg: str) -> None:
     (["--set", "server.workers=many"], "--set server.workers=many: expected an integer"),
     (["--set", "model.use_mla=perhaps"], "expected true or false"),
     (["--chunk-size", "0"], "chunk_size: Expected `int` >= 1"),
-    (["--pool-size", "1KiB"], "server.pool_size"),
+    (["--pool-size", "32"], "server.pool_size: 32 bytes is"),
+    (["--pool-size", "1KiB", "--set", "server.slab_size=1MiB"], "smaller than one slab"),
 ])
 def test_serve_bad_overrides_exit_2(args: list[str], expected: str, cfg: str) -> None:
     result = runner.invoke(app, ["serve", "-c", cfg, "--print-config", *args])

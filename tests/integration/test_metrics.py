@@ -94,7 +94,12 @@ def test_metrics_move_with_stores_lookups_retrieves_evictions_and_errors(tmp_pat
         assert base.startswith("http://127.0.0.1:") and not base.endswith(":0")
         before = scrape(base)
         assert value(before, "lmcache_pool_capacity_bytes") == 4 * CHUNK_BYTES
-        assert value(before, "lmcache_pool_slots") == 4
+        # 4 chunks of 64 KiB: an auto slab is the whole pool (it is under 128 MiB)
+        assert value(before, "lmcache_pool_slabs") == 1
+        assert value(before, "lmcache_pool_free_slabs") == 1
+        assert value(before, "lmcache_pool_allocated_bytes") == 0
+        assert value(before, "lmcache_store_skipped_quota_chunks_total") == 0
+        assert ("lmcache_model_used_bytes", frozenset({("model", "tiny")})) not in before
         assert value(before, "lmcache_registered_workers", model="tiny") == 1
         assert value(before, "lmcache_registered_models") == 1
         assert value(before, "lmcache_build_info", version=__import__("lmcache_core").__version__) == 1
@@ -133,8 +138,12 @@ def test_metrics_move_with_stores_lookups_retrieves_evictions_and_errors(tmp_pat
     assert delta(after, before, "lmcache_retrieved_chunks_total") == 4
     assert delta(after, before, "lmcache_retrieved_bytes_total") == 4 * CHUNK_BYTES
     assert delta(after, before, "lmcache_evictions_total") == 4
-    assert value(after, "lmcache_pool_chunks") == 4 and value(after, "lmcache_pool_used_slots") == 4
+    assert value(after, "lmcache_pool_chunks") == 4
     assert value(after, "lmcache_pool_used_bytes") == 4 * CHUNK_BYTES
+    assert value(after, "lmcache_pool_allocated_bytes") == 4 * CHUNK_BYTES
+    assert (value(after, "lmcache_pool_slabs"), value(after, "lmcache_pool_free_slabs")) == (1, 0)
+    assert value(after, "lmcache_model_used_bytes", model="tiny") == 4 * CHUNK_BYTES
+    assert value(after, "lmcache_model_pieces", model="tiny") == 4
     assert value(after, "lmcache_lookup_locks") == 0  # the retrieve consumed the lookup's locks
     assert delta(after, before, "lmcache_errors_total", code="unknown_op") == 1
     assert delta(after, before, "lmcache_errors_total", code="bad_request") == 1
@@ -148,11 +157,14 @@ def test_metrics_move_with_stores_lookups_retrieves_evictions_and_errors(tmp_pat
 
 
 def test_a_killed_worker_is_reaped_in_the_metrics(tmp_path: Path) -> None:
-    srv = ServerProcess(tmp_path).start()
+    srv = ServerProcess(tmp_path, {"server": {"quotas": {"tiny": "1MiB", "big": "2MiB"}}}).start()
     try:
         base = srv.http_url()
         worker = WorkerProcess(srv.url)
-        assert value(scrape(base), "lmcache_registered_workers", model="tiny") == 1
+        first = scrape(base)
+        assert value(first, "lmcache_registered_workers", model="tiny") == 1
+        assert value(first, "lmcache_model_quota_bytes", model="tiny") == 2**20  # server.quotas
+        assert value(first, "lmcache_model_quota_bytes", model="big") == 2 * 2**20
         worker.kill()  # the housekeeper reaps a worker whose process is gone within a second
         wait_for(lambda: value(scrape(base), "lmcache_reaped_workers_total") == 1)
         after = scrape(base)

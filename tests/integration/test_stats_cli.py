@@ -44,7 +44,13 @@ def test_json_is_one_snapshot_of_a_server_that_stored_and_looked_up(server: Serv
     assert snap["url"] == server.url and snap["http_url"] == server.http_url()
     assert snap["workers"]["registered"] == 1
     assert snap["counters"]["stored_chunks"] >= 2 and snap["counters"]["stored_bytes"] >= 2 * CHUNK_BYTES
-    assert snap["pool"]["chunks"] >= 2 and 0 < snap["pool"]["use"] <= 1
+    pool = snap["pool"]
+    assert pool["pieces"] >= 2 and 0 < pool["use"] <= 1
+    assert pool["bytes"] == 8 * 2**20 and (pool["slab_bytes"], pool["slabs"]) == (8 * 2**20, 1)
+    assert 2 * CHUNK_BYTES <= pool["used_bytes"] <= pool["allocated_bytes"] <= pool["bytes"]
+    [model] = snap["models"]
+    assert (model["model"], model["registered"]) == ("tiny", 1)
+    assert model["layouts"] == ["float16:2x4x32"] and model["bytes_used"] == pool["used_bytes"]
     assert snap["rates"] is None and snap["interval_s"] is None  # one reply: no rates yet
     assert snap["tiers"] == {}
 

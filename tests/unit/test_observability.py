@@ -38,22 +38,30 @@ def test_a_bad_http_url_is_one_config_error_naming_the_key(bad: object) -> None:
 
 def info(uptime_s: float, pid: int = 7, **stats: int) -> m.ServerInfoReply:
     return m.ServerInfoReply(version="v", url="tcp://x:1", pid=pid, chunk_size=256, uptime_s=uptime_s,
-                             pool_bytes=1 << 30, slot_bytes=1 << 25, eviction="lru",
-                             stats=m.ServerStats(slots_total=32, **stats), tiers=["remote"],
-                             http_url="http://127.0.0.1:9464")
+                             pool_bytes=1 << 30, slab_bytes=1 << 26, eviction="lru",
+                             stats=m.ServerStats(pool_slabs=16, **stats), tiers=["remote"],
+                             http_url="http://127.0.0.1:9464", models=[
+                                 m.ModelStats(model_name="llama", pieces=3, bytes_used=3 << 20,
+                                              layouts=["bfloat16:32x8x128"], quota_bytes=1 << 29,
+                                              registered=2)])
 
 
 def test_rates_are_counter_differences_over_the_servers_uptime() -> None:
     first = info(10.0, requests=100, lookups=10, lookup_hit_chunks=30, lookup_miss_chunks=10,
                  stored_bytes=0)
     second = info(12.0, requests=300, lookups=30, lookup_hit_chunks=60, lookup_miss_chunks=40,
-                  stored_bytes=4 * 10**9, slots_used=8, remote_down=1)
+                  stored_bytes=4 * 10**9, pool_bytes_allocated=1 << 28, pool_slabs_free=12,
+                  store_skipped_quota=5, remote_down=1)
     snap = snapshot(second, first)
     assert snap["interval_s"] == 2.0
     assert snap["rates"]["requests_per_s"] == 100.0 and snap["rates"]["lookups_per_s"] == 10.0
     assert snap["rates"]["stored_bytes_per_s"] == 2e9
     assert snap["interval_hit_ratio"] == 0.5 and snap["hit_ratio"] == 0.6
-    assert snap["pool"]["use"] == 0.25
+    assert snap["pool"]["use"] == 0.25  # allocated bytes over the pool's bytes
+    assert (snap["pool"]["slabs"], snap["pool"]["free_slabs"]) == (16, 12)
+    assert snap["models"] == [{"model": "llama", "pieces": 3, "bytes_used": 3 << 20,
+                               "layouts": ["bfloat16:32x8x128"], "quota_bytes": 1 << 29,
+                               "registered": 2}]
     assert snap["tiers"] == {"remote": {"up": False, "queued": 0, "dropped_writes": 0,
                                         "failed_writes": 0, "errors": 0, "outages": 0}}
     assert snapshot(second)["rates"] is None
@@ -64,3 +72,6 @@ def test_rates_are_counter_differences_over_the_servers_uptime() -> None:
     console.print(render(snap))
     text = console.export_text()
     assert "2.00 GB/s" in text and "DOWN" in text and "50.0%" in text and "60.0%" in text
+    assert "256.0 MiB of 1.0 GiB allocated (25.0%)" in text and "12/16 slabs" in text
+    assert "llama" in text and "bfloat16:32x8x128" in text and "512.0 MiB" in text
+    assert "5 piece(s) not stored" in text
