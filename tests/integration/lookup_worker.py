@@ -22,7 +22,7 @@ GATE_PREFIX = "gate-"
 def worker_main(conn: Connection, runtime_dir: str, engine_id: str, worker_id: int,
                 world_size: int, tokens: list[int], chunk_size: int, num_chunks: int) -> None:
     from lmcache_core.engine import CacheEngine
-    from lmcache_core.keys import ChunkKey, chain_hashes
+    from lmcache_core.keys import ChunkKey, chain_hashes, opaque_layout
     from lmcache_core.lookup_client import LMCacheAsyncLookupServer, LMCacheMetadata
     from lmcache_core.storage.pool import MemoryPool
 
@@ -40,7 +40,9 @@ def worker_main(conn: Connection, runtime_dir: str, engine_id: str, worker_id: i
 
     engine = GatedEngine(MemoryPool.slots(64, 64, pin=False), chunk_size)
     hashes = chain_hashes(tokens, chunk_size)[:num_chunks]
-    plan = engine.begin_store([ChunkKey(MODEL, world_size, worker_id, h) for h in hashes], 64)
+    layout = opaque_layout(world_size)  # the default of async_lookup_and_prefetch
+    plan = engine.begin_store([ChunkKey(MODEL, layout, worker_id, worker_id + 1, h)
+                               for h in hashes], 64)
     engine.finish_store(plan)
     server = LMCacheAsyncLookupServer(engine, LMCacheMetadata(
         model_name=MODEL, world_size=world_size, worker_id=worker_id, engine_id=engine_id,

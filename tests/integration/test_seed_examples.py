@@ -43,7 +43,7 @@ def lookup_worker_main(conn: Connection, runtime_dir: str) -> None:
     every lookup itself except MANUAL_ID, which it leaves pending (as a prefetch still running
     would) until the test asks for the example's ``send_response_to_scheduler`` call."""
     from lmcache_core.engine import CacheEngine
-    from lmcache_core.keys import ChunkKey, chain_hashes
+    from lmcache_core.keys import ChunkKey, chain_hashes, opaque_layout
     from lmcache_core.lookup_client import LMCacheMetadata
     from lmcache_core.storage.pool import MemoryPool
     from lmcache_core.v1.lookup_client.lmcache_async_lookup_client import LMCacheAsyncLookupServer
@@ -62,7 +62,8 @@ def lookup_worker_main(conn: Connection, runtime_dir: str) -> None:
                                                      request_configs, **kw)
 
     lmcache_engine = Engine(MemoryPool.slots(64, 16, pin=False), CHUNK)
-    keys = [ChunkKey(MODEL, 1, 0, h) for h in chain_hashes(TOKENS, CHUNK)[:HELD]]
+    keys = [ChunkKey(MODEL, opaque_layout(1), 0, 1, h)
+            for h in chain_hashes(TOKENS, CHUNK)[:HELD]]
     lmcache_engine.finish_store(lmcache_engine.begin_store(keys, 64))
     metadata = LMCacheMetadata(model_name=MODEL, world_size=1, worker_id=0, engine_id=ENGINE_ID,
                                runtime_dir=runtime_dir)

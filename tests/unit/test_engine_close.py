@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 
 from lmcache_core.engine import CacheEngine
-from lmcache_core.keys import ChunkKey
+from lmcache_core.keys import ChunkKey, opaque_layout
 from lmcache_core.storage.disk import DiskTier
 from lmcache_core.storage.pool import MemoryPool
 
 SLOT = 64
+W1 = opaque_layout(1)  # world size 1: one rank, heads (0, 1)
 
 
 def _prefetch_threads(other_than: set[threading.Thread]) -> list[threading.Thread]:
@@ -29,20 +30,20 @@ def _store(engine: CacheEngine, keys: list[ChunkKey]) -> None:
 
 def test_close_without_tiers_is_a_no_op_and_lookups_go_on() -> None:
     engine = CacheEngine(MemoryPool.slots(SLOT, 4, pin=False), chunk_size=16)
-    _store(engine, [ChunkKey("m", 1, 0, b"a" * 16)])
+    _store(engine, [ChunkKey("m", W1, 0, 1, b"a" * 16)])
     assert engine.close() and engine.close()  # idempotent
     assert engine.async_lookup_and_prefetch("x", [b"a" * 16], model_name="m") == 16
-    assert engine.lookup("m", 1, [b"a" * 16], "y") == 1
+    assert engine.lookup("m", W1, [(0, 1)], [b"a" * 16], "y") == 1
 
 
 def test_close_shuts_the_prefetch_pool_down(tmp_path: Path) -> None:
     hashes = [bytes([i]) * 16 for i in range(3)]
-    keys = [ChunkKey("m", 1, 0, h) for h in hashes]
+    keys = [ChunkKey("m", W1, 0, 1, h) for h in hashes]
     disk = DiskTier(tmp_path, 1 << 20)
     writer = CacheEngine(MemoryPool.slots(SLOT, 8, pin=False), chunk_size=16, disk=disk)
     _store(writer, keys)
     for k in keys:
-        with writer._pinned(k) as payload:
+        with writer.reading(k) as payload:
             assert payload is not None and disk.write(k, payload)
     engine = CacheEngine(MemoryPool.slots(SLOT, 8, pin=False), chunk_size=16,
                          disk=DiskTier(tmp_path, 1 << 20))
@@ -74,18 +75,19 @@ def test_close_shuts_the_prefetch_pool_down(tmp_path: Path) -> None:
 def test_stats_and_spill_hooks_without_and_with_a_disk(tmp_path: Path) -> None:
     plain = CacheEngine(MemoryPool.slots(SLOT, 4, pin=False), chunk_size=16)
     assert plain.disk is None and plain.remote is None and not plain.has_tiers
-    assert plain._spill_candidates(8) == []
+    assert plain.tiers is None
     disk = DiskTier(tmp_path, 1 << 20)
     engine = CacheEngine(MemoryPool.slots(SLOT, 8, pin=False), chunk_size=16, disk=disk)
-    keys = [ChunkKey("m", 1, 0, bytes([i]) * 16) for i in range(8)]
+    keys = [ChunkKey("m", W1, 0, 1, bytes([i]) * 16) for i in range(8)]
     for k in keys:
         _store(engine, [k])
     # Full pool: the 8 // 4 least recently used chunks are next in line and not on disk yet.
-    assert engine._spill_candidates(8) == keys[:2]
-    with engine._pinned(keys[0]) as payload:
+    assert engine.tiers is not None
+    assert engine.tiers.spill_candidates(8) == keys[:2]
+    with engine.reading(keys[0]) as payload:
         assert payload is not None and disk.write(keys[0], payload)
-    assert engine._spill_candidates(8) == keys[1:2]
-    _store(engine, [ChunkKey("m", 1, 0, b"z" * 16)])  # evicts keys[0] (saved), no unsaved loss
+    assert engine.tiers.spill_candidates(8) == keys[1:2]
+    _store(engine, [ChunkKey("m", W1, 0, 1, b"z" * 16)])  # evicts keys[0] (saved), no unsaved loss
     stats = engine.stats()
     assert stats["evictions"] == 1 and stats["disk_evicted_unsaved"] == 0
     assert stats["disk_chunks"] == 1

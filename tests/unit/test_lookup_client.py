@@ -14,7 +14,7 @@ import pytest
 
 from lmcache_core.engine import CacheEngine
 from lmcache_core.errors import BindError, ConfigError, ProtocolError
-from lmcache_core.keys import ChunkKey, chain_hashes
+from lmcache_core.keys import ChunkKey, chain_hashes, layout_key, opaque_layout
 from lmcache_core.lookup_client import (
     LMCacheAsyncLookupClient,
     LMCacheAsyncLookupServer,
@@ -242,7 +242,8 @@ def test_two_clients_of_one_engine_each_get_their_own_answers(setup):
 def _engine_with(hashes: Sequence[bytes], ranks_chunks: dict[int, int]) -> CacheEngine:
     engine = CacheEngine(MemoryPool.slots(8, 32, pin=False), chunk_size=CHUNK)
     for rank, n in ranks_chunks.items():
-        plan = engine.begin_store([ChunkKey("m", 2, rank, h) for h in hashes[:n]], 8)
+        plan = engine.begin_store([ChunkKey("m", opaque_layout(2), rank, rank + 1, h)
+                                   for h in hashes[:n]], 8)
         engine.finish_store(plan)
     return engine
 
@@ -267,6 +268,26 @@ def test_engine_counts_its_own_rank_pins_and_cleans_up():
         engine.async_lookup_and_prefetch("e", hashes, model_name="m", world_size=2, worker_id=2)
 
 
+def test_engine_counts_pieces_of_other_tp_sizes_under_a_real_layout():
+    layout = layout_key("float16", 2, 8, 16, False)
+    hashes = chain_hashes(TOKENS, CHUNK)
+    engine = CacheEngine(MemoryPool.slots(8, 32, pin=False), chunk_size=CHUNK)
+    keys = [ChunkKey("m", layout, 0, 8, h) for h in hashes[:3]]  # stored by a TP=1 engine
+    engine.finish_store(engine.begin_store(keys, 8))
+    for world_size, worker_id in ((1, 0), (2, 1), (4, 3)):
+        lookup_id = f"tp{world_size}"
+        assert engine.async_lookup_and_prefetch(lookup_id, hashes, model_name="m",
+                                                world_size=world_size, worker_id=worker_id,
+                                                layout=layout) == 3 * CHUNK
+        assert sorted(engine.locks_of(lookup_id)) == sorted(keys)
+        assert engine.cleanup_memory_objs(lookup_id) == 3
+    # No layout: the opaque one of the world size, which these pieces are not.
+    assert engine.async_lookup_and_prefetch("o", hashes, model_name="m", world_size=2,
+                                            worker_id=1) == 0
+    with pytest.raises(ProtocolError, match="divide"):
+        engine.async_lookup_and_prefetch("3", hashes, model_name="m", world_size=3, layout=layout)
+
+
 def test_engine_with_a_disk_tier_loads_the_prefix_off_the_callers_thread(tmp_path):
     from lmcache_core.storage.disk import DiskTier
 
@@ -275,7 +296,7 @@ def test_engine_with_a_disk_tier_loads_the_prefix_off_the_callers_thread(tmp_pat
     writer = CacheEngine(MemoryPool.slots(64, 8, pin=False), chunk_size=CHUNK, disk=disk)
     disk.start()
     try:
-        plan = writer.begin_store([ChunkKey("m", 1, 0, h) for h in hashes[:3]], 64)
+        plan = writer.begin_store([ChunkKey("m", opaque_layout(1), 0, 1, h) for h in hashes[:3]], 64)
         for i, (_, _, view) in enumerate(plan.writes):
             view.fill_(i)
         writer.finish_store(plan)

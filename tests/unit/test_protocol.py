@@ -194,12 +194,12 @@ def test_every_stats_counter_has_a_server_stats_field():
     # counter without a field would turn every SERVER_INFO into an INTERNAL error.
     from dataclasses import fields
 
-    from lmcache_core.engine import _Counters
+    from lmcache_core.engine import Counters
     from lmcache_core.storage.disk import DiskCounters
     from lmcache_core.storage.remote import RemoteCounters
 
     wire = set(msgspec.structs.asdict(m.ServerStats()))
-    for counters in (_Counters, DiskCounters, RemoteCounters):
+    for counters in (Counters, DiskCounters, RemoteCounters):
         assert {f.name for f in fields(counters)} <= wire, counters.__name__
 
 
