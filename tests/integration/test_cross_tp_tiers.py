@@ -1,0 +1,249 @@
+"""Chunks stored at one tensor-parallel size and read at another through the lower tiers: a disk
+tier after the server's memory is cleared, and Redis shared by two servers. Real servers, real
+worker processes, a real ``redis-server``; each rank checks it holds exactly its slice of the
+model's heads (``check_model``), so a tier that mixed up head ranges fails."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import zmq
+
+from lmcache_core.integration.vllm.vllm_multi_process_adapter import LMCacheMPSchedulerAdapter
+from lmcache_core.protocol import RequestType
+from lmcache_core.protocol import messages as m
+from lmcache_core.transport.client import MessageQueueClient
+from tests.integration.servers import ServerProcess, WorkerProcess
+from tests.integration.test_tiers import RedisServer, _redis_binary
+
+CHUNK, BLOCK = 64, 16
+PER_CHUNK = CHUNK // BLOCK
+HEADS = 8  # the model's KV heads, over all ranks
+MODEL = "xtier"
+POOL = {"server": {"pool_size": "16MiB", "slab_size": "1MiB"}}
+
+
+def tokens(n_chunks: int, seed: int) -> list[int]:
+    return [(seed * 7919 + i * 37) % 32000 for i in range(n_chunks * CHUNK)]
+
+
+def blocks(first_chunk: int, n_chunks: int) -> list[int]:
+    return list(range(first_chunk * PER_CHUNK, (first_chunk + n_chunks) * PER_CHUNK))
+
+
+def in_parallel(*jobs: Callable[[], object]) -> list[object]:
+    """Run the jobs on threads (process starts mostly wait); the first error is raised."""
+    results: list[object] = [None] * len(jobs)
+    errors: list[BaseException] = []
+
+    def run(i: int, job: Callable[[], object]) -> None:
+        try:
+            results[i] = job()
+        except BaseException as exc:  # re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i, job)) for i, job in enumerate(jobs)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def start_groups(url: str, worlds: tuple[int, ...]) -> dict[int, list[WorkerProcess]]:
+    """The ranks of one engine per world size (each rank holds HEADS / world heads)."""
+    specs = [(w, r) for w in worlds for r in range(w)]
+    made = in_parallel(*(lambda w=w, r=r: WorkerProcess(url, rank=r, world_size=w, model=MODEL,
+                                                        heads=HEADS // w) for w, r in specs))
+    out: dict[int, list[WorkerProcess]] = {w: [] for w in worlds}
+    for (w, _), worker in zip(specs, made, strict=True):
+        assert isinstance(worker, WorkerProcess)
+        out[w].append(worker)
+    return out
+
+
+def kill_groups(*groups: dict[int, list[WorkerProcess]]) -> None:
+    """SIGKILL the workers (and remove their shared memory): their server goes next anyway, and a
+    graceful close of seven workers costs seconds of the shared CPUs."""
+    for made in groups:
+        for workers in made.values():
+            for worker in workers:
+                worker.kill()
+
+
+def lookup(url: str, world_size: int, request_id: str, toks: list[int]) -> int:
+    """Hit tokens of a scheduler lookup at ``world_size`` (through the tiers)."""
+    adapter = LMCacheMPSchedulerAdapter(url, zmq.Context.instance(), MODEL, world_size, 0, BLOCK)
+    try:
+        # token ids instead of vLLM block hashes (the adapter takes either)
+        adapter.maybe_submit_lookup_request(request_id, toks)  # type: ignore[arg-type]
+        deadline = time.monotonic() + 10
+        while (result := adapter.check_lookup_result(request_id)) is None:
+            assert time.monotonic() < deadline, "lookup never finished"
+            time.sleep(0.001)
+        return result
+    finally:
+        adapter.close()
+
+
+def store(workers: list[WorkerProcess], toks: list[int], seed: int, n_chunks: int) -> None:
+    for worker in workers:
+        worker("fill_model", blocks=blocks(0, n_chunks), seed=seed)
+        result = worker("store", req=f"store-{seed}", keys=toks, blocks=blocks(0, n_chunks))
+        assert result["finished"] and not result["failed"], result
+
+
+def load_and_check(workers: list[WorkerProcess], request_id: str, toks: list[int], seed: int,
+                   n_chunks: int) -> None:
+    """Each rank retrieves into zeroed blocks and then holds exactly its slice of what was
+    stored."""
+    target = blocks(8, n_chunks)
+    for worker in workers:
+        worker("zero", blocks=target)
+        result = worker("retrieve", req=request_id, keys=toks, blocks=target)
+        assert result["finished"] and not result["failed"] and not result["load_errors"], result
+        assert worker("check_model", blocks=target, seed=seed)["equal"]
+
+
+def stats(url: str) -> m.ServerStats:
+    with MessageQueueClient(url, connect_timeout_s=2) as client:
+        return client.call(RequestType.SERVER_INFO, m.NoArgs(), m.ServerInfoReply).stats
+
+
+def clear(url: str) -> None:
+    """Drop every piece from the server's memory (the lower tiers keep theirs)."""
+    with MessageQueueClient(url, connect_timeout_s=2) as client:
+        reply = client.call(RequestType.CLEAR, m.ClearRequest(force=True), m.ClearReply)
+    assert reply.kept_locked == 0
+    assert stats(url).chunks == 0
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.02)
+
+
+# ---------------------------------------------------------------- disk
+
+
+Node = tuple[ServerProcess, dict[int, list[WorkerProcess]]]
+
+
+@pytest.fixture(scope="class")
+def disk_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    tmp = tmp_path_factory.mktemp("xtp_disk")
+    config = {**POOL, "disk": {"path": str(tmp / "disk"), "max_size": "64MiB",
+                               "write_through": True}}
+    server = ServerProcess(tmp, config, name="disk").start()
+    try:
+        made = start_groups(server.url, (1, 2, 4))
+    except BaseException:
+        server.kill()
+        raise
+    yield server, made
+    kill_groups(made)
+    server.kill()
+
+
+class TestDisk:
+    """One server with a write-through disk tier (its fixture ends with the class, so its
+    processes never compete with the Redis tests' for the CPU)."""
+
+    @pytest.mark.parametrize(("stored_by", "read_by"), [(2, 1), (1, 4)])
+    def test_disk_pieces_of_one_tp_size_load_byte_exact_at_another(
+            self, disk_node: Node, stored_by: int, read_by: int) -> None:
+        server, made = disk_node
+        seed, n_chunks = 50 + 10 * stored_by + read_by, 3
+        toks = tokens(n_chunks, seed)
+        before = stats(server.url)
+        store(made[stored_by], toks, seed, n_chunks)
+        pieces = n_chunks * stored_by
+        written = before.disk_written_chunks + pieces
+        wait_for(lambda: stats(server.url).disk_written_chunks == written)
+        clear(server.url)  # memory forgets; only the disk holds the pieces now
+
+        request_id = f"disk{stored_by}{read_by}"
+        assert lookup(server.url, read_by, request_id, toks) == n_chunks * CHUNK
+        after = stats(server.url)
+        # Every piece of the other TP size came from disk, once (a wide piece serves several ranks).
+        assert after.disk_loaded_chunks - before.disk_loaded_chunks == pieces
+        assert after.chunks == pieces
+        load_and_check(made[read_by], request_id, toks, seed, n_chunks)
+
+
+# ---------------------------------------------------------------- Redis shared by two servers
+
+
+Shared = tuple[ServerProcess, ServerProcess, dict[int, list[WorkerProcess]],
+               dict[int, list[WorkerProcess]]]
+
+
+@pytest.fixture(scope="class")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shared]:
+    tmp = tmp_path_factory.mktemp("xtp_redis")
+    redis_server = RedisServer(_redis_binary(), tmp).start()
+    remote = {"url": redis_server.url, "timeout_ms": 500, "retry_interval_s": 0.2}
+    server_a = ServerProcess(tmp, {**POOL, "remote": remote}, name="a")
+    server_b = ServerProcess(tmp, {**POOL, "remote": remote}, name="b")
+    made: list[dict[int, list[WorkerProcess]]] = []
+    try:
+        in_parallel(server_a.start, server_b.start)
+        made = [start_groups(server_a.url, (2,)), start_groups(server_b.url, (1, 4))]
+        yield server_a, server_b, made[0], made[1]
+    finally:
+        kill_groups(*made)
+        server_a.kill()
+        server_b.kill()
+        redis_server.stop()
+
+
+def flushed_to_redis(url: str, written_before: int, pieces: int) -> None:
+    """Wait until the server's write-behind put ``pieces`` more pieces in Redis."""
+    wait_for(lambda: stats(url).remote_written_chunks >= written_before + pieces)
+
+
+@pytest.mark.redis
+class TestSharedRedis:
+    """Servers A and B on one Redis: TP=2 stores through A; TP=1 and TP=4 read through B."""
+
+    def test_redis_pieces_of_tp2_load_byte_exact_at_tp1_and_tp4_on_another_server(
+            self, shared: Shared) -> None:
+        server_a, server_b, on_a, on_b = shared
+        seed, n_chunks = 61, 3
+        toks = tokens(n_chunks, seed)
+        written = stats(server_a.url).remote_written_chunks
+        store(on_a[2], toks, seed, n_chunks)
+        flushed_to_redis(server_a.url, written, n_chunks * 2)
+        for read_by in (1, 4):
+            clear(server_b.url)  # each TP size loads from Redis, not from the other's loads
+            loaded = stats(server_b.url).remote_loaded_chunks
+            request_id = f"redis2{read_by}"
+            assert lookup(server_b.url, read_by, request_id, toks) == n_chunks * CHUNK
+            assert stats(server_b.url).remote_loaded_chunks - loaded == n_chunks * 2
+            load_and_check(on_b[read_by], request_id, toks, seed, n_chunks)
+        assert stats(server_b.url).remote_corrupt == 0
+
+    def test_redis_pieces_missing_a_ranks_heads_count_nothing(self, shared: Shared) -> None:
+        server_a, server_b, on_a, on_b = shared
+        seed, n_chunks = 71, 2
+        toks = tokens(n_chunks, seed)
+        written = stats(server_a.url).remote_written_chunks
+        store(on_a[2][:1], toks, seed, n_chunks)  # rank 0 of TP=2 only: heads 0-3 of each chunk
+        flushed_to_redis(server_a.url, written, n_chunks)
+        clear(server_b.url)
+        loaded = stats(server_b.url).remote_loaded_chunks
+        assert lookup(server_b.url, 1, "missing1", toks) == 0
+        assert lookup(server_b.url, 4, "missing4", toks) == 0
+        assert stats(server_b.url).remote_loaded_chunks == loaded  # nothing half-useful came in
+
+        store(on_a[2][1:], toks, seed, n_chunks)  # rank 1 too: now every head is in Redis
+        flushed_to_redis(server_a.url, written, 2 * n_chunks)
+        assert lookup(server_b.url, 4, "whole4", toks) == n_chunks * CHUNK
+        load_and_check(on_b[4], "whole4", toks, seed, n_chunks)
