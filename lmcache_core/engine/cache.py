@@ -65,6 +65,27 @@ class CacheEngine(CacheCore):
         return self.tiers.lookup(model_name, layout, ranges, chunk_hashes, lookup_id, lock,
                                  timeout_s)
 
+    # ------------------------------------------------------------------ inspection
+
+    def is_resident(self, key: ChunkKey) -> bool:
+        """Whether the piece ``key`` is committed (visible to lookups)."""
+        with self.mutex:
+            return key in self.index.lru
+
+    def locks_of(self, lookup_id: str) -> list[ChunkKey]:
+        """The pieces ``lookup_id`` holds a lock on (for inspection and tests)."""
+        with self.mutex:
+            return self.locks.keys_of(lookup_id)  # type: ignore[return-value]
+
+    def layouts(self, model_name: str) -> list[str]:
+        """The layouts of ``model_name`` that have resident pieces (a lookup by a client that
+        names no layout tries these)."""
+        with self.mutex:
+            return [layout for (model, layout) in self.index.layout_chunks if model == model_name]
+
+    def __len__(self) -> int:
+        return len(self.index)
+
     # ------------------------------------------------------------------ admin
 
     def clear(self, force: bool = False) -> tuple[int, int]:

@@ -95,8 +95,10 @@ class CacheCore:
         hits = find_hits(self.index, model_name, layout, ranges, chunk_hashes)
         if hits:
             touch_hits(self.index, hits)
-        if lock:
+        if lock and hits:
             self.locks.hold(lookup_id, (hit for chunk in hits for hit in chunk), now)
+        elif lock:  # a miss holds nothing, and drops what this id held before
+            self.locks.release_all(lookup_id)
         return len(hits)
 
     def expire_locks(self) -> int:
@@ -135,6 +137,7 @@ class CacheCore:
             claimed = self.claim(keys, nbytes, plan)
             self.counters.stores += 1
             self.counters.store_skipped_full += plan.skipped_full
+            self.counters.store_skipped_quota += plan.skipped_quota
         view = self.pool.view
         plan.writes = [(index, key, view(handle, nbytes))
                        for (index, key), handle in zip(claimed, plan.handles, strict=True)]
@@ -152,33 +155,45 @@ class CacheCore:
             else:
                 writing[key] = -1
                 new.append((position, key))
-        got = 0
-        for _, key in new:
-            # the request's own earlier pieces count against the model's quota too
-            handle = self._allocate(key.model_name, nbytes, len(new) - got, got * nbytes)
+        got: list[tuple[int, ChunkKey]] = []
+        pending: dict[str, int] = {}  # per model: bytes this request reserved already
+        for position, key in new:
+            model = key.model_name
+            if not self._quota_room(model, nbytes, pending.get(model, 0)):
+                plan.skipped_quota += 1
+                continue
+            handle = self._allocate(nbytes, len(new) - len(got))
             if handle is None:
                 break
             writing[key] = handle
             plan.keys.append(key)
             plan.handles.append(handle)
-            got += 1
-        for _, key in new[got:]:
-            del writing[key]
-        plan.skipped_full += len(new) - got
-        return new[:got]
+            pending[model] = pending.get(model, 0) + nbytes
+            got.append((position, key))
+        for _, key in new:
+            if writing.get(key) == -1:
+                del writing[key]
+        plan.skipped_full += len(new) - len(got) - plan.skipped_quota
+        return got
 
-    def _allocate(self, model_name: str, nbytes: int, wanted: int,
-                  pending: int = 0) -> int | None:
-        """Pool bytes for one piece of ``model_name``, evicting (its quota first) as needed;
-        ``pending``: bytes of the model already reserved by the same request."""
+    def _quota_room(self, model_name: str, nbytes: int, pending: int) -> bool:
+        """Whether a piece of ``model_name`` fits its quota (``pending``: bytes the same request
+        reserved already), evicting the model's own oldest pieces if that makes it fit; nothing
+        is evicted when it cannot."""
         quota = self.quotas.get(model_name)
-        if quota is not None:
-            excess = self.index.model_bytes.get(model_name, 0) + pending + nbytes - quota
-            if excess > 0:
-                self._evict(eviction.quota_victims(self.index, model_name, excess))
-                if self.index.model_bytes.get(model_name, 0) + pending + nbytes > quota:
-                    self.counters.store_skipped_quota += 1
-                    return None
+        if quota is None:
+            return True
+        excess = self.index.model_bytes.get(model_name, 0) + pending + nbytes - quota
+        if excess <= 0:
+            return True
+        victims = eviction.quota_victims(self.index, model_name, excess)
+        if sum(piece.nbytes for piece in victims) < excess:
+            return False
+        self._evict(victims)
+        return True
+
+    def _allocate(self, nbytes: int, wanted: int) -> int | None:
+        """Pool bytes for one piece, evicting LRU pieces (of any model) as needed."""
         handle = self.pool.allocate(nbytes)
         if handle is None:
             self._evict(eviction.victims_for(self.index, self.pool, nbytes, wanted))
@@ -310,7 +325,9 @@ class CacheCore:
             for key, nbytes in items:
                 if key in self.writing or key in self.index.lru or not self.pool.fits(nbytes):
                     continue
-                handle = self._allocate(key.model_name, nbytes, 1)
+                if not self._quota_room(key.model_name, nbytes, 0):
+                    continue
+                handle = self._allocate(nbytes, 1)
                 if handle is None:
                     break
                 self.writing[key] = handle
@@ -376,25 +393,3 @@ class CacheCore:
                 if not saved(piece.key):
                     out.append(piece.key)
         return out
-
-    # ------------------------------------------------------------------ inspection
-
-    def is_resident(self, key: ChunkKey) -> bool:
-        """Whether the piece ``key`` is committed (visible to lookups)."""
-        with self.mutex:
-            return key in self.index.lru
-
-    def locks_of(self, lookup_id: str) -> list[ChunkKey]:
-        """The pieces ``lookup_id`` holds a lock on (for inspection and tests)."""
-        with self.mutex:
-            return self.locks.keys_of(lookup_id)  # type: ignore[return-value]
-
-    def layouts(self, model_name: str) -> list[str]:
-        """The layouts of ``model_name`` that have resident pieces (a lookup by a client that
-        names no layout tries these)."""
-        with self.mutex:
-            return [layout for (model, layout) in self.index.layout_chunks if model == model_name]
-
-    def __len__(self) -> int:
-        return len(self.index)
-

@@ -65,6 +65,7 @@ class PieceIndex:
         self.chunks: dict[ChunkId, list[Piece]] = {}
         self.by_handle: dict[int, Piece] = {}
         self.model_bytes: dict[str, int] = {}
+        self.model_pieces: dict[str, int] = {}
         self.layout_chunks: dict[tuple[str, str], int] = {}  # (model, layout) -> chunks held
         self.nbytes = 0
 
@@ -96,6 +97,7 @@ class PieceIndex:
         siblings.append(piece)
         self.by_handle[piece.handle] = piece
         self.model_bytes[key.model_name] = self.model_bytes.get(key.model_name, 0) + piece.nbytes
+        self.model_pieces[key.model_name] = self.model_pieces.get(key.model_name, 0) + 1
         self.nbytes += piece.nbytes
 
     def remove(self, piece: Piece) -> None:
@@ -110,10 +112,12 @@ class PieceIndex:
             self.layout_chunks[pair] -= 1
             if not self.layout_chunks[pair]:
                 del self.layout_chunks[pair]
-        left = self.model_bytes[key.model_name] - piece.nbytes
+        left = self.model_pieces[key.model_name] - 1
         if left:
-            self.model_bytes[key.model_name] = left
+            self.model_pieces[key.model_name] = left
+            self.model_bytes[key.model_name] -= piece.nbytes
         else:
+            del self.model_pieces[key.model_name]
             del self.model_bytes[key.model_name]
         self.nbytes -= piece.nbytes
 
@@ -122,10 +126,8 @@ class PieceIndex:
 
     def model_counts(self) -> dict[str, tuple[int, int]]:
         """Per model: (pieces, bytes)."""
-        counts: dict[str, int] = {}
-        for key in self.lru:
-            counts[key.model_name] = counts.get(key.model_name, 0) + 1
-        return {model: (counts.get(model, 0), nbytes) for model, nbytes in self.model_bytes.items()}
+        return {model: (count, self.model_bytes[model])
+                for model, count in self.model_pieces.items()}
 
 
 #: What a lookup found per chunk: ``(head range, chunk, pieces covering it)`` for each range.

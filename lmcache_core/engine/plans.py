@@ -45,13 +45,14 @@ class Counters:
 class StorePlan:
     """What ``begin_store`` reserved: write into ``writes`` (index, key, pool view), then finish.
 
-    ``stored``/``already_present``/``skipped_full`` fill a ``StoreReply`` directly.
+    ``stored``/``already_present``/``skipped_full``/``skipped_quota`` fill a ``StoreReply``.
     """
 
     nbytes: int
     writes: list[tuple[int, ChunkKey, torch.Tensor]]
     already_present: int = 0
     skipped_full: int = 0
+    skipped_quota: int = 0
     keys: list[ChunkKey] = field(default_factory=list, repr=False)
     handles: list[int] = field(default_factory=list, repr=False)
     done: bool = False

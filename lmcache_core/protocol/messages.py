@@ -231,6 +231,7 @@ class StoreReply(Reply):
     stored: int
     already_present: int = 0
     skipped_full: int = 0
+    skipped_quota: int = 0  # not stored: the model is at its quota (server.quotas)
 
 
 class RetrieveReply(Reply):

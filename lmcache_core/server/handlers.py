@@ -145,7 +145,7 @@ class CacheHandlers:
             finally:
                 self.engine.finish_store(plan, ok)
         return m.StoreReply(stored=len(plan.writes), already_present=plan.already_present,
-                            skipped_full=plan.skipped_full)
+                            skipped_full=plan.skipped_full, skipped_quota=plan.skipped_quota)
 
     def retrieve(self, request: m.RetrieveRequest, _client: bytes) -> m.RetrieveReply:
         """Copy the found chunks into the worker's blocks, within the load deadline.

@@ -225,7 +225,11 @@ def test_lookup_finds_what_store_bench_stored_and_leaves_no_locks(
     assert [r["hit_chunks"] for r in other.json()["prompts"]] == [0, 0, 0]
     wider = cli("lookup", "-c", cfg, "--tokens", str(bench["tokens"]), "--world-size", "2",
                 "--json")
-    assert [r["hit_chunks"] for r in wider.json()["prompts"]] == [0, 0, 0]  # rank 1 holds none
+    # TP=1 pieces hold every head: each of two ranks reads its half of them
+    assert [r["hit_chunks"] for r in wider.json()["prompts"]] == [4, 4, 4]
+    odd = cli("lookup", "-c", cfg, "--tokens", str(bench["tokens"]), "--world-size", "3",
+              "--json")
+    assert [r["hit_chunks"] for r in odd.json()["prompts"]] == [0, 0, 0]  # 4 heads / 3 ranks
     summary = cli("inspect-chunks", "-c", cfg, "--json").json()["summary"]
     assert summary["locks_held"] == 0
 
@@ -243,8 +247,13 @@ def test_two_cpu_workers_store_as_world_size_2_and_lookup_follows_the_tokens_fil
     assert (data["model"], data["world_size"]) == (TINY["model"]["name"], 2)
     found = cli("lookup", "-c", cfg, "--tokens", str(tokens), "--json").json()
     assert found["world_size"] == 2 and [r["hit_chunks"] for r in found["prompts"]] == [2]
+    # the flag wins: one rank of world size 1 reads both ranks' pieces; 3 ranks cannot split
+    # the 4 heads
     forced = cli("lookup", "-c", cfg, "--tokens", str(tokens), "--world-size", "1", "--json")
-    assert [r["hit_chunks"] for r in forced.json()["prompts"]] == [0]  # the flag wins
+    assert forced.json()["world_size"] == 1
+    assert [r["hit_chunks"] for r in forced.json()["prompts"]] == [2]
+    odd = cli("lookup", "-c", cfg, "--tokens", str(tokens), "--world-size", "3", "--json")
+    assert [r["hit_chunks"] for r in odd.json()["prompts"]] == [0]
     assert cli("inspect-chunks", "-c", cfg, "--json").json()["summary"]["locks_held"] == 0
 
 

@@ -165,3 +165,23 @@ def test_mla_pieces_serve_every_tp_size(server):
         for workers in made.values():
             for worker in workers:
                 worker.close()
+
+
+def test_a_model_quota_bounds_its_share_and_spares_the_others(tmp_path):
+    piece = 2 * 2 * CHUNK * HEADS * 32 * 2  # layers x K/V x tokens x heads x dim x fp16
+    srv = ServerProcess(tmp_path, {"server": {"pool_size": "4MiB", "slab_size": "1MiB",
+                                              "quotas": {"capped": 3 * piece}}}).start()
+    capped = WorkerProcess(srv.url, model="capped", heads=HEADS)
+    free = WorkerProcess(srv.url, model="free", heads=HEADS)
+    try:
+        store([free], tokens(4, 51), 51, 4)
+        store([capped], tokens(5, 52), 52, 5)  # 5 pieces against a quota of 3
+        models = {row.model_name: row for row in server_info(srv.url).models}
+        assert models["capped"].quota_bytes == 3 * piece
+        assert models["capped"].bytes_used <= 3 * piece
+        assert models["free"].bytes_used == 4 * piece  # untouched by the other's quota
+        assert lookup(srv.url, 1, "f", tokens(4, 51), model="free") == 4 * CHUNK
+    finally:
+        capped.close()
+        free.close()
+        srv.kill()

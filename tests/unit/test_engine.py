@@ -47,7 +47,7 @@ def store(engine: CacheEngine, keys: Sequence[ChunkKey], nbytes: int = SLOT) -> 
         view.fill_(k.chunk_hash[0] + k.head_lo)
     engine.finish_store(plan)
     return StoreReply(stored=plan.stored, already_present=plan.already_present,
-                      skipped_full=plan.skipped_full)
+                      skipped_full=plan.skipped_full, skipped_quota=plan.skipped_quota)
 
 
 def store_ranks(engine: CacheEngine, chunks: Sequence[int], ranks: Sequence[int] = (0, 1)) -> None:
@@ -745,7 +745,7 @@ def test_per_model_quota_evicts_the_models_own_oldest_pieces() -> None:
     # All of a's pieces locked: its next store is refused, b's pieces are still not taken.
     assert lookup(engine, 1, [h(1), h(2), h(3)], "lock", model="a") == 3
     reply = store(engine, [key(9, 0, world_size=1, model="a")])
-    assert (reply.stored, reply.skipped_full) == (0, 1)
+    assert (reply.stored, reply.skipped_quota, reply.skipped_full) == (0, 1, 0)
     assert engine.stats()["store_skipped_quota"] == 1
     assert all(engine.is_resident(k) for k in b_keys)
     assert store(engine, [key(9, 0, world_size=1, model="b")]).stored == 1  # b has no quota
@@ -848,14 +848,9 @@ def test_a_slab_holding_a_locked_piece_is_never_taken() -> None:
     assert engine.is_resident(a_keys[8]) and engine.is_resident(a_keys[12])
 
 
-# ---------------------------------------------------------------- engine bugs (kept as evidence)
+# ---------------------------------------------------------------- found by review (fixed)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "engine bug: a locking lookup that hits nothing still registers an (empty) lock set and an "
-    "expiry-heap entry for its id (core.lookup_locked calls locks.hold even with no hits), kept "
-    "until the TTL: ~330 bytes per missed lookup id (100k misses: 33 MB) for lock_ttl_s (300 s). "
-    "The old engine held nothing for a miss."))
 def test_a_locking_lookup_that_misses_holds_nothing() -> None:
     engine = make()
     store_ranks(engine, range(2))
@@ -865,11 +860,6 @@ def test_a_locking_lookup_that_misses_holds_nothing() -> None:
     assert (len(engine.locks), len(engine.locks._expiry)) == (0, 0)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "engine bug: claim() passes every piece the request reserved so far as the quota's "
-    "``pending`` bytes (got * nbytes), whatever their model, so in one store of model b's pieces "
-    "then model a's, b's bytes count against a's quota: a's piece is refused though a holds "
-    "nothing (docstring: 'bytes of the model already reserved by the same request')."))
 def test_quota_counts_only_the_models_own_pending_pieces() -> None:
     engine = CacheEngine(MemoryPool.slots(SLOT, 8, pin=False), chunk_size=16, clock=FakeClock(),
                          quotas={"a": 3 * SLOT})
@@ -884,27 +874,19 @@ def test_one_store_over_the_quota_keeps_the_head_of_the_prefix() -> None:
                          quotas={"a": 3 * SLOT})
     keys = [key(i, 0, world_size=1, model="a") for i in range(5)]
     reply = store(engine, keys)
-    assert (reply.stored, reply.skipped_full) == (3, 2)
+    assert (reply.stored, reply.skipped_quota, reply.skipped_full) == (3, 2, 0)
     assert [engine.is_resident(k) for k in keys] == [True] * 3 + [False] * 2
     assert engine.stats()["evictions"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "engine bug (counter): store_skipped_quota counts one per store that hit the quota, not the "
-    "pieces refused (ServerStats: 'pieces not stored: their model was at its quota'): a store "
-    "of 5 pieces under a 3-piece quota refuses 2 and counts 1; the rest land in skipped_full."))
 def test_store_skipped_quota_counts_every_refused_piece() -> None:
     engine = CacheEngine(MemoryPool.slots(SLOT, 8, pin=False), chunk_size=16, clock=FakeClock(),
                          quotas={"a": 3 * SLOT})
     reply = store(engine, [key(i, 0, world_size=1, model="a") for i in range(5)])
-    assert reply.skipped_full == 2
+    assert (reply.skipped_quota, reply.skipped_full) == (2, 0)
     assert engine.stats()["store_skipped_quota"] == 2
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "engine bug: when a model's evictable pieces cannot make room under its quota, _allocate "
-    "still evicts them (quota_victims returns 'fewer when not enough can go' and they are "
-    "evicted before the re-check), then refuses the store: cached pieces lost for nothing."))
 def test_a_quota_that_cannot_make_room_evicts_nothing() -> None:
     engine = CacheEngine(MemoryPool.slots(SLOT, 8, pin=False), chunk_size=16, clock=FakeClock(),
                          quotas={"a": 3 * SLOT})
@@ -913,6 +895,6 @@ def test_a_quota_that_cannot_make_room_evicts_nothing() -> None:
         store(engine, [k])
     assert lookup(engine, 1, [h(1), h(2)], "held", model="a") == 2
     reply = store(engine, [key(9, 0, world_size=1, model="a")], nbytes=2 * SLOT)
-    assert (reply.stored, reply.skipped_full) == (0, 1)  # 2 locked + 2 new pieces' worth > 3
+    assert (reply.stored, reply.skipped_quota) == (0, 1)  # 2 locked + 2 new pieces' worth > 3
     assert all(engine.is_resident(k) for k in keys)
     assert engine.stats()["evictions"] == 0
