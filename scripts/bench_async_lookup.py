@@ -51,6 +51,7 @@ from lmcache_core.lookup_client.messages import (  # noqa: E402
 
 MODEL = "bench"
 CHUNK = 256
+WARMUP = 50  # untimed lookups first
 
 
 def worker_main(conn: Connection, runtime_dir: str, worker_id: int, world_size: int,
@@ -58,14 +59,18 @@ def worker_main(conn: Connection, runtime_dir: str, worker_id: int, world_size: 
     import torch
 
     from lmcache_core.engine import CacheEngine
-    from lmcache_core.keys import ChunkKey, chain_hashes
+    from lmcache_core.keys import ChunkKey, chain_hashes, opaque_layout, rank_heads
     from lmcache_core.lookup_client import LMCacheAsyncLookupServer
     from lmcache_core.storage.pool import MemoryPool
 
     torch.set_num_threads(1)
     hashes = chain_hashes(tokens, CHUNK)
     engine = CacheEngine(MemoryPool.slots(64, len(hashes) + 8, pin=False), CHUNK)
-    plan = engine.begin_store([ChunkKey(MODEL, world_size, worker_id, h) for h in hashes], 64)
+    # The lookup server asks under the opaque layout of its world size (it knows no KV shape):
+    # this rank's piece of each chunk is heads rank_heads(layout, world_size, worker_id).
+    layout = opaque_layout(world_size)
+    heads = rank_heads(layout, world_size, worker_id)
+    plan = engine.begin_store([ChunkKey(MODEL, layout, *heads, h) for h in hashes], 64)
     engine.finish_store(plan)
     server = LMCacheAsyncLookupServer(engine, LMCacheMetadata(
         model_name=MODEL, world_size=world_size, worker_id=worker_id, engine_id="bench",
@@ -172,7 +177,7 @@ def bench_lookup(runtime_dir: str, world_size: int, tokens: list[int], iters: in
     if prehashed:
         client.token_database = PrehashedTokens(CHUNK)
     expected = len(tokens) // CHUNK * CHUNK
-    ids = [f"req-{i:06d}" for i in range(max(iters, inflight))]
+    ids = [f"req-{i:06d}" for i in range(max(iters, inflight, WARMUP))]
 
     def one(lookup_id: str, spin: bool) -> float:
         start = time.perf_counter()
@@ -189,7 +194,7 @@ def bench_lookup(runtime_dir: str, world_size: int, tokens: list[int], iters: in
         return elapsed
 
     try:
-        for i in range(50):
+        for i in range(WARMUP):
             one(ids[i], spin=False)
         wait = [one(ids[i], spin=False) for i in range(iters)]
         spin = [one(ids[i], spin=True) for i in range(iters)]

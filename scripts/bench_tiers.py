@@ -36,11 +36,15 @@ import torch  # noqa: E402
 from redis.connection import Encoder, PythonRespSerializer  # noqa: E402
 
 from lmcache_core.engine import CacheEngine  # noqa: E402
-from lmcache_core.keys import ChunkKey  # noqa: E402
+from lmcache_core.keys import ChunkKey, opaque_layout, world_heads  # noqa: E402
 from lmcache_core.storage.pool import MemoryPool  # noqa: E402
 from lmcache_core.storage.remote import RemoteTier  # noqa: E402
 
 MODEL = "bench"
+#: No KV shape here: one rank's opaque layout, so each chunk is one piece of heads [0, 1).
+LAYOUT = opaque_layout(1)
+HEADS = (0, 1)
+RANGES = world_heads(LAYOUT, 1)
 
 
 def main() -> None:
@@ -119,7 +123,7 @@ def run(args: argparse.Namespace, url: str) -> None:
 
     def keys() -> list[ChunkKey]:
         round_id = next(counter)
-        return [ChunkKey(MODEL, 1, 0, round_id.to_bytes(8, "big") + i.to_bytes(24, "big"))
+        return [ChunkKey(MODEL, LAYOUT, *HEADS, round_id.to_bytes(8, "big") + i.to_bytes(24, "big"))
                 for i in range(n)]
 
     print(f"Redis {raw.info()['redis_version']} at {url}; {n} chunks x {args.chunk_mib:g} MiB = "
@@ -187,23 +191,25 @@ def run(args: argparse.Namespace, url: str) -> None:
         engine_b.clear(force=True)
         ks = last
         start = time.perf_counter()
-        hits = engine_b.lookup_tiers(MODEL, 1, [k.chunk_hash for k in ks], "bench", timeout_s=60)
+        hashes = [k.chunk_hash for k in ks]
+        hits = engine_b.lookup_tiers(MODEL, LAYOUT, RANGES, hashes, "bench", timeout_s=60)
         load_s.append(time.perf_counter() - start)
         assert hits == n, f"{hits} of {n} hit"
-        plan = engine_b.begin_retrieve(ks, "bench")
-        for _, _, view in plan.found:
+        plan = engine_b.begin_retrieve(MODEL, LAYOUT, HEADS, hashes, "bench")
+        for _, ((view, _, _),) in plan.found:
             out.copy_(view)
         engine_b.finish_retrieve(plan)
 
     raw_get_s, tier_get_s = interleaved([raw_get, tier_get], args.rounds)
     report("lookup + load into memory", total, min(load_s), raw_get_s, "redis-py GET per chunk")
     report("retrieve (the above + copy out)", total, tier_get_s, raw_get_s, "redis-py GET per chunk")
-    check = engine_b.begin_retrieve(last[:1])
-    assert torch.equal(check.found[0][2], data[0]), "bytes differ"
+    check = engine_b.begin_retrieve(MODEL, LAYOUT, HEADS, [last[0].chunk_hash])
+    assert torch.equal(check.found[0][1][0][0], data[0]), "bytes differ"
     engine_b.finish_retrieve(check)
 
     # ---- lookup that asks Redis (and finds nothing)
-    missing = [ChunkKey(MODEL, 1, 0, b"\xee" * 24 + i.to_bytes(8, "big")) for i in range(n)]
+    missing = [ChunkKey(MODEL, LAYOUT, *HEADS, b"\xee" * 24 + i.to_bytes(8, "big"))
+               for i in range(n)]
     hashes = [k.chunk_hash for k in missing]
     rkeys = [tier_b.redis_key(k) for k in missing]
 
@@ -213,8 +219,8 @@ def run(args: argparse.Namespace, url: str) -> None:
             pipe.exists(rkey)
         pipe.execute()
 
-    tier_lookup = median_us(lambda: engine_b.lookup_tiers(MODEL, 1, hashes, "miss", timeout_s=5),
-                            args.lookups)
+    tier_lookup = median_us(lambda: engine_b.lookup_tiers(MODEL, LAYOUT, RANGES, hashes, "miss",
+                                                          timeout_s=5), args.lookups)
     raw_lookup = median_us(raw_exists, args.lookups)
     ping = median_us(raw.ping, args.lookups)
     print(f"lookup of {n} chunks that goes to Redis: {tier_lookup:8.1f} us   redis-py pipelined "
@@ -224,10 +230,11 @@ def run(args: argparse.Namespace, url: str) -> None:
     # ---- memory-only fast path (no tier)
     plain = CacheEngine(MemoryPool.slots(64, 256, pin=False), 256)
     chain = [bytes([i, 7]) * 16 for i in range(64)]
-    for rank in range(2):
-        plain.finish_store(plain.begin_store([ChunkKey(MODEL, 2, rank, c) for c in chain], 8))
-    fast = min(median_us(lambda: plain.lookup(MODEL, 2, chain, "f"), args.lookups)
-               for _ in range(3))
+    two = opaque_layout(2)
+    for lo, hi in world_heads(two, 2):
+        plain.finish_store(plain.begin_store([ChunkKey(MODEL, two, lo, hi, c) for c in chain], 8))
+    fast = min(median_us(lambda: plain.lookup(MODEL, two, world_heads(two, 2), chain, "f"),
+                         args.lookups) for _ in range(3))
     print(f"memory lookup, no tier, 64 chunks x 2 ranks: {fast:.1f} us")
 
     tier_a.stop()
