@@ -27,7 +27,11 @@ def test_defaults_without_file():
     ("server:\n  workerz: 2\n", "server.workerz: unknown key"),
     ("chunk_size: abc\n", "chunk_size: Expected `int`"),
     ("chunk_size: 0\n", "chunk_size: Expected `int` >= 1"),
-    ("server:\n  pool_size: 1KiB\n", "server.pool_size: 1024 bytes is smaller than one chunk"),
+    ("server:\n  pool_size: 32\n", "server.pool_size: 32 bytes is too small"),
+    ("server:\n  pool_size: 1MiB\n  slab_size: 2MiB\n",
+     "server.pool_size: 1048576 bytes is smaller than one slab"),
+    ("server:\n  slab_size: 100\n", "multiple of 64"),
+    ("server:\n  quotas: {m: lots}\n", "not a size"),
     ("server:\n  pool_size: lots\n", "not a size"),
     ("server:\n  url: http://x\n", "must start with tcp:// or ipc://"),
     ("- 1\n- 2\n", "top level must be a mapping"),
@@ -101,3 +105,13 @@ def test_bad_tier_settings_name_the_key(tmp_path, text, needle):
     with pytest.raises(ConfigError) as info:
         load_config(path, environ={})
     assert str(info.value).startswith(str(path)) and needle in str(info.value)
+
+
+def test_the_server_needs_no_model_and_takes_slabs_and_quotas(tmp_path):
+    path = tmp_path / "node.yaml"
+    path.write_text("server:\n  pool_size: 1GiB\n  slab_size: 64MiB\n"
+                    "  quotas:\n    meta-llama/Llama-3.1-8B: 256MiB\n    small: 1000\n")
+    config = load_config(path)
+    assert config.server.slab_bytes == 64 * 2**20
+    assert config.server.quota_bytes == {"meta-llama/Llama-3.1-8B": 256 * 2**20, "small": 1000}
+    assert load_config(None).server.slab_bytes is None  # auto: the pool picks it
