@@ -90,6 +90,7 @@ def layout_heads(layout: str) -> int:
     raise ValueError(f"not a KV layout fingerprint: {layout[:80]!r}")
 
 
+@functools.lru_cache(maxsize=1024)
 def is_mla(layout: str) -> bool:
     """Whether the layout is MLA (one piece serves every rank)."""
     match = _LAYOUT_RE.match(layout)

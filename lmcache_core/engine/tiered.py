@@ -39,6 +39,9 @@ T = TypeVar("T")
 Load = tuple[ChunkKey, int, bool]
 #: A piece being loaded: ``(key, handle, nbytes)``.
 Item = tuple[ChunkKey, int, int]
+#: Redis keys one tiered lookup may probe (pieces of every TP split of every missing range):
+#: bounds the work a request of many chunks and ranks can cause.
+PROBE_BUDGET = 8192
 #: Spill ahead of eviction: the disk writer keeps this share of the pool's bytes saved.
 SPILL_AHEAD_SHARE = 4
 
@@ -85,23 +88,32 @@ class TieredStorage:
                     wanted: list[list[HeadRange]], deadline: float) -> list[Load]:
         """The pieces to load for the longest run of chunks whose uncovered ranges the tiers can
         cover (disk first; Redis asked once, pipelined, for every other candidate piece)."""
-        disk = self.disk
+        disk, remote = self.disk, self.remote
+        ask_redis = remote is not None and not remote.down
+        budget = PROBE_BUDGET
         per_chunk: list[tuple[dict[HeadRange, Load], list[ChunkKey]]] = []
         for chunk_hash, ranges in zip(hashes, wanted, strict=True):
             on_disk: dict[HeadRange, Load] = {}
             if disk is not None and ranges:
                 on_disk = {(key.head_lo, key.head_hi): (key, nbytes, True)
                            for key, nbytes in disk.pieces_of(model_name, layout, chunk_hash)}
-            probes = [ChunkKey(model_name, layout, lo, hi, chunk_hash)
-                      for heads in ranges for lo, hi in candidate_ranges(layout, heads)
-                      if (lo, hi) not in on_disk]
+            probes: list[ChunkKey] = []
+            if ask_redis:
+                probes = [ChunkKey(model_name, layout, lo, hi, chunk_hash)
+                          for heads in ranges for lo, hi in candidate_ranges(layout, heads)
+                          if (lo, hi) not in on_disk]
+                budget -= len(probes)
+                if budget < 0:  # one lookup probes a bounded number of keys
+                    break
             per_chunk.append((on_disk, probes))
+            if not ask_redis and pick_pieces(on_disk, ranges) is None:
+                break  # the prefix stops here: no need to look further
         in_redis = self._remote_lengths(
             list(dict.fromkeys(key for _, probes in per_chunk for key in probes)), deadline)
         budget = self.core.pool.nbytes
         loads: list[Load] = []
         chosen: set[ChunkKey] = set()
-        for ranges, (available, probes) in zip(wanted, per_chunk, strict=True):
+        for ranges, (available, probes) in zip(wanted, per_chunk, strict=False):  # a prefix
             for key in probes:
                 nbytes = in_redis.get(key)
                 if nbytes is not None:

@@ -63,6 +63,7 @@ def test_a_writer_thread_that_dies_is_reported_and_a_bad_batch_is_not():
     writer.start(supervisor)
     started.set()
     writer.submit([1])
+    assert writer.flush(5)  # alone, so it is a batch of its own (else [1, 2] could be one)
     writer.submit([2])
     assert writer.flush(5) and written == [[2]] and not reasons
     assert writer.stop(5) and not reasons  # a stop is not a failure
