@@ -3,22 +3,23 @@
 Every leaf has a dotted name (``server.url``, ``timeouts.lookup_ms``) and an environment variable
 (``LMCACHE_SERVER_URL``, ``LMCACHE_TIMEOUTS_LOOKUP_MS``); ``LMCACHE_URL`` is a short alias for the
 server url. Precedence: defaults < file < environment < command-line flags. Any problem raises one
-``ConfigError`` whose message names the source and the key.
+``ConfigError`` whose message names the source and the key. Values that are not plain scalars
+(sizes, uid lists, urls) are parsed by ``lmcache_core.config_parse``.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
 
 import msgspec
 import yaml
 
+from lmcache_core.config_parse import MAX_UID as MAX_UID
+from lmcache_core.config_parse import parse_events_urls, parse_http_url, parse_size, parse_uids
 from lmcache_core.errors import ConfigError
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1,
@@ -28,27 +29,9 @@ Positive = Annotated[int, msgspec.Meta(gt=0)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 2**10, "ki": 2**10, "m": 1000**2,
-          "mb": 1000**2, "mib": 2**20, "mi": 2**20, "g": 1000**3, "gb": 1000**3, "gib": 2**30,
-          "gi": 2**30, "t": 1000**4, "tb": 1000**4, "tib": 2**40, "ti": 2**40}
 ENV_PREFIX = "LMCACHE_"
 URL_ENV = "LMCACHE_URL"
 DEFAULT_HTTP_URL = "http://127.0.0.1:9464"
-MAX_UID = 2**32 - 2  # (uid_t)-1 means "no uid"
-
-
-def parse_size(value: int | str) -> int:
-    """Bytes from ``1073741824``, ``"1GiB"``, ``"512 MiB"`` or ``"2GB"``."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value < 0:
-            raise ValueError(f"size must not be negative, got {value}")
-        return value
-    match = _SIZE_RE.match(str(value))
-    if not match:
-        raise ValueError(f"not a size: {value!r} (try 4GiB, 512MiB or a byte count)")
-    number, unit = match.groups()
-    return int(float(number) * _UNITS[(unit or "").lower()])
 
 
 class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -152,69 +135,6 @@ class ServerConfig(_Section):
     def allowed_uids(self) -> tuple[int, ...]:
         """``shm_allowed_uids`` as uids."""
         return parse_uids(self.shm_allowed_uids)
-
-
-def parse_uids(value: list[int] | int | str) -> tuple[int, ...]:
-    """Uids from ``[1000, 1001]``, ``1000`` or ``"1000,1001"``; ValueError naming the bad one."""
-    items = value if isinstance(value, list) else str(value).replace(",", " ").split()
-    uids = []
-    for item in items:
-        text = str(item).strip()
-        if not (text.isascii() and text.isdigit()) or int(text) > MAX_UID:
-            raise ValueError(f"shm_allowed_uids: {text!r} is not a uid (0-{MAX_UID})")
-        uids.append(int(text))
-    return tuple(uids)
-
-
-def parse_http_url(value: str | bool) -> tuple[str, int] | None:
-    """``(host, port)`` from ``http://127.0.0.1:9464`` (``[::1]`` for IPv6), None for ``off``;
-    ValueError naming ``http_url`` for anything else."""
-    if value is False or (isinstance(value, str) and value.strip().lower() == "off"):
-        return None
-    hint = "expected http://HOST:PORT (e.g. http://127.0.0.1:9464) or off"
-    if not isinstance(value, str):
-        raise ValueError(f"http_url: {hint}, got {value!r}")
-    try:
-        parts = urlsplit(value.strip())
-        port = parts.port
-    except ValueError as exc:
-        raise ValueError(f"http_url: {value!r}: {exc}; {hint}") from None
-    if parts.scheme != "http" or not parts.hostname or port is None:
-        raise ValueError(f"http_url: {hint}, got {value!r}")
-    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
-        raise ValueError(f"http_url: only a scheme, host and port, got {value!r} (the paths are "
-                         f"/metrics, /healthz and /readyz)")
-    return parts.hostname, port
-
-
-def parse_events_urls(url: str | bool | None, replay_url: str | None) -> tuple[str, str] | None:
-    """``(url, replay url)`` for ``events_url``/``events_replay_url``, None when events are off
-    (None, "", "off", YAML's bare off); ValueError naming the key for anything else."""
-    if url is None or url is False or (isinstance(url, str) and url.strip().lower() in ("", "off")):
-        if replay_url:
-            raise ValueError("events_replay_url: set events_url too (events are off)")
-        return None
-    hint = "expected tcp://HOST:PORT or ipc://PATH"
-    if not isinstance(url, str) or not url.startswith(("tcp://", "ipc://")):
-        raise ValueError(f"events_url: {hint} (or off), got {url!r}")
-    if replay_url is None:
-        replay_url = _replay_default(url)
-    elif not replay_url.startswith(("tcp://", "ipc://")):
-        raise ValueError(f"events_replay_url: {hint}, got {replay_url!r}")
-    if replay_url == url and not url.endswith(":0"):  # port 0: two free ports are picked
-        raise ValueError("events_replay_url: must differ from events_url")
-    return url, replay_url
-
-
-def _replay_default(url: str) -> str:
-    """The events port + 1 (as vLLM's 5557 and 5558), or the ipc path + ".replay"."""
-    if url.startswith("ipc://"):
-        return url + ".replay"
-    host, _, port = url.rpartition(":")
-    if not port.isdigit() or int(port) > 65534 or host == "tcp":
-        raise ValueError(f"events_url: {url!r} needs a port below 65535 (tcp://HOST:PORT), or set "
-                         f"events_replay_url")
-    return f"{host}:{int(port) + 1 if int(port) else 0}"
 
 
 class TimeoutConfig(_Section):

@@ -14,10 +14,11 @@ bytes cannot change under it.
 
 A file is written to a temp name in the same directory and renamed over its final name, so a reader
 never sees half a file; each holds a ``record`` (header with key, size and blake3 checksum, then the
-payload). At start the directory is re-indexed from the headers (size checked against the header;
-leftover temp files deleted). The payload checksum is checked on every read, into the destination
-slot, before the chunk is committed: a truncated or corrupted file is deleted, counted
-(``disk_corrupt``), logged, and reported as a miss, never served.
+payload); ``disk_files`` names, scans, reads and writes them. At start the directory is re-indexed
+from the headers (size checked against the header; leftover temp files deleted). The payload
+checksum is checked on every read, into the destination slot, before the chunk is committed: a
+truncated or corrupted file is deleted, counted (``disk_corrupt``), logged, and reported as a miss,
+never served.
 
 The index is an in-memory LRU (``contains`` is a dict lookup, safe to call under the engine's lock);
 file I/O and unlinks happen outside this tier's own lock, which only guards dict work.
@@ -31,18 +32,21 @@ import os
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-
-from blake3 import blake3
 
 from lmcache_core.errors import ConfigError
 from lmcache_core.events import DISK, KVEventSink
 from lmcache_core.keys import ChunkKey
 from lmcache_core.storage import record
 from lmcache_core.storage.counters import Counters
+from lmcache_core.storage.disk_files import SUFFIX as SUFFIX
+from lmcache_core.storage.disk_files import TMP_PREFIX as TMP_PREFIX
+from lmcache_core.storage.disk_files import DiskFile, read_payload, scan, unlink, write_file
+from lmcache_core.storage.disk_files import file_name as file_name
+from lmcache_core.storage.disk_files import iter_files as iter_files
 from lmcache_core.storage.writer import BackgroundWriter
 from lmcache_core.supervision import Supervisor
 
@@ -51,25 +55,12 @@ logger = logging.getLogger(__name__)
 #: A chunk, all of whose pieces share it: (model name, layout, chunk hash) (``ChunkKey.chunk``).
 Chunk = tuple[str, str, bytes]
 
-SUFFIX = ".lmkv"
-TMP_PREFIX = ".tmp-"
-_HEAD_READ = 4096  # one read covers any usual header (48 bytes + hash + model name + layout)
 _MAX_LOGGED_AT_START = 10
 
 #: Gives the writer a chunk's bytes while it stays pinned in memory (None: no longer resident).
 Source = Callable[[ChunkKey], AbstractContextManager[memoryview | None]]
 #: The memory chunks nearest eviction that are not on disk yet (at most ``limit``).
 ColdKeys = Callable[[int], list[ChunkKey]]
-
-
-class _File:
-    __slots__ = ("header_len", "name", "nbytes", "size")
-
-    def __init__(self, name: str, header_len: int, nbytes: int, size: int) -> None:
-        self.name = name
-        self.header_len = header_len
-        self.nbytes = nbytes
-        self.size = size
 
 
 @dataclass(slots=True)
@@ -83,14 +74,6 @@ class DiskCounters(Counters):
     disk_corrupt: int = 0
     disk_deleted: int = 0
     disk_errors: int = 0
-
-
-def file_name(key: ChunkKey) -> str:
-    """``<hash hex>.<head_lo>-<head_hi>.<tag>.lmkv``, ``tag`` the first 12 hex digits of
-    blake3(model name 0x00 layout): readable, and unique per key (the header holds the key itself,
-    and a file whose header names another key than its name is dropped at the scan)."""
-    tag = blake3(key.model_name.encode() + b"\0" + key.layout.encode()).hexdigest(6)
-    return f"{key.chunk_hash.hex()}.{key.head_lo}-{key.head_hi}.{tag}{SUFFIX}"
 
 
 class DiskTier:
@@ -113,7 +96,7 @@ class DiskTier:
         self.write_through = write_through
         self.n = DiskCounters()
         self._mutex = threading.Lock()
-        self._index: OrderedDict[ChunkKey, _File] = OrderedDict()  # front = least recently used
+        self._index: OrderedDict[ChunkKey, DiskFile] = OrderedDict()  # front = least recently used
         # The pieces of each chunk in ``_index`` (insertion-ordered sets), changed with it.
         self._chunks: dict[Chunk, dict[ChunkKey, None]] = {}
         self._bytes = 0  # file bytes indexed plus bytes reserved by writes in progress
@@ -130,31 +113,18 @@ class DiskTier:
 
     def reindex(self) -> int:
         """(Re)build the index from the directory's headers; returns how many chunks it holds."""
-        found: list[tuple[float, ChunkKey, _File]] = []
         bad = 0
-        for dirent in os.scandir(self.path):
-            name = dirent.name
-            if name.startswith(TMP_PREFIX):
-                _unlink(self.path / name)  # a write that never got renamed: a crash mid-write
-                continue
-            if not name.endswith(SUFFIX) or not dirent.is_file(follow_symlinks=False):
-                continue
-            try:
-                stat = dirent.stat(follow_symlinks=False)
-                key, meta = self._read_meta(name, stat.st_size)
-            except record.RecordError as exc:
-                bad += 1
-                self.n.add(disk_corrupt=1)
-                if bad <= _MAX_LOGGED_AT_START:
-                    logger.warning("disk tier: dropping %s: %s", self.path / name, exc)
-                _unlink(self.path / name)
-                continue
-            except OSError:
-                continue  # vanished meanwhile
-            found.append((stat.st_mtime, key, meta))
+
+        def on_bad(name: str, exc: record.RecordError) -> None:  # counted, logged, then deleted
+            nonlocal bad
+            bad += 1
+            self.n.add(disk_corrupt=1)
+            if bad <= _MAX_LOGGED_AT_START:
+                logger.warning("disk tier: dropping %s: %s", self.path / name, exc)
+
+        found = scan(self.path, on_bad)
         if bad > _MAX_LOGGED_AT_START:
             logger.warning("disk tier: dropped %d bad files in %s in all", bad, self.path)
-        found.sort(key=lambda item: item[0])
         with self._mutex:
             self._index = OrderedDict((key, meta) for _, key, meta in found)
             self._chunks = {}
@@ -167,20 +137,6 @@ class DiskTier:
             logger.info("disk tier: %d chunks (%.1f MiB) indexed in %s", len(self._index),
                         self._bytes / 2**20, self.path)
         return len(self._index)
-
-    def _read_meta(self, name: str, size: int) -> tuple[ChunkKey, _File]:
-        with open(self.path / name, "rb") as f:
-            head = f.read(_HEAD_READ)
-            length, _ = record.fixed_lengths(head)
-            if length > len(head):  # a long model name or layout
-                head += f.read(length - len(head))
-        header = record.parse_header(head)
-        if size != header.length + header.nbytes:
-            raise record.RecordError(
-                f"file is {size} bytes, its header says {header.length + header.nbytes} (truncated?)")
-        if file_name(header.key) != name:
-            raise record.RecordError(f"file name does not match the key it holds ({header.key.short()})")
-        return header.key, _File(name, header.length, header.nbytes, size)
 
     def _unindex(self, key: ChunkKey) -> None:
         """Drop ``key`` from the chunk index (under the lock, as ``_index`` loses it)."""
@@ -240,19 +196,7 @@ class DiskTier:
             return 0
         path = self.path / meta.name
         try:
-            with open(path, "rb", buffering=0) as f:
-                head = f.read(meta.header_len)
-                header = record.parse_header(head)
-                payload = out[:header.nbytes]
-                if header.nbytes != meta.nbytes:
-                    raise record.RecordError("the header changed since the file was indexed")
-                got = _read_fully(f, payload)
-                if got != header.nbytes:
-                    raise record.RecordError(
-                        f"payload is {got} bytes, the header says {header.nbytes} (truncated)")
-                if f.read(1):
-                    raise record.RecordError("file is longer than its header says")
-                record.verify(header, payload, key)
+            read_payload(path, meta, key, out)
         except FileNotFoundError:
             self._forget(key, meta)
             return 0
@@ -267,7 +211,7 @@ class DiskTier:
         self.n.add(disk_loaded_chunks=1)
         return meta.nbytes
 
-    def _forget(self, key: ChunkKey, meta: _File) -> bool:
+    def _forget(self, key: ChunkKey, meta: DiskFile) -> bool:
         with self._mutex:
             if self._index.get(key) is not meta:
                 return False
@@ -278,9 +222,9 @@ class DiskTier:
                 self.events.removed((key,), DISK)
             return True
 
-    def _drop_bad(self, key: ChunkKey, meta: _File, why: str) -> None:
+    def _drop_bad(self, key: ChunkKey, meta: DiskFile, why: str) -> None:
         if self._forget(key, meta):
-            _unlink(self.path / meta.name)
+            unlink(self.path / meta.name)
             self.n.add(disk_corrupt=1)
             logger.warning("disk tier: dropped %s (%s): %s", self.path / meta.name, key.short(), why)
 
@@ -302,21 +246,18 @@ class DiskTier:
         name = file_name(key)
         tmp = self.path / f"{TMP_PREFIX}{uuid.uuid4().hex}{SUFFIX}"
         try:
-            with open(tmp, "wb", buffering=0) as f:
-                _write_fully(f, memoryview(header))
-                _write_fully(f, payload)
-            os.replace(tmp, self.path / name)
+            write_file(tmp, self.path / name, header, payload)
         except OSError as exc:
             with self._mutex:
                 self._bytes -= size
-            _unlink(tmp)
+            unlink(tmp)
             self._io_error(f"cannot write {self.path / name}", exc)
             return False
         with self._mutex:
             old = self._index.pop(key, None)
             if old is not None:
                 self._bytes -= old.size
-            self._index[key] = _File(name, len(header), nbytes, size)
+            self._index[key] = DiskFile(name, len(header), nbytes, size)
             self._chunks.setdefault(key.chunk, {})[key] = None
             if self.events is not None:
                 self.events.stored((key,), DISK)
@@ -326,9 +267,9 @@ class DiskTier:
             logger.info("disk tier: writing to %s again", self.path)
         return True
 
-    def _over_cap(self, incoming: int) -> list[_File]:
+    def _over_cap(self, incoming: int) -> list[DiskFile]:
         """Pop LRU files until ``incoming`` more bytes fit (under the lock); the caller unlinks."""
-        victims: list[_File] = []
+        victims: list[DiskFile] = []
         gone: list[ChunkKey] = []
         index = self._index
         while index and self._bytes + incoming > self.max_bytes:
@@ -341,9 +282,9 @@ class DiskTier:
             self.events.removed(gone, DISK)
         return victims
 
-    def _delete(self, victims: Iterable[_File]) -> None:
+    def _delete(self, victims: Iterable[DiskFile]) -> None:
         for meta in victims:
-            _unlink(self.path / meta.name)
+            unlink(self.path / meta.name)
             self.n.add(disk_deleted=1)
 
     def _io_error(self, what: str, exc: OSError) -> None:
@@ -358,7 +299,7 @@ class DiskTier:
         meta = self._index.get(key)
         if meta is None or not self._forget(key, meta):
             return False
-        _unlink(self.path / meta.name)
+        unlink(self.path / meta.name)
         return True
 
     # ------------------------------------------------------------------ writer thread
@@ -421,30 +362,3 @@ class DiskTier:
                    disk_queued=self._writer.queued)
         return out
 
-
-def _read_fully(f: object, out: memoryview) -> int:
-    readinto = f.readinto  # type: ignore[attr-defined]
-    got = 0
-    while got < out.nbytes:
-        n = readinto(out[got:])
-        if not n:
-            break
-        got += n
-    return got
-
-
-def _write_fully(f: object, data: memoryview) -> None:
-    write = f.write  # type: ignore[attr-defined]
-    done = 0
-    while done < data.nbytes:
-        done += write(data[done:])
-
-
-def _unlink(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()
-
-
-def iter_files(path: Path) -> Iterator[Path]:
-    """The chunk files under ``path`` (for tools and tests)."""
-    return (p for p in sorted(path.iterdir()) if p.name.endswith(SUFFIX))

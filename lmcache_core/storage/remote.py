@@ -2,18 +2,14 @@
 
 Each value is one chunk piece (``ChunkKey``: KV heads ``[head_lo, head_hi)`` of one chunk). Keys
 carry the record format version, the model, the layout fingerprint, the head range and the chunk
-hash in hex (``redis_key``)::
+hash in hex (``redis_key``; ``remote_keys`` names and parses them)::
 
     <prefix>:v2:<model>:<layout>:<head_lo>-<head_hi>:<hash hex>
 
-e.g. ``lmcache:v2:org/llama:bfloat16:32x8x128:0-4:9f3a...``, so servers on different machines
-(and at different tensor-parallel sizes) that use the same Redis find each other's chunks. The
-model and the layout may hold ``:``; the split is still unambiguous because a layout is a
-fingerprint (``layout_key``: ``dtype:...``, one ``:``; ``opaque_layout``: ``ranksN``, none), and
-``_key_of`` only takes back a key that ``redis_key`` would write. Values are ``record``s (header
-with the key, size and a blake3 checksum, then the bytes): a bad value, or one whose header names
-another key (another head range, say), is counted, logged, deleted and never served. Keys of
-format v1 (``<prefix>:v1:<model>:<world_size>:<kv_rank>:<hash hex>``) are never read.
+so servers on different machines (and at different tensor-parallel sizes) that use the same Redis
+find each other's chunks; keys of format v1 are never read. Values are ``record``s (header with
+the key, size and a blake3 checksum, then the bytes): a bad value, or one whose header names
+another key (another head range, say), is counted, logged, deleted and never served.
 
 * **Writes** go behind, never on a store's path: ``submit`` puts keys on a bounded queue (a full
   queue drops the write and counts it, ``remote_write_dropped``); a writer thread (a
@@ -42,18 +38,18 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis
-from redis.backoff import NoBackoff
-from redis.cluster import RedisCluster
-from redis.connection import Encoder, PythonRespSerializer
-from redis.exceptions import RedisClusterException, RedisError
-from redis.retry import Retry
 
 from lmcache_core.events import REMOTE, KVEventSink
-from lmcache_core.keys import ChunkKey, layout_heads
+from lmcache_core.keys import ChunkKey
 from lmcache_core.storage import record
 from lmcache_core.storage.counters import Counters
 from lmcache_core.storage.disk import Source
 from lmcache_core.storage.record import Buffer
+from lmcache_core.storage.remote_client import FAULTS as _FAULTS
+from lmcache_core.storage.remote_client import make_client
+from lmcache_core.storage.remote_client import reason as _reason
+from lmcache_core.storage.remote_client import without_password as _without_password
+from lmcache_core.storage.remote_keys import key_of, redis_key
 from lmcache_core.storage.remote_url import parse_url
 from lmcache_core.storage.writer import BackgroundWriter
 from lmcache_core.supervision import Supervisor
@@ -61,10 +57,8 @@ from lmcache_core.supervision import Supervisor
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_FAULTS: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError)
 MAX_BATCH_BYTES = 8 * 2**20  # per pipelined GET/SET batch: big pipelines of big values are slower
 MAX_BATCH_KEYS = 64
-_PACK_CUTOFF = 6000  # redis-py's default: larger arguments go out as separate buffers
 
 
 @dataclass(slots=True)
@@ -123,8 +117,7 @@ class RemoteTier:
 
     def redis_key(self, key: ChunkKey) -> bytes:
         """``<prefix>:v2:<model>:<layout>:<head_lo>-<head_hi>:<hash hex>`` (UTF-8)."""
-        return (f"{self.key_prefix}{key.model_name}:{key.layout}:{key.head_lo}-{key.head_hi}:"
-                f"{key.chunk_hash.hex()}").encode()
+        return redis_key(self.key_prefix, key)
 
     def client(self) -> Any:
         """The redis-py client, made on first use (a cluster client connects when made)."""
@@ -135,17 +128,7 @@ class RemoteTier:
             if self._closed:
                 raise redis.exceptions.ConnectionError("the remote tier is stopped")
             if self._client is None:
-                options: dict[str, Any] = dict(
-                    socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
-                    retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)))
-                options.update(self._client_options)
-                if self.cluster:
-                    self._client = RedisCluster.from_url(self.url, **options)
-                else:
-                    # redis-py's own packer sends a large value as is; hiredis's copies it first.
-                    options.setdefault("command_packer", PythonRespSerializer(
-                        _PACK_CUTOFF, Encoder("utf-8", "strict", False).encode))
-                    self._client = redis.Redis.from_url(self.url, health_check_interval=0, **options)
+                self._client = make_client(self.url, self.cluster, self.timeout_s, self._client_options)
             return self._client
 
     @property
@@ -381,47 +364,11 @@ class RemoteTier:
         return results
 
     def _key_of(self, rkey: bytes) -> ChunkKey | None:
-        """The key ``redis_key`` made ``rkey`` of; None for anything else (another prefix or
-        format version, a malformed key, a layout that is no fingerprint)."""
-        try:
-            text = rkey.decode()
-            if not text.startswith(self.key_prefix):
-                return None
-            rest, heads, hexhash = text[len(self.key_prefix):].rsplit(":", 2)
-            lo, _, hi = heads.partition("-")
-            chunk_hash = bytes.fromhex(hexhash)
-            if not chunk_hash:
-                return None
-            for cut in (1, 2):  # the layout's own ":"s: none (ranksN) or one (dtype:...)
-                parts = rest.rsplit(":", cut)
-                if len(parts) != cut + 1:
-                    continue
-                layout = ":".join(parts[1:])
-                try:
-                    layout_heads(layout)
-                except ValueError:
-                    continue
-                key = ChunkKey(parts[0], layout, int(lo), int(hi), chunk_hash)
-                ok = key.head_lo < key.head_hi and self.redis_key(key) == rkey
-                return key if ok else None
-        except ValueError:  # UnicodeDecodeError too
-            return None
-        return None
+        """The key ``redis_key`` made ``rkey`` of; None for anything else (``remote_keys.key_of``)."""
+        return key_of(self.key_prefix, rkey)
 
     def stats(self) -> dict[str, int]:
         out = self.n.snapshot()
         out.update(remote_queued=self._writer.queued, remote_down=int(self._down))
         return out
 
-
-def _reason(exc: BaseException) -> str:
-    text = str(exc).splitlines()[0] if str(exc) else ""
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def _without_password(url: str) -> str:
-    scheme, sep, rest = url.partition("://")
-    userinfo, at, host = rest.rpartition("@")
-    if not at or ":" not in userinfo:
-        return url
-    return f"{scheme}{sep}{userinfo.split(':', 1)[0]}:***@{host}"
