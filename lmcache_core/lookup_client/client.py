@@ -24,6 +24,10 @@ arrives later for an attempt that is not running (late, unknown, or stale) is dr
 with a cleanup to its worker, so no worker keeps pins nobody will use. The PUSH sockets are shared
 by the caller's thread (requests) and the background thread (cleanups) under one lock, which also
 gives ZMQ the memory barrier it needs when a socket changes threads.
+
+The parts with a job of their own live next to it: ``sockets`` (the PULL and PUSH sockets, and a
+waiting thread's pollers), ``results`` (the per-lookup bookkeeping, under this client's lock) and
+``messages`` (the wire messages).
 """
 
 from __future__ import annotations
@@ -34,7 +38,6 @@ import os
 import select
 import threading
 import time
-from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -56,33 +59,22 @@ from lmcache_core.lookup_client.messages import (
     decode_response,
     encode,
 )
+from lmcache_core.lookup_client.results import MAX_RESULTS, Abandoned, LookupTable
+from lmcache_core.lookup_client.sockets import LookupSockets, ThreadPoller
 from lmcache_core.transport.waker import Waker
 
 if TYPE_CHECKING:
     import torch
 
+__all__ = ["MAX_RESULTS", "LMCacheAsyncLookupClient"]
+
 logger = logging.getLogger(__name__)
 
-_MAX_RESPONSE_BYTES = 64 * 2**10
-_HWM = 100_000
 _RECV_BATCH = 512
-#: Results nobody cleared are dropped (oldest first, their pins released) beyond this many.
-MAX_RESULTS = 1 << 17
 _LOGGED_BAD = 10
 #: While a caller has received answers itself this recently, the thread does not watch the socket.
 _ATTENDED_S = 0.005
 _instances = itertools.count()
-
-
-class _Running:
-    """One attempt at a lookup that not every expected worker has answered yet."""
-
-    __slots__ = ("answers", "deadline", "seq")
-
-    def __init__(self, seq: int, deadline: float) -> None:
-        self.seq = seq
-        self.deadline = deadline
-        self.answers: dict[int, int] = {}  # worker id -> hit tokens
 
 
 class LMCacheAsyncLookupClient(LookupClientInterface):
@@ -96,42 +88,19 @@ class LMCacheAsyncLookupClient(LookupClientInterface):
         self.token_database = TokenDatabase(config.chunk_size)
         self.worker_ids: tuple[int, ...] = metadata.server_worker_ids
         self._worker_set = frozenset(self.worker_ids)
-        self._num_workers = len(self.worker_ids)
         self._context = context if context is not None else zmq.Context.instance()
         ensure_private_dir(metadata.runtime_path())
         for path in metadata.scheduler_sockets():  # answer sockets of clients that died
             _ipc.remove_if_stale(path)
         self._pull_path = metadata.scheduler_socket(f"{os.getpid()}-{next(_instances)}")
         self.reply_to = self._pull_path.name
-        self._pull, self._pull_inode = _ipc.bind_pull(
-            self._context, self._pull_path, _MAX_RESPONSE_BYTES, _HWM)
-        self._push: dict[int, zmq.Socket[Any]] = {}
-        try:
-            for worker in self.worker_ids:
-                self._push[worker] = _ipc.connect_push(
-                    self._context, metadata.worker_socket(worker), _HWM)
-        except Exception:
-            self._close_push()
-            _ipc.unbind(self._pull, self._pull_path, self._pull_inode)
-            raise
-        self._lock = threading.Lock()  # guards the state below
-        self._send_lock = threading.Lock()  # guards the PUSH sockets
-        self._recv_lock = threading.Lock()  # guards the PULL socket
-        self._pull_open = True
-        # lookup id -> (thread id, waker) of each wait_for_result() caller waiting on it
-        self._waiters: dict[str, list[tuple[int, Waker]]] = {}
-        self._local = threading.local()  # a waiting caller thread's own poller
+        self._sockets = LookupSockets(self._context, metadata, self.worker_ids, self._pull_path)
+        self._lock = threading.Lock()  # guards the table
+        self._table = LookupTable(self.worker_ids, config.lookup_timeout_ms)
         self._attended_at = 0.0  # when a caller last received answers itself
-        self._running: dict[str, _Running] = {}
-        # lookup id -> (hit tokens, seq, whether workers may still hold pins for it)
-        self._results: dict[str, tuple[int, int, bool]] = {}
-        self._pending_cleanups: list[tuple[str, int, list[int]]] = []  # queued under the lock
-        self._deadlines: deque[tuple[float, int, str]] = deque()  # in deadline order
         # Attempt numbers: next() is atomic under the GIL; starting at the clock keeps them rising
         # across client restarts, so a worker never mistakes a new attempt for an older one.
         self._seqs = itertools.count(time.time_ns())
-        self._counts = {"lookups": 0, "completed": 0, "timeouts": 0, "cancelled": 0,
-                        "late_answers": 0, "cleanups_sent": 0, "send_failures": 0}
         self._malformed = 0
         self._waker = Waker()
         self._closing = threading.Event()
@@ -140,7 +109,7 @@ class LMCacheAsyncLookupClient(LookupClientInterface):
                                         name="lmcache-lookup-client", daemon=True)
         self._thread.start()
         logger.info("lookup client for %s: %d lookup servers, answers at %s",
-                    metadata.engine_id, self._num_workers, self._pull_path)
+                    metadata.engine_id, len(self.worker_ids), self._pull_path)
 
     # ------------------------------------------------------------------ the seed's API
 
@@ -160,32 +129,25 @@ class LMCacheAsyncLookupClient(LookupClientInterface):
             offsets=self.token_database.chunk_offsets(len(hashes)),
             request_configs=request_configs)) if hashes else b""
         with self._lock:
-            self._counts["lookups"] += 1
-            abandoned = self._forget(lookup_id)
+            table = self._table
+            table.counts["lookups"] += 1
+            abandoned = table.forget(lookup_id)
             started = bool(hashes) and not self._closed
             if started:
-                deadline = time.monotonic() + self.timeout_s
-                self._running[lookup_id] = _Running(seq, deadline)
-                wake = not self._deadlines  # deadlines are appended in order: only a new head wakes
-                self._deadlines.append((deadline, seq, lookup_id))
+                wake = table.start(lookup_id, seq, time.monotonic() + self.timeout_s)
             else:  # nothing to look up (no complete chunk), or closed: 0 at once
-                self._finish(lookup_id, 0, seq, pinned=False)
+                table.finish(lookup_id, 0, seq, pinned=False)
                 wake = False
         self._send_cleanups(lookup_id, abandoned)
         if not started:
             return None
-        failed = self._send_all(buf)
+        failed = self._sockets.send_all(buf)
         if failed:  # a worker's queue is full (it is not reading): recompute now, not at the timeout
             logger.warning("lookup %r: could not reach lookup server(s) %s; reporting 0 hit tokens",
                            lookup_id, failed)
             with self._lock:
-                running = self._running.get(lookup_id)
-                if running is not None and running.seq == seq:
-                    del self._running[lookup_id]
-                    self._finish(lookup_id, 0, seq, pinned=False)
-                    abandoned = (seq, list(running.answers))
-                else:
-                    abandoned = None
+                self._table.counts["send_failures"] += 1
+                abandoned = self._table.fail(lookup_id, seq)
             self._send_cleanups(lookup_id, abandoned)
         elif wake:
             self._waker.wake()  # the thread may be polling with no deadline at all
@@ -199,13 +161,13 @@ class LMCacheAsyncLookupClient(LookupClientInterface):
         non-blocking read of the answers that have arrived.
         """
         with self._lock:
-            running = self._state_locked(lookup_id)
+            running = self._table.state(lookup_id)
             if isinstance(running, int):
                 return running
             now = time.monotonic()
             expired = now >= running.deadline
             if expired:
-                abandoned = self._time_out(lookup_id, running)
+                abandoned = self._table.time_out(lookup_id, running)
         if expired:
             self._send_cleanups(lookup_id, abandoned)
             return 0
@@ -213,7 +175,7 @@ class LMCacheAsyncLookupClient(LookupClientInterface):
         if not self._drain():
             return None
         with self._lock:
-            state = self._state_locked(lookup_id)
+            state = self._table.state(lookup_id)
         return state if isinstance(state, int) else None
 
     def process_responses_from_workers(self) -> None:
@@ -228,7 +190,7 @@ class LMCacheAsyncLookupClient(LookupClientInterface):
         """
         poller = select.poll()
         poller.register(self._waker.fd, select.POLLIN)
-        zmq_fd: Any = self._pull.get(zmq.FD)
+        zmq_fd: Any = self._sockets.pull.get(zmq.FD)
         waker_fd = self._waker.fd
         watching = False
         try:
@@ -257,25 +219,19 @@ class LMCacheAsyncLookupClient(LookupClientInterface):
             logger.exception("lookup client thread failed")
         finally:
             self._closing.set()
-            with self._recv_lock:
-                self._pull_open = False
-                _ipc.unbind(self._pull, self._pull_path, self._pull_inode)
+            self._sockets.close_pull()
             self._waker.close()
 
     def clear_lookup_status(self, lookup_id: str) -> None:
         """Forget ``lookup_id``'s result (the scheduler used it). A lookup still running is abandoned."""
         with self._lock:
-            self._results.pop(lookup_id, None)
-            running = self._running.pop(lookup_id, None)
-            abandoned = (running.seq, list(running.answers)) if running is not None else None
+            abandoned = self._table.clear(lookup_id)
         self._send_cleanups(lookup_id, abandoned)
 
     def cancel_lookup(self, lookup_id: str) -> None:
         """The request is gone: forget the lookup and make the workers release what it pinned."""
         with self._lock:
-            if lookup_id in self._running or lookup_id in self._results:
-                self._counts["cancelled"] += 1
-            abandoned = self._forget(lookup_id)
+            abandoned = self._table.cancel(lookup_id)
         self._send_cleanups(lookup_id, abandoned)
 
     def supports_producer_reuse(self) -> bool:
@@ -291,13 +247,7 @@ class LMCacheAsyncLookupClient(LookupClientInterface):
             if self._closed:
                 return
             self._closed = True
-            abandoned = list(self._running.items())
-            for lookup_id, running in abandoned:
-                self._finish(lookup_id, 0, running.seq, pinned=False)
-            self._running.clear()
-            for waiters in self._waiters.values():
-                for _, waker in waiters:
-                    waker.wake()
+            abandoned = self._table.close()
         for lookup_id, running in abandoned:  # what already answered can be released now
             self._send_cleanups(lookup_id, (running.seq, list(running.answers)))
         self._closing.set()
@@ -305,8 +255,7 @@ class LMCacheAsyncLookupClient(LookupClientInterface):
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             logger.warning("lookup client thread did not stop in %.1fs", timeout_s)
-        with self._send_lock:
-            self._close_push()
+        self._sockets.close_push()
 
     def __enter__(self) -> LMCacheAsyncLookupClient:
         return self
@@ -325,138 +274,59 @@ class LMCacheAsyncLookupClient(LookupClientInterface):
         background thread; one received elsewhere rings this thread's waker.
         """
         end = time.monotonic() + (self.timeout_s + 1.0 if timeout_s is None else timeout_s)
-        me = (threading.get_ident(), self._wait_state())
+        mine = self._sockets.thread_poller()
+        me = (threading.get_ident(), mine.waker)
         with self._lock:
-            state = self._state_locked(lookup_id)
+            state = self._table.state(lookup_id)
             if isinstance(state, int):
                 return state
-            self._waiters.setdefault(lookup_id, []).append(me)
-        poller, waker = self._local.poller, me[1]
+            self._table.add_waiter(lookup_id, me)
         try:
-            while True:
-                self._attended_at = time.monotonic()
-                self._drain()
-                with self._lock:
-                    running = self._state_locked(lookup_id)
-                    if isinstance(running, int):
-                        return running
-                    now = time.monotonic()
-                    if now >= running.deadline or now >= end:
-                        break
-                    wait_ms = int((min(running.deadline, end) - now) * 1000) + 1
-                if not self._pull_open:  # the thread failed and closed the socket: wait on the
-                    self._local.waker_only.poll(wait_ms)  # waker (close, answers) and the deadline
-                    waker.drain()
-                    continue
-                for fd, _ in poller.poll(min(wait_ms, int(_ATTENDED_S * 1000))):
-                    if fd == waker.fd:
-                        waker.drain()
+            settled = self._wait(lookup_id, end, mine)
         finally:
             with self._lock:
-                waiters = self._waiters.get(lookup_id)
-                if waiters is not None:
-                    waiters.remove(me)
-                    if not waiters:
-                        del self._waiters[lookup_id]
-        return self.lookup_cache(lookup_id)
+                self._table.remove_waiter(lookup_id, me)
+        return settled if settled is not None else self.lookup_cache(lookup_id)
 
-    def _state_locked(self, lookup_id: str) -> int | _Running:
-        """What ``lookup_cache`` answers for a settled id (hit tokens, or -1 if never asked), or
-        the lookup still running."""
-        result = self._results.get(lookup_id)
-        if result is not None:
-            return result[0]
-        running = self._running.get(lookup_id)
-        return -1 if running is None else running
-
-    def _wait_state(self) -> Waker:
-        """This thread's waker, and its poller of the answer socket and that waker (made once)."""
-        waker: Waker | None = getattr(self._local, "waker", None)
-        if waker is None:
-            waker = Waker()
-            poller = select.poll()
-            zmq_fd: Any = self._pull.get(zmq.FD)
-            poller.register(zmq_fd, select.POLLIN)
-            poller.register(waker.fd, select.POLLIN)
-            waker_only = select.poll()
-            waker_only.register(waker.fd, select.POLLIN)
-            self._local.waker, self._local.poller, self._local.waker_only = waker, poller, waker_only
-        return waker
-
-    def _notify(self, lookup_id: str) -> None:
-        """``lookup_id`` is done (under the lock): wake the callers waiting on it on other threads."""
-        waiters = self._waiters.get(lookup_id)
-        if waiters:
-            me = threading.get_ident()
-            for ident, waker in waiters:
-                if ident != me:
-                    waker.wake()
+    def _wait(self, lookup_id: str, end: float, mine: ThreadPoller) -> int | None:
+        """``wait_for_result``'s loop: the settled answer, or None at the lookup's deadline or
+        ``end``, whichever comes first."""
+        waker = mine.waker
+        while True:
+            self._attended_at = time.monotonic()
+            self._drain()
+            with self._lock:
+                running = self._table.state(lookup_id)
+                if isinstance(running, int):
+                    return running
+                now = time.monotonic()
+                if now >= running.deadline or now >= end:
+                    return None
+                wait_ms = int((min(running.deadline, end) - now) * 1000) + 1
+            if not self._sockets.pull_open:  # the thread failed and closed the socket: wait on
+                mine.waker_only.poll(wait_ms)  # the waker (close, answers) and the deadline
+                waker.drain()
+                continue
+            for fd, _ in mine.poller.poll(min(wait_ms, int(_ATTENDED_S * 1000))):
+                if fd == waker.fd:
+                    waker.drain()
 
     def stats(self) -> dict[str, int]:
         """Counters (lookups, completed, timeouts, cancelled, late answers, cleanups sent, ...)."""
         with self._lock:
-            out = dict(self._counts)
-            out.update(malformed=self._malformed, running=len(self._running),
-                       results=len(self._results))
-        return out
+            return self._table.stats(malformed=self._malformed)
 
     @property
     def socket_path(self) -> str:
         return str(self._pull_path)
 
-    # ------------------------------------------------------------------ state (under self._lock)
-
-    def _finish(self, lookup_id: str, hit_tokens: int, seq: int, pinned: bool) -> None:
-        """Store a result; ``pinned``: workers may hold pins for it until a retrieve or a cleanup."""
-        results = self._results
-        results[lookup_id] = (hit_tokens, seq, pinned)
-        if len(results) > MAX_RESULTS:  # never cleared: drop the oldest, and its pins
-            old_id = next(iter(results))
-            _, old_seq, old_pinned = results.pop(old_id)
-            if old_pinned:
-                self._pending_cleanups.append((old_id, old_seq, list(self.worker_ids)))
-
-    def _forget(self, lookup_id: str) -> tuple[int, list[int]] | None:
-        """Drop ``lookup_id``'s attempt; returns ``(seq, workers to clean up)`` if it held pins."""
-        result = self._results.pop(lookup_id, None)
-        if result is not None:
-            _, seq, pinned = result
-            return (seq, list(self.worker_ids)) if pinned else None
-        running = self._running.pop(lookup_id, None)
-        if running is not None:
-            return running.seq, list(running.answers)
-        return None
-
-    def _time_out(self, lookup_id: str, running: _Running) -> tuple[int, list[int]]:
-        del self._running[lookup_id]
-        self._finish(lookup_id, 0, running.seq, pinned=False)  # the caller cleans up what answered
-        self._counts["timeouts"] += 1
-        self._notify(lookup_id)
-        timeouts = self._counts["timeouts"]
-        if timeouts <= _LOGGED_BAD or timeouts % 1000 == 0:  # a dead worker must not flood the log
-            missing = [w for w in self.worker_ids if w not in running.answers]
-            logger.warning("lookup %r: no answer from worker(s) %s within %d ms; reporting 0 hit "
-                           "tokens (%d timeouts so far)", lookup_id, missing,
-                           self.config.lookup_timeout_ms, timeouts)
-        return running.seq, list(running.answers)
-
     # ------------------------------------------------------------------ sockets
 
-    def _send_all(self, buf: bytes) -> list[int]:
-        failed: list[int] = []
-        with self._send_lock:
-            for worker, sock in self._push.items():
-                try:
-                    sock.send(buf, zmq.NOBLOCK)
-                except (zmq.Again, zmq.ZMQError):
-                    failed.append(worker)
-        if failed:
+    def _send_cleanups(self, lookup_id: str, abandoned: Abandoned | None) -> None:
+        pending: list[tuple[str, int, list[int]]] = []
+        if self._table.pending_cleanups:  # read without the lock: the common case has none
             with self._lock:
-                self._counts["send_failures"] += 1
-        return failed
-
-    def _send_cleanups(self, lookup_id: str, abandoned: tuple[int, Iterable[int]] | None) -> None:
-        pending = self._take_pending_cleanups()
+                pending = self._table.take_pending_cleanups()
         if abandoned is not None:
             pending.append((lookup_id, abandoned[0], list(abandoned[1])))
         for target_id, seq, workers in pending:
@@ -464,48 +334,20 @@ class LMCacheAsyncLookupClient(LookupClientInterface):
 
     def _send_cleanup(self, lookup_id: str, seq: int, workers: Iterable[int]) -> None:
         buf = encode(LookupCleanupMsg(lookup_id=lookup_id, seq=seq))
-        sent = 0
-        with self._send_lock:
-            for worker in workers:
-                sock = self._push.get(worker)
-                if sock is None:
-                    continue
-                try:
-                    sock.send(buf, zmq.NOBLOCK)
-                    sent += 1
-                except zmq.ZMQError:  # queue full or closed: the worker's lock TTL releases them
-                    logger.debug("could not send the cleanup of %r to worker %d", lookup_id, worker)
+        sent, failed = self._sockets.send(buf, workers)
+        for worker in failed:  # queue full or closed: the worker's lock TTL releases them
+            logger.debug("could not send the cleanup of %r to worker %d", lookup_id, worker)
         with self._lock:
-            self._counts["cleanups_sent"] += sent
-
-    def _take_pending_cleanups(self) -> list[tuple[str, int, list[int]]]:
-        if not self._pending_cleanups:
-            return []
-        with self._lock:
-            pending = list(self._pending_cleanups)
-            self._pending_cleanups.clear()
-        return pending
-
-    def _close_push(self) -> None:
-        for sock in self._push.values():
-            sock.close(0)
-        self._push.clear()
+            self._table.counts["cleanups_sent"] += sent
 
     # ------------------------------------------------------------------ thread
 
     def _poll_timeout_ms(self) -> int:
-        """Until the first deadline of a lookup still running (-1: none); stale heads are dropped."""
+        """Until the first deadline of a lookup still running (-1: none)."""
         with self._lock:
-            deadlines, running = self._deadlines, self._running
-            while deadlines:
-                _, seq, lookup_id = deadlines[0]
-                attempt = running.get(lookup_id)
-                if attempt is not None and attempt.seq == seq:
-                    break
-                deadlines.popleft()
-            if not deadlines:
-                return -1
-            head = deadlines[0][0]
+            head = self._table.first_deadline()
+        if head is None:
+            return -1
         return max(0, int((head - time.monotonic()) * 1000) + 1)
 
     def _drain(self) -> int:
@@ -516,18 +358,7 @@ class LMCacheAsyncLookupClient(LookupClientInterface):
         poller would otherwise hold it for the 5 ms switch interval). Reading stops at EAGAIN, so the
         socket's FD signals the next message, or at the batch limit, where the thread reads on.
         """
-        bufs: list[bytes] = []
-        with self._recv_lock:
-            if not self._pull_open:
-                return 0
-            sock = self._pull
-            for _ in range(_RECV_BATCH):  # to EVENTS without POLLIN: re-arms ZMQ_FD, raises nothing
-                if not int(sock.get(zmq.EVENTS)) & zmq.POLLIN:
-                    break
-                try:
-                    bufs.append(sock.recv(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
+        bufs = self._sockets.receive(_RECV_BATCH)
         if bufs:
             if len(bufs) >= _RECV_BATCH and threading.current_thread() is not self._thread:
                 self._waker.wake()
@@ -545,41 +376,16 @@ class LMCacheAsyncLookupClient(LookupClientInterface):
                 logger.log(level, "lookup client: dropping a malformed message (%d bytes): %s",
                            len(buf), exc)
         with self._lock:
-            late = [msg for msg in msgs if not self._record(msg)]
-            self._counts["late_answers"] += len(late)
+            late = [msg for msg in msgs if not self._table.record(msg)]
+            self._table.counts["late_answers"] += len(late)
         for msg in late:  # nobody waits for it: release what it pinned
             if msg.worker_id in self._worker_set:
                 self._send_cleanup(msg.lookup_id, msg.seq, (msg.worker_id,))
         self._send_cleanups("", None)
 
-    def _record(self, msg: LookupResponseMsg) -> bool:
-        """Count one worker's answer (under the lock); False when nobody waits for it."""
-        running = self._running.get(msg.lookup_id)
-        if running is None or running.seq != msg.seq:
-            return False
-        answers = running.answers
-        if msg.worker_id not in self._worker_set or msg.worker_id in answers:
-            logger.warning("lookup %r: dropping an unexpected answer from worker %d",
-                           msg.lookup_id, msg.worker_id)
-            return True
-        answers[msg.worker_id] = msg.num_hit_tokens
-        if len(answers) == self._num_workers:
-            del self._running[msg.lookup_id]
-            self._finish(msg.lookup_id, min(answers.values()), msg.seq,
-                         pinned=max(answers.values()) > 0)
-            self._counts["completed"] += 1
-            if self._waiters:
-                self._notify(msg.lookup_id)
-        return True
-
     def _expire(self, now: float) -> None:
-        expired: list[tuple[str, tuple[int, list[int]]]] = []
         with self._lock:
-            deadlines = self._deadlines
-            while deadlines and deadlines[0][0] <= now:
-                _, seq, lookup_id = deadlines.popleft()
-                running = self._running.get(lookup_id)
-                if running is not None and running.seq == seq:
-                    expired.append((lookup_id, self._time_out(lookup_id, running)))
+            expired = [(lookup_id, self._table.time_out(lookup_id, running))
+                       for lookup_id, running in self._table.due(now)]
         for lookup_id, abandoned in expired:
             self._send_cleanups(lookup_id, abandoned)

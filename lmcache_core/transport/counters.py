@@ -1,0 +1,62 @@
+"""What a ``MessageQueueServer`` counts and how it rations its log lines: ``ServerCounters``
+(requests, error replies by code) and ``LogBudget`` (a flood of bad frames costs a few lines)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+
+class ServerCounters:
+    """Request and error counts, read by the stats handler (plain ints: only the loop thread
+    writes them; workers report their errors with the reply they hand back)."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.errors = 0
+        self.errors_by_code: dict[str, int] = {}  # ErrorReply codes (a small fixed set)
+
+    def error(self, code: str) -> None:
+        """One more error reply, with this code."""
+        self.errors += 1
+        self.errors_by_code[code] = self.errors_by_code.get(code, 0) + 1
+
+
+class LogBudget:
+    """At most ``lines`` log lines per ``window_s`` for one kind of event; the rest are counted and
+    the count is told with the next line let through. ``log`` writes to ``logger`` (default: this
+    module's)."""
+
+    def __init__(self, lines: int = 20, window_s: float = 10.0,
+                 logger: logging.Logger | None = None) -> None:
+        self._logger = logger if logger is not None else logging.getLogger(__name__)
+        self._lines = lines
+        self._window_s = window_s
+        self._lock = threading.Lock()
+        self._window_start = 0.0
+        self._used = 0
+        self._suppressed = 0
+
+    def take(self) -> int | None:
+        """None when this line must be dropped; else how many were dropped before it."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._window_start >= self._window_s:
+                self._window_start, self._used = now, 0
+            if self._used >= self._lines:
+                self._suppressed += 1
+                return None
+            self._used += 1
+            suppressed, self._suppressed = self._suppressed, 0
+            return suppressed
+
+    def log(self, level: int, msg: str, *args: Any, exc_info: bool = False) -> None:
+        """Log one line if the budget lets it through, telling how many were dropped before it."""
+        suppressed = self.take()
+        if suppressed is None:
+            return
+        if suppressed:
+            msg += f" ({suppressed} similar line(s) suppressed before this one)"
+        self._logger.log(level, msg, *args, exc_info=exc_info)

@@ -1,0 +1,68 @@
+"""The server's listening socket: a ROUTER bound with its options and size cap, an ipc:// file only
+its user may connect to, and that file's removal when the server closes."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from lmcache_core.errors import BindError
+
+_IPC = "ipc://"
+
+
+@contextlib.contextmanager
+def _owner_only_files(active: bool) -> Iterator[None]:
+    """Files created meanwhile get mode 0600: an ipc:// socket is then never connectable by other
+    users, not even between its bind and the chmod after it. (The umask is per process; the
+    server binds at start, before its other threads make files.)"""
+    if not active:
+        yield
+        return
+    previous = os.umask(0o177)
+    try:
+        yield
+    finally:
+        os.umask(previous)
+
+
+def bind_router(context: zmq.Context[Any], url: str,
+                max_request_bytes: int) -> tuple[zmq.Socket[Any], str]:
+    """A ROUTER socket bound at ``url``, and the url it is bound at (the real port for :0)."""
+    sock = context.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.setsockopt(zmq.SNDHWM, 100_000)
+    sock.setsockopt(zmq.RCVHWM, 100_000)
+    # A hard cap well above the soft limit: bigger frames drop the peer instead of eating memory;
+    # frames between the two get a TOO_LARGE reply.
+    sock.setsockopt(zmq.MAXMSGSIZE, 4 * max_request_bytes)
+    path = url[len(_IPC):] if url.startswith(_IPC) else None
+    if path is not None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with _owner_only_files(path is not None):
+            sock.bind(url)
+    except zmq.ZMQError as exc:
+        sock.close(0)
+        hint = " (is another lmcache serve running there?)" if exc.errno == errno.EADDRINUSE else ""
+        raise BindError(f"cannot listen on {url}: {exc.strerror}{hint}") from None
+    if path is not None:
+        # Only this user may connect: whoever can talk to the server can make it read and write
+        # the shared memory it maps.
+        os.chmod(path, 0o600)
+    endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+    return sock, endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
+
+
+def remove_ipc_file(bound_url: str) -> None:
+    """Remove an ipc:// url's socket file (nothing for tcp://, or when it is gone already)."""
+    if bound_url.startswith(_IPC):
+        with contextlib.suppress(OSError):
+            os.unlink(bound_url[len(_IPC):])
