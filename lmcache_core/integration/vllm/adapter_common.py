@@ -1,0 +1,127 @@
+"""What both seed adapters share: their timeouts, the server's chunk size, the KV cache description,
+``LoadStoreOp`` and the connection (client, chunk size, block arithmetic) each adapter owns.
+
+Part of :mod:`.vllm_multi_process_adapter`, which re-exports every public name defined here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import zmq
+
+from lmcache_core.errors import LMCacheTimeoutError, ServerUnreachableError
+from lmcache_core.keys import chain_hashes, salt_prefix, striding_block_hashes
+from lmcache_core.protocol import messages as m
+from lmcache_core.protocol.ops import RequestType
+from lmcache_core.transport.client import MessageQueueClient
+from lmcache_core.transport.future import MessagingFuture
+
+if TYPE_CHECKING:
+    import torch
+
+DEFAULT_CONNECT_TIMEOUT_S = 5.0
+DEFAULT_REQUEST_TIMEOUT_S = 30.0
+DEFAULT_LOOKUP_TIMEOUT_S = 2.0
+DEFAULT_HEARTBEAT_S = 5.0
+
+
+class KVCache(NamedTuple):
+    """A worker's KV caches as the server needs to see them: layout, block size, descriptors."""
+
+    layout: m.KVLayoutName
+    block_size: int
+    layers: list[m.TensorDescriptor]
+
+
+def wrap_kv_caches(kv_caches: dict[str, torch.Tensor]) -> KVCache:
+    """Describe per-layer KV tensors for registration (CUDA IPC handles or shared-memory names).
+
+    CPU tensors that are not in shared memory yet are moved there in place."""
+    from lmcache_core.kv.share import describe_kv_caches
+
+    layout, block_size, layers = describe_kv_caches(kv_caches)
+    return KVCache(layout, block_size, layers)
+
+
+def send_lmcache_request(mq_client: MessageQueueClient, request_type: RequestType,
+                         payloads: list[Any]) -> MessagingFuture[Any]:
+    """Send one request; the future resolves to its reply struct or raises the server's error."""
+    return mq_client.submit_request(request_type, payloads)
+
+
+def get_lmcache_chunk_size(mq_client: MessageQueueClient) -> int:
+    """Ask the server its chunk size; ``ServerUnreachableError`` naming the url if it is silent."""
+    future = mq_client.submit_request(RequestType.GET_CHUNK_SIZE, [m.NoArgs()],
+                                      timeout_s=mq_client.connect_timeout_s)
+    try:
+        reply: m.ChunkSizeReply = future.result(mq_client.connect_timeout_s + 1.0)
+    except LMCacheTimeoutError:
+        raise ServerUnreachableError(
+            f"no lmcache server answered at {mq_client.server_url} within "
+            f"{mq_client.connect_timeout_s:g}s (start one with: lmcache serve -c <config.yaml>)"
+        ) from None
+    return reply.chunk_size
+
+
+@dataclass
+class LoadStoreOp:
+    """The blocks of one request to store or retrieve.
+
+    ``block_hashes``: vLLM block hashes, one per block (each chunk is named by its last block's
+    hash), or the request's token ids from token 0 (hashed into chunks). ``block_ids``: the vLLM
+    blocks, from the same start. Only whole chunks are stored or retrieved; a partial tail is left.
+    ``cache_salt``: the request's salt, which seeds the chain in token mode (requests with
+    different salts never share chunks); ignored in hash mode (vLLM's block hashes include it).
+    """
+
+    block_hashes: list[bytes]
+    block_ids: list[int]
+    cache_salt: str | None = None
+
+
+def _chunk_hashes(block_hashes: Sequence[Any], blocks_in_chunk: int, chunk_size: int,
+                  cache_salt: str | None = None) -> list[bytes]:
+    """Chunk hashes from vLLM block hashes (strided) or from token ids (prefix-chain hashed,
+    from the salt's seed)."""
+    if not block_hashes:
+        return []
+    if isinstance(block_hashes[0], int):
+        return chain_hashes(block_hashes, chunk_size, salt_prefix(cache_salt))
+    return [bytes(h) for h in striding_block_hashes(block_hashes, blocks_in_chunk)]
+
+
+class _Connection:
+    """What both adapters share: the client, the chunk size and the block arithmetic."""
+
+    def __init__(self, server_url: str, context: zmq.Context[Any], model_name: str,
+                 world_size: int, kv_rank: int, vllm_block_size: int,
+                 connect_timeout_s: float, request_timeout_s: float, name: str) -> None:
+        if not 0 <= kv_rank < world_size:
+            raise ValueError(f"kv_rank {kv_rank} must be in [0, world_size={world_size})")
+        self.model_name = model_name
+        self.world_size = world_size
+        self.kv_rank = kv_rank
+        self.vllm_block_size = vllm_block_size
+        self.mq_client = MessageQueueClient(server_url, context, request_timeout_s=request_timeout_s,
+                                            connect_timeout_s=connect_timeout_s, name=name)
+        try:
+            self.chunk_size = get_lmcache_chunk_size(self.mq_client)
+            if vllm_block_size <= 0 or self.chunk_size % vllm_block_size:
+                raise ValueError(
+                    f"the lmcache chunk size {self.chunk_size} (server {server_url}) is not a "
+                    f"multiple of the vLLM block size {vllm_block_size}")
+        except BaseException:
+            self.mq_client.close()
+            raise
+        self.blocks_in_chunk = self.chunk_size // vllm_block_size
+
+    def chunk_hashes(self, block_hashes: Sequence[Any], cache_salt: str | None = None
+                     ) -> list[bytes]:
+        return _chunk_hashes(block_hashes, self.blocks_in_chunk, self.chunk_size, cache_salt)
+
+    def num_blocks_per_chunk(self) -> int:
+        return self.blocks_in_chunk
+

@@ -1,0 +1,204 @@
+"""The scheduler-side half of ``LMCacheConnector``: lookups, and the loads and stores of each step.
+
+``get_num_new_matched_tokens`` looks a request's complete chunks up once, without blocking;
+``update_state_after_alloc`` settles what to load; ``build_connector_meta`` sends the step's loads
+and the stores of every chunk it completes; ``request_finished`` ends the request's session on the
+server. :class:`.lmcache_connector.LMCacheConnector` joins this half and the worker-side one
+(:mod:`.connector_worker`); its ``__init__`` sets the state both use.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+)
+
+from lmcache_core.integration.vllm.connector_metadata import (
+    LMCacheConnectorMetadata,
+    TransferSpec,
+    per_block_hashes,
+)
+from lmcache_core.integration.vllm.connector_requests import (
+    _request_prefix,
+    _Tracker,
+    _uncacheable_reason,
+)
+from lmcache_core.integration.vllm.scheduler_adapter import LMCacheMPSchedulerAdapter
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+# The connector's one logger, named as before the split, so logging configured for it still applies.
+logger = logging.getLogger("lmcache_core.integration.vllm.lmcache_connector")
+
+
+class ConnectorSchedulerSide(KVConnectorBase_V1):
+    """``LMCacheConnector``'s methods that vLLM calls in its scheduler process."""
+
+    _scheduler: LMCacheMPSchedulerAdapter | None
+    _chunk_size: int
+    _bpc: int  # vLLM blocks per chunk
+    _block_size: int
+    _trackers: dict[str, _Tracker]
+    _with_stores: set[str]
+    _orphan_loads: list[str]
+    _uncacheable_logged: set[str]
+
+    def _tracker(self, request: Request) -> _Tracker:
+        from vllm.v1.request import RequestStatus
+
+        request_id = request.request_id
+        tracker = self._trackers.get(request_id)
+        if tracker is not None and request.status == RequestStatus.PREEMPTED and tracker.ran:
+            # Resuming after a preemption: its blocks were freed; look up afresh (the server
+            # replaces this lookup id's locks). A request that never ran since its load is
+            # not resumed but retried after a failed load: it keeps its tracker (no reload).
+            assert self._scheduler is not None
+            self._scheduler.cleanup_lookup_result(request_id)
+            tracker = None
+        if tracker is None:
+            reason = _uncacheable_reason(request)
+            if reason and request_id not in self._uncacheable_logged:
+                self._uncacheable_logged.add(request_id)
+                logger.debug("lmcache: request %s has %s; not cached", request_id, reason)
+            tracker = _Tracker(request, _request_prefix(request), not reason)
+            self._trackers[request_id] = tracker
+        return tracker
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        tracker = self._tracker(request)
+        if not tracker.cacheable:
+            return 0, False
+        if tracker.state != "lookup":
+            # Asked again after its load: the load failed and vLLM reset the request to
+            # recompute. Do not load again (a persistent failure would loop forever); store its
+            # chunks again, as the server may have lost some (already-present ones cost nothing).
+            tracker.stored_chunks = 0
+            return 0, False
+        size = self._chunk_size
+        n_chunks = len(request.all_token_ids) // size
+        if n_chunks == 0:
+            return 0, False
+        hashes = tracker.ensure_hashes(n_chunks, size)[:n_chunks]
+        self._scheduler.maybe_submit_lookup_request(request.request_id,
+                                                    per_block_hashes(hashes, self._bpc))
+        tracker.looked_up = True
+        hit_tokens = self._scheduler.check_lookup_result(request.request_id, num_computed_tokens)
+        if hit_tokens is None:
+            return None, False  # still waiting for the server: vLLM asks again next step
+        tracker.hit_chunks = min(hit_tokens // size, n_chunks)
+        tracker.stored_chunks = max(tracker.stored_chunks, tracker.hit_chunks)
+        hit = tracker.hit_chunks * size
+        if hit <= num_computed_tokens or num_computed_tokens % size:
+            # Nothing past vLLM's own hit, or that hit ends inside a chunk: loading the chunk
+            # would write blocks vLLM's prefix cache shares. vLLM computes the rest.
+            tracker.load = None
+            return 0, False
+        tracker.load = (num_computed_tokens // size, tracker.hit_chunks)
+        return hit - num_computed_tokens, True
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        tracker = self._tracker(request)
+        groups = blocks.get_block_ids()
+        tracker.block_ids = list(groups[0]) if groups else []
+        if tracker.state != "lookup":
+            return  # second call, after the load: only the block list grew
+        if num_external_tokens > 0 and tracker.load is not None:
+            size = self._chunk_size
+            start = tracker.load[0]
+            end = min(tracker.load[1], start + num_external_tokens // size)
+            tracker.load = (start, end)
+            # vLLM counts [start, start + num_external) as loaded; a tail that is not a whole
+            # chunk cannot be loaded: report its blocks as load errors so vLLM recomputes them.
+            first_bad = end * size // self._block_size
+            last = -(-(start * size + num_external_tokens) // self._block_size)
+            tracker.load_invalid = tracker.block_ids[first_bad:last]
+            tracker.state = "load"
+        else:
+            tracker.state = "ready"
+            tracker.load = None
+            if tracker.hit_chunks:
+                self._scheduler.free_lookup_locks(request.request_id)
+        self._scheduler.cleanup_lookup_result(request.request_id)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = LMCacheConnectorMetadata()
+        meta.preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        bpc = self._bpc
+        for tracker in self._trackers.values():
+            if tracker.state != "load" or tracker.load is None:
+                continue
+            start, end = tracker.load
+            meta.loads.append(TransferSpec(
+                tracker.request.request_id, tracker.hashes[start:end],
+                tracker.block_ids[start * bpc:end * bpc], tracker.load_invalid))
+            tracker.state = "ready"
+        for request_id in self._orphan_loads:  # finished before its load went out: release it
+            meta.loads.append(TransferSpec(request_id, [], []))
+        self._orphan_loads.clear()
+
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            found = self._trackers.get(new.req_id)
+            if found is None or not found.cacheable:
+                continue
+            tracker = found
+            tracker.ran = True
+            tracker.block_ids = list(new.block_ids[0]) if new.block_ids else []
+            self._maybe_store(tracker, new.num_computed_tokens + num_scheduled.get(new.req_id, 0),
+                              meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, request_id in enumerate(cached.req_ids):
+            found = self._trackers.get(request_id)
+            if found is None or not found.cacheable:
+                continue
+            tracker = found
+            tracker.ran = True
+            new_ids = cached.new_block_ids[i]
+            if new_ids:
+                if request_id in cached.resumed_req_ids:
+                    tracker.block_ids = list(new_ids[0])
+                else:
+                    tracker.block_ids.extend(new_ids[0])
+            self._maybe_store(
+                tracker, cached.num_computed_tokens[i] + num_scheduled.get(request_id, 0), meta)
+        return meta
+
+    def _maybe_store(self, tracker: _Tracker, computed: int, meta: LMCacheConnectorMetadata) -> None:
+        """Store the chunks this step completes (tokens whose KV is in the blocks after it)."""
+        size, bpc = self._chunk_size, self._bpc
+        complete = min(computed, len(tracker.request.all_token_ids)) // size
+        complete = min(complete, len(tracker.block_ids) // bpc)
+        start = tracker.stored_chunks
+        if complete <= start:
+            return
+        hashes = tracker.ensure_hashes(complete, size)
+        request_id = tracker.request.request_id
+        meta.stores.append(TransferSpec(request_id, hashes[start:complete],
+                                        tracker.block_ids[start * bpc:complete * bpc]))
+        tracker.stored_chunks = complete
+        self._with_stores.add(request_id)
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Keep the blocks while stores sent for this request may still read them."""
+        request_id = request.request_id
+        tracker = self._trackers.pop(request_id, None)
+        if tracker is not None and tracker.state == "load":
+            self._orphan_loads.append(request_id)
+        if tracker is not None and tracker.looked_up and self._scheduler is not None:
+            self._scheduler.end_session(request_id)
+        delay = request_id in self._with_stores
+        self._with_stores.discard(request_id)
+        self._uncacheable_logged.discard(request_id)
+        return delay, None

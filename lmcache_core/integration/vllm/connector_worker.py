@@ -1,0 +1,274 @@
+"""The worker-side half of ``LMCacheConnector``: KV cache registration, loads, stores, completions.
+
+``register_kv_caches`` shares vLLM's KV caches with the server (in the canonical layout of
+:mod:`.kv_views`); ``start_load_kv`` / ``wait_for_save`` submit the step's retrieves / stores with
+a CUDA IPC event (none on CPU) and never wait; ``get_finished`` and
+``get_block_ids_with_load_errors`` report them to vLLM. :class:`.lmcache_connector.LMCacheConnector`
+joins this half and the scheduler-side one (:mod:`.connector_scheduler`); its ``__init__`` sets
+the state both use.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import zmq
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+)
+
+from lmcache_core.config import LMCacheConfig
+from lmcache_core.errors import IncompatibleError, LMCacheError
+from lmcache_core.integration.vllm.connector_config import _backend_name, _refuse_unexportable
+from lmcache_core.integration.vllm.connector_metadata import (
+    LMCacheConnectorMetadata,
+    TransferSpec,
+    per_block_hashes,
+)
+from lmcache_core.integration.vllm.connector_shm import _SharedKVAllocation
+from lmcache_core.integration.vllm.kv_views import KVViews, canonical_kv_views, expand_block_ids
+from lmcache_core.integration.vllm.vllm_multi_process_adapter import (
+    LMCacheMPWorkerAdapter,
+    LoadStoreOp,
+)
+from lmcache_core.kv.cuda_events import InflightEvents
+
+if TYPE_CHECKING:
+    from vllm.forward_context import ForwardContext
+
+# The connector's one logger, named as before the split, so logging configured for it still applies.
+logger = logging.getLogger("lmcache_core.integration.vllm.lmcache_connector")
+
+
+class ConnectorWorkerSide(KVConnectorBase_V1):
+    """``LMCacheConnector``'s methods that vLLM calls in each worker process."""
+
+    _config: LMCacheConfig
+    _url: str
+    _context: zmq.Context[Any]
+    _model_name: str
+    _world_size: int
+    _kv_rank: int
+    _block_size: int
+    _use_mla: bool
+    _device_type: str
+    _worker: LMCacheMPWorkerAdapter | None
+    _worker_kwargs: dict[str, Any]
+    _chunk_size: int
+    _bpc: int  # vLLM blocks per chunk
+    _views: KVViews | None
+    _mem_pool: _SharedKVAllocation | None
+    _kv_device: torch.device | None
+    _events: InflightEvents
+    _local_load_errors: set[int]
+    _stores_failed_to_submit: set[str]
+    _loads_failed_to_submit: set[str]
+    _engine_finished: set[str]
+
+    def get_mem_pool_context(self) -> Any:
+        """On CPU: allocate vLLM's KV backing buffer in shared memory so the server can map it."""
+        if self._device_type != "cpu" or self._kv_cache_config is None:
+            return None
+        sizes = {int(t.size) for t in self._kv_cache_config.kv_cache_tensors}
+        if not sizes:
+            return None
+        self._mem_pool = _SharedKVAllocation(sizes)
+        return self._mem_pool
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import Attention
+
+        _refuse_unexportable(self._vllm_config, kv_caches)
+
+        backend = _backend_name(self._vllm_config, get_layers_from_vllm_config, Attention)
+        model = self._vllm_config.model_config
+        parallel = self._vllm_config.parallel_config
+        spec = None
+        if self._kv_cache_config is not None and self._kv_cache_config.kv_cache_groups:
+            spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        heads = int(getattr(spec, "num_kv_heads", 0) or model.get_num_kv_heads(parallel))
+        head_size = int(getattr(spec, "head_size", 0) or model.get_head_size())
+        self._views = canonical_kv_views(
+            kv_caches, backend=backend, num_kv_heads=heads, head_size=head_size,
+            vllm_block_size=self._block_size, use_mla=self._use_mla,
+            head_size_v=getattr(spec, "head_size_v", None))
+        first = next(iter(kv_caches.values()))
+        self._kv_device = first.device
+        logger.info("lmcache: %d KV layers, %s: %s -> %s layout, %d-token blocks", len(kv_caches),
+                    backend, f"shape {list(first.shape)} stride {list(first.stride())}",
+                    self._views.layout, self._views.block_size)
+        self._register()
+
+    def _register(self) -> None:
+        assert self._views is not None
+        self._worker = LMCacheMPWorkerAdapter(
+            self._url, self._context, self._model_name, self._world_size, self._kv_rank,
+            self._views.block_size, **self._worker_kwargs)
+        self._chunk_size = self._worker.chunk_size
+        self._bpc = self._worker.num_blocks_per_chunk()
+        try:
+            # On CPU the shared-memory name stays linked while this process lives, so the adapter
+            # can register it again with a restarted server; it is unlinked at exit, or by the
+            # server if this process is killed.
+            self._worker.register_kv_caches(self._views.views)
+        except BaseException as exc:
+            self._worker.shutdown()
+            self._worker = None
+            if isinstance(exc, IncompatibleError) and self._device_type == "cpu" and (
+                    self._mem_pool is None or self._mem_pool.tensor is None):
+                raise IncompatibleError(
+                    f"{exc}. (vLLM did not allocate its KV cache through the connector's "
+                    "get_mem_pool_context as torch.zeros(nbytes, dtype=torch.int8), so it is not "
+                    "in shared memory; this vLLM version is not supported on CPU.)") from exc
+            raise
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM >= 0.33 sleep mode: drop the registration (the server unmaps) before the KV
+        memory is released; transfers are drained by then. Idempotent."""
+        if self._worker is not None:
+            self._worker.shutdown()
+            self._worker = None
+
+    def restore_kv_caches(self) -> None:
+        """After wake-up: register the same views again (new CUDA IPC handles on GPU; on CPU the
+        same shared-memory names, which stay linked while this process lives). Idempotent."""
+        if self._worker is None and self._views is not None:
+            self._register()
+
+    def _event(self) -> Any:
+        """An interprocess event recorded after the work queued so far on the KV device's current
+        stream: for a store, the step's KV writes; for a retrieve, the last use of the blocks it
+        overwrites. None on CPU.
+
+        vLLM's GPU model runner runs the forward pass (eager or CUDA graphs) on the current stream
+        of the worker's device, and calls the connector on that thread, so that stream orders
+        after its writes; ``record()`` with no stream would use the current device's stream, which
+        need not be the KV cache's device. A fresh event per call (or a reused one whose requests
+        were all answered): re-recording an event that a queued request still waits on would make
+        that request wait for later work instead.
+        """
+        device = self._kv_device
+        if self._device_type != "cuda" or device is None or device.type != "cuda":
+            return None
+        event = self._events.acquire(lambda: torch.cuda.Event(interprocess=True))
+        event.record(torch.cuda.current_stream(device))
+        return event
+
+    def _hold_event(self, event: Any, request_ids: list[str], retrieve: bool) -> None:
+        """Keep ``event`` until every transfer of ``request_ids`` has been answered."""
+        worker = self._worker
+        if event is None or worker is None:
+            return
+        futures_of = worker.retrieve_futures if retrieve else worker.store_futures
+        self._events.hold(event, [f for rid in request_ids for f in futures_of(rid)])
+
+    def _ops(self, specs: Iterable[TransferSpec]) -> tuple[list[str], list[LoadStoreOp]]:
+        assert self._views is not None
+        ratio = self._views.blocks_per_vllm_block
+        ids, ops = [], []
+        for spec in specs:
+            ids.append(spec.request_id)
+            ops.append(LoadStoreOp(per_block_hashes(spec.chunk_hashes, self._bpc),
+                                   expand_block_ids(spec.block_ids, ratio)))
+        return ids, ops
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, LMCacheConnectorMetadata)
+        if not meta.loads:
+            return
+        for spec in meta.loads:
+            self._local_load_errors.update(spec.invalid_block_ids)
+        ids = [spec.request_id for spec in meta.loads]
+        event = None
+        try:
+            if self._worker is None:
+                raise LMCacheError("the KV caches are not registered")
+            _, ops = self._ops(meta.loads)
+            event = self._event()
+            self._worker.batched_submit_retrieve_requests(ids, ops, event)
+        except Exception as exc:  # the blocks stay unfilled: vLLM recomputes them
+            logger.warning("lmcache: submitting loads for %s failed, recomputing: %s", ids, exc)
+            for spec in meta.loads:
+                self._local_load_errors.update(spec.block_ids)
+            self._loads_failed_to_submit.update(ids)
+        finally:  # some requests may have gone out before a failure
+            self._hold_event(event, ids, retrieve=True)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are per request (the request waits in WAITING_FOR_REMOTE_KVS)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return  # whole chunks of all layers are stored after the step, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        """Submit this step's stores and return at once (the server copies while vLLM runs on;
+        the blocks are kept until ``get_finished`` reports the stores)."""
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, LMCacheConnectorMetadata)
+        if not meta.stores:
+            return
+        ids = [spec.request_id for spec in meta.stores]
+        event = None
+        try:
+            if self._worker is None:
+                raise LMCacheError("the KV caches are not registered")
+            _, ops = self._ops(meta.stores)
+            event = self._event()
+            self._worker.batched_submit_store_requests(ids, ops, event)
+        except Exception as exc:
+            logger.warning("lmcache: submitting stores for %s failed: %s", ids, exc)
+            self._stores_failed_to_submit.update(ids)
+        finally:
+            self._hold_event(event, ids, retrieve=False)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """vLLM frees a preempted request's blocks without asking: finish its stores first."""
+        preempted = getattr(kv_connector_metadata, "preempted", None)
+        if not preempted or self._worker is None:
+            return
+        deadline = time.monotonic() + self._config.timeouts.request_s
+        for request_id in preempted:
+            for future in _store_futures(self._worker, request_id):
+                try:
+                    future.result(max(0.0, deadline - time.monotonic()))
+                except Exception as exc:  # failed or timed out: the chunk was not made visible
+                    logger.warning("lmcache: store of preempted %s: %s", request_id, exc)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        stores: set[str] = set()
+        loads: set[str] = set()
+        self._events.release_answered()
+        if self._worker is not None:
+            s, r = self._worker.get_finished(set(finished_req_ids))
+            stores |= s or set()
+            loads |= r or set()
+        self._engine_finished |= set(finished_req_ids) & self._stores_failed_to_submit
+        done = {r for r in self._engine_finished
+                if self._worker is None or not _store_futures(self._worker, r)}
+        self._engine_finished -= done
+        self._stores_failed_to_submit -= done
+        stores |= done
+        loads |= self._loads_failed_to_submit
+        self._loads_failed_to_submit.clear()
+        return (stores or None), (loads or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors = set(self._local_load_errors)
+        self._local_load_errors.clear()
+        if self._worker is not None:
+            ratio = self._views.blocks_per_vllm_block if self._views is not None else 1
+            errors |= {b // ratio for b in self._worker.get_block_ids_with_load_errors()}
+        return errors
+
+
+def _store_futures(worker: LMCacheMPWorkerAdapter, request_id: str) -> list[Any]:
+    """The futures of the stores the adapter still tracks for ``request_id``."""
+    return worker.store_futures(request_id)

@@ -1,0 +1,161 @@
+"""The scheduler's side of the seed adapters: one prefix lookup per request, polled without blocking.
+
+Part of :mod:`.vllm_multi_process_adapter`, which re-exports ``LMCacheMPSchedulerAdapter``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import zmq
+
+from lmcache_core.errors import LMCacheError
+from lmcache_core.integration.vllm.adapter_common import (
+    DEFAULT_CONNECT_TIMEOUT_S,
+    DEFAULT_LOOKUP_TIMEOUT_S,
+    DEFAULT_REQUEST_TIMEOUT_S,
+    _Connection,
+)
+from lmcache_core.protocol import messages as m
+from lmcache_core.protocol.ops import RequestType
+from lmcache_core.transport.future import MessagingFuture
+
+# The adapters' one logger, named as before the split, so logging configured for it still applies.
+logger = logging.getLogger("lmcache_core.integration.vllm.vllm_multi_process_adapter")
+
+#: A pending ``check_lookup_result`` looks at the socket at most this often: a scheduler sweeping
+#: its N waiting requests then pays one socket poll (~2 us, a system call), not N; a reply is seen
+#: at most this much later.
+LOOKUP_POLL_INTERVAL_S = 10e-6
+
+
+class LMCacheMPSchedulerAdapter:
+    """Prefix lookups for vLLM's scheduler: submit once per request, poll without blocking."""
+
+    def __init__(self, server_url: str, context: zmq.Context[Any], model_name: str,
+                 world_size: int, kv_rank: int, vllm_block_size: int, *,
+                 connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+                 lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S,
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+                 min_hit_tokens: int = 0) -> None:
+        self._conn = _Connection(server_url, context, model_name, world_size, kv_rank,
+                                 vllm_block_size, connect_timeout_s, request_timeout_s,
+                                 "lmcache-scheduler")
+        self.mq_client = self._conn.mq_client
+        self.chunk_size = self._conn.chunk_size
+        self.lookup_timeout_s = lookup_timeout_s
+        #: Loads shorter than this many tokens are declined (see ``check_lookup_result``).
+        self.min_hit_tokens = min_hit_tokens
+        self.declined_lookups = 0
+        self._lookups: dict[str, MessagingFuture[Any]] = {}
+        self._last_poll = 0.0
+
+    def maybe_submit_lookup_request(self, request_id: str, block_hashes: list[bytes],
+                                    cache_salt: str | None = None) -> None:
+        """Send this request's lookup unless one is already in flight or answered; returns at once.
+
+        ``block_hashes``: vLLM block hashes, or the prompt's token ids (then ``cache_salt`` seeds
+        their chain, as for the request's stores and retrieves)."""
+        if request_id in self._lookups:
+            return
+        hashes = self._conn.chunk_hashes(block_hashes, cache_salt)
+        if not hashes:  # shorter than one chunk: nothing can hit, no round trip
+            self._lookups[request_id] = MessagingFuture.completed(m.LookupReply(hit_chunks=0))
+            return
+        request = m.LookupRequest(model_name=self._conn.model_name,
+                                  world_size=self._conn.world_size, lookup_id=request_id,
+                                  chunk_hashes=hashes, lock=True)
+        # polled: check_lookup_result takes the reply on the scheduler's thread (no I/O thread hop)
+        self._lookups[request_id] = self.mq_client.submit_request(
+            RequestType.LOOKUP, [request], timeout_s=self.lookup_timeout_s, polled=True)
+
+    def check_lookup_result(self, request_id: str, num_computed_tokens: int = 0) -> int | None:
+        """Matched tokens once the answer is in (chunks every rank holds x chunk size), else None.
+
+        Never blocks. A failed or timed-out lookup counts as 0 hits (the engine recomputes).
+        With ``min_hit_tokens``, a hit whose load (the tokens past ``num_computed_tokens``, what
+        the engine already has) would be shorter is declined: 0 from now on for this request,
+        and the server's locks on it are released at once (not at the request's end)."""
+        future = self._lookups.get(request_id)
+        if future is None:
+            return 0
+        if not future.query():
+            now = time.perf_counter()
+            if now - self._last_poll < LOOKUP_POLL_INTERVAL_S:
+                return None
+            self._last_poll = now
+            self.mq_client.poll_replies()  # take arrived replies now, without a thread hop
+            if not future.query():
+                return None
+        try:
+            reply: m.LookupReply = future.result(0)
+        except LMCacheError as exc:
+            logger.warning("lookup for %s failed, recomputing: %s", request_id, exc)
+            return 0
+        hit = reply.hit_chunks * self.chunk_size
+        if 0 < hit - num_computed_tokens < self.min_hit_tokens:
+            self._decline(request_id)
+            return 0
+        return hit
+
+    def _decline(self, request_id: str) -> None:
+        """Forget a hit not worth loading and release its locks now (one message, not waited)."""
+        self._lookups[request_id] = MessagingFuture.completed(m.LookupReply(hit_chunks=0))
+        self.declined_lookups += 1
+        self.free_lookup_locks(request_id)
+
+    def num_blocks_per_chunk(self) -> int:
+        return self._conn.num_blocks_per_chunk()
+
+    def cleanup_lookup_result(self, request_id: str) -> None:
+        """Forget the lookup's result (the server's locks stay until retrieve or end_session)."""
+        self._lookups.pop(request_id, None)
+
+    def free_lookup_locks(self, request_id: str) -> MessagingFuture[Any]:
+        """Release what the request's lookup still locks (e.g. on abort), without waiting."""
+        return self._release(RequestType.FREE_LOOKUP_LOCKS, request_id,
+                             self._lookups.get(request_id))
+
+    def end_session(self, request_id: str) -> MessagingFuture[Any]:
+        """The request is done: forget its lookup and release what it still locks on the server."""
+        return self._release(RequestType.END_SESSION, request_id,
+                             self._lookups.pop(request_id, None))
+
+    def _release(self, op: RequestType, request_id: str,
+                 lookup: MessagingFuture[Any] | None) -> MessagingFuture[Any]:
+        """Send ``op`` now, or, while the request's lookup is still in flight, once it has landed:
+        sent earlier, the release could reach the server first (a lookup on a tiered server runs on
+        its worker pool) and the lookup's locks would then outlive the request until their TTL."""
+        if lookup is not None and not lookup.query():
+            released: MessagingFuture[Any] = MessagingFuture(f"{op.value} for {request_id}")
+            lookup.add_done_callback(lambda _f: _chain(self._release(op, request_id, None), released))
+            return released
+        future = self.mq_client.submit_request(op, [m.LookupIdRequest(lookup_id=request_id)])
+        future.add_done_callback(lambda f: _log_failure(f, f"{op.value} for {request_id}"))
+        return future
+
+    def close(self) -> None:
+        self.mq_client.close()
+
+    shutdown = close
+
+
+def _chain(source: MessagingFuture[Any], target: MessagingFuture[Any]) -> None:
+    """Resolve ``target`` with ``source``'s outcome once it has one."""
+    def settle(done: MessagingFuture[Any]) -> None:
+        exc = done.exception(0)
+        if exc is None:
+            target.set_result(done.result(0))
+        else:
+            target.set_exception(exc)
+
+    source.add_done_callback(settle)
+
+
+def _log_failure(future: MessagingFuture[Any], what: str) -> None:
+    exc = future.exception(0)
+    if exc is not None:
+        logger.warning("%s failed: %s", what, exc)
+
