@@ -7,6 +7,7 @@ and a retrieve copies from. Not thread-safe: the engine calls it under its lock.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
@@ -18,16 +19,25 @@ ChunkId = tuple[str, str, bytes]  # (model, layout, chunk hash): ``ChunkKey.chun
 class Piece:
     """One resident piece: where it lives in the pool and who holds it."""
 
-    __slots__ = ("created", "handle", "hits", "key", "locks", "nbytes", "readers")
+    __slots__ = ("checksum", "created", "expires", "handle", "hits", "key", "locks", "nbytes",
+                 "pinned", "priority", "readers")
 
-    def __init__(self, key: ChunkKey, handle: int, nbytes: int, created: float) -> None:
+    def __init__(self, key: ChunkKey, handle: int, nbytes: int, created: float,
+                 checksum: int = 0) -> None:
         self.key = key
         self.handle = handle
         self.nbytes = nbytes
         self.created = created
+        self.checksum = checksum  # xxh3-64 of its bytes when stored (0: not computed)
         self.locks = 0  # (lookup id, head range) pairs holding it for a coming retrieve
         self.readers = 0  # retrieves and tier writers copying out of it right now
         self.hits = 0
+        # Retention asked for by the requests that stored it (``plans.Retention``): evicted
+        # after ``expires`` first; never while ``pinned`` (until ``expires``); lower ``priority``
+        # before higher, LRU within one.
+        self.expires = math.inf
+        self.pinned = False
+        self.priority = 0
 
     @property
     def evictable(self) -> bool:
