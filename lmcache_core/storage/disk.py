@@ -13,7 +13,7 @@ never waits on a disk write. The writer pins the memory entry while it copies (`
 bytes cannot change under it.
 
 A file is written to a temp name in the same directory and renamed over its final name, so a reader
-never sees half a file; each holds a ``record`` (header with key, size and blake3 checksum, then the
+never sees half a file; each holds a ``record`` (header with key, size and xxh3 checksums, then the
 payload); ``disk_files`` names, scans, reads and writes them. At start the directory is re-indexed
 from the headers (size checked against the header; leftover temp files deleted). The payload
 checksum is checked on every read, into the destination slot, before the chunk is committed: a
@@ -182,7 +182,12 @@ class DiskTier:
     # ------------------------------------------------------------------ read
 
     def read_into(self, key: ChunkKey, out: memoryview) -> int:
-        """Load ``key``'s payload into ``out``; its byte count, or 0 for a miss.
+        """Load ``key``'s payload into ``out``; its byte count, or 0 for a miss (``load_into``)."""
+        return self.load_into(key, out)[0]
+
+    def load_into(self, key: ChunkKey, out: memoryview) -> tuple[int, int]:
+        """Load ``key``'s payload into ``out``: ``(byte count, the piece's checksum)``, verified
+        against the record's ``payload_xxh3``; ``(0, 0)`` for a miss.
 
         A missing file is a quiet miss; a bad one is dropped (deleted, counted, logged). ``out`` may
         hold garbage after a failed read: the caller only commits a slot whose read returned > 0.
@@ -190,26 +195,26 @@ class DiskTier:
         with self._mutex:
             meta = self._index.get(key)
             if meta is None:
-                return 0
+                return 0, 0
             self._index.move_to_end(key)
         if meta.nbytes > out.nbytes:
-            return 0
+            return 0, 0
         path = self.path / meta.name
         try:
-            read_payload(path, meta, key, out)
+            payload_xxh3 = read_payload(path, meta, key, out)
         except FileNotFoundError:
             self._forget(key, meta)
-            return 0
+            return 0, 0
         except record.RecordError as exc:
             self._drop_bad(key, meta, str(exc))
-            return 0
+            return 0, 0
         except OSError as exc:
             self._io_error(f"cannot read {path}", exc)
-            return 0
+            return 0, 0
         with contextlib.suppress(OSError):
             os.utime(path)  # so a restart's re-index keeps the LRU order
         self.n.add(disk_loaded_chunks=1)
-        return meta.nbytes
+        return meta.nbytes, payload_xxh3
 
     def _forget(self, key: ChunkKey, meta: DiskFile) -> bool:
         with self._mutex:

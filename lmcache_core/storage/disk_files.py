@@ -2,7 +2,7 @@
 reading and writing one whole file (``lmcache_core.storage.disk`` keeps the index, the cap and the
 writer thread, and decides what to do when a file is bad).
 
-A file holds one ``record`` (header with key, size and blake3 checksum, then the payload) and is
+A file holds one ``record`` (header with key, size and xxh3 checksums, then the payload) and is
 named ``<hash hex>.<head_lo>-<head_hi>.<tag>.lmkv`` (``file_name``); a write goes to a temp name
 (``TMP_PREFIX``) in the same directory first and is renamed over the final name, so a reader never
 sees half a file.
@@ -89,10 +89,11 @@ def read_meta(path: Path, name: str, size: int) -> tuple[ChunkKey, DiskFile]:
     return header.key, DiskFile(name, header.length, header.nbytes, size)
 
 
-def read_payload(path: Path, meta: DiskFile, key: ChunkKey, out: memoryview) -> None:
-    """Read file ``meta``'s payload into ``out`` and verify it against ``key`` and its checksum:
-    RecordError if the file is short, long, changed since it was indexed or corrupt; OSError
-    (FileNotFoundError when it is gone) if it cannot be read."""
+def read_payload(path: Path, meta: DiskFile, key: ChunkKey, out: memoryview) -> int:
+    """Read file ``meta``'s payload into ``out`` and verify it against ``key`` and its checksums;
+    returns its ``payload_xxh3`` (the piece's checksum). RecordError if the file is short, long,
+    changed since it was indexed or corrupt; OSError (FileNotFoundError when it is gone) if it
+    cannot be read."""
     with open(path, "rb", buffering=0) as f:
         head = f.read(meta.header_len)
         header = record.parse_header(head)
@@ -106,6 +107,7 @@ def read_payload(path: Path, meta: DiskFile, key: ChunkKey, out: memoryview) -> 
         if f.read(1):
             raise record.RecordError("file is longer than its header says")
         record.verify(header, payload, key)
+        return header.payload_xxh3
 
 
 def write_file(tmp: Path, final: Path, header: bytes, payload: memoryview) -> None:

@@ -8,7 +8,7 @@ hash in hex (``redis_key``; ``remote_keys`` names and parses them)::
 
 so servers on different machines (and at different tensor-parallel sizes) that use the same Redis
 find each other's chunks; keys of format v1 are never read. Values are ``record``s (header with
-the key, size and a blake3 checksum, then the bytes): a bad value, or one whose header names
+the key, size and xxh3 checksums, then the bytes): a bad value, or one whose header names
 another key (another head range, say), is counted, logged, deleted and never served.
 
 * **Writes** go behind, never on a store's path: ``submit`` puts keys on a bounded queue (a full
@@ -199,12 +199,19 @@ class RemoteTier:
 
     def fetch_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview],
                    deadline: float) -> list[int]:
-        """GET each key's record into its ``outs`` slot, verified; bytes loaded per key (0: none).
+        """GET each key's record into its ``outs`` slot, verified; bytes loaded per key (0: none)
+        (``fetch_checked_into``)."""
+        return [n for n, _ in self.fetch_checked_into(keys, outs, deadline)]
+
+    def fetch_checked_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview],
+                           deadline: float) -> list[tuple[int, int]]:
+        """GET each key's record into its ``outs`` slot, verified: per key ``(bytes loaded, the
+        piece's checksum)`` (``(0, 0)``: none).
 
         Pipelined in batches of at most ``MAX_BATCH_BYTES``; stops early (zeros for the rest) once
         the deadline has passed or the tier went down.
         """
-        loaded = [0] * len(keys)
+        loaded = [(0, 0)] * len(keys)
         start = 0
         while start < len(keys):
             if self._down or time.monotonic() >= deadline:
@@ -227,12 +234,13 @@ class RemoteTier:
                 if isinstance(value, bytes | bytearray):
                     loaded[i] = self._decode(keys[i], rkeys[i - start], value, outs[i])
             start = end
-        self.n.add(remote_loaded_chunks=sum(1 for n in loaded if n))
+        self.n.add(remote_loaded_chunks=sum(1 for n, _ in loaded if n))
         return loaded
 
-    def _decode(self, key: ChunkKey, rkey: bytes, value: bytes | bytearray, out: memoryview) -> int:
+    def _decode(self, key: ChunkKey, rkey: bytes, value: bytes | bytearray,
+                out: memoryview) -> tuple[int, int]:
         try:
-            return record.decode_into(value, key, out)
+            return record.decode_checked_into(value, key, out)
         except record.RecordError as exc:
             self.n.add(remote_corrupt=1)
             now = time.monotonic()
@@ -244,7 +252,7 @@ class RemoteTier:
                 self.client().delete(rkey)
             if self.events is not None:
                 self.events.removed((key,), REMOTE)
-            return 0
+            return 0, 0
 
     def count_lookup_timeout(self) -> None:
         self.n.add(remote_lookup_timeouts=1)

@@ -16,7 +16,7 @@ from blake3 import blake3
 
 from lmcache_core.errors import ConfigError
 from lmcache_core.keys import ChunkKey, layout_key, opaque_layout, rank_heads, world_heads
-from lmcache_core.storage import record
+from lmcache_core.storage import integrity, record
 from lmcache_core.storage.disk import SUFFIX, TMP_PREFIX, DiskTier, file_name
 
 if TYPE_CHECKING:
@@ -131,15 +131,17 @@ def v1_file_name(model: str, world: int, rank: int, chunk_hash: bytes) -> str:
 def test_record_v2_header_names_model_layout_and_head_range() -> None:
     k = piece(1, 4, 8, model="org/model:v1")
     data = record.encode(k, payload(1))
-    assert record.FORMAT_VERSION == 2 and record.FIXED_BYTES == 48
-    assert record.header_bytes(k) == 48 + 32 + len("org/model:v1") + len(LAYOUT)
-    magic, version, flags, nbytes, lo, hi, hash_len, model_len, layout_len, reserved = (
-        struct.unpack_from("<4sHHQIIHHHH", data))
+    assert record.FORMAT_VERSION == 2 and record.FIXED_BYTES == 56
+    assert record.header_bytes(k) == 56 + 32 + len("org/model:v1") + len(LAYOUT)
+    magic, version, flags, nbytes, lo, hi, hash_len, model_len, layout_len, reserved, xxh3 = (
+        struct.unpack_from("<4sHHQIIHHHHQ", data))
     assert (magic, version, flags, nbytes, lo, hi) == (b"LMKV", 2, 0, NBYTES, 4, 8)
     assert (hash_len, model_len, layout_len, reserved) == (32, 12, len(LAYOUT), 0)
-    assert data[48 + 32:record.header_bytes(k)] == b"org/model:v1" + LAYOUT.encode()
+    assert xxh3 == integrity.checksum(payload(1))  # the piece's own checksum, carried
+    assert data[56 + 32:record.header_bytes(k)] == b"org/model:v1" + LAYOUT.encode()
     header = record.parse_header(data)
     assert header.key == k and header.nbytes == NBYTES and header.length == record.header_bytes(k)
+    assert header.payload_xxh3 == xxh3
     out = bytearray(10)
     assert record.encode_into(k, payload(1), out) == len(data) and bytes(out) == data
     with pytest.raises(ValueError, match="head range"):

@@ -11,7 +11,7 @@ import pytest
 
 from lmcache_core.events import REMOTE
 from lmcache_core.keys import ChunkKey, layout_key, opaque_layout, world_heads
-from lmcache_core.storage import record
+from lmcache_core.storage import integrity, record
 from lmcache_core.storage.remote import RemoteTier
 
 H = bytes(range(32))
@@ -104,15 +104,15 @@ def test_a_value_of_another_piece_or_format_is_refused(tier: RemoteTier) -> None
     data = memoryview(bytes(range(200)))
     out = memoryview(bytearray(256))
     value = record.encode(low, data)
-    assert tier._decode(low, tier.redis_key(low), value, out) == 200
+    assert tier._decode(low, tier.redis_key(low), value, out) == (200, integrity.checksum(data))
     assert bytes(out[:200]) == bytes(data)
     out[:] = bytes(256)
     # Stored under the other piece's key (a collision, a hand-made copy): a miss, deleted.
-    assert tier._decode(high, tier.redis_key(high), value, out) == 0
+    assert tier._decode(high, tier.redis_key(high), value, out) == (0, 0)
     assert bytes(out) == bytes(256)
     old = bytearray(value)
     old[4:6] = (1).to_bytes(2, "little")  # a record of format v1 is never read
-    assert tier._decode(low, tier.redis_key(low), bytes(old), out) == 0
+    assert tier._decode(low, tier.redis_key(low), bytes(old), out) == (0, 0)
     assert client.deleted == [tier.redis_key(high), tier.redis_key(low)]
     assert sink.removed_keys == [([high], REMOTE), ([low], REMOTE)]
     assert tier.stats()["remote_corrupt"] == 2
