@@ -45,7 +45,7 @@ def inspect_chunks(
     as_json: JsonOption = False,
 ) -> None:
     """List the chunk pieces the server holds: hash, model, layout, heads, tier, size, locks,
-    hits, age; then each model's share of the pool.
+    hits, age, retention (pinned, TTL left, priority); then each model's share of the pool.
 
     Example: [cyan]lmcache inspect-chunks --sort hits --limit 20 --model meta-llama/Llama-3.1-8B[/]
     """
@@ -76,6 +76,8 @@ def inspect_chunks(
         "hit_rate": round(stats.lookup_hit_chunks / looked_up, 4) if looked_up else None,
         "locks_held": stats.locks_held,
         "evictions": stats.evictions,
+        "pinned_pieces": stats.pinned_pieces,
+        "pinned_bytes": stats.pinned_bytes,
     }
     if as_json:
         import msgspec
@@ -101,13 +103,14 @@ def _render(chunks: list[Any], info: Any, summary: dict[str, Any], model: str | 
     table = Table(title=title, title_justify="left", show_footer=False)
     for name, justify in (("hash", "left"), ("model", "left"), ("layout", "left"),
                           ("heads", "right"), ("tier", "left"), ("size", "right"),
-                          ("locks", "right"), ("hits", "right"), ("age", "right")):
+                          ("locks", "right"), ("hits", "right"), ("age", "right"),
+                          ("pin", "left"), ("ttl", "right"), ("prio", "right")):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     for c in chunks:
         table.add_row(c.chunk_hash[:6].hex(), escape(c.model_name), escape(c.layout),
                       f"{c.head_lo}-{c.head_hi}", c.tier, human_bytes(c.nbytes),
                       str(c.locks) if c.locks else "-", str(c.hits), human_age(c.age_s),
-                      style="bold" if c.locks else "")
+                      *_retention(c), style="bold" if c.locks or c.pinned else "")
     if chunks:
         console.print(table)
     else:
@@ -122,7 +125,16 @@ def _render(chunks: list[Any], info: Any, summary: dict[str, Any], model: str | 
         f"{s['pieces_in_pool']} piece(s), {s['slabs_free']}/{s['slabs']} slabs free · "
         f"hit rate {hit_rate} ({s['lookup_hit_chunks']} of "
         f"{s['lookup_hit_chunks'] + s['lookup_miss_chunks']} chunks looked up) · "
-        f"{s['locks_held']} locked", highlight=False)
+        f"{s['locks_held']} locked · {s['pinned_pieces']} pinned "
+        f"({human_bytes(s['pinned_bytes'])})", highlight=False)
+
+
+def _retention(c: Any) -> tuple[str, str, str]:
+    """The pin, TTL-left and priority cells of a piece ("-" where it has none)."""
+    ttl = c.expires_in_s
+    return ("pinned" if c.pinned else "-",
+            "-" if ttl is None else ("expired" if ttl <= 0 else human_age(ttl)),
+            str(c.priority) if c.priority else "-")
 
 
 def _render_models(models: list[Any], pool_bytes: int) -> None:

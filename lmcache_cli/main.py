@@ -2,7 +2,7 @@
 
 Exit codes everywhere: 0 ok, 1 a failure at run time (server unreachable, error reply, failed
 verification), 2 bad usage (flags, config, input files). Errors are one line on stderr. Importing
-this module (and running ping, lookup, inspect-chunks) never imports torch.
+this module (and running ping, lookup, pin, unpin, inspect-chunks) never imports torch.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import typer
 
 from lmcache_cli import inspect_chunks as inspect_cmd
 from lmcache_cli import lookup as lookup_cmd
+from lmcache_cli import pin as pin_cmd
 from lmcache_cli import ping as ping_cmd
 from lmcache_cli import serve as serve_cmd
 from lmcache_cli import stats as stats_cmd
@@ -34,6 +35,8 @@ app.command("serve")(serve_cmd.serve)
 app.command("ping")(ping_cmd.ping)
 app.command("lookup")(lookup_cmd.lookup)
 app.command("inspect-chunks")(inspect_cmd.inspect_chunks)
+app.command("pin")(pin_cmd.pin)
+app.command("unpin")(pin_cmd.unpin)
 app.command("stats")(stats_cmd.stats)
 app.command("store-bench")(bench_cmd.store_bench)
 

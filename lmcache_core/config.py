@@ -62,6 +62,10 @@ class ServerConfig(_Section):
     # a free one; "off" (or YAML's bare off/false) disables it. No auth: keep it on loopback.
     http_url: str | bool = DEFAULT_HTTP_URL
     pool_size: int | str = "4GiB"
+    # The most bytes of pieces that may be pinned at once (stores with lmcache.pin, lmcache pin):
+    # a pin past it is refused (a store's pieces are then stored unpinned and counted in
+    # store_pin_refused; PIN answers the error pin_limit). None: a quarter of the pool.
+    max_pinned: int | str | None = None
     # The pool is one byte budget for every model and TP size, cut into slabs of this size, each
     # holding chunk pieces of one size class (none: 1/16 of the pool, at least 128 MiB, at most the
     # pool). The largest piece a worker may store is one slab: a registration whose chunks are
@@ -96,6 +100,8 @@ class ServerConfig(_Section):
 
     def __post_init__(self) -> None:
         self.pool_size = parse_size(self.pool_size)
+        if self.max_pinned is not None:
+            self.max_pinned = parse_size(self.max_pinned)
         if self.slab_size is not None:
             self.slab_size = parse_size(self.slab_size)
             if self.slab_size <= 0 or self.slab_size % 64:
@@ -112,6 +118,13 @@ class ServerConfig(_Section):
     @property
     def pool_bytes(self) -> int:
         return parse_size(self.pool_size)
+
+    @property
+    def max_pinned_bytes(self) -> int:
+        """``max_pinned`` in bytes (a quarter of the pool when not set)."""
+        if self.max_pinned is None:
+            return self.pool_bytes // 4
+        return parse_size(self.max_pinned)
 
     @property
     def slab_bytes(self) -> int | None:
@@ -193,6 +206,15 @@ class RemoteConfig(_Section):
             raise ValueError("key_prefix: must be non-empty and hold no ':'")
 
 
+class IntegrityConfig(_Section):
+    """Chunk checksums (xxh3-64, taken at store, kept with the piece and in its tier records; always
+    checked before a tier write and after a tier read)."""
+
+    # Also check each piece against its checksum before a retrieve copies it out (a corrupt one is
+    # dropped and its chunk answered missing: vLLM recomputes it). Costs a hash of every byte read.
+    verify_on_retrieve: bool = False
+
+
 class LMCacheConfig(_Section):
     """Everything one server or client needs; ``configs/*.yaml`` map onto it."""
 
@@ -207,6 +229,7 @@ class LMCacheConfig(_Section):
     timeouts: TimeoutConfig = msgspec.field(default_factory=TimeoutConfig)
     disk: DiskConfig | None = None
     remote: RemoteConfig | None = None
+    integrity: IntegrityConfig = msgspec.field(default_factory=IntegrityConfig)
 
     @property
     def chunk_bytes(self) -> int:

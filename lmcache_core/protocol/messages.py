@@ -47,6 +47,13 @@ IpcHandle = Annotated[bytes, msgspec.Meta(max_length=256)]
 #: A load deadline: at most an hour (0: none).
 DeadlineMs = Annotated[int, msgspec.Meta(ge=0, le=3_600_000)]
 Dims = Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=MAX_BYTES)]], msgspec.Meta(max_length=8)]
+#: Retention asked for by a store or a pin: a TTL of at most 30 days (at least a millisecond), and
+#: an eviction priority (lower goes first).
+MAX_TTL_S = 30 * 86400.0
+MIN_TTL_S = 0.001
+MIN_PRIORITY, MAX_PRIORITY = -100, 100
+TtlSeconds = Annotated[float, msgspec.Meta(ge=MIN_TTL_S, le=MAX_TTL_S)]
+Priority = Annotated[int, msgspec.Meta(ge=MIN_PRIORITY, le=MAX_PRIORITY)]
 
 
 class Message(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -127,6 +134,11 @@ class StoreRequest(Message):
     block_ids: BlockIds
     event_handle: IpcHandle = b""
     request_ids: RequestIds = []
+    #: Retention of these pieces (and of those already present): see engine/retention.py; pins
+    #: past ``server.max_pinned`` are stored unpinned (``StoreReply.pin_refused``).
+    ttl_s: TtlSeconds | None = None
+    pin: bool = False
+    priority: Priority = 0
 
     def num_keys(self) -> int:
         return len(self.chunk_hashes)
@@ -232,6 +244,7 @@ class StoreReply(Reply):
     already_present: int = 0
     skipped_full: int = 0
     skipped_quota: int = 0  # not stored: the model is at its quota (server.quotas)
+    pin_refused: int = 0  # stored unpinned: pinning them would pass server.max_pinned
 
 
 class RetrieveReply(Reply):
@@ -275,6 +288,9 @@ class ServerStats(msgspec.Struct, kw_only=True):
     stored_bytes: int = 0
     store_skipped_full: int = 0
     store_skipped_quota: int = 0  # pieces not stored: their model was at its quota
+    store_pin_refused: int = 0  # pieces stored unpinned: server.max_pinned would be passed
+    pinned_pieces: int = 0  # resident pieces pinned now
+    pinned_bytes: int = 0
     retrieves: int = 0
     retrieved_chunks: int = 0
     retrieved_bytes: int = 0
@@ -283,6 +299,8 @@ class ServerStats(msgspec.Struct, kw_only=True):
     evictions: int = 0
     locks_held: int = 0
     locks_expired: int = 0
+    integrity_failures: int = 0  # pool pieces whose bytes no longer matched their checksum: dropped
+    integrity_verified_chunks: int = 0  # pieces checked (tier writes, verified retrieves): intact
     registered_instances: int = 0
     reaped_instances: int = 0
     gpu_instances: int = 0  # registrations of KV caches on a GPU (CUDA IPC)
@@ -360,6 +378,9 @@ class ChunkInfo(msgspec.Struct, kw_only=True):
     locks: int
     hits: int
     age_s: float
+    pinned: bool = False
+    expires_in_s: float | None = None  # seconds left of its TTL (None: no TTL)
+    priority: int = 0
 
 
 class ChunkListReply(Reply):

@@ -10,6 +10,7 @@ from enum import Enum
 from typing import NamedTuple
 
 from lmcache_core.protocol import messages as m
+from lmcache_core.protocol import pin_messages as pm
 
 
 class RequestType(str, Enum):
@@ -27,6 +28,8 @@ class RequestType(str, Enum):
     CLEAR = "lmc.clear"
     SERVER_INFO = "lmc.server_info"
     LIST_CHUNKS = "lmc.list_chunks"
+    PIN = "lmc.pin"
+    UNPIN = "lmc.unpin"
 
 
 class OpSpec(NamedTuple):
@@ -49,4 +52,6 @@ OPS: dict[RequestType, OpSpec] = {
     RequestType.CLEAR: OpSpec(m.ClearRequest, m.ClearReply),
     RequestType.SERVER_INFO: OpSpec(m.NoArgs, m.ServerInfoReply),
     RequestType.LIST_CHUNKS: OpSpec(m.ListChunksRequest, m.ChunkListReply),
+    RequestType.PIN: OpSpec(pm.PinRequest, pm.PinReply),
+    RequestType.UNPIN: OpSpec(pm.PinRequest, pm.UnpinReply),
 }

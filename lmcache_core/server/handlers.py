@@ -15,14 +15,17 @@ from typing import Any
 
 from lmcache_core import __version__
 from lmcache_core.config import LMCacheConfig
-from lmcache_core.engine import CacheEngine, RetrievePlan
+from lmcache_core.engine import CacheEngine, Retention, RetrievePlan
 from lmcache_core.errors import IncompatibleError, ProtocolError
 from lmcache_core.keys import ChunkKey, opaque_layout, rank_heads, world_heads
 from lmcache_core.kv.cuda_events import open_ipc_event
 from lmcache_core.kv.mapped import MappedKVCache
 from lmcache_core.protocol import messages as m
+from lmcache_core.protocol import pin_messages as pm
 from lmcache_core.protocol.ops import RequestType
+from lmcache_core.server.pins import PinHandlers
 from lmcache_core.server.registry import KVRegistry, Registration
+from lmcache_core.storage.integrity import checksum
 from lmcache_core.storage.pool import process_rss_bytes
 from lmcache_core.transport.server import Route, ServerCounters
 
@@ -57,6 +60,7 @@ class CacheHandlers:
         self.add_copy_threads: Callable[[int], int] | None = None
 
     def routes(self) -> dict[RequestType, Route]:
+        pins = PinHandlers(self.engine, self.lookup_layouts)
         return {
             RequestType.PING: Route(self.ping),
             RequestType.GET_CHUNK_SIZE: Route(self.get_chunk_size),
@@ -72,6 +76,8 @@ class CacheHandlers:
             RequestType.CLEAR: Route(self.clear),
             RequestType.SERVER_INFO: Route(self.server_info),
             RequestType.LIST_CHUNKS: Route(self.list_chunks),
+            RequestType.PIN: Route(pins.pin),
+            RequestType.UNPIN: Route(pins.unpin),
         }
 
     # ------------------------------------------------------------------ control
@@ -133,7 +139,8 @@ class CacheHandlers:
         with self.registry.lease(request.instance_id) as reg:
             per_chunk = self._check_blocks(reg, request.chunk_hashes, request.block_ids)
             keys = self._keys(reg, request.chunk_hashes)
-            plan = self.engine.begin_store(keys, reg.mapped.chunk_bytes)
+            plan = self.engine.begin_store(keys, reg.mapped.chunk_bytes, Retention(
+                request.ttl_s, request.pin, request.priority))
             ok = False
             try:
                 if plan.writes:
@@ -141,11 +148,15 @@ class CacheHandlers:
                     blocks = _chunk_blocks(request.block_ids, indices, per_chunk)
                     with reg.copy_stream.run(request.event_handle, self.event_timeout_s):
                         reg.mapped.gather(blocks, [w[2] for w in plan.writes])
+                    # The pieces' checksums (outside the engine's lock), kept at commit: a piece
+                    # is visible only once all its bytes are in and its checksum recorded.
+                    plan.checksums = [checksum(w[2]) for w in plan.writes]
                 ok = True
             finally:
                 self.engine.finish_store(plan, ok)
         return m.StoreReply(stored=len(plan.writes), already_present=plan.already_present,
-                            skipped_full=plan.skipped_full, skipped_quota=plan.skipped_quota)
+                            skipped_full=plan.skipped_full, skipped_quota=plan.skipped_quota,
+                            pin_refused=plan.pin_refused)
 
     def retrieve(self, request: m.RetrieveRequest, _client: bytes) -> m.RetrieveReply:
         """Copy the found chunks into the worker's blocks, within the load deadline.
@@ -154,7 +165,9 @@ class CacheHandlers:
         With one, the deadline is checked before each chunk: once it passed, the rest are not
         copied and are answered in ``missing`` (``late`` counts them). A chunk copy that started
         always finishes (on GPU: is synchronized) before the next check and before the reply, so
-        nothing lands in a block after the client was told it was not loaded."""
+        nothing lands in a block after the client was told it was not loaded. With
+        ``integrity.verify_on_retrieve`` every found piece is checked against its checksum first:
+        a chunk with a corrupt piece is dropped (counted) and answered in ``missing``."""
         deadline_s = self.load_deadline_s(request)
         started = time.monotonic()
         with self.registry.lease(request.instance_id) as reg:
@@ -163,6 +176,8 @@ class CacheHandlers:
                                               request.chunk_hashes, request.lookup_id)
             copied: int | None = None
             try:
+                if plan.found and self.config.integrity.verify_on_retrieve:
+                    self.engine.integrity.verify_retrieve(plan)  # corrupt chunks: missing
                 if plan.found:
                     with reg.copy_stream.run(request.event_handle, self.event_timeout_s):
                         if deadline_s is None and not self.copy_delay_s:
@@ -288,7 +303,7 @@ class CacheHandlers:
         return self.engine.lookup(request.model_name, layout, ranges, request.chunk_hashes,
                                   request.lookup_id, lock)
 
-    def lookup_layouts(self, request: m.LookupRequest) -> list[str]:
+    def lookup_layouts(self, request: m.LookupRequest | pm.PinRequest) -> list[str]:
         if request.layout is not None:
             return [request.layout]
         return (self.registry.layouts(request.model_name, request.world_size)

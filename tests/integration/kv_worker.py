@@ -10,6 +10,7 @@ obeys JSON-line commands on stdin, answering one JSON line each on stdout:
       slice (MLA: the whole latent); check -> {"equal": bool}: so ranks of any TP size compare
   {"cmd": "store"|"retrieve", "req": id, "keys": tokens-or-hex-hashes, "blocks": [...]}
       -> {"finished": bool, "failed": reason-or-null}     (waits for get_finished, bounded)
+      a store may add "ttl_s", "pin", "priority" (retention); it answers "pin_refused" too
   {"cmd": "batch_store", "reqs": [...], "keys": [[...]...], "blocks": [[...]...]}
   {"cmd": "quit"}
 """
@@ -109,10 +110,16 @@ def handle(adapter: LMCacheMPWorkerAdapter, layers: list[torch.Tensor], c: dict)
         return {"digest": hasher.hexdigest()}
     if cmd in ("store", "retrieve"):
         op = LoadStoreOp(block_hashes=keys(c["keys"]), block_ids=c["blocks"],
-                         cache_salt=c.get("salt"))
+                         cache_salt=c.get("salt"), ttl_s=c.get("ttl_s"), pin=c.get("pin", False),
+                         priority=c.get("priority", 0))
         submit = adapter.submit_store_request if cmd == "store" else adapter.submit_retrieve_request
         submit(c["req"], op, None)
-        return wait(adapter, [c["req"]], cmd)
+        futures = adapter.store_futures(c["req"]) if cmd == "store" else []
+        result = wait(adapter, [c["req"]], cmd)
+        if futures:
+            replies = [f.result(0) for f in futures if f.exception(0) is None]
+            result["pin_refused"] = sum(r.pin_refused for r in replies)
+        return result
     if cmd == "set_load_deadline":  # RetrieveRequest.deadline_ms of the next retrieves
         adapter.load_deadline_ms = c["ms"]
         return {"ok": True}

@@ -18,6 +18,7 @@ from lmcache_core.protocol import (
     error_reply,
 )
 from lmcache_core.protocol import messages as m
+from lmcache_core.protocol import pin_messages as pm
 
 SAMPLES: dict[RequestType, m.Message] = {
     RequestType.PING: m.PingRequest(instance_id=7),
@@ -39,6 +40,9 @@ SAMPLES: dict[RequestType, m.Message] = {
     RequestType.CLEAR: m.ClearRequest(force=True),
     RequestType.SERVER_INFO: m.NoArgs(),
     RequestType.LIST_CHUNKS: m.ListChunksRequest(model_name="m", limit=5, sort="hits"),
+    RequestType.PIN: pm.PinRequest(model_name="m", world_size=2, chunk_hashes=[b"a" * 32],
+                                  ttl_s=60.0),
+    RequestType.UNPIN: pm.PinRequest(model_name="m", world_size=2, chunk_hashes=[b"a" * 32]),
 }
 
 

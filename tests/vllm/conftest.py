@@ -12,4 +12,5 @@ collect_ignore: list[str] = []
 if importlib.util.find_spec("vllm") is None:
     collect_ignore += ["test_engine.py", "test_connector_logic.py", "test_scheduler_harness.py",
                        "test_connector_events.py", "test_load_deadline.py",
-                       "engine_runner.py", "scheduler_harness.py"]
+                       "engine_runner.py", "scheduler_harness.py",
+                       "test_connector_hints.py", "test_retention_engine.py"]

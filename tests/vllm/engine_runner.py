@@ -7,9 +7,10 @@ Run as its own process per engine (vLLM keeps process-global state). SPEC:
 "num_blocks": int | null, "max_model_len": int | null, "server_pid": int | null,
 "server_url": str | null, "steps": [...]}`` where a step is one of
 
-- ``{"op": "generate", "name", "prompts": [[ids]], "max_tokens", "salt"?, "kill_server_after_s"?}``
-  (greedy; records tokens, num_cached_tokens and wall time; optionally SIGKILLs the server from a
-  timer while the batch runs);
+- ``{"op": "generate", "name", "prompts": [[ids]], "max_tokens", "salt"?, "kill_server_after_s"?,
+  "kv_transfer_params"?}`` (greedy; records tokens, num_cached_tokens and wall time; optionally
+  SIGKILLs the server from a timer while the batch runs; ``kv_transfer_params`` go to every
+  request of the step, e.g. ``{"lmcache.pin": true}``);
 - ``{"op": "ttft", "name", "prompts": [[ids]], "salt"?}``: one prompt at a time, one output token,
   wall time each (the time to first token of an in-process engine);
 - ``{"op": "stats", "name"}``: the server's counters;
@@ -161,8 +162,11 @@ def main(spec_path: str, out_path: str) -> int:
     for step in spec["steps"]:
         op = step["op"]
         if op == "generate":
+            kv_params = step.get("kv_transfer_params")
             params = SamplingParams(temperature=0.0, max_tokens=step["max_tokens"],
-                                    ignore_eos=True, detokenize=False)
+                                    ignore_eos=True, detokenize=False,
+                                    extra_args=({"kv_transfer_params": dict(kv_params)}
+                                                if kv_params else None))
             timer = None
             killed_at: list[float] = []
             start = time.perf_counter()

@@ -75,11 +75,20 @@ class LoadStoreOp:
     blocks, from the same start. Only whole chunks are stored or retrieved; a partial tail is left.
     ``cache_salt``: the request's salt, which seeds the chain in token mode (requests with
     different salts never share chunks); ignored in hash mode (vLLM's block hashes include it).
+    ``ttl_s``, ``pin``, ``priority``: retention of the stored chunks (``StoreRequest``'s fields;
+    stores only, ignored by retrieves).
     """
 
     block_hashes: list[bytes]
     block_ids: list[int]
     cache_salt: str | None = None
+    ttl_s: float | None = None
+    pin: bool = False
+    priority: int = 0
+
+    @property
+    def retention(self) -> tuple[float | None, bool, int]:
+        return self.ttl_s, self.pin, self.priority
 
 
 def _chunk_hashes(block_hashes: Sequence[Any], blocks_in_chunk: int, chunk_size: int,

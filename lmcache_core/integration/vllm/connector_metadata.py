@@ -19,6 +19,10 @@ class TransferSpec:
     block_ids: list[int]
     invalid_block_ids: list[int] = field(default_factory=list)
     """Blocks vLLM counts as loaded that this load cannot fill (reported as load errors)."""
+    ttl_s: float | None = None
+    pin: bool = False
+    priority: int = 0
+    """A store's retention (the request's ``kv_transfer_params`` hints); loads leave them unset."""
 
 
 class LMCacheConnectorMetadata(KVConnectorMetadata):

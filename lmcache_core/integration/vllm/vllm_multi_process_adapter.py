@@ -184,14 +184,21 @@ class LMCacheMPWorkerAdapter:
 
     def batched_submit_store_requests(self, request_ids: list[str], ops: list[LoadStoreOp],
                                       event: Any) -> None:
-        """One store request for the whole chunks of several vLLM requests."""
+        """One store request for the whole chunks of several vLLM requests (one per distinct
+        retention among them: ``LoadStoreOp.ttl_s``, ``pin``, ``priority``)."""
         if len(request_ids) != len(ops):
             raise ValueError(f"{len(request_ids)} request ids but {len(ops)} ops")
-        hashes, blocks = self._flatten(ops)
-        payload = m.StoreRequest(instance_id=self.instance_id, chunk_hashes=hashes,
-                                 block_ids=blocks, event_handle=_event_handle(event),
-                                 request_ids=list(request_ids))
-        self._submit(RequestType.STORE, payload, request_ids, blocks, self._stores)
+        groups: dict[tuple[float | None, bool, int], list[int]] = {}
+        for i, op in enumerate(ops):
+            groups.setdefault(op.retention, []).append(i)
+        handle = _event_handle(event)
+        for (ttl_s, pin, priority), members in groups.items():
+            ids = [request_ids[i] for i in members]
+            hashes, blocks = self._flatten([ops[i] for i in members])
+            payload = m.StoreRequest(instance_id=self.instance_id, chunk_hashes=hashes,
+                                     block_ids=blocks, event_handle=handle, request_ids=ids,
+                                     ttl_s=ttl_s, pin=pin, priority=priority)
+            self._submit(RequestType.STORE, payload, ids, blocks, self._stores)
 
     def batched_submit_retrieve_requests(self, request_ids: list[str], ops: list[LoadStoreOp],
                                          event: Any) -> None:
