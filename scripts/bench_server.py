@@ -8,7 +8,10 @@
 - the scheduler adapter's ``check_lookup_result`` on a pending lookup, and a batched store of 32
   requests x 1 chunk vs 32 single stores;
 - a TP=1 retrieve of chunks a TP=2 engine stored (head-range pieces) vs a same-TP retrieve and the
-  raw scatter.
+  raw scatter;
+- integrity: store with checksums (xxh3 of each piece, always taken at store) vs the raw gather and
+  the raw gather + xxh3, and retrieve with ``integrity.verify_on_retrieve`` on (a second server) vs
+  off (the main one), taking turns in every round.
 
 ``--metrics compare`` runs two servers at once, one with its HTTP listener off and one with it on
 (the /metrics collector and the per-request latency histogram), and measures the lookup round trip
@@ -58,7 +61,12 @@ def main() -> None:
         if args.metrics == "compare":
             compare_metrics(args, urls, echo_url)
         else:
-            run(args, workdir, server_url=urls[args.metrics], echo_url=echo_url)
+            verify_url = f"ipc://{workdir}/server-verify.sock"  # integrity.verify_on_retrieve on
+            servers.append(start_server(workdir, args, verify_url, http=False,
+                                        slots=args.chunks + 8,
+                                        integrity={"verify_on_retrieve": True}))
+            run(args, workdir, server_url=urls[args.metrics], echo_url=echo_url,
+                verify_url=verify_url)
     finally:
         for server in servers:
             server.send_signal(signal.SIGTERM)
@@ -85,11 +93,14 @@ def start_echo(url: str) -> subprocess.Popen[str]:
     return proc
 
 
-def start_server(workdir: Path, args: argparse.Namespace, url: str, http: bool) -> subprocess.Popen[bytes]:
-    slots = max(args.chunks, args.lookup_chunks) + 8
+def start_server(workdir: Path, args: argparse.Namespace, url: str, http: bool,
+                 slots: int | None = None, integrity: dict | None = None) -> subprocess.Popen[bytes]:
+    slots = slots or max(args.chunks, args.lookup_chunks) + 8
     config = yaml.safe_load((ROOT / "configs/llama8b.yaml").read_text())
     config["server"].update(url=url, pool_size=slots * 32 * 2**20,
                             http_url="http://127.0.0.1:0" if http else "off")
+    if integrity:
+        config["integrity"] = integrity
     name = url.rsplit("/", 1)[-1].removesuffix(".sock")
     path = workdir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -98,7 +109,8 @@ def start_server(workdir: Path, args: argparse.Namespace, url: str, http: bool) 
                              "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT)
 
 
-def run(args: argparse.Namespace, workdir: Path, server_url: str, echo_url: str) -> None:
+def run(args: argparse.Namespace, workdir: Path, server_url: str, echo_url: str,
+        verify_url: str) -> None:
     import torch
 
     from lmcache_core.integration.vllm.vllm_multi_process_adapter import (
@@ -190,6 +202,8 @@ def run(args: argparse.Namespace, workdir: Path, server_url: str, echo_url: str)
     report("  deadline checks per chunk vs one scatter", retrieve_gbs, "GB/s", floor=batched_gbs,
            target="~1.0x")
 
+    integrity_rows(args, ctx, verify_url, (worker, scheduler, client), caches, raw, src_blocks,
+                   dst_blocks, nbytes)
     cross_tp(args, ctx, server_url, worker, scheduler, client, caches, raw, dst_blocks, nbytes)
 
     # ---- batched vs single stores: with copies, then of chunks already cached (pure round trips)
@@ -303,6 +317,58 @@ def compare_metrics(args: argparse.Namespace, urls: dict[str, str], echo_url: st
     for scheduler in schedulers.values():
         scheduler.close()
     release_shared_kv_caches(segment)
+
+
+def integrity_rows(args, ctx, verify_url: str, plain, caches, raw, src_blocks: list[int],
+                   dst_blocks: list[int], nbytes: int) -> None:
+    """Store with checksums (every store takes them) vs the raw gather and the raw gather + xxh3;
+    retrieve with integrity.verify_on_retrieve on (the second server) vs off (the main one)."""
+    from lmcache_core.integration.vllm.vllm_multi_process_adapter import (
+        LMCacheMPSchedulerAdapter,
+        LMCacheMPWorkerAdapter,
+        LoadStoreOp,
+    )
+    from lmcache_core.protocol import RequestType
+    from lmcache_core.protocol import messages as m
+
+    worker, scheduler, client = plain
+    worker_v = wait_for(lambda: LMCacheMPWorkerAdapter(verify_url, ctx, "bench", 1, 0, BLOCK))
+    worker_v.register_kv_caches(caches)
+    scheduler_v = LMCacheMPSchedulerAdapter(verify_url, ctx, "bench", 1, 0, BLOCK)
+    wait_populated(worker_v.mq_client)
+    worker.load_deadline_ms = worker_v.load_deadline_ms = None  # both: the server's default
+    names = ("gather", "gather + xxh3", "store", "scatter", "retrieve off", "retrieve on")
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(args.rounds + 1):
+        for c in (client, worker_v.mq_client):
+            c.call(RequestType.CLEAR, m.ClearRequest(force=True), m.ClearReply)
+        toks = [r * 11 + 5, *range(args.chunks * CHUNK - 1)]
+        samples["gather"].append(raw.gather())
+        samples["gather + xxh3"].append(raw.gather() + raw.checksum())
+        samples["store"].append(wait_store(worker, f"i{r}", LoadStoreOp(toks, src_blocks)))
+        wait_store(worker_v, f"i{r}", LoadStoreOp(toks, src_blocks))
+        samples["scatter"].append(raw.scatter())
+        turns = [("retrieve off", scheduler, worker), ("retrieve on", scheduler_v, worker_v)]
+        for name, sched, work in (turns if r % 2 else turns[::-1]):
+            samples[name].append(wait_retrieve(sched, work, f"i{name[-2:]}{r}", toks, dst_blocks))
+    check_equal(caches, src_blocks, dst_blocks)
+    gbs = {name: nbytes / statistics.median(values[1:]) / 1e9 for name, values in samples.items()}
+    verified = worker_v.mq_client.call(RequestType.SERVER_INFO, m.NoArgs(), m.ServerInfoReply).stats
+    print(f"\nintegrity (xxh3-64 per piece), {args.chunks} x 32 MiB chunks (median of {args.rounds}):")
+    report("  raw torch gather (index_select)", gbs["gather"], "GB/s")
+    report("  raw gather + xxh3 of each chunk", gbs["gather + xxh3"], "GB/s", floor=gbs["gather"])
+    report("  lmcache store with integrity (checksum at store)", gbs["store"], "GB/s",
+           floor=gbs["gather"], target=">= 0.8x")
+    report("  raw torch scatter (index_copy_)", gbs["scatter"], "GB/s")
+    report("  lmcache retrieve, verify_on_retrieve off", gbs["retrieve off"], "GB/s",
+           floor=gbs["scatter"])
+    report("  lmcache retrieve, verify_on_retrieve on", gbs["retrieve on"], "GB/s",
+           floor=gbs["scatter"])
+    report("  verify on vs off", gbs["retrieve on"], "GB/s", floor=gbs["retrieve off"])
+    print(f"  (the verifying server checked {verified.integrity_verified_chunks} pieces, "
+          f"{verified.integrity_failures} failed)")
+    worker_v.shutdown()
+    scheduler_v.close()
 
 
 def wait_for(make):  # the server may still be starting
@@ -478,6 +544,15 @@ class RawCopy:
         for index, buf in zip(self.index, self.bufs, strict=True):
             for li, view in enumerate(self.views):
                 torch.index_select(view, 1, index, out=buf[li])
+        return time.perf_counter() - start
+
+    def checksum(self) -> float:
+        """xxh3-64 of each gathered chunk (what a store adds to its copy)."""
+        from lmcache_core.storage.integrity import checksum
+
+        start = time.perf_counter()
+        for buf in self.bufs:
+            checksum(buf.view(-1).view(__import__("torch").uint8))
         return time.perf_counter() - start
 
     def scatter(self) -> float:

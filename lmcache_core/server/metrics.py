@@ -61,6 +61,12 @@ _ENGINE_COUNTERS = (
     ("evictions", "evictions", "Chunks evicted from the pool (least recently used first)."),
     ("lock_expirations", "locks_expired",
      "Chunk locks released by their TTL (a lookup whose retrieve never came)."),
+    ("integrity_failures", "integrity_failures",
+     "Chunk pieces in the pool whose bytes no longer matched the checksum taken at their store "
+     "(found before a tier write or a verified retrieve): dropped, never served."),
+    ("integrity_verified_chunks", "integrity_verified_chunks",
+     "Chunk pieces checked against their checksum and found intact (tier writes; retrieves with "
+     "integrity.verify_on_retrieve)."),
 )
 # (metric name, ServerStats field of the disk tier, of the remote tier, help); a tier label each.
 _TIER_COUNTERS = (

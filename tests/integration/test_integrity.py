@@ -1,0 +1,203 @@
+"""Integrity end to end, with real processes: checksums taken at store, a corrupt pool piece never
+served (``integrity.verify_on_retrieve``), corrupt disk files and Redis values never loaded, and a
+store that fails part-way leaving nothing visible.
+
+Servers run in-process (``CacheServer``) where a test reaches into the pool or injects a fault, as
+``lmcache serve`` processes otherwise; the workers are ``kv_worker.py`` processes (the vLLM worker
+adapter over real shared-memory KV caches).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lmcache_core.config import load_config
+from lmcache_core.engine.index import Piece
+from lmcache_core.keys import ChunkKey, chain_hashes, layout_key
+from lmcache_core.kv.mapped import MappedKVCache
+from lmcache_core.protocol import RequestType
+from lmcache_core.protocol import messages as m
+from lmcache_core.server.app import CacheServer
+from lmcache_core.storage import integrity, record
+from lmcache_core.storage.disk import file_name
+from lmcache_core.storage.remote_keys import redis_key
+from lmcache_core.transport.client import MessageQueueClient
+from tests.integration.servers import TINY, ServerProcess, WorkerProcess
+from tests.integration.test_tiers import (  # noqa: F401  (fixtures: a real redis-server)
+    RedisServer,
+    redis_server,
+    redis_up,
+    wait_for,
+)
+
+CHUNK = 64  # tokens: 4 blocks of 16 in the tiny model
+TINY_LAYOUT = layout_key("float16", 2, 4, 32, False)  # the tiny model at TP=1
+
+
+def tokens(n_chunks: int, seed: int) -> list[int]:
+    return [(seed * 7919 + i) % 50000 for i in range(n_chunks * CHUNK)]
+
+
+def blocks(first_chunk: int, n_chunks: int) -> list[int]:
+    return list(range(first_chunk * 4, (first_chunk + n_chunks) * 4))
+
+
+def lookup(client: MessageQueueClient, toks: list[int], lookup_id: str, lock: bool = True) -> int:
+    return client.call(RequestType.LOOKUP, m.LookupRequest(
+        model_name="tiny", world_size=1, lookup_id=lookup_id, lock=lock,
+        chunk_hashes=chain_hashes(toks, CHUNK)), m.LookupReply).hit_chunks
+
+
+def stats(client: MessageQueueClient) -> m.ServerStats:
+    return client.call(RequestType.SERVER_INFO, m.NoArgs(), m.ServerInfoReply).stats
+
+
+def piece_key(toks: list[int], chunk: int) -> ChunkKey:
+    return ChunkKey("tiny", TINY_LAYOUT, 0, 4, chain_hashes(toks, CHUNK)[chunk])
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="lmint", dir="/tmp"))  # ipc paths: at most 107 bytes
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def in_process(tmp: Path, **extra: Any) -> CacheServer:
+    tiny: dict[str, Any] = TINY
+    overrides: dict[str, Any] = {f"{section}.{key}": v
+                                 for section in ("model", "server", "timeouts")
+                                 for key, v in tiny[section].items()}
+    overrides.update({"chunk_size": TINY["chunk_size"], "server.url": f"ipc://{tmp}/int.sock",
+                      "server.http_url": False, **extra})
+    server = CacheServer(load_config(overrides=overrides))
+    server.start()
+    return server
+
+
+def test_a_corrupt_pool_piece_is_reported_missing_and_never_served(short_tmp: Path) -> None:
+    server = in_process(short_tmp, **{"integrity.verify_on_retrieve": True,
+                                      "server.http_url": "http://127.0.0.1:0"})
+    worker = WorkerProcess(server.url)
+    try:
+        toks = tokens(3, seed=1)
+        worker("fill", blocks=blocks(0, 3), seed=5)
+        want = [worker("digest", blocks=blocks(i, 1))["digest"] for i in range(3)]
+        assert worker("store", req="s", keys=toks, blocks=blocks(0, 3))["finished"]
+        engine = server.engine
+        pieces: list[Piece] = [p for p in (engine.index.get(piece_key(toks, i)) for i in range(3))
+                               if p is not None]
+        # Checksums were recorded at store: xxh3-64 of exactly the bytes in the pool.
+        assert len(pieces) == 3
+        for p in pieces:
+            assert p.checksum == integrity.checksum(engine.memory(p.handle, p.nbytes))
+        # One byte of chunk 1 changes in the pool behind the server's back.
+        view = engine.memory(pieces[1].handle, pieces[1].nbytes)
+        view[100] = view[100] ^ 0x10
+        with MessageQueueClient(server.url) as client:
+            assert lookup(client, toks, "r") == 3  # a lookup does not hash
+            worker("zero", blocks=blocks(0, 3))
+            result = worker("retrieve", req="r", keys=toks, blocks=blocks(0, 3))
+            assert result["finished"]
+            assert result["load_errors"] == blocks(1, 1)  # vLLM recomputes those blocks
+            assert worker("digest", blocks=blocks(0, 1))["digest"] == want[0]
+            assert worker("digest", blocks=blocks(2, 1))["digest"] == want[2]
+            assert worker("digest", blocks=blocks(1, 1))["digest"] != want[1]  # not written
+            s = stats(client)
+            assert s.integrity_failures == 1 and s.integrity_verified_chunks == 2
+            assert s.chunks == 2 and s.retrieve_missing == 1
+            assert lookup(client, toks, "again", lock=False) == 1  # the chunk is gone
+        assert server.http_url is not None
+        with urllib.request.urlopen(server.http_url + "/metrics", timeout=5) as response:
+            text = response.read().decode()
+        assert "lmcache_integrity_failures_total 1.0" in text
+        assert "lmcache_integrity_verified_chunks_total 2.0" in text
+    finally:
+        worker.close()
+        server.request_stop()
+        server.stop()
+
+
+def test_a_store_failing_between_two_chunk_copies_leaves_nothing_visible(
+        short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_gather = MappedKVCache.gather
+
+    def gather_one_then_fail(self: MappedKVCache, block_ids: Sequence[int],
+                             slots: Sequence[Any]) -> None:
+        real_gather(self, block_ids[:self.blocks_per_chunk], slots[:1])  # chunk 0 copied
+        raise RuntimeError("injected: the copy failed after the first chunk")
+
+    server = in_process(short_tmp)
+    worker = WorkerProcess(server.url)
+    try:
+        toks = tokens(3, seed=2)
+        worker("fill", blocks=blocks(0, 3), seed=6)
+        with MessageQueueClient(server.url) as client:
+            monkeypatch.setattr(MappedKVCache, "gather", gather_one_then_fail)
+            result = worker("store", req="s", keys=toks, blocks=blocks(0, 3))
+            assert result["failed"].get("s")  # reported to vLLM as a failed store
+            monkeypatch.setattr(MappedKVCache, "gather", real_gather)
+            assert lookup(client, toks, "r", lock=False) == 0  # not even chunk 0
+            s = stats(client)
+            assert s.chunks == 0 and s.stored_chunks == 0 and s.pool_bytes_allocated == 0
+            # The same store again succeeds in full.
+            assert worker("store", req="s2", keys=toks, blocks=blocks(0, 3))["finished"]
+            assert lookup(client, toks, "r2", lock=False) == 3
+    finally:
+        worker.close()
+        server.request_stop()
+        server.stop()
+
+
+@pytest.mark.redis
+def test_corrupt_disk_files_and_redis_values_are_dropped_not_loaded(
+        redis_up: RedisServer, tmp_path: Path) -> None:  # noqa: F811
+    disk_dir = tmp_path / "disk"
+    srv = ServerProcess(tmp_path, {
+        "remote": {"url": redis_up.url, "timeout_ms": 200, "retry_interval_s": 0.2},
+        "disk": {"path": str(disk_dir), "max_size": "64MiB", "write_through": True}}).start()
+    worker = WorkerProcess(srv.url)
+    try:
+        toks = tokens(4, seed=3)
+        worker("fill", blocks=blocks(0, 4), seed=9)
+        want = worker("digest", blocks=blocks(0, 2))["digest"]
+        assert worker("store", req="s", keys=toks, blocks=blocks(0, 4))["finished"]
+        with MessageQueueClient(srv.url) as client, redis_up.client() as redis_client:
+            wait_for(lambda: stats(client).remote_written_chunks == 4
+                     and stats(client).disk_chunks == 4)
+            bad = piece_key(toks, 2)
+            # Chunk 2's payload changes by one byte on disk and in Redis, behind the server's back
+            # (headers intact: only the store-time checksum, payload_xxh3, can tell).
+            path = disk_dir / file_name(bad)
+            data = bytearray(path.read_bytes())
+            data[-7] ^= 0x01
+            path.write_bytes(bytes(data))
+            rkey = redis_key(f"lmcache:v{record.FORMAT_VERSION}:", bad)
+            value = bytearray(redis_client.get(rkey) or b"")
+            assert value
+            value[-7] ^= 0x01
+            redis_client.set(rkey, bytes(value))
+            client.call(RequestType.CLEAR, m.ClearRequest(force=True), m.ClearReply)
+            # Disk first: chunk 2's file fails its check; the lookup stops before it.
+            assert lookup(client, toks, "a", lock=False) == 2
+            s = stats(client)
+            assert s.disk_corrupt == 1 and not path.exists()
+            # Then Redis: its value fails too, and is deleted there.
+            assert lookup(client, toks, "b") == 2
+            s = stats(client)
+            assert s.remote_corrupt == 1 and not redis_client.exists(rkey)
+            # What is served is exactly what was stored.
+            worker("zero", blocks=blocks(0, 4))
+            result = worker("retrieve", req="b", keys=toks[:2 * CHUNK], blocks=blocks(0, 2))
+            assert result["finished"] and not result["load_errors"]
+            assert worker("digest", blocks=blocks(0, 2))["digest"] == want
+    finally:
+        worker.close()
+        srv.kill()

@@ -1,0 +1,210 @@
+"""Chunk checksums: taken at store, kept on the piece, carried in tier records, checked before a
+tier write, after a tier read and (``verify_on_retrieve``) before a retrieve's copy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmcache_core.engine import CacheEngine, StorePlan
+from lmcache_core.keys import ChunkKey, layout_key
+from lmcache_core.storage import integrity, record
+from lmcache_core.storage.disk import DiskTier, file_name
+from lmcache_core.storage.pool import MemoryPool
+
+SLOT = 1024
+NBYTES = 1000
+LAYOUT = layout_key("bfloat16", 2, 8, 64, False)  # 8 KV heads
+
+
+def key(i: int) -> ChunkKey:
+    return ChunkKey("m", LAYOUT, 0, 8, bytes([i, 0xC3]) * 16)
+
+
+def pattern(i: int) -> torch.Tensor:
+    return ((torch.arange(NBYTES, dtype=torch.int64) * (i + 3) + 11) % 251).to(torch.uint8)
+
+
+def engine_with(disk: DiskTier | None = None, slots: int = 8) -> CacheEngine:
+    return CacheEngine(MemoryPool.slots(SLOT, slots, pin=False), chunk_size=16, disk=disk)
+
+
+def begin(engine: CacheEngine, ids: list[int]) -> StorePlan:
+    """A store's first half as the server's handler does it: copy in, then checksum."""
+    plan = engine.begin_store([key(i) for i in ids], NBYTES)
+    for position, _, view in plan.writes:
+        view.copy_(pattern(ids[position]))
+    plan.checksums = [integrity.checksum(view) for _, _, view in plan.writes]
+    return plan
+
+
+def store(engine: CacheEngine, ids: list[int]) -> None:
+    engine.finish_store(begin(engine, ids))
+
+
+def corrupt(engine: CacheEngine, i: int, at: int = 10) -> None:
+    piece = engine.index.get(key(i))
+    assert piece is not None
+    view = engine.memory(piece.handle, piece.nbytes)
+    view[at] = view[at] ^ 0x01
+
+
+def lookup(engine: CacheEngine, ids: list[int]) -> int:
+    return engine.lookup_tiers("m", LAYOUT, [(0, 8)], [key(i).chunk_hash for i in ids], "q",
+                               lock=False)
+
+
+# ---------------------------------------------------------------- the checksum itself
+
+
+def test_checksum_is_xxh3_of_the_bytes_whatever_holds_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    t = pattern(1)
+    value = integrity.checksum(t)
+    assert value == integrity.checksum(t.numpy().data) == integrity.checksum(bytes(t.numpy()))
+    assert value != 0 and integrity.matches(t, value) and integrity.matches(t, 0)
+    t[3] ^= 1
+    assert not integrity.matches(t, value)
+    monkeypatch.setattr(integrity, "_xxh3_64", lambda _buffer: 0)
+    assert integrity.checksum(b"x") == 1  # 0 means "none": never a checksum
+
+
+# ---------------------------------------------------------------- store and commit
+
+
+def test_store_records_each_pieces_checksum() -> None:
+    engine = engine_with()
+    store(engine, [1, 2])
+    for i in (1, 2):
+        piece = engine.index.get(key(i))
+        assert piece is not None and piece.checksum == integrity.checksum(pattern(i))
+
+
+def test_a_failed_store_leaves_nothing_visible() -> None:
+    engine = engine_with()
+    plan = engine.begin_store([key(1), key(2)], NBYTES)
+    plan.writes[0][2].copy_(pattern(1))  # the first chunk's copy went in, the second's failed
+    engine.finish_store(plan, ok=False)
+    assert lookup(engine, [1]) == 0 and len(engine) == 0 and engine.pool.bytes_allocated == 0
+    store(engine, [1, 2])
+    assert lookup(engine, [1, 2]) == 2
+
+
+# ---------------------------------------------------------------- records
+
+
+def test_a_record_with_a_wrong_payload_xxh3_is_refused() -> None:
+    k, data = key(1), pattern(1).numpy().data
+    good = record.encode(k, data)
+    out = memoryview(bytearray(SLOT))
+    assert record.decode_checked_into(good, k, out) == (NBYTES, integrity.checksum(data))
+    # A header that is self-consistent (its own checksum matches) but carries another payload's
+    # checksum: the payload is refused.
+    lying = record.encode(k, data, payload_xxh3=integrity.checksum(pattern(2)))
+    with pytest.raises(record.RecordError, match="payload_xxh3"):
+        record.decode_into(lying, k, memoryview(bytearray(SLOT)))
+    # The header field itself changed (its checksum then no longer matches).
+    tampered = bytearray(good)
+    tampered[32] ^= 0x01  # payload_xxh3 is at bytes 32..40
+    with pytest.raises(record.RecordError, match="header checksum"):
+        record.decode_into(bytes(tampered), k, memoryview(bytearray(SLOT)))
+    # No checksum at all is no record of this format.
+    zero = bytearray(good)
+    zero[32:40] = bytes(8)
+    with pytest.raises(record.RecordError, match="inconsistent"):
+        record.decode_into(bytes(zero), k, memoryview(bytearray(SLOT)))
+
+
+# ---------------------------------------------------------------- tiers
+
+
+def test_a_piece_corrupted_in_memory_is_never_written_to_disk(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path, 2**20, write_through=True)
+    engine = engine_with(disk)
+    disk.start()
+    try:
+        plan = begin(engine, [1, 2])
+        view = plan.writes[1][2]
+        view[10] ^= 0x01  # the bytes change after their checksum was taken (memory corruption)
+        engine.finish_store(plan)  # queued for the writer
+        assert disk.flush(10)
+    finally:
+        disk.stop()
+    s = engine.stats()
+    assert s["integrity_failures"] == 1 and s["integrity_verified_chunks"] == 1
+    assert disk.contains(key(1)) and engine.index.get(key(2)) is None
+    assert lookup(engine, [1, 2]) == 1
+
+
+def test_a_piece_corrupted_in_memory_is_dropped_by_the_writer(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path, 2**20)
+    engine = engine_with(disk)
+    store(engine, [1, 2])
+    corrupt(engine, 2)
+    assert engine.tiers is not None
+    for i in (1, 2):
+        with engine.tiers.guard.source(key(i)) as payload:
+            if payload is not None:
+                assert disk.write(key(i), payload)
+    assert disk.contains(key(1)) and not disk.contains(key(2))
+    s = engine.stats()
+    assert s["integrity_failures"] == 1 and s["integrity_verified_chunks"] == 1
+    assert len(engine) == 1 and engine.pool.bytes_allocated == SLOT  # its slot is free again
+
+
+def test_a_tier_load_keeps_the_records_checksum_and_refuses_a_corrupt_payload(
+        tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path, 2**20)
+    for i in (1, 2, 3):
+        assert disk.write(key(i), pattern(i).numpy().data)
+    path = tmp_path / file_name(key(2))
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x40  # one payload byte; the header is intact
+    path.write_bytes(bytes(data))
+    engine = engine_with(disk)
+    assert lookup(engine, [1, 2, 3]) == 1  # chunk 2 fails its check: the prefix stops there
+    piece = engine.index.get(key(1))
+    assert piece is not None and piece.checksum == integrity.checksum(pattern(1))
+    s = engine.stats()
+    assert s["disk_corrupt"] == 1 and not path.exists() and engine.index.get(key(2)) is None
+
+
+# ---------------------------------------------------------------- retrieve
+
+
+def test_verify_retrieve_moves_a_corrupt_chunk_to_missing_and_drops_it() -> None:
+    engine = engine_with()
+    store(engine, [1, 2, 3])
+    corrupt(engine, 2)
+    hashes = [key(i).chunk_hash for i in (1, 2, 3)]
+    assert engine.lookup("m", LAYOUT, [(0, 8)], hashes, "r") == 3
+    plan = engine.begin_retrieve("m", LAYOUT, (0, 8), hashes, "r")
+    assert engine.integrity.verify_retrieve(plan) == [1]
+    assert [at for at, _ in plan.found] == [0, 2] and plan.missing == [1]
+    for at, sources in plan.found:
+        assert torch.equal(sources[0][0], pattern(at + 1))
+    engine.finish_retrieve(plan)
+    s = engine.stats()
+    assert s["integrity_failures"] == 1 and s["integrity_verified_chunks"] == 2
+    assert s["retrieved_chunks"] == 2 and s["retrieve_missing"] == 1 and s["locks_held"] == 0
+    assert engine.index.get(key(2)) is None and engine.pool.bytes_allocated == 2 * SLOT
+    assert all(p.readers == 0 for p in engine.index)
+
+
+def test_a_corrupt_piece_another_retrieve_reads_is_freed_once_it_is_done() -> None:
+    engine = engine_with()
+    store(engine, [1])
+    corrupt(engine, 1)
+    hashes = [key(1).chunk_hash]
+    first = engine.begin_retrieve("m", LAYOUT, (0, 8), hashes)
+    second = engine.begin_retrieve("m", LAYOUT, (0, 8), hashes)  # reads it too, unverified
+    assert engine.integrity.verify_retrieve(first) == [1 - 1]
+    engine.finish_retrieve(first)
+    assert len(engine) == 0 and engine.pool.bytes_allocated == SLOT  # still read: not freed
+    engine.finish_retrieve(second)
+    store(engine, [2])  # the guard frees it at its next drop or check
+    check = engine.begin_retrieve("m", LAYOUT, (0, 8), [key(2).chunk_hash])
+    assert engine.integrity.verify_retrieve(check) == []
+    engine.finish_retrieve(check)
+    assert engine.pool.bytes_allocated == SLOT  # only chunk 2's
