@@ -19,6 +19,7 @@ class ErrorCode(str, Enum):
     INCOMPATIBLE = "incompatible"
     SHUTTING_DOWN = "shutting_down"
     BUSY = "busy"
+    PIN_LIMIT = "pin_limit"
     INTERNAL = "internal"
 
 
@@ -77,6 +78,12 @@ class ServerBusyError(LMCacheError):
     code = ErrorCode.BUSY
 
 
+class PinLimitError(LMCacheError):
+    """A pin would hold more than ``server.max_pinned`` bytes: refused, nothing pinned."""
+
+    code = ErrorCode.PIN_LIMIT
+
+
 class ServerError(LMCacheError):
     """The server failed while handling a request; the message says why."""
 
@@ -119,6 +126,7 @@ _BY_CODE: dict[ErrorCode, type[LMCacheError]] = {
     ErrorCode.INCOMPATIBLE: IncompatibleError,
     ErrorCode.SHUTTING_DOWN: ShuttingDownError,
     ErrorCode.BUSY: ServerBusyError,
+    ErrorCode.PIN_LIMIT: PinLimitError,
     ErrorCode.INTERNAL: ServerError,
 }
 

@@ -6,6 +6,7 @@ Without ``disk``/``remote`` it holds no ``TieredStorage`` and every path is memo
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
@@ -13,15 +14,17 @@ from typing import TYPE_CHECKING, Any
 
 from lmcache_core.engine.async_lookup import AsyncLookups
 from lmcache_core.engine.core import MEMORY_TIER, CacheCore
+from lmcache_core.engine.index import Piece, find_hits
+from lmcache_core.engine.retention import Retention
 from lmcache_core.engine.tiered import TieredStorage
-from lmcache_core.errors import ProtocolError
+from lmcache_core.engine.verify import IntegrityGuard
+from lmcache_core.errors import PinLimitError, ProtocolError
 from lmcache_core.events import KVEventSink
 from lmcache_core.keys import ChunkKey, HeadRange
 from lmcache_core.protocol.messages import ChunkInfo, ModelStats
 from lmcache_core.storage.pool import MemoryPool
 
 if TYPE_CHECKING:
-    from lmcache_core.engine.index import Piece
     from lmcache_core.storage.disk import DiskTier
     from lmcache_core.storage.remote import RemoteTier
 
@@ -34,9 +37,14 @@ class CacheEngine(CacheCore):
     def __init__(self, pool: MemoryPool, chunk_size: int, lock_ttl_s: float = 300.0,
                  clock: Callable[[], float] = time.monotonic, *, disk: DiskTier | None = None,
                  remote: RemoteTier | None = None, events: KVEventSink | None = None,
-                 quotas: Mapping[str, int] | None = None) -> None:
-        super().__init__(pool, chunk_size, lock_ttl_s, clock, events=events, quotas=quotas)
-        self.tiers = (TieredStorage(self, disk, remote)
+                 quotas: Mapping[str, int] | None = None,
+                 max_pinned_bytes: int | None = None) -> None:
+        super().__init__(pool, chunk_size, lock_ttl_s, clock, events=events, quotas=quotas,
+                         max_pinned_bytes=max_pinned_bytes)
+        # Checks pieces against their checksums (tier writes; retrieves when asked) and drops
+        # the corrupt ones.
+        self.integrity = IntegrityGuard(self)
+        self.tiers = (TieredStorage(self, disk, remote, self.integrity)
                       if disk is not None or remote is not None else None)
         self._async = AsyncLookups(self)
 
@@ -86,16 +94,52 @@ class CacheEngine(CacheCore):
     def __len__(self) -> int:
         return len(self.index)
 
+    # ------------------------------------------------------------------ pins (lmcache pin/unpin)
+
+    def pin(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
+            chunk_hashes: Sequence[bytes], ttl_s: float | None = None) -> int:
+        """Pin the pieces covering ``ranges`` of the leading chunks held (until unpinned, or
+        for ``ttl_s``); how many pieces are pinned now. PinLimitError, pinning nothing, when
+        that would pass ``max_pinned_bytes``."""
+        with self.mutex:
+            now = self.clock()
+            pieces = self._pieces_of(model_name, layout, ranges, chunk_hashes)
+            book = self.retention
+            more = sum(piece.nbytes for piece in pieces if not piece.pinned)
+            if book.pinned_bytes + more > book.max_pinned_bytes:
+                raise PinLimitError(
+                    f"pinning {len(pieces)} piece(s) ({more} more bytes) would hold "
+                    f"{book.pinned_bytes + more} bytes pinned, over server.max_pinned "
+                    f"({book.max_pinned_bytes}); unpin others or raise it")
+            hint = Retention(ttl_s=ttl_s, pin=True)
+            for piece in pieces:
+                book.apply(piece, hint, now, fresh=ttl_s is not None)
+        return len(pieces)
+
+    def unpin(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
+              chunk_hashes: Sequence[bytes]) -> int:
+        """Unpin the pieces covering ``ranges`` of the leading chunks held; how many were."""
+        with self.mutex:
+            pieces = self._pieces_of(model_name, layout, ranges, chunk_hashes)
+            return sum(self.retention.unpin(piece) for piece in pieces)
+
+    def _pieces_of(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
+                   chunk_hashes: Sequence[bytes]) -> list[Piece]:
+        hits = find_hits(self.index, model_name, layout, ranges, chunk_hashes)
+        found = {piece.handle: piece for chunk in hits for _, _, pieces in chunk
+                 for piece in pieces}
+        return list(found.values())
+
     # ------------------------------------------------------------------ admin
 
     def clear(self, force: bool = False) -> tuple[int, int]:
-        """Drop resident pieces; returns ``(removed, kept)``. Unforced, locked pieces stay;
-        forced, they go with their locks. Pieces being read always stay."""
+        """Drop resident pieces; returns ``(removed, kept)``. Unforced, locked and pinned pieces
+        stay; forced, they go with their locks and pins. Pieces being read always stay."""
         removed = kept = 0
         dropped: list[ChunkKey] = []
         with self.mutex:
             for piece in list(self.index):
-                if piece.readers or (piece.locks and not force):
+                if piece.readers or ((piece.locks or piece.pinned) and not force):
                     kept += 1
                 else:
                     self.drop(piece)
@@ -114,7 +158,9 @@ class CacheEngine(CacheCore):
             out = asdict(self.counters)
             out.update(chunks=len(self.index), bytes_used=self.index.nbytes,
                        pool_bytes_allocated=pool.bytes_allocated, pool_slabs=pool.num_slabs,
-                       pool_slabs_free=pool.free_slabs, locks_held=self.locks.held_count())
+                       pool_slabs_free=pool.free_slabs, locks_held=self.locks.held_count(),
+                       pinned_pieces=len(self.retention.pinned),
+                       pinned_bytes=self.retention.pinned_bytes)
         if self.tiers is not None:
             out.update(self.tiers.stats())
         return out
@@ -144,7 +190,7 @@ class CacheEngine(CacheCore):
             rows = [(piece, now - piece.created, piece.locks, piece.hits) for piece in self.index
                     if model_name is None or piece.key.model_name == model_name]
         rows.sort(key=_SORT_KEYS[sort])
-        return [_chunk_info(*row) for row in rows[:max(limit, 0)]], len(rows)
+        return [_chunk_info(*row, now) for row in rows[:max(limit, 0)]], len(rows)
 
     def close(self, timeout_s: float = 5.0) -> bool:
         """Shut down the engine's own threads (the async lookups' prefetch pool, if made).
@@ -188,8 +234,10 @@ _SORT_KEYS: dict[str, Callable[[_Row], Any]] = {
 }
 
 
-def _chunk_info(piece: Piece, age_s: float, locks: int, hits: int) -> ChunkInfo:
+def _chunk_info(piece: Piece, age_s: float, locks: int, hits: int, now: float) -> ChunkInfo:
     key = piece.key
+    expires_in = None if piece.expires == math.inf else max(0.0, piece.expires - now)
     return ChunkInfo(chunk_hash=key.chunk_hash, model_name=key.model_name, layout=key.layout,
                      head_lo=key.head_lo, head_hi=key.head_hi, tier=MEMORY_TIER,
-                     nbytes=piece.nbytes, locks=locks, hits=hits, age_s=age_s)
+                     nbytes=piece.nbytes, locks=locks, hits=hits, age_s=age_s,
+                     pinned=piece.pinned, expires_in_s=expires_in, priority=piece.priority)

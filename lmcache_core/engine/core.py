@@ -33,6 +33,7 @@ from lmcache_core.engine import eviction
 from lmcache_core.engine.index import Piece, PieceIndex, cover, find_hits, touch_hits
 from lmcache_core.engine.locks import LockTable
 from lmcache_core.engine.plans import Counters, RetrievePlan, StorePlan
+from lmcache_core.engine.retention import PLAIN, Retention, RetentionBook, eviction_order
 from lmcache_core.errors import IncompatibleError, ProtocolError
 from lmcache_core.events import KVEventSink
 from lmcache_core.keys import ChunkKey, HeadRange
@@ -47,7 +48,8 @@ class CacheCore:
     def __init__(self, pool: MemoryPool, chunk_size: int, lock_ttl_s: float = 300.0,
                  clock: Callable[[], float] = time.monotonic, *,
                  events: KVEventSink | None = None,
-                 quotas: Mapping[str, int] | None = None) -> None:
+                 quotas: Mapping[str, int] | None = None,
+                 max_pinned_bytes: int | None = None) -> None:
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         if lock_ttl_s <= 0:
@@ -62,6 +64,10 @@ class CacheCore:
         self.locks = LockTable(lock_ttl_s)
         self.writing: dict[ChunkKey, int] = {}  # key -> pool handle while a store copies in
         self.counters = Counters()
+        # Pins, TTLs, priorities asked for by requests; pins take at most a quarter of the pool
+        # unless told otherwise.
+        self.retention = RetentionBook(pool.nbytes // 4 if max_pinned_bytes is None
+                                       else max_pinned_bytes)
         # Told of every piece that enters or leaves memory, under the lock (KV events for routers).
         self.events = events
         # The tiers' hooks: told of the keys a store committed (after it, outside the lock) and of
@@ -104,8 +110,10 @@ class CacheCore:
     def expire_locks(self) -> int:
         """Release every lock older than ``lock_ttl_s``; returns how many piece locks went."""
         with self.mutex:
-            expired = self.locks.expire(self.clock())
+            now = self.clock()
+            expired = self.locks.expire(now)
             self.counters.locks_expired += expired
+            self.retention.lapse(now)  # pins whose TTL ended: ordinary pieces again
             return expired
 
     def free_lookup_locks(self, lookup_id: str) -> int:
@@ -119,17 +127,19 @@ class CacheCore:
 
     # ------------------------------------------------------------------ store
 
-    def begin_store(self, keys: Sequence[ChunkKey], nbytes: int) -> StorePlan:
+    def begin_store(self, keys: Sequence[ChunkKey], nbytes: int,
+                    retention: Retention = PLAIN) -> StorePlan:
         """Reserve pool bytes for each piece not yet held, evicting as needed.
 
         A key whose head range resident pieces already cover, or that is being written, counts as
-        ``already_present``; keys no room can be found for count as ``skipped_full`` (earlier
-        keys, the prefix's head, get room first). Never raises for a full pool."""
+        ``already_present`` (covering pieces get ``retention`` too); keys no room can be found for
+        count as ``skipped_full`` (earlier keys, the prefix's head, get room first). Never raises
+        for a full pool. ``retention``: the request's TTL, pin and priority (``retention``)."""
         if not self.pool.fits(nbytes):
             raise IncompatibleError(
                 f"a chunk piece of {nbytes} bytes does not fit the pool's "
                 f"{self.pool.max_alloc_bytes}-byte slabs (raise server.slab_size)")
-        plan = StorePlan(nbytes, [])
+        plan = StorePlan(nbytes, [], retention=retention)
         with self.mutex:
             now = self.clock()
             if self.locks.due(now):
@@ -149,9 +159,12 @@ class CacheCore:
         the (request index, key) pairs that got room."""
         new: list[tuple[int, ChunkKey]] = []
         index, writing = self.index, self.writing
+        keep = not plan.retention.plain
         for position, key in enumerate(keys):
             if key in writing or index.covers(key.chunk, (key.head_lo, key.head_hi)):
                 plan.already_present += 1
+                if keep:
+                    self._retain_present(key, plan)
             else:
                 writing[key] = -1
                 new.append((position, key))
@@ -159,10 +172,10 @@ class CacheCore:
         pending: dict[str, int] = {}  # per model: bytes this request reserved already
         for position, key in new:
             model = key.model_name
-            if not self._quota_room(model, nbytes, pending.get(model, 0)):
+            if not self.quota_room(model, nbytes, pending.get(model, 0)):
                 plan.skipped_quota += 1
                 continue
-            handle = self._allocate(nbytes, len(new) - len(got))
+            handle = self.allocate(nbytes, len(new) - len(got))
             if handle is None:
                 break
             writing[key] = handle
@@ -176,7 +189,7 @@ class CacheCore:
         plan.skipped_full += len(new) - len(got) - plan.skipped_quota
         return got
 
-    def _quota_room(self, model_name: str, nbytes: int, pending: int) -> bool:
+    def quota_room(self, model_name: str, nbytes: int, pending: int) -> bool:
         """Whether a piece of ``model_name`` fits its quota (``pending``: bytes the same request
         reserved already), evicting the model's own oldest pieces if that makes it fit; nothing
         is evicted when it cannot."""
@@ -186,17 +199,21 @@ class CacheCore:
         excess = self.index.model_bytes.get(model_name, 0) + pending + nbytes - quota
         if excess <= 0:
             return True
-        victims = eviction.quota_victims(self.index, model_name, excess)
+        now = self.clock()
+        order = eviction_order(self.index, self.retention, now)
+        victims = eviction.quota_victims(order, now, model_name, excess)
         if sum(piece.nbytes for piece in victims) < excess:
             return False
         self._evict(victims)
         return True
 
-    def _allocate(self, nbytes: int, wanted: int) -> int | None:
+    def allocate(self, nbytes: int, wanted: int) -> int | None:
         """Pool bytes for one piece, evicting LRU pieces (of any model) as needed."""
         handle = self.pool.allocate(nbytes)
         if handle is None:
-            self._evict(eviction.victims_for(self.index, self.pool, nbytes, wanted))
+            now = self.clock()
+            order = eviction_order(self.index, self.retention, now)
+            self._evict(eviction.victims_for(self.index, self.pool, order, now, nbytes, wanted))
             handle = self.pool.allocate(nbytes)
         return handle
 
@@ -211,20 +228,30 @@ class CacheCore:
                 for key, handle in zip(plan.keys, plan.handles, strict=True):
                     del self.writing[key]
                     self.pool.free(handle)
+                self.counters.store_pin_refused += plan.pin_refused
                 return
             self.commit([(key, handle, plan.nbytes)
-                         for key, handle in zip(plan.keys, plan.handles, strict=True)])
+                         for key, handle in zip(plan.keys, plan.handles, strict=True)],
+                        plan)
+            self.counters.store_pin_refused += plan.pin_refused
             self.counters.stored_chunks += len(plan.keys)
             self.counters.stored_bytes += plan.nbytes * len(plan.keys)
         if plan.keys and self.on_stored is not None:  # the tiers' queues: outside the lock
             self.on_stored(plan.keys)
 
-    def commit(self, items: Sequence[tuple[ChunkKey, int, int]]) -> None:
-        """Under the lock: make written ``(key, handle, nbytes)`` pieces resident, tail first."""
+    def commit(self, items: Sequence[tuple[ChunkKey, int, int]],
+               plan: StorePlan | None = None, checksums: Sequence[int] = ()) -> None:
+        """Under the lock: make written ``(key, handle, nbytes)`` pieces resident, tail first,
+        with the store ``plan``'s retention and checksums (or ``checksums``; none: 0)."""
         now, writing, add = self.clock(), self.writing, self.index.add
-        for key, handle, nbytes in reversed(items):
+        retention = plan.retention if plan is not None else PLAIN
+        sums = checksums or (plan.checksums if plan is not None else ()) or [0] * len(items)
+        for (key, handle, nbytes), checksum in zip(reversed(items), reversed(sums), strict=True):
             del writing[key]
-            add(Piece(key, handle, nbytes, now))
+            piece = Piece(key, handle, nbytes, now, checksum)
+            add(piece)
+            if not retention.plain and not self.retention.apply(piece, retention, now, True):
+                plan.pin_refused += 1  # type: ignore[union-attr]
         if self.events is not None and items:
             self.events.stored([key for key, _, _ in items], MEMORY_TIER)
 
@@ -242,7 +269,17 @@ class CacheCore:
 
     def drop(self, piece: Piece) -> None:
         self.index.remove(piece)
+        self.retention.forget(piece)
         self.pool.free(piece.handle)
+
+    def _retain_present(self, key: ChunkKey, plan: StorePlan) -> None:
+        """A store found ``key``'s heads already held: give those pieces its retention."""
+        pieces = self.index.chunks.get(key.chunk)
+        covering = cover(pieces, key.head_lo, key.head_hi) if pieces else None
+        now = self.clock()
+        for piece in covering or ():
+            if not self.retention.apply(piece, plan.retention, now, False):
+                plan.pin_refused += 1
 
     # ------------------------------------------------------------------ retrieve
 
@@ -303,59 +340,19 @@ class CacheCore:
     # ``tiered.TieredStorage`` loads pieces into memory through these: room is reserved under the
     # lock (as a store does), filled outside it, and committed under it again.
 
-    def uncovered(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
-                  chunk_hashes: Sequence[bytes]) -> list[list[HeadRange]]:
-        """Per chunk, the ranges of ``ranges`` resident pieces do not cover (stops after a
-        pool's worth of bytes would be needed: more could not be loaded at once anyway)."""
-        out: list[list[HeadRange]] = []
+    def commit_loaded(self, items: Sequence[tuple[ChunkKey, int, int]], got: Sequence[int],
+                      checksums: Sequence[int] = ()) -> list[ChunkKey]:
+        """Make the reserved pieces whose load got all their bytes resident, with their verified
+        ``checksums`` (the records' ``payload_xxh3``); free the others."""
         with self.mutex:
-            chunks_of = self.index.chunks.get
-            for chunk_hash in chunk_hashes:
-                pieces = chunks_of((model_name, layout, chunk_hash)) or []
-                out.append([(lo, hi) for lo, hi in ranges
-                            if not pieces or cover(pieces, lo, hi) is None])
-        return out
-
-    def reserve(self, items: Sequence[tuple[ChunkKey, int]]) -> list[tuple[ChunkKey, int, int]]:
-        """Pool bytes for the ``(key, nbytes)`` pieces neither resident nor being written, in
-        order as far as the pool allows (evicting as a store does): ``(key, handle, nbytes)``.
-        They count as being written until ``commit_loaded``."""
-        out: list[tuple[ChunkKey, int, int]] = []
-        with self.mutex:
-            for key, nbytes in items:
-                if key in self.writing or key in self.index.lru or not self.pool.fits(nbytes):
-                    continue
-                if not self._quota_room(key.model_name, nbytes, 0):
-                    continue
-                handle = self._allocate(nbytes, 1)
-                if handle is None:
-                    break
-                self.writing[key] = handle
-                out.append((key, handle, nbytes))
-        return out
-
-    def commit_loaded(self, items: Sequence[tuple[ChunkKey, int, int]],
-                      got: Sequence[int]) -> list[ChunkKey]:
-        """Make the reserved pieces whose load got all their bytes resident; free the others."""
-        with self.mutex:
-            whole = [item for item, n in zip(items, got, strict=True) if n == item[2]]
+            sums = checksums or [0] * len(items)
+            whole = [(item, s) for item, n, s in zip(items, got, sums, strict=True) if n == item[2]]
             for (key, handle, nbytes), n in zip(items, got, strict=True):
                 if n != nbytes:
                     del self.writing[key]
                     self.pool.free(handle)
-            self.commit(whole)
-        return [key for key, _, _ in whole]
-
-    def relookup(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
-                 chunk_hashes: Sequence[bytes], lookup_id: str, lock: bool, hits: int) -> int:
-        """``lookup`` again after the tiers loaded pieces, counting the chunks found since its
-        first pass (``hits``) as hits of that same lookup rather than misses."""
-        with self.mutex:
-            chunks = self.lookup_locked(model_name, layout, ranges, chunk_hashes, lookup_id, lock)
-            n = self.counters
-            n.lookup_hit_chunks += chunks - hits
-            n.lookup_miss_chunks -= chunks - hits
-        return chunks
+            self.commit([item for item, _ in whole], checksums=[s for _, s in whole])
+        return [item[0] for item, _ in whole]
 
     def memory(self, handle: int, nbytes: int) -> memoryview:
         """A pool allocation's bytes as a memoryview (no copy)."""
@@ -377,19 +374,3 @@ class CacheCore:
         finally:
             with self.mutex:
                 piece.readers -= 1
-
-    def coldest(self, limit: int, ahead_bytes: int,
-                saved: Callable[[ChunkKey], bool]) -> list[ChunkKey]:
-        """Up to ``limit`` pieces not ``saved`` among the least recently used ones holding
-        ``ahead_bytes - free pool bytes``: the next in line for eviction (``saved`` runs under the
-        lock: a dict lookup)."""
-        out: list[ChunkKey] = []
-        with self.mutex:
-            at_risk = ahead_bytes - self.pool.bytes_free
-            for piece in self.index.lru.values():
-                if at_risk <= 0 or len(out) >= limit:
-                    break
-                at_risk -= piece.nbytes
-                if not saved(piece.key):
-                    out.append(piece.key)
-        return out

@@ -39,10 +39,6 @@ class Piece:
         self.pinned = False
         self.priority = 0
 
-    @property
-    def evictable(self) -> bool:
-        return not self.locks and not self.readers
-
 
 def cover(pieces: Sequence[Piece], lo: int, hi: int) -> list[Piece] | None:
     """The pieces that together hold heads ``[lo, hi)``, fewest first-found; None if some head

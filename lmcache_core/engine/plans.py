@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from lmcache_core.engine.retention import PLAIN, Retention
 from lmcache_core.keys import ChunkKey, HeadRange
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ class Counters:
     stored_bytes: int = 0
     store_skipped_full: int = 0
     store_skipped_quota: int = 0
+    store_pin_refused: int = 0
     retrieves: int = 0
     retrieved_chunks: int = 0
     retrieved_bytes: int = 0
@@ -39,6 +41,8 @@ class Counters:
     retrieve_late_chunks: int = 0
     evictions: int = 0
     locks_expired: int = 0
+    integrity_failures: int = 0  # pool pieces whose bytes no longer matched their checksum
+    integrity_verified_chunks: int = 0  # pieces checked against their checksum and intact
 
 
 @dataclass(slots=True, eq=False)
@@ -53,8 +57,13 @@ class StorePlan:
     already_present: int = 0
     skipped_full: int = 0
     skipped_quota: int = 0
+    pin_refused: int = 0  # pieces kept unpinned: pins would pass max_pinned
+    retention: Retention = PLAIN
     keys: list[ChunkKey] = field(default_factory=list, repr=False)
     handles: list[int] = field(default_factory=list, repr=False)
+    # Per piece of ``writes``, its checksum (``storage.integrity``), filled once its bytes are in
+    # (outside the lock) and kept on the piece at commit; empty: none recorded.
+    checksums: list[int] = field(default_factory=list, repr=False)
     done: bool = False
 
     @property

@@ -1,6 +1,6 @@
 """``TieredStorage``: the lower tiers (disk, Redis) around the engine's core, through its public
-methods only (``uncovered``, ``reserve``, ``commit_loaded``, ``relookup``, ``reading``, ``coldest``,
-``memory`` and the ``on_stored``/``on_evicted`` hooks).
+methods and ``loading`` (``uncovered``, ``reserve``, ``relookup``, ``coldest``; the core's
+``commit_loaded``, ``reading``, ``memory`` and its ``on_stored``/``on_evicted`` hooks).
 
 * **lookup** (``CacheEngine.lookup_tiers``): after a memory lookup, for each chunk whose head ranges
   memory does not cover, the pieces that can cover them are found in the disk index (no I/O) or
@@ -15,7 +15,9 @@ methods only (``uncovered``, ``reserve``, ``commit_loaded``, ``relookup``, ``rea
 * **eviction** (``evicted``): a piece evicted before the disk writer saved it is counted.
 
 Tier I/O never runs under the engine's lock: room is reserved under it, filled outside it, and
-committed under it again. The writers take bytes through ``reading``, which holds a reader count.
+committed under it again. The writers take bytes through ``verify.IntegrityGuard.source``
+(``reading``, which holds a reader count, checked against the piece's checksum: a corrupt piece is
+dropped, never written). A loaded piece keeps the checksum its record carried (verified on read).
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, TypeVar
 
+from lmcache_core.engine import loading
 from lmcache_core.engine.core import CacheCore
+from lmcache_core.engine.verify import IntegrityGuard
 from lmcache_core.keys import ChunkKey, HeadRange, candidate_ranges
 from lmcache_core.storage import record
 
@@ -50,18 +54,20 @@ class TieredStorage:
     """One engine's disk and/or remote tier; hooks itself into the core it is given."""
 
     def __init__(self, core: CacheCore, disk: DiskTier | None = None,
-                 remote: RemoteTier | None = None) -> None:
+                 remote: RemoteTier | None = None, guard: IntegrityGuard | None = None) -> None:
         self.core = core
         self.disk = disk
         self.remote = remote
         self.spill_ahead_bytes = max(1, core.pool.nbytes // SPILL_AHEAD_SHARE)
         core.on_stored = self.stored
         core.on_evicted = self.evicted
+        # The writers take a piece's bytes only once they match its checksum (``verify``).
+        self.guard = guard if guard is not None else IntegrityGuard(core)
         if disk is not None:
-            disk.bind(core.reading, self.spill_candidates)
+            disk.bind(self.guard.source, self.spill_candidates)
             disk.events = core.events  # each tier reports its own pieces (KV events)
         if remote is not None:
-            remote.bind(core.reading)
+            remote.bind(self.guard.source)
             remote.events = core.events
 
     # ------------------------------------------------------------------ lookup
@@ -78,11 +84,12 @@ class TieredStorage:
             return hits
         deadline = time.monotonic() + timeout_s
         rest = chunk_hashes[hits:]
-        wanted = core.uncovered(model_name, layout, ranges, rest)
+        wanted = loading.uncovered(core, model_name, layout, ranges, rest)
         loads = self._plan_loads(model_name, layout, rest, wanted, deadline)
         if loads:
             self._load(loads, deadline)
-        return core.relookup(model_name, layout, ranges, chunk_hashes, lookup_id, lock, hits)
+        return loading.relookup(core, model_name, layout, ranges, chunk_hashes, lookup_id, lock,
+                                hits)
 
     def _plan_loads(self, model_name: str, layout: str, hashes: Sequence[bytes],
                     wanted: list[list[HeadRange]], deadline: float) -> list[Load]:
@@ -157,7 +164,7 @@ class TieredStorage:
     def _load(self, loads: list[Load], deadline: float) -> None:
         """Reserve slots for ``loads`` (in order, as far as the pool allows) and fill them."""
         from_disk = {key: disk for key, _, disk in loads}
-        reserved = self.core.reserve([(key, nbytes) for key, nbytes, _ in loads])
+        reserved = loading.reserve(self.core, [(key, nbytes) for key, nbytes, _ in loads])
         disk_items = [item for item in reserved if from_disk[item[0]]]
         remote_items = [item for item in reserved if not from_disk[item[0]]]
         remote, future = self.remote, None
@@ -165,7 +172,7 @@ class TieredStorage:
             try:
                 future = remote.run(self._load_remote, remote_items, deadline)
             except RuntimeError:  # the tier is shutting down
-                self._commit_loads(remote_items, [0] * len(remote_items), from_disk=False)
+                self._commit_loads(remote_items, [(0, 0)] * len(remote_items), from_disk=False)
         if disk_items:
             self._load_disk(disk_items, deadline)
         if future is not None:
@@ -173,12 +180,12 @@ class TieredStorage:
 
     def _load_disk(self, items: list[Item], deadline: float) -> None:
         disk, memory = self.disk, self.core.memory
-        got = [0] * len(items)
+        got = [(0, 0)] * len(items)
         try:
             for i, (key, handle, nbytes) in enumerate(items):
                 if disk is None or time.monotonic() >= deadline:
                     break
-                got[i] = disk.read_into(key, memory(handle, nbytes))
+                got[i] = disk.load_into(key, memory(handle, nbytes))
         finally:
             self._commit_loads(items, got, from_disk=True)
 
@@ -186,19 +193,21 @@ class TieredStorage:
         """On the remote tier's thread: GET into the slots, then commit (even after the caller
         stopped waiting: the chunks are then simply warm in memory)."""
         remote, memory = self.remote, self.core.memory
-        got = [0] * len(items)
+        got = [(0, 0)] * len(items)
         try:
             if remote is not None:
-                got = remote.fetch_into([key for key, _, _ in items],
-                                        [memory(handle, nbytes) for _, handle, nbytes in items],
-                                        deadline)
+                got = remote.fetch_checked_into(
+                    [key for key, _, _ in items],
+                    [memory(handle, nbytes) for _, handle, nbytes in items], deadline)
         finally:
             self._commit_loads(items, got, from_disk=False)
 
-    def _commit_loads(self, items: list[Item], got: list[int], from_disk: bool) -> None:
-        """Make the loaded pieces resident (a short or failed load frees its room); pieces that
-        came from Redis go to disk as a store's would."""
-        loaded = self.core.commit_loaded(items, got)
+    def _commit_loads(self, items: list[Item], got: list[tuple[int, int]],
+                      from_disk: bool) -> None:
+        """Make the loaded pieces resident with the checksums their records carried (verified by
+        the tier: a short, failed or corrupt load frees its room); pieces that came from Redis go
+        to disk as a store's would."""
+        loaded = self.core.commit_loaded(items, [n for n, _ in got], [s for _, s in got])
         if loaded and not from_disk:
             self._to_disk(loaded)
 
@@ -237,7 +246,7 @@ class TieredStorage:
         disk = self.disk
         if disk is None:
             return []
-        return self.core.coldest(limit, self.spill_ahead_bytes, disk.contains)
+        return loading.coldest(self.core, limit, self.spill_ahead_bytes, disk.contains)
 
     def stats(self) -> dict[str, int]:
         """The tiers' counters (names as in ``ServerStats``)."""

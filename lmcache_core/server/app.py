@@ -61,7 +61,8 @@ class CacheServer:
         self.engine = CacheEngine(self.pool, config.chunk_size,
                                   lock_ttl_s=config.timeouts.lock_ttl_s, disk=self.disk,
                                   remote=self.remote, events=self.events,
-                                  quotas=config.server.quota_bytes)
+                                  quotas=config.server.quota_bytes,
+                                  max_pinned_bytes=config.server.max_pinned_bytes)
         workers = config.server.workers + (2 if self.engine.has_tiers else 0)
         self._done = threading.Event()  # a stop was asked for, or a thread died
         self.supervisor = Supervisor(on_failure=lambda _reason: self._done.set())
