@@ -185,3 +185,36 @@ def test_a_model_quota_bounds_its_share_and_spares_the_others(tmp_path):
         capped.close()
         free.close()
         srv.kill()
+
+
+def test_eviction_runs_across_models_of_different_piece_sizes(tmp_path):
+    """Model a's pieces fill two of four slabs; model b's larger pieces then need three: a's
+    least recently used slab goes whole (the tail of its prefix), and what stays of both is
+    byte-exact."""
+    srv = ServerProcess(tmp_path, {"server": {"pool_size": "2MiB", "slab_size": "512KiB"}}).start()
+    small = WorkerProcess(srv.url, model="a", heads=4, num_blocks=128)  # 64 KiB pieces
+    large = WorkerProcess(srv.url, model="b", layers=3, heads=8, head_dim=16,
+                          dtype="bfloat16", num_blocks=128)  # 96 KiB pieces
+    try:
+        toks_a, toks_b = tokens(16, 61), tokens(12, 62)
+        small("fill_model", blocks=blocks(0, 16), seed=61)
+        assert small("store", req="a", keys=toks_a, blocks=blocks(0, 16))["finished"]
+        large("fill_model", blocks=blocks(0, 12), seed=62)
+        result = large("store", req="b", keys=toks_b, blocks=blocks(0, 12))
+        assert result["finished"] and not result["failed"], result
+        assert lookup(srv.url, 1, "b", toks_b, model="b") == 12 * CHUNK
+        assert lookup(srv.url, 1, "a", toks_a, model="a") == 8 * CHUNK  # its tail slab went
+        stats = server_info(srv.url).stats
+        assert stats.evictions == 8 and stats.pool_slabs_free == 0
+        for worker, request_id, toks, n in ((large, "b", toks_b, 12),
+                                            (small, "a", toks_a[:8 * CHUNK], 8)):
+            target = list(range(64, 64 + n * PER_CHUNK))
+            worker("zero", blocks=target)
+            result = worker("retrieve", req=request_id, keys=toks, blocks=target)
+            assert result["finished"] and not result["load_errors"], result
+            want = worker("digest", blocks=blocks(0, n))["digest"]
+            assert worker("digest", blocks=target)["digest"] == want
+    finally:
+        small.close()
+        large.close()
+        srv.kill()
