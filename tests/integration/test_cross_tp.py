@@ -3,27 +3,20 @@ dtypes side by side, never a chunk of another layout. Real server, real worker p
 
 from __future__ import annotations
 
-import time
-
 import pytest
-import zmq
 
-from lmcache_core.integration.vllm.vllm_multi_process_adapter import LMCacheMPSchedulerAdapter
-from lmcache_core.protocol import RequestType
-from lmcache_core.protocol import messages as m
+from tests.integration.cross_tp import (
+    CHUNK,
+    HEADS,
+    PER_CHUNK,
+    blocks,
+    load_and_check,
+    server_info,
+    store,
+    tokens,
+)
+from tests.integration.cross_tp import lookup as shared_lookup
 from tests.integration.servers import ServerProcess, WorkerProcess
-
-CHUNK, BLOCK = 64, 16
-PER_CHUNK = CHUNK // BLOCK
-HEADS = 8  # the model's KV heads, over all ranks
-
-
-def tokens(n_chunks: int, seed: int) -> list[int]:
-    return [(seed * 7919 + i * 37) % 32000 for i in range(n_chunks * CHUNK)]
-
-
-def blocks(first_chunk: int, n_chunks: int) -> list[int]:
-    return list(range(first_chunk * PER_CHUNK, (first_chunk + n_chunks) * PER_CHUNK))
 
 
 @pytest.fixture(scope="module")
@@ -52,41 +45,7 @@ def engines(server):
 
 def lookup(url: str, world_size: int, request_id: str, toks: list[int],
            model: str = "xtp") -> int:
-    adapter = LMCacheMPSchedulerAdapter(url, zmq.Context.instance(), model, world_size, 0, BLOCK)
-    try:
-        adapter.maybe_submit_lookup_request(request_id, toks)
-        deadline = time.monotonic() + 10
-        while (result := adapter.check_lookup_result(request_id)) is None:
-            assert time.monotonic() < deadline, "lookup never finished"
-            time.sleep(0.001)
-        return result
-    finally:
-        adapter.close()
-
-
-def store(workers: list[WorkerProcess], toks: list[int], seed: int, n_chunks: int) -> None:
-    for worker in workers:
-        worker("fill_model", blocks=blocks(0, n_chunks), seed=seed)
-        result = worker("store", req=f"store-{seed}", keys=toks, blocks=blocks(0, n_chunks))
-        assert result["finished"] and not result["failed"], result
-
-
-def load_and_check(workers: list[WorkerProcess], request_id: str, toks: list[int], seed: int,
-                   n_chunks: int) -> None:
-    """Each rank retrieves into fresh blocks and holds exactly its slice of what was stored."""
-    target = blocks(8, n_chunks)
-    for worker in workers:
-        worker("zero", blocks=target)
-        result = worker("retrieve", req=request_id, keys=toks, blocks=target)
-        assert result["finished"] and not result["failed"] and not result["load_errors"], result
-        assert worker("check_model", blocks=target, seed=seed)["equal"]
-
-
-def server_info(url: str) -> m.ServerInfoReply:
-    from lmcache_core.transport.client import MessageQueueClient
-
-    with MessageQueueClient(url, connect_timeout_s=2) as client:
-        return client.call(RequestType.SERVER_INFO, m.NoArgs(), m.ServerInfoReply)
+    return shared_lookup(url, world_size, request_id, toks, model)
 
 
 @pytest.mark.parametrize(("stored_by", "read_by"), [(2, 1), (1, 2), (1, 4), (2, 4), (4, 1)])

@@ -12,7 +12,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -37,6 +36,7 @@ from lmcache_core.storage.disk import SUFFIX, DiskTier, file_name
 from lmcache_core.storage.pool import MemoryPool
 from lmcache_core.storage.remote import RemoteTier
 from lmcache_core.transport.client import MessageQueueClient
+from tests.integration.cross_tp import in_parallel
 from tests.integration.servers import ServerProcess, WorkerProcess, freeze
 
 pytestmark = pytest.mark.redis
@@ -465,26 +465,6 @@ def stats(client: MessageQueueClient) -> m.ServerStats:
     return client.call(RequestType.SERVER_INFO, m.NoArgs(), m.ServerInfoReply).stats
 
 
-def _in_parallel(*jobs: Callable[[], object]) -> list[object]:
-    results: list[object] = [None] * len(jobs)
-    errors: list[BaseException] = []
-
-    def run(i: int, job: Callable[[], object]) -> None:
-        try:
-            results[i] = job()
-        except BaseException as exc:  # re-raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i, job)) for i, job in enumerate(jobs)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return results
-
-
 def test_two_servers_share_redis_and_disk_survives_restart(redis_up: RedisServer,
                                                             tmp_path: Path) -> None:
     remote = {"url": redis_up.url, "timeout_ms": 200, "retry_interval_s": 0.2}
@@ -493,10 +473,10 @@ def test_two_servers_share_redis_and_disk_survives_restart(redis_up: RedisServer
                                         "write_through": True}}
     srv_a = ServerProcess(tmp_path, a_cfg, name="a")
     srv_b = ServerProcess(tmp_path, {"remote": remote}, name="b")
-    _in_parallel(srv_a.start, srv_b.start)
+    in_parallel(srv_a.start, srv_b.start)
     workers: list[WorkerProcess] = []
     try:
-        wa, wb = _in_parallel(lambda: WorkerProcess(srv_a.url), lambda: WorkerProcess(srv_b.url))
+        wa, wb = in_parallel(lambda: WorkerProcess(srv_a.url), lambda: WorkerProcess(srv_b.url))
         workers += [wa, wb]  # type: ignore[list-item]
         assert isinstance(wa, WorkerProcess) and isinstance(wb, WorkerProcess)
         with MessageQueueClient(srv_a.url) as ca, MessageQueueClient(srv_b.url) as cb:

@@ -1,0 +1,89 @@
+"""Helpers shared by the cross-TP tests: engines of any TP size as worker processes, scheduler
+lookups, stores of model-consistent contents and byte-exact loads (``kv_worker``'s ``fill_model``
+and ``check_model``: every rank holds its slice of one seeded cache of all heads)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import zmq
+
+from lmcache_core.integration.vllm.vllm_multi_process_adapter import LMCacheMPSchedulerAdapter
+from lmcache_core.protocol import RequestType
+from lmcache_core.protocol import messages as m
+from lmcache_core.transport.client import MessageQueueClient
+from tests.integration.servers import WorkerProcess
+
+CHUNK, BLOCK = 64, 16
+PER_CHUNK = CHUNK // BLOCK
+HEADS = 8  # the model's KV heads, over all ranks
+
+
+def tokens(n_chunks: int, seed: int) -> list[int]:
+    return [(seed * 7919 + i * 37) % 32000 for i in range(n_chunks * CHUNK)]
+
+
+def blocks(first_chunk: int, n_chunks: int) -> list[int]:
+    return list(range(first_chunk * PER_CHUNK, (first_chunk + n_chunks) * PER_CHUNK))
+
+
+def in_parallel(*jobs: Callable[[], object]) -> list[object]:
+    """Run the jobs on threads (process starts mostly wait); the first error is raised."""
+    results: list[object] = [None] * len(jobs)
+    errors: list[BaseException] = []
+
+    def run(i: int, job: Callable[[], object]) -> None:
+        try:
+            results[i] = job()
+        except BaseException as exc:  # re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i, job)) for i, job in enumerate(jobs)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def lookup(url: str, world_size: int, request_id: str, toks: list[int], model: str) -> int:
+    """Hit tokens of a scheduler lookup of ``model`` at ``world_size``."""
+    adapter = LMCacheMPSchedulerAdapter(url, zmq.Context.instance(), model, world_size, 0, BLOCK)
+    try:
+        # token ids instead of vLLM block hashes (the adapter takes either)
+        adapter.maybe_submit_lookup_request(request_id, toks)  # type: ignore[arg-type]
+        deadline = time.monotonic() + 10
+        while (result := adapter.check_lookup_result(request_id)) is None:
+            assert time.monotonic() < deadline, "lookup never finished"
+            time.sleep(0.001)
+        return result
+    finally:
+        adapter.close()
+
+
+def store(workers: list[WorkerProcess], toks: list[int], seed: int, n_chunks: int) -> None:
+    for worker in workers:
+        worker("fill_model", blocks=blocks(0, n_chunks), seed=seed)
+        result = worker("store", req=f"store-{seed}", keys=toks, blocks=blocks(0, n_chunks))
+        assert result["finished"] and not result["failed"], result
+
+
+def load_and_check(workers: list[WorkerProcess], request_id: str, toks: list[int], seed: int,
+                   n_chunks: int) -> None:
+    """Each rank retrieves into zeroed blocks and then holds exactly its slice of what was
+    stored."""
+    target = blocks(8, n_chunks)
+    for worker in workers:
+        worker("zero", blocks=target)
+        result = worker("retrieve", req=request_id, keys=toks, blocks=target)
+        assert result["finished"] and not result["failed"] and not result["load_errors"], result
+        assert worker("check_model", blocks=target, seed=seed)["equal"]
+
+
+def server_info(url: str) -> m.ServerInfoReply:
+    with MessageQueueClient(url, connect_timeout_s=2) as client:
+        return client.call(RequestType.SERVER_INFO, m.NoArgs(), m.ServerInfoReply)
