@@ -92,7 +92,10 @@ def test_the_pinned_prefix_survives_a_flood_and_generates_the_same_tokens(runs) 
     flooded = stats["after_F"]["stored_chunks"] - stats["after_P"]["stored_chunks"]
     assert 24 <= flooded <= FLOOD_PROMPTS * FLOOD_CHUNKS
     assert stats["after_F"]["evictions"] >= flooded + 3 - 24
-    assert runs["held"]["F"][0] == 0  # the first flood prompt is gone
+    # what the flood left fits beside the pinned prefix; some flood prompt lost chunks (which
+    # one depends on the order vLLM finished them in)
+    assert sum(runs["held"]["F"]) <= 24 - 3
+    assert min(runs["held"]["F"]) < FLOOD_CHUNKS
     # the pinned prefix still hits: P2 loads P's 3 chunks from the server
     assert conn["results"]["P2"]["cached"] == [3 * CHUNK]
     assert stats["after_P2"]["retrieved_chunks"] - stats["after_F"]["retrieved_chunks"] == 3
