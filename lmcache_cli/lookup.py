@@ -35,6 +35,18 @@ _SHAPES = 'a list of token ids, a list of such lists, or {"prompts": [...]}'
 _META_KEYS = {"model", "world_size"}
 
 
+TokensOption = Annotated[str, typer.Option(
+    "--tokens", "-t", metavar="FILE",
+    help='JSON file of token ids: [1, 2, ...], [[...], [...]] or {"prompts": [...]}; '
+         "- reads stdin.", show_default=False)]
+ModelOption = Annotated[str | None, typer.Option(
+    "--model", "-m", help="Model name of the keys (default: the tokens file's, else the config's "
+    "model.name).", show_default=False)]
+WorldSizeOption = Annotated[int | None, typer.Option(
+    "--world-size", "-w", min=1, help="Tensor-parallel ranks that must all hold a chunk "
+    "(default: the tokens file's, else the config's world_size).", show_default=False)]
+
+
 class TokenFileError(ValueError):
     """The tokens file cannot be used; the message is the one line to show."""
 
@@ -112,19 +124,11 @@ def _json_type(value: Any) -> str:
 
 
 def lookup(
-    tokens: Annotated[str, typer.Option(
-        "--tokens", "-t", metavar="FILE",
-        help='JSON file of token ids: [1, 2, ...], [[...], [...]] or {"prompts": [...]}; '
-             "- reads stdin.", show_default=False)],
+    tokens: TokensOption,
     config: ConfigOption = None,
     url: UrlOption = None,
-    model: Annotated[str | None, typer.Option(
-        "--model", "-m", help="Model name of the keys (default: the config's model.name).",
-        show_default=False)] = None,
-    world_size: Annotated[int | None, typer.Option(
-        "--world-size", "-w", min=1,
-        help="Tensor-parallel ranks that must all hold a chunk (default: the config's world_size).",
-        show_default=False)] = None,
+    model: ModelOption = None,
+    world_size: WorldSizeOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Look up how many leading chunks of each prompt the server holds (never locks them).
@@ -134,13 +138,7 @@ def lookup(
 
     Example: [cyan]lmcache lookup --tokens prompts.json -c configs/llama8b.yaml[/]
     """
-    try:
-        prompts, meta = load_token_file(tokens)
-    except TokenFileError as exc:
-        fail(str(exc), EXIT_USAGE)
-    cfg = config_from(config, {
-        "server.url": url, "model.name": model if model is not None else meta.get("model"),
-        "world_size": world_size if world_size is not None else meta.get("world_size")})
+    prompts, cfg = prompts_and_config(tokens, config, url, model, world_size)
     from lmcache_core.keys import chain_hashes
     from lmcache_core.protocol import messages as m
     from lmcache_core.protocol.ops import RequestType
@@ -167,6 +165,20 @@ def lookup(
                     "chunk_size": chunk_size, "prompts": rows})
         return
     _render(rows, cfg.server.url, cfg.model.name, cfg.world_size, chunk_size)
+
+
+def prompts_and_config(tokens: str, config: Any, url: str | None, model: str | None,
+                       world_size: int | None) -> tuple[list[list[int]], Any]:
+    """The tokens file's prompts and the config their keys are named under: --model /
+    --world-size, else the file's, else the config's (exit 2 for a bad file)."""
+    try:
+        prompts, meta = load_token_file(tokens)
+    except TokenFileError as exc:
+        fail(str(exc), EXIT_USAGE)
+    cfg = config_from(config, {
+        "server.url": url, "model.name": model if model is not None else meta.get("model"),
+        "world_size": world_size if world_size is not None else meta.get("world_size")})
+    return prompts, cfg
 
 
 def _render(rows: list[dict[str, Any]], url: str, model: str, world_size: int,

@@ -14,30 +14,17 @@ from typing import Annotated, Any
 import typer
 
 from lmcache_cli.common import (
-    EXIT_USAGE,
     ConfigOption,
     JsonOption,
     UrlOption,
-    config_from,
     connect,
     console,
     fail,
     print_json,
 )
-from lmcache_cli.lookup import TokenFileError, load_token_file
+from lmcache_cli.lookup import ModelOption, TokensOption, WorldSizeOption, prompts_and_config
 from lmcache_core.errors import LMCacheError
 from lmcache_core.protocol.messages import MAX_TTL_S, MIN_TTL_S
-
-TokensOption = Annotated[str, typer.Option(
-    "--tokens", "-t", metavar="FILE",
-    help='JSON file of token ids: [1, 2, ...], [[...], [...]] or {"prompts": [...]}; '
-         "- reads stdin.", show_default=False)]
-ModelOption = Annotated[str | None, typer.Option(
-    "--model", "-m", help="Model name of the keys (default: the tokens file's, else the config's "
-    "model.name).", show_default=False)]
-WorldSizeOption = Annotated[int | None, typer.Option(
-    "--world-size", "-w", min=1, help="Tensor-parallel ranks whose pieces are (un)pinned "
-    "(default: the tokens file's, else the config's world_size).", show_default=False)]
 
 
 def pin(
@@ -79,13 +66,7 @@ def unpin(
 
 def _run(what: str, tokens: str, ttl: float | None, config: Any, url: str | None,
          model: str | None, world_size: int | None, as_json: bool) -> None:
-    try:
-        prompts, meta = load_token_file(tokens)
-    except TokenFileError as exc:
-        fail(str(exc), EXIT_USAGE)
-    cfg = config_from(config, {
-        "server.url": url, "model.name": model if model is not None else meta.get("model"),
-        "world_size": world_size if world_size is not None else meta.get("world_size")})
+    prompts, cfg = prompts_and_config(tokens, config, url, model, world_size)
     from lmcache_core.keys import chain_hashes
     from lmcache_core.protocol import pin_messages as m
     from lmcache_core.protocol.ops import RequestType

@@ -119,15 +119,12 @@ def run(args: argparse.Namespace, workdir: Path, server_url: str, echo_url: str,
         LoadStoreOp,
     )
     from lmcache_core.keys import chain_hashes
-    from lmcache_core.kv.share import allocate_shared_kv_caches, release_shared_kv_caches
+    from lmcache_core.kv.share import release_shared_kv_caches
     from lmcache_core.protocol import RequestType
     from lmcache_core.protocol import messages as m
 
     ctx = zmq.Context.instance()
-    n_blocks = max(args.chunks, args.lookup_chunks) * PER_CHUNK * 2
-    caches, segment = allocate_shared_kv_caches(LAYERS, [2, n_blocks, BLOCK, HEADS, DIM], torch.bfloat16)
-    for layer in caches.values():
-        layer.uniform_()
+    caches, segment = bench_caches(args)
     worker = wait_for(lambda: LMCacheMPWorkerAdapter(server_url, ctx, "bench", 1, 0, BLOCK))
     worker.register_kv_caches(caches)
     scheduler = LMCacheMPSchedulerAdapter(server_url, ctx, "bench", 1, 0, BLOCK)
@@ -236,6 +233,21 @@ def run(args: argparse.Namespace, workdir: Path, server_url: str, echo_url: str,
     release_shared_kv_caches(segment)
 
 
+def bench_caches(args: argparse.Namespace):
+    """The benchmark worker's KV caches in shared memory (Llama-8B shape), filled with noise:
+    room for the biggest request twice (source and destination blocks)."""
+    import torch
+
+    from lmcache_core.kv.share import allocate_shared_kv_caches
+
+    n_blocks = max(args.chunks, args.lookup_chunks) * PER_CHUNK * 2
+    caches, segment = allocate_shared_kv_caches(LAYERS, [2, n_blocks, BLOCK, HEADS, DIM],
+                                                torch.bfloat16)
+    for layer in caches.values():
+        layer.uniform_()
+    return caches, segment
+
+
 def compare_metrics(args: argparse.Namespace, urls: dict[str, str], echo_url: str) -> None:
     """Lookup, store and retrieve through the server without metrics and the one with them, in
     turns (the order flips every round), against one echo and one gather/scatter floor."""
@@ -247,15 +259,12 @@ def compare_metrics(args: argparse.Namespace, urls: dict[str, str], echo_url: st
         LoadStoreOp,
     )
     from lmcache_core.keys import chain_hashes
-    from lmcache_core.kv.share import allocate_shared_kv_caches, release_shared_kv_caches
+    from lmcache_core.kv.share import release_shared_kv_caches
     from lmcache_core.protocol import RequestType
     from lmcache_core.protocol import messages as m
 
     ctx = zmq.Context.instance()
-    n_blocks = max(args.chunks, args.lookup_chunks) * PER_CHUNK * 2
-    caches, segment = allocate_shared_kv_caches(LAYERS, [2, n_blocks, BLOCK, HEADS, DIM], torch.bfloat16)
-    for layer in caches.values():
-        layer.uniform_()
+    caches, segment = bench_caches(args)
     workers, schedulers = {}, {}
     for mode, url in urls.items():
         workers[mode] = wait_for(lambda url=url: LMCacheMPWorkerAdapter(url, ctx, "bench", 1, 0, BLOCK))

@@ -83,7 +83,14 @@ class CacheEngine(CacheCore):
     def locks_of(self, lookup_id: str) -> list[ChunkKey]:
         """The pieces ``lookup_id`` holds a lock on (for inspection and tests)."""
         with self.mutex:
-            return self.locks.keys_of(lookup_id)  # type: ignore[return-value]
+            return self.locks.keys_of(lookup_id)
+
+    def held(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
+             chunk_hashes: Sequence[bytes]) -> int:
+        """How many leading chunks resident pieces cover for ``ranges``, touching nothing (no
+        LRU move, no hit or lookup counted, no lock): to compare candidate layouts."""
+        with self.mutex:
+            return len(find_hits(self.index, model_name, layout, ranges, chunk_hashes))
 
     def layouts(self, model_name: str) -> list[str]:
         """The layouts of ``model_name`` that have resident pieces (a lookup by a client that
@@ -148,7 +155,7 @@ class CacheEngine(CacheCore):
             if self.events is not None and dropped:
                 self.events.removed(dropped, MEMORY_TIER)
             if force:
-                self.locks.purge(self.index.lru)  # type: ignore[arg-type]
+                self.locks.purge(self.index.lru)
         return removed, kept
 
     def stats(self) -> dict[str, int]:

@@ -250,8 +250,9 @@ class CacheCore:
             del writing[key]
             piece = Piece(key, handle, nbytes, now, checksum)
             add(piece)
-            if not retention.plain and not self.retention.apply(piece, retention, now, True):
-                plan.pin_refused += 1  # type: ignore[union-attr]
+            if (plan is not None and not retention.plain
+                    and not self.retention.apply(piece, retention, now, True)):
+                plan.pin_refused += 1
         if self.events is not None and items:
             self.events.stored([key for key, _, _ in items], MEMORY_TIER)
 
@@ -266,6 +267,13 @@ class CacheCore:
                 self.on_evicted(piece.key)
         if self.events is not None and victims:
             self.events.removed([piece.key for piece in victims], MEMORY_TIER)
+
+    def release_reader(self, piece: Piece) -> None:
+        """Under the lock: a reader of ``piece`` is done; the last one frees a dropped piece."""
+        piece.readers -= 1
+        if piece.dropped and not piece.readers:
+            piece.dropped = False
+            self.pool.free(piece.handle)
 
     def drop(self, piece: Piece) -> None:
         self.index.remove(piece)
@@ -326,7 +334,7 @@ class CacheCore:
             plan.done = True
             for covering in plan.pieces:
                 for piece in covering:
-                    piece.readers -= 1
+                    self.release_reader(piece)
             if copied is not None and copied < len(plan.pieces):
                 late = plan.pieces[copied:]
                 n = self.counters
@@ -373,4 +381,4 @@ class CacheCore:
             yield self.memory(piece.handle, piece.nbytes)
         finally:
             with self.mutex:
-                piece.readers -= 1
+                self.release_reader(piece)

@@ -19,8 +19,8 @@ ChunkId = tuple[str, str, bytes]  # (model, layout, chunk hash): ``ChunkKey.chun
 class Piece:
     """One resident piece: where it lives in the pool and who holds it."""
 
-    __slots__ = ("checksum", "created", "expires", "handle", "hits", "key", "locks", "nbytes",
-                 "pinned", "priority", "readers")
+    __slots__ = ("checksum", "created", "dropped", "expires", "handle", "hits", "key", "locks",
+                 "nbytes", "pinned", "priority", "readers")
 
     def __init__(self, key: ChunkKey, handle: int, nbytes: int, created: float,
                  checksum: int = 0) -> None:
@@ -32,6 +32,9 @@ class Piece:
         self.locks = 0  # (lookup id, head range) pairs holding it for a coming retrieve
         self.readers = 0  # retrieves and tier writers copying out of it right now
         self.hits = 0
+        # Taken out of the index while read (found corrupt): its pool bytes are freed by the
+        # last reader's release (``CacheCore.release_reader``).
+        self.dropped = False
         # Retention asked for by the requests that stored it (``plans.Retention``): evicted
         # after ``expires`` first; never while ``pinned`` (until ``expires``); lower ``priority``
         # before higher, LRU within one.

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from lmcache_core.engine.index import ChunkId, Piece
-from lmcache_core.keys import HeadRange
+from lmcache_core.keys import ChunkKey, HeadRange
 
 
 class LockSet:
@@ -103,7 +103,7 @@ class LockTable:
                 expired += self.release_all(lookup_id)
         return expired
 
-    def purge(self, alive: dict[object, Piece]) -> None:
+    def purge(self, alive: Mapping[ChunkKey, Piece]) -> None:
         """Forget locks on pieces no longer indexed (after a forced clear)."""
         for lookup_id, lock_set in list(self.sets.items()):
             for heads, chunks in list(lock_set.held.items()):
@@ -118,7 +118,7 @@ class LockTable:
             if not lock_set.held:
                 del self.sets[lookup_id]
 
-    def keys_of(self, lookup_id: str) -> list[object]:
+    def keys_of(self, lookup_id: str) -> list[ChunkKey]:
         lock_set = self.sets.get(lookup_id)
         if lock_set is None:
             return []

@@ -12,8 +12,8 @@ checks it
   blocks as load errors and vLLM recomputes them.
 
 A piece that fails is dropped (``condemn``): out of the index at once (no lookup or retrieve sees
-it again), its pool bytes freed once no one reads it (a concurrent reader's piece is freed at the
-guard's next drop or check); ``integrity_failures`` counts it, ``integrity_verified_chunks`` the
+it again), its pool bytes freed now, or by its last reader's release when someone still reads it
+(``CacheCore.release_reader``); ``integrity_failures`` counts it, ``integrity_verified_chunks`` the
 pieces found intact. Hashing runs outside the core's lock; dict work under it.
 """
 
@@ -34,7 +34,6 @@ class IntegrityGuard:
 
     def __init__(self, core: CacheCore) -> None:
         self.core = core
-        self._doomed: list[Piece] = []  # dropped while read by someone: freed once they are done
 
     # ------------------------------------------------------------------ tier writers
 
@@ -76,8 +75,6 @@ class IntegrityGuard:
             core.counters.integrity_verified_chunks += (
                 sum(len(pieces) for pieces in plan.pieces) - len(bad_pieces))
             if not bad_at:
-                if self._doomed:
-                    self._reap()
                 return []
             moved = [plan.found[at][0] for at in bad_at]
             n = core.counters
@@ -85,7 +82,7 @@ class IntegrityGuard:
                 pieces = plan.pieces.pop(at)
                 plan.found.pop(at)
                 for piece in pieces:
-                    piece.readers -= 1
+                    core.release_reader(piece)
                 n.retrieved_chunks -= 1
                 n.retrieved_bytes -= sum(piece.nbytes for piece in pieces)
                 n.retrieve_missing += 1
@@ -106,31 +103,17 @@ class IntegrityGuard:
         for piece in dict.fromkeys(pieces):  # a piece serving two ranges is dropped once
             if core.index.get(piece.key) is not piece:
                 continue  # gone already (another check dropped it)
-            if piece.readers:
+            if piece.readers:  # freed by its last reader
                 core.index.remove(piece)
                 core.retention.forget(piece)
-                self._doomed.append(piece)
+                piece.dropped = True
             else:
                 core.drop(piece)
             dropped.append(piece.key)
         core.counters.integrity_failures += len(dropped)
         if core.events is not None and dropped:
             core.events.removed(dropped, MEMORY_TIER)
-        self._reap()
         return len(dropped)
-
-    def _reap(self) -> None:
-        """Free the pool bytes of dropped pieces no one reads any more (under the lock)."""
-        if not self._doomed:
-            return
-        free = self.core.pool.free
-        kept: list[Piece] = []
-        for piece in self._doomed:
-            if piece.readers:
-                kept.append(piece)
-            else:
-                free(piece.handle)
-        self._doomed = kept
 
     def checksum_of(self, key: ChunkKey) -> int | None:
         """The resident piece ``key``'s checksum (0: none recorded); None when not resident."""

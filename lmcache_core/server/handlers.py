@@ -17,12 +17,12 @@ from lmcache_core import __version__
 from lmcache_core.config import LMCacheConfig
 from lmcache_core.engine import CacheEngine, Retention, RetrievePlan
 from lmcache_core.errors import IncompatibleError, ProtocolError
-from lmcache_core.keys import ChunkKey, opaque_layout, rank_heads, world_heads
+from lmcache_core.keys import ChunkKey, rank_heads
 from lmcache_core.kv.cuda_events import open_ipc_event
 from lmcache_core.kv.mapped import MappedKVCache
 from lmcache_core.protocol import messages as m
-from lmcache_core.protocol import pin_messages as pm
 from lmcache_core.protocol.ops import RequestType
+from lmcache_core.server.layouts import LayoutResolver
 from lmcache_core.server.pins import PinHandlers
 from lmcache_core.server.registry import KVRegistry, Registration
 from lmcache_core.storage.integrity import checksum
@@ -52,6 +52,7 @@ class CacheHandlers:
         self.config = config
         self.engine = engine
         self.registry = registry
+        self.layouts = LayoutResolver(engine, registry)
         self.counters = counters
         self.url = url
         self.http_url: str | None = None  # set when the server's HTTP listener is bound
@@ -60,7 +61,7 @@ class CacheHandlers:
         self.add_copy_threads: Callable[[int], int] | None = None
 
     def routes(self) -> dict[RequestType, Route]:
-        pins = PinHandlers(self.engine, self.lookup_layouts)
+        pins = PinHandlers(self.engine, self.layouts)
         return {
             RequestType.PING: Route(self.ping),
             RequestType.GET_CHUNK_SIZE: Route(self.get_chunk_size),
@@ -283,32 +284,21 @@ class CacheHandlers:
         return per_chunk
 
     def lookup(self, request: m.LookupRequest, _client: bytes) -> m.LookupReply:
-        """Hit chunks for ``world_size`` ranks of the request's layout: its own ``layout``, else
-        those of the registered workers of this model and world size, else every layout held for
-        the model (the CLI's case); with several, the one with most hits is counted and locked."""
-        layouts = self.lookup_layouts(request)
-        if len(layouts) > 1:  # count each without locking; then lock the best one's hits
-            layouts = [max(layouts, key=lambda layout: self._lookup(request, layout, False))]
-        return m.LookupReply(hit_chunks=self._lookup(request, layouts[0], request.lock))
-
-    def _lookup(self, request: m.LookupRequest, layout: str, lock: bool) -> int:
-        try:
-            ranges = world_heads(layout, request.world_size)
-        except ValueError:
-            return 0  # heads that do not divide by this world size: never a hit
+        """Hit chunks for ``world_size`` ranks in the request's layout (``layouts``: its own, else
+        the registered workers', else every one held for the model; the best of several)."""
+        target = self.layouts.best(request.model_name, request.world_size, request.layout,
+                                   request.chunk_hashes)
+        if target is None:
+            return m.LookupReply(hit_chunks=0)  # no layout whose heads divide by world_size
+        layout, ranges = target
         if self.engine.has_tiers:
-            return self.engine.lookup_tiers(request.model_name, layout, ranges,
-                                            request.chunk_hashes, request.lookup_id, lock,
-                                            timeout_s=self.tier_budget_s)
-        return self.engine.lookup(request.model_name, layout, ranges, request.chunk_hashes,
-                                  request.lookup_id, lock)
-
-    def lookup_layouts(self, request: m.LookupRequest | pm.PinRequest) -> list[str]:
-        if request.layout is not None:
-            return [request.layout]
-        return (self.registry.layouts(request.model_name, request.world_size)
-                or self.engine.layouts(request.model_name)
-                or [opaque_layout(request.world_size)])
+            hits = self.engine.lookup_tiers(request.model_name, layout, ranges,
+                                            request.chunk_hashes, request.lookup_id,
+                                            request.lock, timeout_s=self.tier_budget_s)
+        else:
+            hits = self.engine.lookup(request.model_name, layout, ranges, request.chunk_hashes,
+                                      request.lookup_id, request.lock)
+        return m.LookupReply(hit_chunks=hits)
 
     @property
     def tier_budget_s(self) -> float:

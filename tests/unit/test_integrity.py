@@ -203,7 +203,8 @@ def test_a_corrupt_piece_another_retrieve_reads_is_freed_once_it_is_done() -> No
     engine.finish_retrieve(first)
     assert len(engine) == 0 and engine.pool.bytes_allocated == SLOT  # still read: not freed
     engine.finish_retrieve(second)
-    store(engine, [2])  # the guard frees it at its next drop or check
+    assert engine.pool.bytes_allocated == 0  # freed by its last reader's release
+    store(engine, [2])
     check = engine.begin_retrieve("m", LAYOUT, (0, 8), [key(2).chunk_hash])
     assert engine.integrity.verify_retrieve(check) == []
     engine.finish_retrieve(check)

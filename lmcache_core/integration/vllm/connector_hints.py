@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,40 +59,46 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else f"{text[:80]}..."
 
 
+def _is_ttl(value: Any) -> bool:
+    return (isinstance(value, int | float) and not isinstance(value, bool)
+            and math.isfinite(value) and MIN_TTL_S <= value <= MAX_TTL_S)
+
+
+def _is_priority(value: Any) -> bool:
+    return (isinstance(value, int) and not isinstance(value, bool)
+            and MIN_PRIORITY <= value <= MAX_PRIORITY)
+
+
+def _is_flag(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+#: Each hint: its key, what a valid value is, and what the warning says was expected.
+_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    (TTL, _is_ttl, f"a number of seconds in [{MIN_TTL_S:g}, {MAX_TTL_S:g}]"),
+    (PIN, _is_flag, "true or false"),
+    (PRIORITY, _is_priority, f"an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}]"),
+    (SKIP_STORE, _is_flag, "true or false"),
+)
+
+
 def parse_hints(params: Mapping[str, Any] | None) -> StoreHints:
-    """The hints of a request's ``kv_transfer_params`` (``NO_HINTS`` when none apply)."""
+    """The hints of a request's ``kv_transfer_params`` (``NO_HINTS`` when none apply). A value
+    of the wrong type or range is ignored (logged once per key); None means "not given"."""
     if not params or not isinstance(params, Mapping):
         return NO_HINTS
-    ttl_s: float | None = None
-    pin = skip = False
-    priority = 0
-    if TTL in params:
-        value = params[TTL]
-        if (isinstance(value, int | float) and not isinstance(value, bool)
-                and math.isfinite(value) and MIN_TTL_S <= value <= MAX_TTL_S):
-            ttl_s = float(value)
-        elif value is not None:
-            _bad(TTL, value, f"a number of seconds in [{MIN_TTL_S:g}, {MAX_TTL_S:g}]")
-    if PIN in params:
-        value = params[PIN]
-        if isinstance(value, bool):
-            pin = value
-        elif value is not None:
-            _bad(PIN, value, "true or false")
-    if PRIORITY in params:
-        value = params[PRIORITY]
-        if isinstance(value, int) and not isinstance(value, bool) and (
-                MIN_PRIORITY <= value <= MAX_PRIORITY):
-            priority = value
-        elif value is not None:
-            _bad(PRIORITY, value, f"an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}]")
-    if SKIP_STORE in params:
-        value = params[SKIP_STORE]
-        if isinstance(value, bool):
-            skip = value
-        elif value is not None:
-            _bad(SKIP_STORE, value, "true or false")
-    hints = StoreHints(ttl_s, pin, priority, skip)
+    valid: dict[str, Any] = {}
+    for key, is_valid, want in _CHECKS:
+        value = params.get(key)
+        if value is None:
+            continue
+        if is_valid(value):
+            valid[key] = value
+        else:
+            _bad(key, value, want)
+    ttl = valid.get(TTL)
+    hints = StoreHints(None if ttl is None else float(ttl), valid.get(PIN, False),
+                       valid.get(PRIORITY, 0), valid.get(SKIP_STORE, False))
     return NO_HINTS if hints == NO_HINTS else hints
 
 
