@@ -10,13 +10,16 @@ Failures: a malformed or unserved request is answered with silence, as LMCache's
 client's timeout decides); a store or retrieve that fails in a way LMCache reports in-band (an
 unknown instance, too few block ids, a chunk missing) is answered ``(b"", False)`` at once, so the
 client recomputes instead of waiting.
+
+Lookups: LMCache's LOOKUP acknowledges at once and its hit count is handed over once, by
+``query_prefetch_status`` or ``wait_prefetch_status`` (``prefetch_status.PrefetchResults``). With
+lower tiers a lookup runs on a worker thread after its ack; a wait on it is parked there and
+answered through the transport's ``post`` when the lookup finishes or its timeout passes.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -27,18 +30,17 @@ from lmcache_core.kv.shm import parse_lmcache_segment_name
 from lmcache_core.protocol import lmcache_wire as w
 from lmcache_core.protocol import messages as m
 from lmcache_core.server.handlers import CacheHandlers
+from lmcache_core.server.prefetch_status import DEFERRED, PrefetchResults
 from lmcache_core.server.registry import HOSTNAME
 from lmcache_core.server.segments import process_gone
 
 logger = logging.getLogger(__name__)
-#: Lookup results waiting for their one ``query_prefetch_status``; the oldest are dropped beyond
-#: this (a client that never asks must not grow the table).
-MAX_PENDING_RESULTS = 65536
 #: What an answered-at-once retrieve or store replies when it failed: no device work, not ok.
 _FAILED = (b"", False)
-_PENDING = -1
 #: ``run()`` -> reply frames or None (silence): a request to serve on a worker thread.
 Task = Callable[[], list[bytes] | None]
+#: ``post([identity, *reply])``: sends a reply later, from any thread (the transport's ``post``).
+Post = Callable[[list[bytes]], None]
 
 
 class LMCacheDialect:
@@ -46,12 +48,16 @@ class LMCacheDialect:
 
     def __init__(self, handlers: CacheHandlers) -> None:
         self.handlers = handlers
-        self._lock = threading.Lock()
-        self._results: OrderedDict[str, int] = OrderedDict()  # request id -> hit chunks
+        self.post: Post | None = None  # set by ``attach``; without it, waits answer at once
+        self.results = PrefetchResults()  # lookup results by request id; parked waits
         self._registrations: dict[int, m.RegisterKVCacheRequest] = {}
         self._rejections = 0
 
     # ------------------------------------------------------------------ entry point
+
+    def attach(self, post: Post) -> None:
+        """The transport's ``post``: how a reply is sent later (a parked wait, an early ack)."""
+        self.post = post
 
     @staticmethod
     def owns(op_frame: bytes) -> str | None:
@@ -65,21 +71,31 @@ class LMCacheDialect:
         except w.DialectError as exc:
             self._reject(op, exc)
             return None
-        if op in w.BLOCKING or (op == "lookup" and self.handlers.engine.has_tiers):
-            if op == "lookup":
-                self._set_result(call.args[0].request_id, _PENDING)
+        if op == "lookup" and self.handlers.engine.has_tiers:
+            # It may read disk or Redis: on a copy thread, its status None until it is done.
+            # Acknowledged at once, as LMCache's (its prefetch runs behind the ack).
+            self.results.pending(call.args[0].request_id)
+            if self.post is not None:
+                self.post([client, *w.reply_frames(call, None)])
+                return lambda: self._answer(call, client) and None
+            return lambda: self._answer(call, client)
+        if op in w.BLOCKING:
             return lambda: self._answer(call, client)
         return self._answer(call, client)
 
     def _answer(self, call: w.Call, client: bytes) -> list[bytes] | None:
         try:
-            return w.reply_frames(call, getattr(self, "_op_" + call.op)(*call.args, client=client))
+            if call.op == "wait_prefetch_status":  # may be answered later: needs the frames
+                result = self._wait_prefetch_status(call, client)
+            else:
+                result = getattr(self, "_op_" + call.op)(*call.args, client=client)
+            return None if result is DEFERRED else w.reply_frames(call, result)
         except (w.DialectError, LMCacheError) as exc:
             self._reject(call.op, exc)
         except Exception:
             logger.exception("LMCache %s failed", call.op)
         if call.op == "lookup":  # the prefetch job ends with no hits, as LMCache's would
-            self._set_result(call.args[0].request_id, 0)
+            self.results.set(call.args[0].request_id, 0)
         return None
 
     def _reject(self, op: str, exc: Exception) -> None:
@@ -223,34 +239,30 @@ class LMCacheDialect:
     def _op_lookup(self, key: w.IPCCacheServerKey, _tp: int, *, client: bytes) -> None:
         request = w.lookup_request(key, self.handlers.config.chunk_size)
         reply = self.handlers.lookup(request, client)
-        self._set_result(key.request_id, reply.hit_chunks)
+        self.results.set(key.request_id, reply.hit_chunks)
 
     def _op_query_prefetch_status(self, request_id: str, *, client: bytes) -> int | None:
-        with self._lock:
-            hits = self._results.get(request_id, 0)
-            if hits == _PENDING:
-                return None
-            self._results.pop(request_id, None)
-        return hits  # once; an unknown id is 0, as in LMCache
+        return self.results.take(request_id)  # once; an unknown id is 0, as in LMCache
 
-    def _op_wait_prefetch_status(self, request_id: str, _timeout: float, *,
-                                 client: bytes) -> int | None:
-        return self._op_query_prefetch_status(request_id, client=client)  # never blocks the loop
+    def _wait_prefetch_status(self, call: w.Call, client: bytes) -> int | object | None:
+        """As LMCache's: the hits once the lookup is done, None when ``timeout`` passed first; a
+        wait on a running lookup is answered later (``PrefetchResults``), never blocking."""
+        request_id, timeout = call.args
+        post = self.post
+        if post is None:
+            return self.results.take(request_id)
+
+        def reply(hits: int | None) -> None:
+            post([client, *w.reply_frames(call, hits)])
+
+        return self.results.wait(request_id, timeout, reply)
 
     def _op_free_lookup_locks(self, key: w.IPCCacheServerKey, _tp: int, *, client: bytes) -> None:
         self.handlers.free_lookup_locks(m.LookupIdRequest(lookup_id=key.request_id), client)
 
     def _op_end_session(self, request_id: str, *, client: bytes) -> None:
-        with self._lock:
-            self._results.pop(request_id, None)
+        self.results.drop(request_id)
         self.handlers.end_session(m.LookupIdRequest(lookup_id=request_id), client)
-
-    def _set_result(self, request_id: str, hits: int) -> None:
-        with self._lock:
-            self._results[request_id] = hits
-            self._results.move_to_end(request_id)
-            while len(self._results) > MAX_PENDING_RESULTS:
-                self._results.popitem(last=False)
 
 
 def _same_cache(a: m.RegisterKVCacheRequest, b: m.RegisterKVCacheRequest) -> bool:

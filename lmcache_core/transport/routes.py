@@ -30,8 +30,11 @@ class Route(NamedTuple):
 
 class Dialect(Protocol):
     """A second wire on the same socket (LMCache's own clients): it claims a request by its op
-    frame, then answers it (reply frames, or None: no reply) or hands back a task for a worker
-    thread. It never raises; its replies bypass our codec."""
+    frame, then answers it (reply frames, or None: no reply now) or hands back a task for a worker
+    thread. It never raises; its replies bypass our codec. ``attach(post)`` at the server's start
+    gives it ``post([identity, *reply])``: a reply sent later, from any thread."""
+
+    def attach(self, post: Callable[[list[bytes]], None]) -> None: ...
 
     def owns(self, op_frame: bytes) -> str | None: ...
 

@@ -87,6 +87,7 @@ class MessageQueueServer:
         self._jobs: queue.SimpleQueue[Job | Task | None] = queue.SimpleQueue()
         self.dialect: Dialect | None = None  # e.g. LMCache's own clients (set before start)
         self._done: deque[tuple[list[bytes], str, int]] = deque()  # (frames, error code, size)
+        self._posted: deque[list[bytes]] = deque()  # late replies (``post``), sent by the loop
         self._in_flight = 0
         self._queued_bytes = 0  # payload bytes of the jobs in flight (loop thread only)
         self._max_queued_bytes = _QUEUED_REQUESTS_OF_MAX_SIZE * self.limits.max_request_bytes
@@ -115,6 +116,8 @@ class MessageQueueServer:
                                                    self.limits.max_request_bytes)
         if self.on_disconnect is not None:
             self._peers = PeerWatch(self._socket, self.on_disconnect)
+        if self.dialect is not None:
+            self.dialect.attach(self.post)
         self._thread = self._supervisor.spawn(f"{self._name}-loop", self._run)
         self._workers = [self._supervisor.spawn(f"{self._name}-worker-{i}", self._work)
                          for i in range(self._num_workers)]
@@ -331,7 +334,15 @@ class MessageQueueServer:
         """From the gate thread: back to the workers, to be served (or answered a timeout)."""
         self._jobs.put(job._replace(gated=True, expired=expired))
 
+    def post(self, frames: list[bytes]) -> None:
+        """Send ``[identity, *reply]`` from the loop thread; from any thread, e.g. a dialect's
+        reply to a request it answered later (not counted in flight: a stop does not wait)."""
+        self._posted.append(frames)
+        self._waker.wake()
+
     def _send_done(self) -> None:
+        while self._posted:
+            self._send(self._posted.popleft())
         while self._done:
             frames, code, size = self._done.popleft()
             self._in_flight -= 1
