@@ -74,6 +74,10 @@ class ServerConfig(_Section):
     # Optional per-model memory quotas: {model name: size}; a model at its quota evicts its own
     # oldest pieces first (or skips the store when all are held). Models not named share the rest.
     quotas: dict[str, int | str] = msgspec.field(default_factory=dict)
+    # Optional per-tenant memory quotas: {cache_salt: size}. A tenant is the cache_salt of vLLM
+    # requests (workers send a tag of it, never the salt: keys.tenant_tag); at its quota it evicts
+    # its own oldest pieces first (or skips the store). A piece under a model quota too fits both.
+    tenant_quotas: dict[str, int | str] = msgspec.field(default_factory=dict)
     eviction: Literal["lru"] = "lru"
     workers: Positive = 2
     max_request_bytes: Positive = 16 * 2**20
@@ -106,7 +110,10 @@ class ServerConfig(_Section):
             self.slab_size = parse_size(self.slab_size)
             if self.slab_size <= 0 or self.slab_size % 64:
                 raise ValueError("slab_size: must be a positive multiple of 64 bytes")
-        self.quotas = {str(name): parse_size(size) for name, size in self.quotas.items()}
+        self.quotas = _sizes("quotas", self.quotas)
+        if "" in self.tenant_quotas:
+            raise ValueError("tenant_quotas: a tenant is a non-empty cache_salt")
+        self.tenant_quotas = _sizes("tenant_quotas", self.tenant_quotas)
         if not self.url.startswith(("tcp://", "ipc://")):
             raise ValueError(f"url must start with tcp:// or ipc://, got {self.url!r}")
         self.events_url, self.events_replay_url = (
@@ -135,6 +142,11 @@ class ServerConfig(_Section):
         return {name: parse_size(size) for name, size in self.quotas.items()}
 
     @property
+    def tenant_quota_bytes(self) -> dict[str, int]:
+        """``tenant_quotas`` in bytes, by cache_salt."""
+        return {salt: parse_size(size) for salt, size in self.tenant_quotas.items()}
+
+    @property
     def events_urls(self) -> tuple[str, str] | None:
         """``(events url, replay url)`` of the KV event sockets, or None when events are off."""
         return parse_events_urls(self.events_url, self.events_replay_url)
@@ -148,6 +160,14 @@ class ServerConfig(_Section):
     def allowed_uids(self) -> tuple[int, ...]:
         """``shm_allowed_uids`` as uids."""
         return parse_uids(self.shm_allowed_uids)
+
+
+def _sizes(field: str, sizes: dict[str, int | str]) -> dict[str, int | str]:
+    """``{name: size}`` in bytes; a bad size is a ValueError naming ``field``."""
+    try:
+        return {str(name): parse_size(size) for name, size in sizes.items()}
+    except ValueError as exc:
+        raise ValueError(f"{field}: {exc}") from None
 
 
 class TimeoutConfig(_Section):

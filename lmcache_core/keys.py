@@ -7,7 +7,8 @@ covers its prefix, so a chunk is named by the hash of its last block (``striding
 
 A request's ``cache_salt`` (and, in the vLLM connector, its LoRA adapter) seeds the chain instead of
 ``NONE_HASH``: ``salted_prefix``, so requests with different salts never share a chunk, while
-unsalted hashes stay exactly LMCache's. (vLLM's block hashes already include the salt.)
+unsalted hashes stay exactly LMCache's. (vLLM's block hashes already include the salt.) The salt
+also names a tenant, for per-tenant memory quotas: ``tenant_tag``.
 """
 
 from __future__ import annotations
@@ -194,6 +195,20 @@ def salted_prefix(parts: Sequence[tuple[str, str]]) -> bytes:
 def salt_prefix(cache_salt: str | None) -> bytes:
     """The chain's seed of a request with this ``cache_salt`` (``NONE_HASH`` for none or "")."""
     return salted_prefix([("salt", cache_salt)]) if cache_salt else NONE_HASH
+
+
+#: A tenant tag's length in hex digits (8 bytes of blake3).
+TENANT_TAG_HEX = 16
+
+
+def tenant_tag(cache_salt: str | None) -> str:
+    """The tenant tag of a ``cache_salt``: what workers send with their stores (``StoreRequest.
+    tenant``) and what ``server.tenant_quotas`` are kept under, so the salt itself never crosses
+    the wire: the first 16 hex digits of ``blake3(b"lmcache-tenant\\0" || salt as UTF-8)``; "" for
+    no salt (or "")."""
+    if not cache_salt:
+        return ""
+    return blake3(b"lmcache-tenant\0" + cache_salt.encode()).hexdigest()[:TENANT_TAG_HEX]
 
 
 def chain_hashes(token_ids: Sequence[int] | Any, chunk_size: int,

@@ -20,8 +20,8 @@ from lmcache_core.engine.tiered import TieredStorage
 from lmcache_core.engine.verify import IntegrityGuard
 from lmcache_core.errors import PinLimitError, ProtocolError
 from lmcache_core.events import KVEventSink
-from lmcache_core.keys import ChunkKey, HeadRange
-from lmcache_core.protocol.messages import ChunkInfo, ModelStats
+from lmcache_core.keys import ChunkKey, HeadRange, tenant_tag
+from lmcache_core.protocol.messages import ChunkInfo, ModelStats, TenantStats
 from lmcache_core.storage.pool import MemoryPool
 
 if TYPE_CHECKING:
@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from lmcache_core.storage.remote import RemoteTier
 
 SORTS = ("age", "hits", "size", "key")
+#: Tenants without a quota listed in the figures (SERVER_INFO, inspect-chunks): the largest ones.
+MAX_TENANT_ROWS = 64
 
 
 class CacheEngine(CacheCore):
@@ -38,8 +40,14 @@ class CacheEngine(CacheCore):
                  clock: Callable[[], float] = time.monotonic, *, disk: DiskTier | None = None,
                  remote: RemoteTier | None = None, events: KVEventSink | None = None,
                  quotas: Mapping[str, int] | None = None,
+                 tenant_quotas: Mapping[str, int] | None = None,
                  max_pinned_bytes: int | None = None) -> None:
+        """``quotas``: bytes per model; ``tenant_quotas``: bytes per cache_salt (kept by its
+        ``keys.tenant_tag``, the salt itself only as the tenant's name in the figures)."""
+        self.tenant_names = {tenant_tag(salt): salt for salt in tenant_quotas or {}}
         super().__init__(pool, chunk_size, lock_ttl_s, clock, events=events, quotas=quotas,
+                         tenant_quotas={tenant_tag(salt): size
+                                        for salt, size in (tenant_quotas or {}).items()},
                          max_pinned_bytes=max_pinned_bytes)
         # Checks pieces against their checksums (tier writes; retrieves when asked) and drops
         # the corrupt ones.
@@ -183,6 +191,21 @@ class CacheEngine(CacheCore):
                            layouts=sorted(layouts.get(model, [])),
                            quota_bytes=self.quotas.get(model))
                 for model, (pieces, nbytes) in sorted(counts.items())]
+
+    def tenant_stats(self) -> list[TenantStats]:
+        """Per cache_salt tenant: pieces, bytes and quota; every tenant with a quota (by name),
+        then the ``MAX_TENANT_ROWS`` largest others (by tag only: the server never sees their
+        salt). Pieces stored without a salt, or loaded from a tier, belong to no tenant."""
+        with self.mutex:
+            counts = self.index.tenant_counts()
+        named = [TenantStats(tenant=tag, name=name, pieces=counts.get(tag, (0, 0))[0],
+                             bytes_used=counts.get(tag, (0, 0))[1],
+                             quota_bytes=self.tenant_quotas.get(tag))
+                 for tag, name in sorted(self.tenant_names.items(), key=lambda item: item[1])]
+        others = sorted(((tag, row) for tag, row in counts.items() if tag not in self.tenant_names),
+                        key=lambda item: (-item[1][1], item[0]))[:MAX_TENANT_ROWS]
+        return named + [TenantStats(tenant=tag, pieces=pieces, bytes_used=nbytes)
+                        for tag, (pieces, nbytes) in others]
 
     def list_chunks(self, model_name: str | None = None, limit: int = 100,
                     sort: str = "age") -> tuple[list[ChunkInfo], int]:

@@ -16,7 +16,8 @@ rank copies its range from whichever pieces hold it. Pieces of another layout ar
 
 LRU order: hits are touched (and new pieces committed) from the last chunk to the first, so a
 prefix's head is the most recently used and eviction eats prefixes from the tail. Eviction works
-across every model (``eviction``); optional per-model ``quotas`` (bytes) bound each model's share.
+across every model (``eviction``); optional per-model ``quotas`` and per-tenant ``tenant_quotas``
+(bytes, by ``keys.tenant_tag`` of a cache_salt) bound each one's share: a piece under both fits both.
 
 The lower tiers (``tiered.TieredStorage``) and the in-process async lookups (``async_lookup``) are
 composed around the engine and use only its public methods (``engine.tier_api``).
@@ -49,6 +50,7 @@ class CacheCore:
                  clock: Callable[[], float] = time.monotonic, *,
                  events: KVEventSink | None = None,
                  quotas: Mapping[str, int] | None = None,
+                 tenant_quotas: Mapping[str, int] | None = None,
                  max_pinned_bytes: int | None = None) -> None:
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
@@ -58,6 +60,7 @@ class CacheCore:
         self.chunk_size = chunk_size
         self.lock_ttl_s = lock_ttl_s
         self.quotas = dict(quotas or {})
+        self.tenant_quotas = dict(tenant_quotas or {})  # tenant tag -> bytes
         self.clock = clock
         self.mutex = threading.Lock()
         self.index = PieceIndex()
@@ -128,18 +131,19 @@ class CacheCore:
     # ------------------------------------------------------------------ store
 
     def begin_store(self, keys: Sequence[ChunkKey], nbytes: int,
-                    retention: Retention = PLAIN) -> StorePlan:
+                    retention: Retention = PLAIN, tenant: str = "") -> StorePlan:
         """Reserve pool bytes for each piece not yet held, evicting as needed.
 
         A key whose head range resident pieces already cover, or that is being written, counts as
         ``already_present`` (covering pieces get ``retention`` too); keys no room can be found for
         count as ``skipped_full`` (earlier keys, the prefix's head, get room first). Never raises
-        for a full pool. ``retention``: the request's TTL, pin and priority (``retention``)."""
+        for a full pool. ``retention``: the request's TTL, pin and priority (``retention``);
+        ``tenant``: its cache_salt tenant (``keys.tenant_tag``), whose quota applies too."""
         if not self.pool.fits(nbytes):
             raise IncompatibleError(
                 f"a chunk piece of {nbytes} bytes does not fit the pool's "
                 f"{self.pool.max_alloc_bytes}-byte slabs (raise server.slab_size)")
-        plan = StorePlan(nbytes, [], retention=retention)
+        plan = StorePlan(nbytes, [], retention=retention, tenant=tenant)
         with self.mutex:
             now = self.clock()
             if self.locks.due(now):
@@ -172,7 +176,8 @@ class CacheCore:
         pending: dict[str, int] = {}  # per model: bytes this request reserved already
         for position, key in new:
             model = key.model_name
-            if not self.quota_room(model, nbytes, pending.get(model, 0)):
+            if not self.quota_room(model, nbytes, pending.get(model, 0), plan.tenant,
+                                   nbytes * len(got)):
                 plan.skipped_quota += 1
                 continue
             handle = self.allocate(nbytes, len(new) - len(got))
@@ -189,20 +194,19 @@ class CacheCore:
         plan.skipped_full += len(new) - len(got) - plan.skipped_quota
         return got
 
-    def quota_room(self, model_name: str, nbytes: int, pending: int) -> bool:
-        """Whether a piece of ``model_name`` fits its quota (``pending``: bytes the same request
-        reserved already), evicting the model's own oldest pieces if that makes it fit; nothing
-        is evicted when it cannot."""
-        quota = self.quotas.get(model_name)
-        if quota is None:
-            return True
-        excess = self.index.model_bytes.get(model_name, 0) + pending + nbytes - quota
-        if excess <= 0:
+    def quota_room(self, model_name: str, nbytes: int, pending: int, tenant: str = "",
+                   tenant_pending: int = 0) -> bool:
+        """Whether a piece of ``model_name`` for ``tenant`` fits both their quotas (``pending``,
+        ``tenant_pending``: bytes the same request reserved already), evicting their own oldest
+        pieces if that makes it fit; nothing is evicted when it cannot."""
+        limits = eviction.quota_limits(self.index, self.quotas, self.tenant_quotas, nbytes,
+                                       (model_name, pending), (tenant, tenant_pending))
+        if not limits:
             return True
         now = self.clock()
-        order = eviction_order(self.index, self.retention, now)
-        victims = eviction.quota_victims(order, now, model_name, excess)
-        if sum(piece.nbytes for piece in victims) < excess:
+        victims = eviction.over_quotas(
+            lambda: eviction_order(self.index, self.retention, now), now, limits)
+        if victims is None:
             return False
         self._evict(victims)
         return True
@@ -245,10 +249,11 @@ class CacheCore:
         with the store ``plan``'s retention and checksums (or ``checksums``; none: 0)."""
         now, writing, add = self.clock(), self.writing, self.index.add
         retention = plan.retention if plan is not None else PLAIN
+        tenant = plan.tenant if plan is not None else ""  # tier loads: records carry no tenant
         sums = checksums or (plan.checksums if plan is not None else ()) or [0] * len(items)
         for (key, handle, nbytes), checksum in zip(reversed(items), reversed(sums), strict=True):
             del writing[key]
-            piece = Piece(key, handle, nbytes, now, checksum)
+            piece = Piece(key, handle, nbytes, now, checksum, tenant)
             add(piece)
             if (plan is not None and not retention.plain
                     and not self.retention.apply(piece, retention, now, True)):

@@ -5,13 +5,14 @@ The pool is one byte budget cut into slabs, each of one size class (``storage.po
 piece of class C is a free slot in a C slab or a free slab. So, walking that order past pieces
 that are locked, being read or pinned: a victim of class C frees one C slot; a victim of
 another class frees room only if its whole slab can go, so its slab's pieces are taken together
-(or the slab is skipped when one of them is held). Per-model quotas evict the model's own oldest
-pieces first. Not thread-safe: the engine calls it under its lock.
+(or the slab is skipped when one of them is held). Quotas (per model, per ``cache_salt`` tenant)
+evict the model's or tenant's own oldest pieces first (``over_quotas``). Not thread-safe: the
+engine calls it under its lock.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from lmcache_core.engine.index import Piece, PieceIndex
 from lmcache_core.engine.retention import free_to_go
@@ -56,16 +57,60 @@ def victims_for(index: PieceIndex, pool: MemoryPool, order: Iterable[Piece], now
     return chosen
 
 
-def quota_victims(order: Iterable[Piece], now: float, model_name: str,
+#: Which pieces a quota bounds (one model's, one tenant's).
+Belongs = Callable[[Piece], bool]
+
+
+def quota_victims(order: Iterable[Piece], now: float, belongs: Belongs,
                   excess: int) -> list[Piece]:
-    """The first pieces of ``model_name`` in eviction ``order`` that may go, holding at least
-    ``excess`` bytes (fewer when not enough can go)."""
+    """The first pieces that ``belongs`` picks in eviction ``order`` and that may go, holding at
+    least ``excess`` bytes (fewer when not enough can go)."""
     chosen: list[Piece] = []
     freed = 0
     for piece in order:
         if freed >= excess:
             break
-        if piece.key.model_name == model_name and free_to_go(piece, now):
+        if belongs(piece) and free_to_go(piece, now):
             chosen.append(piece)
             freed += piece.nbytes
+    return chosen
+
+
+def quota_limits(index: PieceIndex, quotas: Mapping[str, int], tenant_quotas: Mapping[str, int],
+                 nbytes: int, model: tuple[str, int],
+                 tenant: tuple[str, int]) -> list[tuple[Belongs, int]]:
+    """The quotas a new piece of ``nbytes`` would pass, for ``over_quotas``: its model's and its
+    tenant's (each ``(name, bytes the same request reserved already)``; tenant "": none)."""
+    limits: list[tuple[Belongs, int]] = []
+    (model_name, model_pending), (tag, tenant_pending) = model, tenant
+    quota = quotas.get(model_name)
+    if quota is not None:
+        excess = index.model_bytes.get(model_name, 0) + model_pending + nbytes - quota
+        if excess > 0:
+            limits.append((lambda piece: piece.key.model_name == model_name, excess))
+    quota = tenant_quotas.get(tag) if tag else None
+    if quota is not None:
+        excess = index.tenant_bytes.get(tag, 0) + tenant_pending + nbytes - quota
+        if excess > 0:
+            limits.append((lambda piece: piece.tenant == tag, excess))
+    return limits
+
+
+def over_quotas(order: Callable[[], Iterable[Piece]], now: float,
+                limits: Sequence[tuple[Belongs, int]]) -> list[Piece] | None:
+    """The pieces to evict so a new piece fits every quota it is under: ``limits`` holds, per
+    quota, which pieces it bounds and its ``excess`` bytes. Each quota's own oldest pieces go
+    (pieces chosen for one quota count toward another they also belong to: a model's and a
+    tenant's). None, choosing nothing, when some quota cannot be met."""
+    chosen: list[Piece] = []
+    for belongs, excess in limits:
+        excess -= sum(piece.nbytes for piece in chosen if belongs(piece))
+        if excess <= 0:
+            continue
+        taken = {piece.handle for piece in chosen}
+        more = quota_victims((piece for piece in order() if piece.handle not in taken), now,
+                             belongs, excess)
+        if sum(piece.nbytes for piece in more) < excess:
+            return None
+        chosen += more
     return chosen

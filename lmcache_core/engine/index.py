@@ -20,15 +20,16 @@ class Piece:
     """One resident piece: where it lives in the pool and who holds it."""
 
     __slots__ = ("checksum", "created", "dropped", "expires", "handle", "hits", "key", "locks",
-                 "nbytes", "pinned", "priority", "readers")
+                 "nbytes", "pinned", "priority", "readers", "tenant")
 
     def __init__(self, key: ChunkKey, handle: int, nbytes: int, created: float,
-                 checksum: int = 0) -> None:
+                 checksum: int = 0, tenant: str = "") -> None:
         self.key = key
         self.handle = handle
         self.nbytes = nbytes
         self.created = created
         self.checksum = checksum  # xxh3-64 of its bytes when stored (0: not computed)
+        self.tenant = tenant  # the cache_salt tenant that stored it (``keys.tenant_tag``; "": none)
         self.locks = 0  # (lookup id, head range) pairs holding it for a coming retrieve
         self.readers = 0  # retrieves and tier writers copying out of it right now
         self.hits = 0
@@ -67,7 +68,7 @@ def cover(pieces: Sequence[Piece], lo: int, hi: int) -> list[Piece] | None:
 
 class PieceIndex:
     """Resident pieces: by key (in LRU order, front = least recently used), by chunk, by handle,
-    with bytes per model (quotas and per-model figures)."""
+    with bytes per model and per tenant (quotas and their figures)."""
 
     def __init__(self) -> None:
         self.lru: OrderedDict[ChunkKey, Piece] = OrderedDict()
@@ -75,6 +76,8 @@ class PieceIndex:
         self.by_handle: dict[int, Piece] = {}
         self.model_bytes: dict[str, int] = {}
         self.model_pieces: dict[str, int] = {}
+        self.tenant_bytes: dict[str, int] = {}  # per tenant tag (pieces of no tenant: not kept)
+        self.tenant_pieces: dict[str, int] = {}
         self.layout_chunks: dict[tuple[str, str], int] = {}  # (model, layout) -> chunks held
         self.nbytes = 0
 
@@ -107,6 +110,9 @@ class PieceIndex:
         self.by_handle[piece.handle] = piece
         self.model_bytes[key.model_name] = self.model_bytes.get(key.model_name, 0) + piece.nbytes
         self.model_pieces[key.model_name] = self.model_pieces.get(key.model_name, 0) + 1
+        if piece.tenant:
+            self.tenant_bytes[piece.tenant] = self.tenant_bytes.get(piece.tenant, 0) + piece.nbytes
+            self.tenant_pieces[piece.tenant] = self.tenant_pieces.get(piece.tenant, 0) + 1
         self.nbytes += piece.nbytes
 
     def remove(self, piece: Piece) -> None:
@@ -128,6 +134,14 @@ class PieceIndex:
         else:
             del self.model_pieces[key.model_name]
             del self.model_bytes[key.model_name]
+        if piece.tenant:
+            left = self.tenant_pieces[piece.tenant] - 1
+            if left:
+                self.tenant_pieces[piece.tenant] = left
+                self.tenant_bytes[piece.tenant] -= piece.nbytes
+            else:
+                del self.tenant_pieces[piece.tenant]
+                del self.tenant_bytes[piece.tenant]
         self.nbytes -= piece.nbytes
 
     def touch(self, piece: Piece) -> None:
@@ -137,6 +151,11 @@ class PieceIndex:
         """Per model: (pieces, bytes)."""
         return {model: (count, self.model_bytes[model])
                 for model, count in self.model_pieces.items()}
+
+    def tenant_counts(self) -> dict[str, tuple[int, int]]:
+        """Per tenant tag: (pieces, bytes)."""
+        return {tenant: (count, self.tenant_bytes[tenant])
+                for tenant, count in self.tenant_pieces.items()}
 
 
 #: What a lookup found per chunk: ``(head range, chunk, pieces covering it)`` for each range.

@@ -59,6 +59,7 @@ class StorePlan:
     skipped_quota: int = 0
     pin_refused: int = 0  # pieces kept unpinned: pins would pass max_pinned
     retention: Retention = PLAIN
+    tenant: str = ""  # the cache_salt tenant its pieces are stored for (``keys.tenant_tag``)
     keys: list[ChunkKey] = field(default_factory=list, repr=False)
     handles: list[int] = field(default_factory=list, repr=False)
     # Per piece of ``writes``, its checksum (``storage.integrity``), filled once its bytes are in

@@ -11,6 +11,10 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from lmcache_core.protocol.figures import ModelStats as ModelStats
+from lmcache_core.protocol.figures import ServerStats as ServerStats
+from lmcache_core.protocol.figures import TenantStats as TenantStats
+
 # Every integer and length on the wire is bounded here, in the types, so msgspec refuses an
 # out-of-range value while decoding (before any handler runs) and no single request can make the
 # server do unbounded work or allocate unbounded memory. Lists are capped well above what a real
@@ -41,6 +45,8 @@ Name = Annotated[str, msgspec.Meta(max_length=256)]  # model names, dtypes, host
 #: A KV layout fingerprint (``keys.layout_key``), e.g. "bfloat16:32x8x128".
 LayoutName = Annotated[str, msgspec.Meta(max_length=64)]
 LookupId = Annotated[str, msgspec.Meta(max_length=1024)]
+#: A tenant tag (``keys.tenant_tag`` of a request's cache_salt; "" for none): lowercase hex.
+TenantTag = Annotated[str, msgspec.Meta(max_length=32, pattern="^[0-9a-f]*$")]
 RequestIds = Annotated[list[LookupId], msgspec.Meta(max_length=MAX_KEYS)]
 #: A CUDA IPC event or memory handle is 64 bytes; the ref-counter handle is a short file name.
 IpcHandle = Annotated[bytes, msgspec.Meta(max_length=256)]
@@ -139,6 +145,9 @@ class StoreRequest(Message):
     ttl_s: TtlSeconds | None = None
     pin: bool = False
     priority: Priority = 0
+    #: The tenant the pieces are stored for (``keys.tenant_tag`` of the requests' cache_salt),
+    #: bounded by its ``server.tenant_quotas`` entry if any; "" for none.
+    tenant: TenantTag = ""
 
     def num_keys(self) -> int:
         return len(self.chunk_hashes)
@@ -243,7 +252,7 @@ class StoreReply(Reply):
     stored: int
     already_present: int = 0
     skipped_full: int = 0
-    skipped_quota: int = 0  # not stored: the model is at its quota (server.quotas)
+    skipped_quota: int = 0  # not stored: the model or tenant is at its quota (server.quotas, ...)
     pin_refused: int = 0  # stored unpinned: pinning them would pass server.max_pinned
 
 
@@ -274,63 +283,6 @@ class ClearReply(Reply):
     kept_locked: int = 0
 
 
-class ServerStats(msgspec.Struct, kw_only=True):
-    chunks: int = 0  # resident pieces
-    bytes_used: int = 0
-    pool_bytes_allocated: int = 0  # bytes of the pool's allocations (size classes)
-    pool_slabs: int = 0
-    pool_slabs_free: int = 0
-    lookups: int = 0
-    lookup_hit_chunks: int = 0
-    lookup_miss_chunks: int = 0
-    stores: int = 0
-    stored_chunks: int = 0
-    stored_bytes: int = 0
-    store_skipped_full: int = 0
-    store_skipped_quota: int = 0  # pieces not stored: their model was at its quota
-    store_pin_refused: int = 0  # pieces stored unpinned: server.max_pinned would be passed
-    pinned_pieces: int = 0  # resident pieces pinned now
-    pinned_bytes: int = 0
-    retrieves: int = 0
-    retrieved_chunks: int = 0
-    retrieved_bytes: int = 0
-    retrieve_missing: int = 0
-    retrieve_late_chunks: int = 0  # chunks a retrieve did not copy: its deadline passed
-    evictions: int = 0
-    locks_held: int = 0
-    locks_expired: int = 0
-    integrity_failures: int = 0  # pool pieces whose bytes no longer matched their checksum: dropped
-    integrity_verified_chunks: int = 0  # pieces checked (tier writes, verified retrieves): intact
-    registered_instances: int = 0
-    reaped_instances: int = 0
-    gpu_instances: int = 0  # registrations of KV caches on a GPU (CUDA IPC)
-    pool_pinned_bytes: int = 0  # page-locked bytes of the pool (its exact size, or 0: pageable)
-    requests: int = 0
-    errors: int = 0
-    # disk tier (zeros without one)
-    disk_chunks: int = 0
-    disk_bytes: int = 0
-    disk_loaded_chunks: int = 0
-    disk_written_chunks: int = 0
-    disk_write_dropped: int = 0
-    disk_evicted_unsaved: int = 0
-    disk_corrupt: int = 0
-    disk_deleted: int = 0
-    disk_errors: int = 0
-    disk_queued: int = 0
-    # remote (Redis/Valkey) tier (zeros without one)
-    remote_loaded_chunks: int = 0
-    remote_written_chunks: int = 0
-    remote_write_dropped: int = 0
-    remote_write_failed: int = 0
-    remote_corrupt: int = 0
-    remote_errors: int = 0
-    remote_outages: int = 0
-    remote_lookup_timeouts: int = 0
-    remote_queued: int = 0
-    remote_down: int = 0
-
-
 class ServerInfoReply(Reply):
     version: str
     url: str
@@ -342,6 +294,7 @@ class ServerInfoReply(Reply):
     eviction: str
     stats: ServerStats
     models: list[ModelStats] = msgspec.field(default_factory=list)
+    tenants: list[TenantStats] = msgspec.field(default_factory=list)  # cache_salt tenants
     http_url: str | None = None  # the HTTP listener (/metrics, /healthz, /readyz), None when off
     tiers: list[str] = msgspec.field(default_factory=list)  # lower tiers configured: disk, remote
     # The pool's pages (server.prefault): populate "pending", "running", "done", "stopped",
@@ -352,17 +305,6 @@ class ServerInfoReply(Reply):
     pool_populate_s: float | None = None
     pool_huge_pages: bool = False
     rss_bytes: int = 0
-
-
-class ModelStats(msgspec.Struct, kw_only=True):
-    """One model's share of the pool."""
-
-    model_name: str
-    pieces: int
-    bytes_used: int
-    layouts: list[str] = msgspec.field(default_factory=list)
-    quota_bytes: int | None = None
-    registered: int = 0  # workers registered with this model
 
 
 class ChunkInfo(msgspec.Struct, kw_only=True):

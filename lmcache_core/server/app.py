@@ -62,6 +62,7 @@ class CacheServer:
                                   lock_ttl_s=config.timeouts.lock_ttl_s, disk=self.disk,
                                   remote=self.remote, events=self.events,
                                   quotas=config.server.quota_bytes,
+                                  tenant_quotas=config.server.tenant_quota_bytes,
                                   max_pinned_bytes=config.server.max_pinned_bytes)
         workers = config.server.workers + (2 if self.engine.has_tiers else 0)
         self._done = threading.Event()  # a stop was asked for, or a thread died

@@ -141,7 +141,7 @@ class CacheHandlers:
             per_chunk = self._check_blocks(reg, request.chunk_hashes, request.block_ids)
             keys = self._keys(reg, request.chunk_hashes)
             plan = self.engine.begin_store(keys, reg.mapped.chunk_bytes, Retention(
-                request.ttl_s, request.pin, request.priority))
+                request.ttl_s, request.pin, request.priority), request.tenant)
             ok = False
             try:
                 if plan.writes:
@@ -337,6 +337,7 @@ class CacheHandlers:
             uptime_s=time.monotonic() - self.started, pool_bytes=self.engine.pool.nbytes,
             slab_bytes=self.engine.pool.slab_bytes, eviction=self.config.server.eviction,
             stats=m.ServerStats(**stats), http_url=self.http_url, models=models,
+            tenants=self.engine.tenant_stats(),
             tiers=[name for name in ("disk", "remote") if getattr(self.config, name) is not None],
             pool_populate=pool.populate_state, pool_populated_bytes=pool.populated_bytes,
             pool_populate_s=pool.populate_s, pool_huge_pages=pool.huge_pages,

@@ -50,8 +50,8 @@ _ENGINE_COUNTERS = (
     ("store_skipped_full_chunks", "store_skipped_full",
      "Chunk pieces stores skipped: no pool space could be freed (every piece locked or being read)."),
     ("store_skipped_quota_chunks", "store_skipped_quota",
-     "Chunk pieces stores skipped: their model was at its quota (server.quotas) and none of its "
-     "own pieces could be evicted."),
+     "Chunk pieces stores skipped: their model or tenant was at its quota (server.quotas, "
+     "server.tenant_quotas) and none of its own pieces could be evicted."),
     ("retrieves", "retrieves", "Retrieve requests served."),
     ("retrieved_chunks", "retrieved_chunks", "Chunks copied out of the pool by retrieves."),
     ("retrieved_bytes", "retrieved_bytes", "Bytes copied out of the pool by retrieves."),
@@ -159,6 +159,7 @@ class ServerCollector(Collector):
                      "Chunk pieces resident in the pool (visible to lookups; a piece is some KV "
                      "heads of one chunk).", stats["chunks"])
         yield from self._models()
+        yield from self._tenants()
         yield _gauge("lookup_locks",
                      "Chunk locks lookups hold for coming retrieves (a chunk locked by two lookups "
                      "counts twice); locked chunks are never evicted.", stats["locks_held"])
@@ -209,6 +210,25 @@ class ServerCollector(Collector):
                                    labels=["model"])
         for model, quota in sorted(self._engine.quotas.items())[:MAX_MODEL_LABELS]:
             quotas.add_metric([model], quota)
+        yield quotas
+
+    def _tenants(self) -> Iterator[Metric]:
+        """Each cache_salt tenant's bytes and quota, labelled by its name in
+        server.tenant_quotas, else its tag (``keys.tenant_tag``): the named ones, then the
+        largest others up to MAX_MODEL_LABELS in all."""
+        rows = self._engine.tenant_stats()[:MAX_MODEL_LABELS]
+        used = GaugeMetricFamily("lmcache_tenant_used_bytes",
+                                 "Bytes of a cache_salt tenant's chunk pieces resident in the pool, "
+                                 "by tenant (its name in server.tenant_quotas, else its tag).",
+                                 labels=["tenant"])
+        quotas = GaugeMetricFamily("lmcache_tenant_quota_bytes",
+                                   "A cache_salt tenant's memory quota (server.tenant_quotas), by "
+                                   "tenant.", labels=["tenant"])
+        for row in rows:
+            used.add_metric([row.name or row.tenant], row.bytes_used)
+            if row.quota_bytes is not None:
+                quotas.add_metric([row.name or row.tenant], row.quota_bytes)
+        yield used
         yield quotas
 
     def _workers(self) -> Iterator[Metric]:

@@ -31,7 +31,10 @@ def test_defaults_without_file():
     ("server:\n  pool_size: 1MiB\n  slab_size: 2MiB\n",
      "server.pool_size: 1048576 bytes is smaller than one slab"),
     ("server:\n  slab_size: 100\n", "multiple of 64"),
-    ("server:\n  quotas: {m: lots}\n", "not a size"),
+    ("server:\n  quotas: {m: lots}\n", "server.quotas: not a size"),
+    ("server:\n  tenant_quotas: {alice: lots}\n", "server.tenant_quotas: not a size"),
+    ("server:\n  tenant_quotas: {alice: -5}\n", "server.tenant_quotas: size must not be negative"),
+    ("server:\n  tenant_quotas: {'': 1GiB}\n", "server.tenant_quotas: a tenant is a non-empty"),
     ("server:\n  pool_size: lots\n", "not a size"),
     ("server:\n  url: http://x\n", "must start with tcp:// or ipc://"),
     ("- 1\n- 2\n", "top level must be a mapping"),
@@ -115,3 +118,13 @@ def test_the_server_needs_no_model_and_takes_slabs_and_quotas(tmp_path):
     assert config.server.slab_bytes == 64 * 2**20
     assert config.server.quota_bytes == {"meta-llama/Llama-3.1-8B": 256 * 2**20, "small": 1000}
     assert load_config(None).server.slab_bytes is None  # auto: the pool picks it
+
+
+def test_tenant_quotas_are_sizes_by_cache_salt(tmp_path):
+    path = tmp_path / "node.yaml"
+    path.write_text("server:\n  tenant_quotas:\n    team-a: 256MiB\n    'salt with spaces': 1000\n")
+    config = load_config(path, environ={})
+    assert config.server.tenant_quota_bytes == {"team-a": 256 * 2**20, "salt with spaces": 1000}
+    assert load_config(None, environ={}).server.tenant_quota_bytes == {}
+    env = {"LMCACHE_SERVER_TENANT_QUOTAS": "{team-b: 2GiB}"}
+    assert load_config(None, environ=env).server.tenant_quota_bytes == {"team-b": 2 * 2**30}

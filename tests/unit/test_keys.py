@@ -19,6 +19,7 @@ from lmcache_core.keys import (
     salt_prefix,
     salted_prefix,
     striding_block_hashes,
+    tenant_tag,
     world_heads,
 )
 
@@ -181,3 +182,16 @@ def test_cache_salt_seeds_the_chain_and_unsalted_stays_lmcache():
     assert sum(len(c) for c in chains) == len(set().union(*chains)) == 4 * 2
     # the parts are delimited: ("salt", "a\0lora") is not ("salt", "a") + ("lora", ...)
     assert salted_prefix([("salt", "a"), ("lora", "x")]) != salted_prefix([("salt", "a\0lora\0x")])
+
+
+def test_tenant_tags_are_pinned_short_hex_and_never_the_salt():
+    # pinned: workers and servers of different versions must agree on a salt's tag
+    assert tenant_tag("alice") == "fba5eb8cf37dfd38"
+    assert tenant_tag("alice") == blake3(b"lmcache-tenant\0alice").hexdigest()[:16]
+    assert tenant_tag("bob") == "66fdbe90eb8f3e5a"
+    assert tenant_tag(None) == tenant_tag("") == ""
+    assert tenant_tag("é") == blake3("lmcache-tenant\0é".encode()).hexdigest()[:16]
+    tags = {tenant_tag(f"user-{i}") for i in range(1000)}
+    assert len(tags) == 1000 and all(len(t) == 16 and int(t, 16) >= 0 for t in tags)
+    # the tag is not the chain's seed (nor a prefix of it): one cannot be had from the other
+    assert salt_prefix("alice").hex()[:16] != tenant_tag("alice")

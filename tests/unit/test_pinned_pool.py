@@ -100,7 +100,8 @@ def test_server_info_reports_the_pinned_bytes(cudart: FakeCudart) -> None:
     from lmcache_core.transport.server import ServerCounters
 
     pool = MemoryPool.slots(5056, 3)
-    engine = SimpleNamespace(pool=pool, stats=lambda: {}, model_stats=lambda: [], quotas={})
+    engine = SimpleNamespace(pool=pool, stats=lambda: {}, model_stats=lambda: [], quotas={},
+                             tenant_stats=lambda: [])
     handlers = CacheHandlers(load_config(None), engine, KVRegistry(lambda r: None, 60.0),  # type: ignore[arg-type]
                              ServerCounters(), "tcp://x")
     handlers.http_url = None

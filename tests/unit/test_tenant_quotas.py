@@ -1,0 +1,196 @@
+"""Per-tenant (cache_salt) memory quotas: the engine keeps each piece's tenant tag and its bytes per
+tenant; a tenant at its quota evicts its own oldest pieces, never another tenant's; a piece under a
+model quota too fits both; tier loads carry no tenant. Plus the wire field and the figures."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+import pytest
+
+from lmcache_core.engine import CacheEngine, Retention
+from lmcache_core.engine.loading import reserve
+from lmcache_core.keys import ChunkKey, opaque_layout, tenant_tag
+from lmcache_core.protocol import messages as m
+from lmcache_core.storage.pool import MemoryPool
+from tests.unit.test_engine import SLOT, FakeClock, h, lookup
+
+ALICE, BOB = tenant_tag("alice"), tenant_tag("bob")
+
+
+def key(i: int, model: str = "a") -> ChunkKey:
+    return ChunkKey(model, opaque_layout(1), 0, 1, h(i))
+
+
+def make(slots: int = 16, quotas: dict[str, int] | None = None,
+         tenant_quotas: dict[str, int] | None = None) -> CacheEngine:
+    return CacheEngine(MemoryPool.slots(SLOT, slots, pin=False), chunk_size=16, clock=FakeClock(),
+                       quotas=quotas, tenant_quotas=tenant_quotas)
+
+
+def store(engine: CacheEngine, keys: Sequence[ChunkKey], tenant: str = "",
+          nbytes: int = SLOT) -> m.StoreReply:
+    plan = engine.begin_store(keys, nbytes, tenant=tenant)
+    for _, k, view in plan.writes:
+        view.fill_(k.chunk_hash[0])
+    engine.finish_store(plan)
+    return m.StoreReply(stored=plan.stored, already_present=plan.already_present,
+                        skipped_full=plan.skipped_full, skipped_quota=plan.skipped_quota)
+
+
+def resident(engine: CacheEngine, keys: Sequence[ChunkKey]) -> list[bool]:
+    return [engine.is_resident(k) for k in keys]
+
+
+def figures(engine: CacheEngine) -> dict[str, tuple[str, int, int, int | None]]:
+    return {row.tenant: (row.name, row.pieces, row.bytes_used, row.quota_bytes)
+            for row in engine.tenant_stats()}
+
+
+def test_a_tenant_at_its_quota_evicts_its_own_oldest_pieces_only() -> None:
+    engine = make(tenant_quotas={"alice": 3 * SLOT})
+    bob = [key(i) for i in range(10, 12)]
+    plain = [key(20)]
+    store(engine, bob, BOB)  # the least recently used pieces of all
+    store(engine, plain)
+    alice = [key(i) for i in range(4)]
+    for k in alice[:3]:
+        assert store(engine, [k], ALICE).stored == 1
+    assert engine.stats()["evictions"] == 0
+    assert store(engine, [alice[3]], ALICE).stored == 1
+    assert resident(engine, alice) == [False, True, True, True]
+    assert resident(engine, bob + plain) == [True, True, True]  # other tenants', no tenant's
+    assert engine.stats()["evictions"] == 1
+    assert figures(engine) == {ALICE: ("alice", 3, 3 * SLOT, 3 * SLOT),
+                               BOB: ("", 2, 2 * SLOT, None)}
+    # bob has no quota: he stores on, past alice's figure
+    assert store(engine, [key(i) for i in range(30, 35)], BOB).stored == 5
+    assert figures(engine)[BOB][1:3] == (7, 7 * SLOT)
+
+
+def test_a_store_of_many_pieces_over_the_tenant_quota_keeps_the_head() -> None:
+    engine = make(tenant_quotas={"alice": 3 * SLOT})
+    keys = [key(i) for i in range(5)]
+    reply = store(engine, keys, ALICE)
+    assert (reply.stored, reply.skipped_quota, reply.skipped_full) == (3, 2, 0)
+    assert resident(engine, keys) == [True] * 3 + [False] * 2
+    assert engine.stats()["evictions"] == 0
+
+
+def test_over_quota_with_nothing_evictable_is_skipped_quota_and_evicts_nothing() -> None:
+    engine = make(tenant_quotas={"alice": 2 * SLOT})
+    alice = [key(i) for i in range(2)]
+    bob = [key(10)]
+    store(engine, bob, BOB)
+    store(engine, alice, ALICE)
+    assert lookup(engine, 1, [k.chunk_hash for k in alice], "held", model="a") == 2  # locked
+    reply = store(engine, [key(5)], ALICE)
+    assert (reply.stored, reply.skipped_quota, reply.skipped_full) == (0, 1, 0)
+    assert engine.stats()["store_skipped_quota"] == 1
+    assert engine.stats()["evictions"] == 0
+    assert resident(engine, alice + bob) == [True, True, True]
+    engine.free_lookup_locks("held")
+    assert store(engine, [key(5)], ALICE).stored == 1  # now alice's oldest may go: the tail
+    assert resident(engine, alice + bob + [key(5)]) == [True, False, True, True]
+
+
+def test_pinned_pieces_of_a_tenant_stay_and_its_store_is_skipped() -> None:
+    engine = make(tenant_quotas={"alice": SLOT})
+    engine.finish_store(engine.begin_store([key(1)], SLOT, Retention(pin=True), tenant=ALICE))
+    reply = store(engine, [key(2)], ALICE)
+    assert (reply.stored, reply.skipped_quota) == (0, 1)
+    assert engine.is_resident(key(1))
+
+
+def test_model_and_tenant_quotas_are_both_honoured() -> None:
+    engine = make(quotas={"a": 4 * SLOT}, tenant_quotas={"alice": 2 * SLOT})
+    # The tenant's quota is the tighter: alice's third piece evicts alice's first.
+    for i in range(3):
+        assert store(engine, [key(i)], ALICE).stored == 1
+    assert resident(engine, [key(0), key(1), key(2)]) == [False, True, True]
+    # bob fills model a to its quota: 1A 2A 10B 11B, oldest first.
+    for i in (10, 11):
+        assert store(engine, [key(i)], BOB).stored == 1
+    assert engine.stats()["evictions"] == 1
+    # bob's next piece: the model's quota takes the model's oldest piece (alice's 1).
+    assert store(engine, [key(12)], BOB).stored == 1
+    assert resident(engine, [key(1), key(2), key(10), key(11), key(12)]) == [
+        False, True, True, True, True]
+    # alice under her quota, the model at its: the model's oldest goes (alice's 2, then bob's 10).
+    assert store(engine, [key(3)], ALICE).stored == 1
+    assert store(engine, [key(4)], ALICE).stored == 1
+    assert resident(engine, [key(2), key(10), key(11), key(12), key(3), key(4)]) == [
+        False, False, True, True, True, True]
+    assert engine.stats()["evictions"] == 4
+    # Both at their quota, the model's oldest is bob's 11: it goes for the model, and alice's
+    # oldest (3) for her: two evictions for one piece.
+    assert store(engine, [key(5)], ALICE).stored == 1
+    assert resident(engine, [key(11), key(12), key(3), key(4), key(5)]) == [
+        False, True, False, True, True]
+    assert engine.stats()["evictions"] == 6
+    # Both at their quota again, the model's oldest is alice's 4 (bob's touched by a lookup): it
+    # counts for both, one eviction.
+    assert store(engine, [key(13)], BOB).stored == 1
+    assert lookup(engine, 1, [h(12), h(13)], "touch", lock=False, model="a") == 2
+    assert store(engine, [key(6)], ALICE).stored == 1
+    assert resident(engine, [key(4), key(5), key(6), key(12), key(13)]) == [
+        False, True, True, True, True]
+    assert engine.stats()["evictions"] == 7
+    assert engine.index.model_bytes["a"] == 4 * SLOT
+    assert figures(engine)[ALICE][1:3] == (2, 2 * SLOT)
+    assert engine.stats()["store_skipped_quota"] == 0
+
+
+def test_a_tenant_quota_that_cannot_be_met_evicts_nothing_for_the_model_either() -> None:
+    engine = make(quotas={"a": 3 * SLOT}, tenant_quotas={"alice": 2 * SLOT})
+    bob = key(10)
+    store(engine, [bob], BOB)
+    alice = [key(1), key(2)]
+    store(engine, alice, ALICE)
+    assert lookup(engine, 1, [k.chunk_hash for k in alice], "held", model="a") == 2
+    # model a is at its quota (bob's piece could go) but alice's own cannot: nothing goes.
+    reply = store(engine, [key(3)], ALICE)
+    assert (reply.stored, reply.skipped_quota) == (0, 1)
+    assert resident(engine, [bob, *alice]) == [True, True, True]
+    assert engine.stats()["evictions"] == 0
+
+
+def test_tenant_bytes_return_to_zero_after_eviction_and_clear() -> None:
+    engine = make(slots=4, tenant_quotas={"alice": 8 * SLOT})
+    store(engine, [key(i) for i in range(2)], ALICE)
+    store(engine, [key(i) for i in range(10, 12)], BOB)
+    assert engine.index.tenant_bytes == {ALICE: 2 * SLOT, BOB: 2 * SLOT}
+    store(engine, [key(i) for i in range(20, 24)])  # no tenant: fills the pool, evicting all
+    assert engine.stats()["evictions"] == 4
+    assert engine.index.tenant_bytes == {} and engine.index.tenant_pieces == {}
+    assert figures(engine) == {ALICE: ("alice", 0, 0, 8 * SLOT)}  # named: listed at zero
+    store(engine, [key(30)], BOB)
+    assert engine.index.tenant_bytes == {BOB: SLOT}
+    assert engine.clear(force=True) == (4, 0)
+    assert engine.index.tenant_bytes == {} and engine.index.nbytes == 0
+
+
+def test_tier_loads_are_untagged_and_only_the_model_quota_applies() -> None:
+    engine = make(quotas={"a": 2 * SLOT}, tenant_quotas={"alice": SLOT})
+    store(engine, [key(1)], ALICE)
+    items = reserve(engine, [(key(2), SLOT), (key(3), SLOT)])
+    # Both reserved: the second passes the model's quota (the first counts, being written), so
+    # alice's piece went; the loads are no tenant's, so her quota had no say.
+    assert [item[0] for item in items] == [key(2), key(3)]
+    assert not engine.is_resident(key(1))
+    engine.commit_loaded(items, [SLOT, SLOT])
+    assert [engine.index.get(k).tenant for k in (key(2), key(3))] == ["", ""]  # type: ignore[union-attr]
+    assert engine.index.tenant_bytes == {}
+
+
+def test_store_request_tenant_is_a_bounded_hex_tag() -> None:
+    base = {"instance_id": 1, "chunk_hashes": [], "block_ids": []}
+    ok = msgspec.msgpack.decode(msgspec.msgpack.encode({**base, "tenant": ALICE}),
+                                type=m.StoreRequest)
+    assert ok.tenant == ALICE
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(base), type=m.StoreRequest).tenant == ""
+    for bad in ("alice", "A" * 16, "0" * 33):
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.msgpack.decode(msgspec.msgpack.encode({**base, "tenant": bad}),
+                                   type=m.StoreRequest)
