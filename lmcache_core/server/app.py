@@ -142,6 +142,7 @@ class CacheServer:
         self._stop.set()
         self._done.set()
         self.transport.stop(drain_timeout_s)
+        self.handlers.checksum_lanes.close()  # after the copy threads: no store is hashing
         if self.http is not None:
             self.http.stop()
         self.engine.close(drain_timeout_s)

@@ -15,7 +15,7 @@ from typing import Any
 
 from lmcache_core import __version__
 from lmcache_core.config import LMCacheConfig
-from lmcache_core.engine import CacheEngine, Retention, RetrievePlan
+from lmcache_core.engine import CacheEngine, Retention, RetrievePlan, StorePlan
 from lmcache_core.errors import IncompatibleError, ProtocolError
 from lmcache_core.keys import ChunkKey, rank_heads
 from lmcache_core.kv.cuda_events import open_ipc_event
@@ -25,7 +25,7 @@ from lmcache_core.protocol.ops import RequestType
 from lmcache_core.server.layouts import LayoutResolver
 from lmcache_core.server.pins import PinHandlers
 from lmcache_core.server.registry import KVRegistry, Registration
-from lmcache_core.storage.integrity import checksum
+from lmcache_core.storage.checksum_stream import ChecksumLanes
 from lmcache_core.storage.pool import process_rss_bytes
 from lmcache_core.transport.server import Route, ServerCounters
 
@@ -59,6 +59,7 @@ class CacheHandlers:
         self.started = time.monotonic()
         #: ``add_workers(extra)`` of the transport, to size copy threads by the GPUs registered.
         self.add_copy_threads: Callable[[int], int] | None = None
+        self.checksum_lanes = ChecksumLanes()  # stores hash their pieces there while copying
 
     def routes(self) -> dict[RequestType, Route]:
         pins = PinHandlers(self.engine, self.layouts)
@@ -145,19 +146,30 @@ class CacheHandlers:
             ok = False
             try:
                 if plan.writes:
-                    indices = [w[0] for w in plan.writes]
-                    blocks = _chunk_blocks(request.block_ids, indices, per_chunk)
-                    with reg.copy_stream.run(request.event_handle, self.event_timeout_s):
-                        reg.mapped.gather(blocks, [w[2] for w in plan.writes])
-                    # The pieces' checksums (outside the engine's lock), kept at commit: a piece
-                    # is visible only once all its bytes are in and its checksum recorded.
-                    plan.checksums = [checksum(w[2]) for w in plan.writes]
+                    plan.checksums = self._gather(reg, request.block_ids, plan, per_chunk,
+                                                  request.event_handle)
                 ok = True
             finally:
                 self.engine.finish_store(plan, ok)
         return m.StoreReply(stored=len(plan.writes), already_present=plan.already_present,
                             skipped_full=plan.skipped_full, skipped_quota=plan.skipped_quota,
                             pin_refused=plan.pin_refused)
+
+    def _gather(self, reg: Registration, block_ids: Sequence[int], plan: StorePlan,
+                per_chunk: int, event_handle: bytes) -> list[int]:
+        """Copy the plan's chunks into their slots; return the pieces' checksums, kept at commit
+        (a piece is visible only once all its bytes are in and its checksum recorded). They are
+        taken outside the engine's lock, on a lane thread while the gather goes on."""
+        slots = [w[2] for w in plan.writes]
+        blocks = _chunk_blocks(block_ids, [w[0] for w in plan.writes], per_chunk)
+        sums = self.checksum_lanes.begin(slots, reg.mapped.chunk_bytes)
+        try:
+            with reg.copy_stream.run(event_handle, self.event_timeout_s):
+                reg.mapped.gather(blocks, slots, sums.written if sums.streaming else None)
+        except BaseException:
+            sums.abandon()
+            raise
+        return sums.digests()
 
     def retrieve(self, request: m.RetrieveRequest, _client: bytes) -> m.RetrieveReply:
         """Copy the found chunks into the worker's blocks, within the load deadline.
