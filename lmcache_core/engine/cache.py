@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
@@ -92,6 +92,21 @@ class CacheEngine(CacheCore):
         """The pieces ``lookup_id`` holds a lock on (for inspection and tests)."""
         with self.mutex:
             return self.locks.keys_of(lookup_id)
+
+    def set_lock_readers(self, lookup_id: str, readers: int) -> bool:
+        """Each lock ``lookup_id`` holds (per head range and chunk) goes with the ``readers``-th
+        retrieve of it (LMCache's ``num_kv_readers``; one unless set); called right after the
+        lookup. False if it holds none."""
+        with self.mutex:
+            return self.locks.set_readers(lookup_id, readers)
+
+    def release_lookup_reads(self, lookup_id: str, chunk_hashes: Collection[bytes],
+                             reads: int) -> int:
+        """Count ``reads`` reads of every range of ``lookup_id``'s locks on the chunks
+        ``chunk_hashes`` name, releasing those with none left to wait for (LMCache's
+        ``free_lookup_locks`` over a range); how many piece locks went."""
+        with self.mutex:
+            return self.locks.release_chunks(lookup_id, chunk_hashes, reads)
 
     def held(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
              chunk_hashes: Sequence[bytes]) -> int:

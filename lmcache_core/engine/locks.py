@@ -3,14 +3,17 @@
 A lookup for world size W locks, for each rank's head range, the pieces that cover it; the retrieve
 of that rank releases its range's locks on each chunk it read (whichever pieces it used), so a piece
 serving two ranks (a TP=1 piece read by TP=2) stays locked until both have read it. Locked pieces are
-never evicted. Not thread-safe: the engine calls it under its lock.
+never evicted. A lookup may expect several readers of each rank's range (LMCache's
+``num_kv_readers``: ``set_readers``): a (range, chunk) lock then goes with its last expected read,
+or when ``release_chunks`` releases the reads left. Not thread-safe: the engine calls it under its
+lock.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 from lmcache_core.engine.index import ChunkId, Piece
 from lmcache_core.keys import ChunkKey, HeadRange
@@ -19,11 +22,30 @@ from lmcache_core.keys import ChunkKey, HeadRange
 class LockSet:
     """The pieces one lookup id locked: per head range, per chunk."""
 
-    __slots__ = ("held", "seq")
+    __slots__ = ("held", "readers", "reads", "seq")
 
     def __init__(self, seq: int) -> None:
         self.held: dict[HeadRange, dict[ChunkId, list[Piece]]] = {}
         self.seq = seq
+        self.readers = 1  # reads of each (range, chunk) its lock waits for
+        self.reads: dict[tuple[HeadRange, ChunkId], int] = {}  # reads so far, while < readers
+
+    def read(self, heads: HeadRange, chunk: ChunkId, reads: int) -> list[Piece]:
+        """``reads`` reads of ``heads`` on ``chunk``: the pieces whose lock they end (none while
+        reads are still expected, or when it holds no such lock)."""
+        held = self.held.get(heads)
+        if held is None or chunk not in held:
+            return []
+        if self.readers > 1:
+            done = self.reads.get((heads, chunk), 0) + reads
+            if done < self.readers:
+                self.reads[(heads, chunk)] = done
+                return []
+            self.reads.pop((heads, chunk), None)
+        pieces = held.pop(chunk)
+        if not held:
+            del self.held[heads]
+        return pieces
 
     def count(self) -> int:
         return sum(len(pieces) for chunks in self.held.values() for pieces in chunks.values())
@@ -74,20 +96,41 @@ class LockTable:
         return released
 
     def release_read(self, lookup_id: str, heads: HeadRange, chunks: Iterable[ChunkId]) -> None:
-        """A retrieve of range ``heads`` read ``chunks``: release that range's locks on them."""
+        """A retrieve of range ``heads`` read ``chunks``: one read of each; a lock goes with the
+        last read its lookup expects (``set_readers``; one by default)."""
         lock_set = self.sets.get(lookup_id)
         if lock_set is None:
             return
-        held = lock_set.held.get(heads)
-        if held is None:
-            return
         for chunk in chunks:
-            for piece in held.pop(chunk, ()):
+            for piece in lock_set.read(heads, chunk, 1):
                 piece.locks -= 1
-        if not held:
-            del lock_set.held[heads]
-            if not lock_set.held:
-                del self.sets[lookup_id]
+        if not lock_set.held:
+            del self.sets[lookup_id]
+
+    def set_readers(self, lookup_id: str, readers: int) -> bool:
+        """Each (range, chunk) lock of ``lookup_id`` waits for ``readers`` reads (set right after
+        its lookup, before any read); False if it holds none."""
+        lock_set = self.sets.get(lookup_id)
+        if lock_set is None:
+            return False
+        lock_set.readers = max(1, readers)
+        return True
+
+    def release_chunks(self, lookup_id: str, chunk_hashes: Collection[bytes], reads: int) -> int:
+        """Release ``reads`` expected reads of every range on the chunks named by ``chunk_hashes``
+        (whatever their model and layout); how many piece locks went."""
+        lock_set = self.sets.get(lookup_id)
+        if lock_set is None:
+            return 0
+        released = 0
+        for heads, held in list(lock_set.held.items()):
+            for chunk in [c for c in held if c[2] in chunk_hashes]:
+                for piece in lock_set.read(heads, chunk, reads):
+                    piece.locks -= 1
+                    released += 1
+        if not lock_set.held:
+            del self.sets[lookup_id]
+        return released
 
     def due(self, now: float) -> bool:
         return bool(self._expiry) and self._expiry[0][0] <= now

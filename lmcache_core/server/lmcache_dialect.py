@@ -239,6 +239,8 @@ class LMCacheDialect:
     def _op_lookup(self, key: w.IPCCacheServerKey, _tp: int, *, client: bytes) -> None:
         request = w.lookup_request(key, self.handlers.config.chunk_size)
         reply = self.handlers.lookup(request, client)
+        if reply.hit_chunks and key.num_kv_readers > 1:  # before the result is seen: no reads yet
+            self.handlers.engine.set_lock_readers(key.request_id, key.num_kv_readers)
         self.results.set(key.request_id, reply.hit_chunks)
 
     def _op_query_prefetch_status(self, request_id: str, *, client: bytes) -> int | None:
@@ -258,7 +260,17 @@ class LMCacheDialect:
         return self.results.wait(request_id, timeout, reply)
 
     def _op_free_lookup_locks(self, key: w.IPCCacheServerKey, _tp: int, *, client: bytes) -> None:
-        self.handlers.free_lookup_locks(m.LookupIdRequest(lookup_id=key.request_id), client)
+        """As LMCache's: ``num_kv_readers`` reads of every rank's lock on each chunk of
+        ``[start, end)`` (only chunks the lookup hit are locked); the lookup's result is handed
+        over first if it was not; while the lookup runs, nothing."""
+        if key.num_kv_readers < 1:
+            raise w.DialectError("num_kv_readers must be at least 1")
+        if key.start >= key.end or self.results.take(key.request_id) is None:
+            return None
+        hashes = w.key_hashes(key, self.handlers.config.chunk_size)
+        self.handlers.engine.release_lookup_reads(key.request_id, set(hashes),
+                                                  key.num_kv_readers)
+        return None
 
     def _op_end_session(self, request_id: str, *, client: bytes) -> None:
         self.results.drop(request_id)

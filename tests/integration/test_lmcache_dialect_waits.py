@@ -1,8 +1,10 @@
 """LMCache 0.5.6's wire on a real in-process server, from raw DEALER frames: ``wait_prefetch_status``
-answered later without blocking anyone (issue 15)."""
+answered later without blocking anyone; lookup locks with ``num_kv_readers`` readers, released by
+each retrieve and by ``free_lookup_locks`` over ``[start, end)`` (issue 15)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import threading
@@ -11,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 import zmq
 
@@ -103,3 +106,81 @@ def test_wait_prefetch_status_waits_without_blocking_anyone(slow_lookups) -> Non
     finally:
         waiter.close(0)
         other.close(0)
+
+
+# ---------------------------------------------------------------- num_kv_readers, free_lookup_locks
+
+NB, BS, H, D = 32, 16, 4, 32  # TINY: 2 layers of 4 KV heads x 32, fp16; chunk 64 = 4 blocks
+
+
+@pytest.fixture
+def kv_server(short_tmp: str) -> Iterator[tuple[CacheServer, list[np.ndarray], list[dict]]]:
+    """An in-process server, and two NHD layers in LMCache-named shared memory of this process
+    (``/lmcache_kv_<pid>_<n>``) as its ``cpu_shm`` descriptors."""
+    from multiprocessing import shared_memory
+
+    srv = CacheServer(server_config(short_tmp))
+    srv.start()
+    shape, nbytes = (2, NB, BS, H, D), 2 * NB * BS * H * D * 2
+    segments = [shared_memory.SharedMemory(f"lmcache_kv_{os.getpid()}_{i + 900}", create=True,
+                                           size=nbytes) for i in range(2)]
+    layers = [np.ndarray(shape, np.float16, buffer=seg.buf) for seg in segments]
+    stride = [NB * BS * H * D, BS * H * D, H * D, D, 1]
+    descs = [msgspec.msgpack.Ext(1, enc({
+        "type": "cpu_shm", "version": 1, "shm_name": "/" + seg.name, "nbytes": nbytes,
+        "metadata": {"dtype": "float16", "shape": list(shape), "stride": stride,
+                     "storage_offset": 0, "device_uuid": "cpu"}})) for seg in segments]
+    try:
+        yield srv, layers, descs
+    finally:
+        srv.stop(2)
+        del layers
+        for seg in segments:
+            seg.close()
+            seg.unlink()
+
+
+def test_lookup_locks_wait_for_every_reader_and_free_releases_its_range(kv_server) -> None:
+    srv, layers, descs = kv_server
+    rng = np.random.default_rng(15)
+    for layer in layers:
+        layer[...] = rng.standard_normal(layer.shape).astype(np.float16)
+    sent = [layer[:, :12].copy() for layer in layers]  # 3 chunks of 4 blocks
+    sock = dealer(srv.url)
+    uid = iter(range(100, 1000))
+
+    def ask(op: int, *payloads: Any) -> list[bytes] | None:
+        u = next(uid)
+        reply = call(sock, [enc(u), enc(op), *map(enc, payloads)])
+        assert reply is not None and reply[:2] == [enc(u), enc(op)], reply
+        return [msgspec.msgpack.decode(f) for f in reply[2:]]
+
+    try:
+        assert ask(1, 7, descs, "tiny", 1, "vllm", {}, []) == []  # register (void)
+        stored = key("s", end=192, worker_id=0)
+        assert ask(6, stored, 7, [list(range(12))], b"") == [[b"", True]]
+        # A lookup for two readers: every hit chunk locked until both read it.
+        assert ask(8, key("r", end=192, num_kv_readers=2), 1) == []
+        assert ask(9, "r") == [3]
+        assert len(srv.engine.locks_of("r")) == 3
+        # free_lookup_locks over [128, 192): chunk 2 only; chunks 0 and 1 stay locked.
+        assert ask(12, key("r", end=192, num_kv_readers=2) | {"start": 128}, 1) == []
+        assert len(srv.engine.locks_of("r")) == 2
+        for layer in layers:
+            layer[:, 12:] = 0
+        dst = [[list(range(12, 20))], [list(range(12, 20))]]  # chunks 0-1 into blocks 12-19
+        got = key("r", end=128, worker_id=0, num_kv_readers=2)
+        assert ask(7, got, 7, dst[0], b"", 0) == [[b"", True]]  # the first reader
+        assert len(srv.engine.locks_of("r")) == 2
+        for layer, want in zip(layers, sent, strict=True):
+            assert np.array_equal(layer[:, 12:20], want[:, :8])
+        assert ask(7, got, 7, dst[1], b"", 0) == [[b"", True]]  # the second: the locks go
+        assert srv.engine.locks_of("r") == [] and srv.engine.stats()["locks_held"] == 0
+        # One reader (vLLM's non-MLA default): a free of everything left releases it all.
+        assert ask(8, key("q", end=192), 1) == [] and ask(9, "q") == [3]
+        assert ask(7, key("q", end=64, worker_id=0), 7, [list(range(12, 16))], b"", 0) == \
+            [[b"", True]]
+        assert len(srv.engine.locks_of("q")) == 2
+        assert ask(12, key("q", end=192), 1) == [] and srv.engine.locks_of("q") == []
+    finally:
+        sock.close(0)
