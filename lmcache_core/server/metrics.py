@@ -13,7 +13,7 @@ tier, model name: never a hash or a request id). The library's process and Pytho
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import (
     GC_COLLECTOR,
@@ -102,24 +102,31 @@ class ServerMetrics:
             "lmcache_request_duration_seconds",
             "Time serving a request (decode, handler, encode; not the wait in the queue), by op.",
             ["op"], buckets=LATENCY_BUCKETS, registry=self.registry)
-        # One child per op made now: every op's series exists from the start, and observe() does
-        # no label lookup.
-        self._observers = {op: latency.labels(op=op_label(op)).observe for op in RequestType}
+        # One child per op of ours made now: every op's series exists from the start, and
+        # observe() does no label lookup. LMCache's ops (a fixed set of names) get theirs at first.
+        self._latency = latency
+        self._observers: dict[RequestType | str, Callable[[float], None]] = {
+            op: latency.labels(op=op_label(op)).observe for op in RequestType}
         for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
             self.registry.register(collector)
 
-    def observe(self, op: RequestType, seconds: float, _error_code: str) -> None:
-        """One served request (the transport's ``observe`` hook)."""
-        self._observers[op](seconds)
+    def observe(self, op: RequestType | str, seconds: float, _error_code: str) -> None:
+        """One served request (the transport's ``observe`` hook); a str op is LMCache's."""
+        observer = self._observers.get(op)
+        if observer is None:
+            observer = self._observers[op] = self._latency.labels(op=op_label(op)).observe
+        observer(seconds)
 
     def watch(self, collector: Collector) -> None:
         """Add a collector read at every scrape (the server's ``ServerCollector``)."""
         self.registry.register(collector)
 
 
-def op_label(op: RequestType) -> str:
-    """``lmc.store`` -> ``store``."""
-    return op.value.removeprefix("lmc.")
+def op_label(op: RequestType | str) -> str:
+    """``lmc.store`` -> ``store``; LMCache's ``store`` (its op name) -> ``lmcache.store``."""
+    if isinstance(op, RequestType):
+        return op.value.removeprefix("lmc.")
+    return "lmcache." + op
 
 
 class ServerCollector(Collector):

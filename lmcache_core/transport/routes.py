@@ -13,8 +13,9 @@ from lmcache_core.protocol.ops import RequestType
 from lmcache_core.transport.gate import Waitable
 
 Handler = Callable[[Any, bytes], m.Reply]
-#: ``observe(op, seconds, error_code)`` after each request a route served ("" when it succeeded).
-Observer = Callable[[RequestType, float, str], None]
+#: ``observe(op, seconds, error_code)`` after each request a route served ("" when it succeeded);
+#: a dialect's requests are observed under its op name (a str), their error code always "".
+Observer = Callable[[RequestType | str, float, str], None]
 #: ``gate(payload) -> (waitable, timeout_s) | None``: what a blocking request must wait for before
 #: its handler runs (e.g. the worker's CUDA event); it then waits in the ``Gate``, not on a worker.
 GateFn = Callable[[Any], tuple[Waitable, float] | None]
@@ -48,6 +49,7 @@ class Task(NamedTuple):
     identity: bytes
     run: Callable[[], list[bytes] | None]
     size: int  # the request's bytes, counted against the workers' queue bound
+    op: str = ""  # the dialect's op name (for ``observe``)
 
 
 class Job(NamedTuple):

@@ -283,6 +283,7 @@ class MessageQueueServer:
         if size > self.limits.max_request_bytes:
             self._rejections.log(logging.INFO, "dropped a %d-byte %s request", size, op)
             return
+        start = time.perf_counter()
         out = self.dialect.serve(op, frames, identity) if self.dialect is not None else None
         if callable(out):
             if self._in_flight and self._queued_bytes + size > self._max_queued_bytes:
@@ -291,19 +292,23 @@ class MessageQueueServer:
                 return
             self._in_flight += 1
             self._queued_bytes += size
-            self._jobs.put(Task(identity, out, size))
-        elif out is not None:
+            self._jobs.put(Task(identity, out, size, op))
+            return
+        self._observe_dialect(op, start)
+        if out is not None:
             self._send([identity, *out])
 
     def _work(self) -> None:
         """A worker thread: serve queued jobs until a None arrives."""
         while (job := self._jobs.get()) is not None:
             if isinstance(job, Task):
+                start = time.perf_counter()
                 try:
                     out = job.run()
                 except Exception:  # a dialect's task never raises; if it did, no reply
                     self._failures.log(logging.ERROR, "a dialect task raised", exc_info=True)
                     out = None
+                self._observe_dialect(job.op, start)
                 self._done.append(([job.identity, *out] if out is not None else [], "", job.size))
                 self._waker.wake()
                 continue
@@ -365,6 +370,15 @@ class MessageQueueServer:
             self._failures.log(logging.ERROR, "observing %s raised", job.head.op.value,
                                exc_info=True)
         return frames, code
+
+    def _observe_dialect(self, op: str, start: float) -> None:
+        """Time a dialect's request served from ``start`` (decode and handler; a reply sent later
+        by ``post`` is not waited for) under its op name."""
+        if self._observe is not None:
+            try:
+                self._observe(op, time.perf_counter() - start, "")
+            except Exception:
+                self._failures.log(logging.ERROR, "observing %s raised", op, exc_info=True)
 
     def _send(self, frames: list[bytes]) -> None:
         assert self._socket is not None

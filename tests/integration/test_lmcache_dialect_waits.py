@@ -1,6 +1,7 @@
 """LMCache 0.5.6's wire on a real in-process server, from raw DEALER frames: ``wait_prefetch_status``
 answered later without blocking anyone; lookup locks with ``num_kv_readers`` readers, released by
-each retrieve and by ``free_lookup_locks`` over ``[start, end)`` (issue 15)."""
+each retrieve and by ``free_lookup_locks`` over ``[start, end)``; LMCache's ops in the latency
+histogram of ``/metrics`` under their own labels (issue 15)."""
 
 from __future__ import annotations
 
@@ -119,7 +120,7 @@ def kv_server(short_tmp: str) -> Iterator[tuple[CacheServer, list[np.ndarray], l
     (``/lmcache_kv_<pid>_<n>``) as its ``cpu_shm`` descriptors."""
     from multiprocessing import shared_memory
 
-    srv = CacheServer(server_config(short_tmp))
+    srv = CacheServer(server_config(short_tmp, **{"server.http_url": "http://127.0.0.1:0"}))
     srv.start()
     shape, nbytes = (2, NB, BS, H, D), 2 * NB * BS * H * D * 2
     segments = [shared_memory.SharedMemory(f"lmcache_kv_{os.getpid()}_{i + 900}", create=True,
@@ -184,3 +185,34 @@ def test_lookup_locks_wait_for_every_reader_and_free_releases_its_range(kv_serve
         assert ask(12, key("q", end=192), 1) == [] and srv.engine.locks_of("q") == []
     finally:
         sock.close(0)
+
+
+def test_lmcache_ops_are_timed_under_their_own_labels(kv_server) -> None:
+    import urllib.request
+
+    srv, _, descs = kv_server
+    sock = dealer(srv.url)
+    try:
+        assert call(sock, [enc(1), enc(1), enc(7), enc(descs), enc("tiny"), enc(1), enc("vllm"),
+                           enc({}), enc([])]) == [enc(1), enc(1)]
+        assert call(sock, [enc(2), enc("store"), enc(key("s", worker_id=0)), enc(7),
+                           enc([list(range(8))]), enc(b"")]) == [enc(2), enc("store"),
+                                                                 enc([b"", True])]
+        assert call(sock, [enc(3), enc(8), enc(key("r")), enc(1)]) == [enc(3), enc(8)]
+        assert call(sock, [enc(4), enc(9), enc("r")]) == [enc(4), enc(9), enc(2)]
+        for uid in (5, 6):
+            assert call(sock, [enc(uid), enc(24)]) == [enc(uid), enc(24), enc("OK")]
+    finally:
+        sock.close(0)
+    assert srv.metrics is not None and srv.http_url is not None
+    with urllib.request.urlopen(srv.http_url + "/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    counts = {op: srv.metrics.registry.get_sample_value(
+        "lmcache_request_duration_seconds_count", {"op": f"lmcache.{op}"})
+        for op in ("register_kv_cache", "store", "lookup", "query_prefetch_status", "noop")}
+    assert counts == {"register_kv_cache": 1, "store": 1, "lookup": 1,
+                      "query_prefetch_status": 1, "noop": 2}
+    assert 'lmcache_request_duration_seconds_count{op="lmcache.store"} 1.0' in text
+    # Our own ops keep their labels, untouched by LMCache's.
+    assert srv.metrics.registry.get_sample_value(
+        "lmcache_request_duration_seconds_count", {"op": "store"}) == 0
