@@ -1,6 +1,6 @@
 """``lmcache inspect-chunks``: the chunk pieces a server holds (a piece: KV heads ``lo-hi`` of one
-chunk of one model in one layout), each model's share of the pool, and a footer of pool use and hit
-rate.
+chunk of one model in one layout), each model's share of the pool, each cache_salt tenant's (when
+there are any), and a footer of pool use and hit rate.
 
 One LIST_CHUNKS and one SERVER_INFO request; never imports torch.
 """
@@ -85,6 +85,7 @@ def inspect_chunks(
         print_json({"url": info.url, "model": model, "sort": sort.value, "limit": limit,
                     "chunks": [msgspec.structs.asdict(c) for c in listing.chunks],
                     "models": [msgspec.structs.asdict(row) for row in _models(info, model)],
+                    "tenants": [msgspec.structs.asdict(row) for row in info.tenants],
                     "summary": summary})
         return
     _render(listing.chunks, info, summary, model)
@@ -116,6 +117,7 @@ def _render(chunks: list[Any], info: Any, summary: dict[str, Any], model: str | 
     else:
         console.print(f"[dim]{title}: no chunks[/]", highlight=False)
     _render_models(_models(info, model), info.pool_bytes)
+    _render_tenants(info.tenants, info.pool_bytes)
     s = summary
     hit_rate = "-" if s["hit_rate"] is None else f"{100 * s['hit_rate']:.1f}%"
     console.print(
@@ -154,4 +156,27 @@ def _render_models(models: list[Any], pool_bytes: int) -> None:
         quota = "-" if row.quota_bytes is None else human_bytes(row.quota_bytes)
         table.add_row(escape(row.model_name), str(row.pieces), human_bytes(row.bytes_used), share,
                       quota, str(row.registered), escape(", ".join(row.layouts)) or "-")
+    console.print(table)
+
+
+def _render_tenants(tenants: list[Any], pool_bytes: int) -> None:
+    """Each cache_salt tenant's share of the pool (its name in server.tenant_quotas, its tag),
+    when the server has any: pieces, bytes, quota and how full it is."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    if not tenants:
+        return
+    table = Table(title="tenants (cache_salt)", title_justify="left")
+    for name, justify in (("tenant", "left"), ("tag", "left"), ("pieces", "right"),
+                          ("size", "right"), ("share", "right"), ("quota", "right"),
+                          ("of quota", "right")):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for row in tenants:
+        share = f"{100 * row.bytes_used / pool_bytes:.1f}%" if pool_bytes else "-"
+        quota = row.quota_bytes
+        table.add_row(escape(row.name) or "-", row.tenant, str(row.pieces),
+                      human_bytes(row.bytes_used), share,
+                      "-" if quota is None else human_bytes(quota),
+                      "-" if not quota else f"{100 * row.bytes_used / quota:.0f}%")
     console.print(table)

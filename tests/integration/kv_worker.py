@@ -12,6 +12,7 @@ obeys JSON-line commands on stdin, answering one JSON line each on stdout:
       -> {"finished": bool, "failed": reason-or-null}     (waits for get_finished, bounded)
       a store may add "ttl_s", "pin", "priority" (retention); it answers "pin_refused" too
   {"cmd": "batch_store", "reqs": [...], "keys": [[...]...], "blocks": [[...]...]}
+      may add "salts": [...] (each request's cache_salt)
   {"cmd": "quit"}
 """
 
@@ -124,8 +125,9 @@ def handle(adapter: LMCacheMPWorkerAdapter, layers: list[torch.Tensor], c: dict)
         adapter.load_deadline_ms = c["ms"]
         return {"ok": True}
     if cmd == "batch_store":
-        ops = [LoadStoreOp(block_hashes=keys(k), block_ids=b)
-               for k, b in zip(c["keys"], c["blocks"], strict=True)]
+        salts = c.get("salts") or [None] * len(c["keys"])
+        ops = [LoadStoreOp(block_hashes=keys(k), block_ids=b, cache_salt=salt)
+               for k, b, salt in zip(c["keys"], c["blocks"], salts, strict=True)]
         adapter.batched_submit_store_requests(c["reqs"], ops, None)
         return wait(adapter, c["reqs"], "store")
     if cmd == "get_finished":

@@ -74,3 +74,17 @@ def test_the_worker_side_passes_the_hints_to_the_adapter() -> None:
     spec = lc.TransferSpec("r", [b"h" * 32], [4, 5], ttl_s=9.0, pin=True, priority=-2)
     _, (op,) = worker._ops([spec])
     assert (op.ttl_s, op.pin, op.priority) == (9.0, True, -2) and op.block_ids == [4, 5]
+    assert op.cache_salt is None
+    _, (salted,) = worker._ops([lc.TransferSpec("s", [b"h" * 32], [4, 5], cache_salt="team-a")])
+    assert salted.cache_salt == "team-a"  # the adapter sends its tenant tag with the store
+
+
+def test_a_salted_requests_stores_carry_its_tenant(conn: Any) -> None:
+    req = _request("r", TOKENS)
+    req.cache_salt = "team-a"
+    (store,) = _store_meta(conn, req).stores
+    assert store.cache_salt == "team-a"
+    assert store.chunk_hashes != chain_hashes(TOKENS, CHUNK)  # salted chain, as before
+    assert pickle.loads(pickle.dumps(store)).cache_salt == "team-a"
+    (plain,) = _store_meta(conn, _request("q", TOKENS)).stores
+    assert plain.cache_salt is None

@@ -74,7 +74,8 @@ class LoadStoreOp:
     hash), or the request's token ids from token 0 (hashed into chunks). ``block_ids``: the vLLM
     blocks, from the same start. Only whole chunks are stored or retrieved; a partial tail is left.
     ``cache_salt``: the request's salt, which seeds the chain in token mode (requests with
-    different salts never share chunks); ignored in hash mode (vLLM's block hashes include it).
+    different salts never share chunks); ignored there in hash mode (vLLM's block hashes include
+    it). In both modes a store's salt names its tenant (``keys.tenant_tag``: server.tenant_quotas).
     ``ttl_s``, ``pin``, ``priority``: retention of the stored chunks (``StoreRequest``'s fields;
     stores only, ignored by retrieves).
     """

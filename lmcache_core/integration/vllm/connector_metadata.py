@@ -23,6 +23,9 @@ class TransferSpec:
     pin: bool = False
     priority: int = 0
     """A store's retention (the request's ``kv_transfer_params`` hints); loads leave them unset."""
+    cache_salt: str | None = None
+    """A store's tenant: the request's cache_salt (the adapter sends its ``keys.tenant_tag`` for
+    ``server.tenant_quotas``; the hashes already include it)."""
 
 
 class LMCacheConnectorMetadata(KVConnectorMetadata):

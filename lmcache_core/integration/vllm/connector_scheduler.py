@@ -193,7 +193,8 @@ class ConnectorSchedulerSide(KVConnectorBase_V1):
         meta.stores.append(TransferSpec(request_id, hashes[start:complete],
                                         tracker.block_ids[start * bpc:complete * bpc],
                                         ttl_s=hints.ttl_s, pin=hints.pin,
-                                        priority=hints.priority))
+                                        priority=hints.priority,
+                                        cache_salt=getattr(tracker.request, "cache_salt", None)))
         tracker.stored_chunks = complete
         self._with_stores.add(request_id)
 

@@ -176,7 +176,8 @@ class ConnectorWorkerSide(KVConnectorBase_V1):
             ids.append(spec.request_id)
             ops.append(LoadStoreOp(per_block_hashes(spec.chunk_hashes, self._bpc),
                                    expand_block_ids(spec.block_ids, ratio), ttl_s=spec.ttl_s,
-                                   pin=spec.pin, priority=spec.priority))
+                                   pin=spec.pin, priority=spec.priority,
+                                   cache_salt=spec.cache_salt))
         return ids, ops
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

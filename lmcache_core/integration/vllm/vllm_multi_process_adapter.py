@@ -54,7 +54,7 @@ from lmcache_core.integration.vllm.transfer_state import (
     transfer_failure,
     unloaded_blocks,
 )
-from lmcache_core.keys import striding_block_hashes
+from lmcache_core.keys import striding_block_hashes, tenant_tag
 from lmcache_core.protocol import messages as m
 from lmcache_core.protocol.ops import RequestType
 from lmcache_core.transport.client import MessageQueueClient
@@ -185,19 +185,20 @@ class LMCacheMPWorkerAdapter:
     def batched_submit_store_requests(self, request_ids: list[str], ops: list[LoadStoreOp],
                                       event: Any) -> None:
         """One store request for the whole chunks of several vLLM requests (one per distinct
-        retention among them: ``LoadStoreOp.ttl_s``, ``pin``, ``priority``)."""
+        retention among them: ``LoadStoreOp.ttl_s``, ``pin``, ``priority``; and per tenant: each
+        carries the ``keys.tenant_tag`` of its ops' ``cache_salt``, never the salt)."""
         if len(request_ids) != len(ops):
             raise ValueError(f"{len(request_ids)} request ids but {len(ops)} ops")
-        groups: dict[tuple[float | None, bool, int], list[int]] = {}
+        groups: dict[tuple[tuple[float | None, bool, int], str], list[int]] = {}
         for i, op in enumerate(ops):
-            groups.setdefault(op.retention, []).append(i)
+            groups.setdefault((op.retention, tenant_tag(op.cache_salt)), []).append(i)
         handle = _event_handle(event)
-        for (ttl_s, pin, priority), members in groups.items():
+        for ((ttl_s, pin, priority), tenant), members in groups.items():
             ids = [request_ids[i] for i in members]
             hashes, blocks = self._flatten([ops[i] for i in members])
             payload = m.StoreRequest(instance_id=self.instance_id, chunk_hashes=hashes,
                                      block_ids=blocks, event_handle=handle, request_ids=ids,
-                                     ttl_s=ttl_s, pin=pin, priority=priority)
+                                     ttl_s=ttl_s, pin=pin, priority=priority, tenant=tenant)
             self._submit(RequestType.STORE, payload, ids, blocks, self._stores)
 
     def batched_submit_retrieve_requests(self, request_ids: list[str], ops: list[LoadStoreOp],
