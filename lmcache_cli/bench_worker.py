@@ -234,7 +234,6 @@ def _run(spec: WorkerSpec, queue: Any, barrier: Any) -> WorkerResult:
     from lmcache_core.integration.vllm.vllm_multi_process_adapter import LMCacheMPWorkerAdapter
     from lmcache_core.keys import chain_hashes
     from lmcache_core.protocol import messages as m
-    from lmcache_core.protocol.ops import RequestType
 
     bench = _Bench(spec)
     result = WorkerResult(spec.index, spec.device, spec.kv_rank, spec.chunk_bytes,
@@ -259,9 +258,9 @@ def _run(spec: WorkerSpec, queue: Any, barrier: Any) -> WorkerResult:
             ops.append(time.perf_counter() - t0)
             return out
 
-        def send(op: RequestType, payload: Any) -> Any:
+        def send(payload: m.StoreRequest | m.RetrieveRequest) -> Any:
             """One request on the adapter's client; wait for its reply (raises its error)."""
-            return client.submit_request(op, [payload]).result(wait)
+            return client.request_async(payload).result(wait)
 
         def raw(copy: Any, batch: list[int]) -> None:
             with torch.no_grad():
@@ -287,7 +286,7 @@ def _run(spec: WorkerSpec, queue: Any, barrier: Any) -> WorkerResult:
                     block_ids=a_blocks(batch), request_ids=[lookup_id])
                 if raw_first:
                     timed_op(ops["gather"], raw, bench.raw_gather, batch)
-                reply = timed_op(ops["store"], send, RequestType.STORE, payload)
+                reply = timed_op(ops["store"], send, payload)
                 if not raw_first:
                     timed_op(ops["gather"], raw, bench.raw_gather, batch)
                 if reply.skipped_full:
@@ -301,8 +300,7 @@ def _run(spec: WorkerSpec, queue: Any, barrier: Any) -> WorkerResult:
             for k in range(spec.lookups):
                 request = m.LookupRequest(model_name=spec.model_name, world_size=spec.world_size,
                                           lookup_id=lookup_id, chunk_hashes=hashes, lock=k == 0)
-                hit = timed_op(ops.setdefault("lookup", []), client.call, RequestType.LOOKUP,
-                               request, m.LookupReply).hit_chunks
+                hit = timed_op(ops.setdefault("lookup", []), client.request, request).hit_chunks
                 if result.lookup_hits_min < 0 or hit < result.lookup_hits_min:
                     result.lookup_hits_min = hit
                 if hit != spec.chunks:
@@ -319,15 +317,14 @@ def _run(spec: WorkerSpec, queue: Any, barrier: Any) -> WorkerResult:
                     lookup_id=lookup_id, request_ids=[lookup_id])
                 if raw_first:
                     timed_op(ops["scatter"], raw, bench.raw_scatter, batch)
-                reply_r = timed_op(ops["retrieve"], send, RequestType.RETRIEVE, payload_r)
+                reply_r = timed_op(ops["retrieve"], send, payload_r)
                 if not raw_first:
                     timed_op(ops["scatter"], raw, bench.raw_scatter, batch)
                 if reply_r.missing:
                     result.problems.append(
                         f"round {r}: {len(reply_r.missing)} chunk(s) missing on retrieve")
                 queue.put(("progress", spec.index, 2 * len(batch)))
-            client.call(RequestType.END_SESSION, m.LookupIdRequest(lookup_id=lookup_id),
-                        m.ReleasedReply)
+            client.end_session(lookup_id)
             bench.sync()
             checked, bad = bench.verify()
             result.verified_bytes += checked

@@ -51,12 +51,11 @@ def inspect_chunks(
     """
     cfg = config_from(config, {"server.url": url})
     from lmcache_core.protocol import messages as m
-    from lmcache_core.protocol.ops import RequestType
 
     with connect(cfg) as (client, _ping):
-        listing = client.call(RequestType.LIST_CHUNKS, m.ListChunksRequest(
-            model_name=model, limit=limit, sort=sort.value), m.ChunkListReply)
-        info = client.call(RequestType.SERVER_INFO, m.NoArgs(), m.ServerInfoReply)
+        listing = client.request(m.ListChunksRequest(model_name=model, limit=limit,
+                                                     sort=sort.value))
+        info = client.server_info()
     stats = info.stats
     looked_up = stats.lookup_hit_chunks + stats.lookup_miss_chunks
     summary: dict[str, Any] = {

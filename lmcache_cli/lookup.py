@@ -141,7 +141,6 @@ def lookup(
     prompts, cfg = prompts_and_config(tokens, config, url, model, world_size)
     from lmcache_core.keys import chain_hashes
     from lmcache_core.protocol import messages as m
-    from lmcache_core.protocol.ops import RequestType
 
     rows: list[dict[str, Any]] = []
     with connect(cfg) as (client, ping):
@@ -154,7 +153,7 @@ def lookup(
                                           lookup_id=f"lmcache-cli-lookup-{os.getpid()}-{i}",
                                           chunk_hashes=hashes, lock=False)
                 start = time.perf_counter()
-                reply = client.call(RequestType.LOOKUP, request, m.LookupReply)
+                reply = client.request(request)
                 elapsed_ms = (time.perf_counter() - start) * 1e3
                 hit = reply.hit_chunks
             rows.append({"prompt": i, "tokens": len(prompt), "full_chunks": len(hashes),

@@ -69,10 +69,7 @@ def _run(what: str, tokens: str, ttl: float | None, config: Any, url: str | None
     prompts, cfg = prompts_and_config(tokens, config, url, model, world_size)
     from lmcache_core.keys import chain_hashes
     from lmcache_core.protocol import pin_messages as m
-    from lmcache_core.protocol.ops import RequestType
 
-    op, reply_type = ((RequestType.PIN, m.PinReply) if what == "pin"
-                      else (RequestType.UNPIN, m.UnpinReply))
     rows: list[dict[str, Any]] = []
     with connect(cfg) as (client, ping):
         chunk_size = ping.chunk_size
@@ -83,7 +80,7 @@ def _run(what: str, tokens: str, ttl: float | None, config: Any, url: str | None
                 request = m.PinRequest(model_name=cfg.model.name, world_size=cfg.world_size,
                                        chunk_hashes=hashes, ttl_s=ttl)
                 try:
-                    reply: Any = client.call(op, request, reply_type)
+                    reply: Any = client.pin(request) if what == "pin" else client.unpin(request)
                 except LMCacheError as exc:
                     done = f" (prompts 0-{i - 1} were {what}ned)" if i else ""
                     fail(f"{getattr(exc.code, 'value', exc.code)}: {exc}{done}")

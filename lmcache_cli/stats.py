@@ -59,14 +59,12 @@ def stats(
     Example: [cyan]lmcache stats -c configs/llama8b.yaml --interval 2[/]
     """
     cfg = config_from(config, {"server.url": url})
-    from lmcache_core.protocol import messages as m
-    from lmcache_core.protocol.ops import RequestType
 
     refreshes = count if count is not None else (1 if as_json else None)
     timeout_s = max(cfg.timeouts.connect_s, interval)
     with connect(cfg) as (client, _ping):
         def sample() -> ServerInfoReply:
-            return client.call(RequestType.SERVER_INFO, m.NoArgs(), m.ServerInfoReply, timeout_s)
+            return client.server_info(timeout_s)
 
         if as_json:
             _print_lines(sample, interval, refreshes)

@@ -128,11 +128,8 @@ def store_bench(
     devices, note = parse_devices(gpus, cpu_workers)
     if seed is None:
         seed = secrets.randbelow(2**31)
-    from lmcache_core.protocol import messages as m
-    from lmcache_core.protocol.ops import RequestType
-
     with connect(cfg) as (client, ping):
-        info = client.call(RequestType.SERVER_INFO, m.NoArgs(), m.ServerInfoReply)
+        info = client.server_info()
     specs = _specs(cfg, devices, ping.chunk_size, block_size, chunks, rounds, warmup, batch,
                    lookups, seed, threads)
     _check_fits(specs, info)

@@ -135,8 +135,7 @@ def run(args: argparse.Namespace, server_url: str, echo_url: str) -> None:
                   f"{lookup_rate:13.0f} {lookup_rate / echo_rate:5.2f}x")
     print("targets: lookup <= 1.5x the echo; 64 in flight >= 0.5x the echo's rate")
 
-    pid = scheduler.mq_client.call(__import__("lmcache_core.protocol", fromlist=["x"]).RequestType.PING,
-                                   m.PingRequest(), m.PingReply).pid
+    pid = scheduler.mq_client.ping().pid
     os.kill(pid, signal.SIGSTOP)
     stopped_by = time.monotonic() + 5  # kill() returns before the process really is stopped
     while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":

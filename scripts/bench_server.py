@@ -120,7 +120,6 @@ def run(args: argparse.Namespace, workdir: Path, server_url: str, echo_url: str,
     )
     from lmcache_core.keys import chain_hashes
     from lmcache_core.kv.share import release_shared_kv_caches
-    from lmcache_core.protocol import RequestType
     from lmcache_core.protocol import messages as m
 
     ctx = zmq.Context.instance()
@@ -143,11 +142,11 @@ def run(args: argparse.Namespace, workdir: Path, server_url: str, echo_url: str,
     wait_store(worker, "lk", LoadStoreOp(prompt, list(range(args.lookup_chunks * PER_CHUNK))))
     request = m.LookupRequest(model_name="bench", world_size=1, lookup_id="bench", chunk_hashes=hashes,
                               lock=False)
-    assert client.call(RequestType.LOOKUP, request, m.LookupReply).hit_chunks == args.lookup_chunks
+    assert client.request(request).hit_chunks == args.lookup_chunks
     frame_bytes = len(__import__("msgspec").msgpack.encode(request))
     echo_us, lookup_us = interleaved(
         echo_once(ctx, echo_url, frame_bytes),
-        lambda: client.call(RequestType.LOOKUP, request, m.LookupReply), args.lookups)
+        lambda: client.request(request), args.lookups)
     hash_us = timed(lambda: chain_hashes(prompt, CHUNK), 200)
     adapter_us = timed(lambda: scheduler_lookup(scheduler, prompt), min(args.lookups, 500))
     print(f"lookup, {len(prompt)} tokens = {len(hashes)} chunks, all hits (p50 of {args.lookups}):")
@@ -175,7 +174,7 @@ def run(args: argparse.Namespace, workdir: Path, server_url: str, echo_url: str,
     raw = RawCopy(list(caches.values()), src_blocks, args.chunks)
     store_s, retrieve_s, gather_s, scatter_s, batched_s = [], [], [], [], []
     for r in range(args.rounds + 1):  # floor and ours take turns, so load changes hit both alike
-        client.call(RequestType.CLEAR, m.ClearRequest(force=True), m.ClearReply)
+        client.request(m.ClearRequest(force=True))
         toks = [r * 7 + 1, *range(args.chunks * CHUNK - 1)]
         gather_s.append(raw.gather())
         store_s.append(wait_store(worker, f"s{r}", LoadStoreOp(toks, src_blocks)))
@@ -211,7 +210,7 @@ def run(args: argparse.Namespace, workdir: Path, server_url: str, echo_url: str,
         times = {}
         for mode in ("batched", "single"):
             if clear:
-                client.call(RequestType.CLEAR, m.ClearRequest(force=True), m.ClearReply)
+                client.request(m.ClearRequest(force=True))
             ids = [f"{mode}{label[:3]}{i}" for i in range(n)]
             start = time.perf_counter()
             if mode == "batched":
@@ -224,7 +223,7 @@ def run(args: argparse.Namespace, workdir: Path, server_url: str, echo_url: str,
         print(f"\n{n} requests x 1 chunk, {label}: batched {times['batched'] * 1e3:.2f} ms (1 round trip)"
               f" vs single {times['single'] * 1e3:.2f} ms ({n}): {times['single'] / times['batched']:.2f}x")
     pid = server_pid(client)
-    info = client.call(RequestType.SERVER_INFO, m.NoArgs(), m.ServerInfoReply)
+    info = client.server_info()
     shared = sum(layer.numel() * layer.element_size() for layer in caches.values())
     print(f"\nserver memory: RSS {rss_mib(pid):.0f} MiB = pool {info.pool_bytes / 2**20:.0f} MiB + mapped "
           f"KV caches {shared / 2**20:.0f} MiB (counted when touched) + the process itself")
@@ -260,7 +259,6 @@ def compare_metrics(args: argparse.Namespace, urls: dict[str, str], echo_url: st
     )
     from lmcache_core.keys import chain_hashes
     from lmcache_core.kv.share import release_shared_kv_caches
-    from lmcache_core.protocol import RequestType
     from lmcache_core.protocol import messages as m
 
     ctx = zmq.Context.instance()
@@ -283,9 +281,9 @@ def compare_metrics(args: argparse.Namespace, urls: dict[str, str], echo_url: st
                               chunk_hashes=chain_hashes(prompt, CHUNK), lock=False)
     for mode in urls:
         wait_store(workers[mode], "lk", LoadStoreOp(prompt, list(range(args.lookup_chunks * PER_CHUNK))))
-        assert clients[mode].call(RequestType.LOOKUP, request, m.LookupReply).hit_chunks == args.lookup_chunks
+        assert clients[mode].request(request).hit_chunks == args.lookup_chunks
     frame_bytes = len(__import__("msgspec").msgpack.encode(request))
-    lookups = [lambda c=clients[mode]: c.call(RequestType.LOOKUP, request, m.LookupReply) for mode in urls]
+    lookups = [lambda c=clients[mode]: c.request(request) for mode in urls]
     echo_us, *lookup_us = interleaved_p50s([echo_once(ctx, echo_url, frame_bytes), *lookups], args.lookups)
 
     src_blocks = list(range(args.chunks * PER_CHUNK))
@@ -296,7 +294,7 @@ def compare_metrics(args: argparse.Namespace, urls: dict[str, str], echo_url: st
     for r in range(args.rounds + 1):
         order = list(urls) if r % 2 == 0 else list(urls)[::-1]
         for mode in order:
-            clients[mode].call(RequestType.CLEAR, m.ClearRequest(force=True), m.ClearReply)
+            clients[mode].request(m.ClearRequest(force=True))
         toks = [r * 7 + 1, *range(args.chunks * CHUNK - 1)]
         floors["gather"].append(raw.gather())
         for mode in order:
@@ -337,7 +335,6 @@ def integrity_rows(args, ctx, verify_url: str, plain, caches, raw, src_blocks: l
         LMCacheMPWorkerAdapter,
         LoadStoreOp,
     )
-    from lmcache_core.protocol import RequestType
     from lmcache_core.protocol import messages as m
 
     worker, scheduler, client = plain
@@ -350,7 +347,7 @@ def integrity_rows(args, ctx, verify_url: str, plain, caches, raw, src_blocks: l
     samples: dict[str, list[float]] = {name: [] for name in names}
     for r in range(args.rounds + 1):
         for c in (client, worker_v.mq_client):
-            c.call(RequestType.CLEAR, m.ClearRequest(force=True), m.ClearReply)
+            c.request(m.ClearRequest(force=True))
         toks = [r * 11 + 5, *range(args.chunks * CHUNK - 1)]
         samples["gather"].append(raw.gather())
         samples["gather + xxh3"].append(raw.gather() + raw.checksum())
@@ -362,7 +359,7 @@ def integrity_rows(args, ctx, verify_url: str, plain, caches, raw, src_blocks: l
             samples[name].append(wait_retrieve(sched, work, f"i{name[-2:]}{r}", toks, dst_blocks))
     check_equal(caches, src_blocks, dst_blocks)
     gbs = {name: nbytes / statistics.median(values[1:]) / 1e9 for name, values in samples.items()}
-    verified = worker_v.mq_client.call(RequestType.SERVER_INFO, m.NoArgs(), m.ServerInfoReply).stats
+    verified = worker_v.mq_client.server_info().stats
     print(f"\nintegrity (xxh3-64 per piece), {args.chunks} x 32 MiB chunks (median of {args.rounds}):")
     report("  raw torch gather (index_select)", gbs["gather"], "GB/s")
     report("  raw gather + xxh3 of each chunk", gbs["gather + xxh3"], "GB/s", floor=gbs["gather"])
@@ -392,12 +389,10 @@ def wait_for(make):  # the server may still be starting
 
 def wait_populated(client, timeout_s: float = 120.0) -> float | None:
     """Wait until the server's background populate of its pool (server.prefault) is over."""
-    from lmcache_core.protocol import RequestType
-    from lmcache_core.protocol import messages as m
 
     deadline = time.monotonic() + timeout_s
     while True:
-        info = client.call(RequestType.SERVER_INFO, m.NoArgs(), m.ServerInfoReply)
+        info = client.server_info()
         if info.pool_populate not in ("pending", "running") or time.monotonic() > deadline:
             return info.pool_populate_s
         time.sleep(0.05)
@@ -411,10 +406,8 @@ def rss_mib(pid: int) -> float:
 
 
 def server_pid(client) -> int:
-    from lmcache_core.protocol import RequestType
-    from lmcache_core.protocol import messages as m
 
-    return client.call(RequestType.PING, m.PingRequest(), m.PingReply).pid
+    return client.ping().pid
 
 
 def spin_until(ready, nap_s: float = 0.0) -> None:
@@ -486,7 +479,6 @@ def cross_tp(args, ctx, server_url, worker, scheduler, client, caches, raw, dst_
         LoadStoreOp,
     )
     from lmcache_core.kv.share import allocate_shared_kv_caches
-    from lmcache_core.protocol import RequestType
     from lmcache_core.protocol import messages as m
 
     blocks = list(range(args.chunks * PER_CHUNK))
@@ -505,7 +497,7 @@ def cross_tp(args, ctx, server_url, worker, scheduler, client, caches, raw, dst_
     same_s, cross_s, scatter_s = [], [], []
     try:
         for r in range(args.rounds + 1):
-            client.call(RequestType.CLEAR, m.ClearRequest(force=True), m.ClearReply)
+            client.request(m.ClearRequest(force=True))
             same = [r * 11 + 3, *range(args.chunks * CHUNK - 1)]
             cross = [r * 11 + 5, *range(args.chunks * CHUNK - 1)]
             wait_store(worker, f"same{r}", LoadStoreOp(same, blocks))

@@ -27,9 +27,11 @@ from lmcache_core.errors import (
     ServerUnreachableError,
 )
 from lmcache_core.protocol import messages as m
+from lmcache_core.protocol import ops
 from lmcache_core.protocol.codec import decode_reply, decode_uid, encode_request
 from lmcache_core.protocol.ops import RequestType
 from lmcache_core.transport.future import MessagingFuture
+from lmcache_core.transport.typed import TypedRequests
 from lmcache_core.transport.waker import Waker
 
 logger = logging.getLogger(__name__)
@@ -51,8 +53,9 @@ class _Pending(NamedTuple):
     counted: bool  # in _unattended: the I/O thread watches the socket for its reply
 
 
-class MessageQueueClient:
-    """Sends typed requests to one lmcache server and resolves a ``MessagingFuture`` per request.
+class MessageQueueClient(TypedRequests):
+    """Sends typed requests to one lmcache server and resolves a ``MessagingFuture`` per request
+    (the typed surface, ``call(ops.X, msg)``, ``request(msg)``, ..., is ``TypedRequests``).
 
     ``request_timeout_s`` bounds every request, so no future waits forever; ``connect_timeout_s`` is
     what ``wait_until_reachable`` (and the adapters' constructors) allow for the first answer.
@@ -158,9 +161,10 @@ class MessageQueueClient:
     def _events(self) -> int:
         return int(self._socket.getsockopt(_EVENTS))
 
-    def call(self, op: RequestType, payload: Any, reply_type: type[R],
-             timeout_s: float | None = None) -> R:
-        """Send one request and wait for its reply (at most the request timeout)."""
+    def _call(self, op: RequestType, payload: Any, reply_type: type[R],
+              timeout_s: float | None = None) -> R:
+        """Send one request and wait for its reply (at most the request timeout): the raw
+        primitive under ``TypedRequests``, whose reply type comes from the op table."""
         timeout = timeout_s if timeout_s is not None else self.request_timeout_s
         uid, future = self._submit(op, [payload], timeout, waited_on=True)
         if not self._receive_briefly(future, min(timeout, _HOLD_S)) and not self.wait(future, timeout):
@@ -241,7 +245,7 @@ class MessageQueueClient:
         """Ping until the server answers; ``ServerUnreachableError`` naming the url if it never does."""
         timeout = self.connect_timeout_s if timeout_s is None else timeout_s
         try:
-            return self.call(RequestType.PING, m.PingRequest(), m.PingReply, timeout_s=timeout)
+            return self.call(ops.PING, m.PingRequest(), timeout)
         except LMCacheTimeoutError:
             raise ServerUnreachableError(
                 f"no lmcache server answered at {self.server_url} within {timeout:g}s "

@@ -11,7 +11,6 @@ from collections.abc import Callable
 import zmq
 
 from lmcache_core.integration.vllm.vllm_multi_process_adapter import LMCacheMPSchedulerAdapter
-from lmcache_core.protocol import RequestType
 from lmcache_core.protocol import messages as m
 from lmcache_core.transport.client import MessageQueueClient
 from tests.integration.servers import WorkerProcess
@@ -86,4 +85,4 @@ def load_and_check(workers: list[WorkerProcess], request_id: str, toks: list[int
 
 def server_info(url: str) -> m.ServerInfoReply:
     with MessageQueueClient(url, connect_timeout_s=2) as client:
-        return client.call(RequestType.SERVER_INFO, m.NoArgs(), m.ServerInfoReply)
+        return client.server_info()

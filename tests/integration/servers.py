@@ -65,11 +65,9 @@ class ServerProcess:
 
     def http_url(self) -> str:
         """The bound url of the server's HTTP listener (/metrics, /healthz, /readyz)."""
-        from lmcache_core.protocol import RequestType
-        from lmcache_core.protocol import messages as m
 
         with MessageQueueClient(self.url, connect_timeout_s=2) as client:
-            info = client.call(RequestType.SERVER_INFO, m.NoArgs(), m.ServerInfoReply)
+            info = client.server_info()
         assert info.http_url is not None, "the server's http_url is off"
         return info.http_url
 

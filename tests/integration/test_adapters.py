@@ -15,7 +15,6 @@ from lmcache_core.integration.vllm.vllm_multi_process_adapter import (
     LMCacheMPSchedulerAdapter,
     get_lmcache_chunk_size,
 )
-from lmcache_core.protocol import RequestType
 from lmcache_core.protocol import messages as m
 from tests.integration.servers import ServerProcess, WorkerProcess, freeze
 
@@ -202,7 +201,7 @@ def test_killing_a_worker_hangs_nobody(server, scheduler):
 
 def server_stats(adapter: LMCacheMPSchedulerAdapter) -> m.ServerStats:
     assert get_lmcache_chunk_size(adapter.mq_client) == CHUNK
-    reply = adapter.mq_client.call(RequestType.SERVER_INFO, m.NoArgs(), m.ServerInfoReply)
+    reply = adapter.mq_client.server_info()
     return reply.stats
 
 
@@ -282,7 +281,7 @@ def test_many_lookups_in_flight_polled_out_of_order(server, ranks, scheduler, fr
                 keys_of[rid], expected[rid] = keys, i * CHUNK
     order = list(expected)
     rng.shuffle(order)
-    pid = scheduler.mq_client.call(RequestType.PING, m.PingRequest(), m.PingReply).pid
+    pid = scheduler.mq_client.ping().pid
     if frozen:
         freeze(pid)
     try:

@@ -10,7 +10,6 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from lmcache_core.protocol import RequestType
 from lmcache_core.protocol import messages as m
 from lmcache_core.transport.client import MessageQueueClient
 from tests.integration.cross_tp import (
@@ -57,13 +56,13 @@ def kill_groups(*groups: dict[int, list[WorkerProcess]]) -> None:
 
 def stats(url: str) -> m.ServerStats:
     with MessageQueueClient(url, connect_timeout_s=2) as client:
-        return client.call(RequestType.SERVER_INFO, m.NoArgs(), m.ServerInfoReply).stats
+        return client.server_info().stats
 
 
 def clear(url: str) -> None:
     """Drop every piece from the server's memory (the lower tiers keep theirs)."""
     with MessageQueueClient(url, connect_timeout_s=2) as client:
-        reply = client.call(RequestType.CLEAR, m.ClearRequest(force=True), m.ClearReply)
+        reply = client.request(m.ClearRequest(force=True))
     assert reply.kept_locked == 0
     assert stats(url).chunks == 0
 

@@ -336,7 +336,7 @@ class FuzzRun:
         """A real ping through the project's client; False (and the batch saved) if it was late."""
         start = time.perf_counter()
         try:
-            self.client.call(RequestType.PING, m.PingRequest(), m.PingReply, timeout_s=PING_BOUND_S)
+            self.client.ping(timeout_s=PING_BOUND_S)
         except LMCacheError as exc:
             self.report.failed_pings += 1
             self.failed(n, batch, f"ping after batch {n} failed ({exc})")
@@ -699,8 +699,7 @@ def unregister_quietly(server: ServerProcess, case: Case) -> None:
     with contextlib.suppress(LMCacheError, msgspec.DecodeError, KeyError, TypeError):
         instance_id = msgspec.msgpack.decode(case.frames[2])["instance_id"]
         with MessageQueueClient(server.url, request_timeout_s=2.0) as client:
-            client.call(RequestType.UNREGISTER_KV_CACHE,
-                        m.UnregisterKVCacheRequest(instance_id=instance_id), m.OkReply)
+            client.request(m.UnregisterKVCacheRequest(instance_id=instance_id))
 
 
 @pytest.mark.parametrize("regression", REGRESSIONS, ids=[r.name for r in REGRESSIONS])

@@ -22,7 +22,6 @@ from lmcache_core.config import load_config
 from lmcache_core.engine.index import Piece
 from lmcache_core.keys import ChunkKey, chain_hashes, layout_key
 from lmcache_core.kv.mapped import MappedKVCache
-from lmcache_core.protocol import RequestType
 from lmcache_core.protocol import messages as m
 from lmcache_core.server.app import CacheServer
 from lmcache_core.storage import integrity, record
@@ -50,13 +49,13 @@ def blocks(first_chunk: int, n_chunks: int) -> list[int]:
 
 
 def lookup(client: MessageQueueClient, toks: list[int], lookup_id: str, lock: bool = True) -> int:
-    return client.call(RequestType.LOOKUP, m.LookupRequest(
+    return client.request(m.LookupRequest(
         model_name="tiny", world_size=1, lookup_id=lookup_id, lock=lock,
-        chunk_hashes=chain_hashes(toks, CHUNK)), m.LookupReply).hit_chunks
+        chunk_hashes=chain_hashes(toks, CHUNK))).hit_chunks
 
 
 def stats(client: MessageQueueClient) -> m.ServerStats:
-    return client.call(RequestType.SERVER_INFO, m.NoArgs(), m.ServerInfoReply).stats
+    return client.server_info().stats
 
 
 def piece_key(toks: list[int], chunk: int) -> ChunkKey:
@@ -184,7 +183,7 @@ def test_corrupt_disk_files_and_redis_values_are_dropped_not_loaded(
             assert value
             value[-7] ^= 0x01
             redis_client.set(rkey, bytes(value))
-            client.call(RequestType.CLEAR, m.ClearRequest(force=True), m.ClearReply)
+            client.request(m.ClearRequest(force=True))
             # Disk first: chunk 2's file fails its check; the lookup stops before it.
             assert lookup(client, toks, "a", lock=False) == 2
             s = stats(client)

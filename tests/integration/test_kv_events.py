@@ -13,7 +13,6 @@ import zmq
 
 from lmcache_core.config import leaf_keys
 from lmcache_core.keys import chain_hashes
-from lmcache_core.protocol import RequestType
 from lmcache_core.protocol import messages as m
 from lmcache_core.server.events import END_SEQ, wire_hash
 from lmcache_core.transport.client import MessageQueueClient
@@ -161,9 +160,9 @@ def test_subscriber_sees_stores_evictions_disk_and_loads_in_order_and_replays(tm
         assert worker("store", req="b", keys=b, blocks=list(range(16, 32)))["finished"]
         sub.receive_until(on_disk(hb))
         with MessageQueueClient(server.url) as client:
-            assert client.call(RequestType.LOOKUP, m.LookupRequest(
+            assert client.request(m.LookupRequest(
                 model_name="tiny", world_size=1, lookup_id="q", chunk_hashes=chain_hashes(a, CHUNK),
-                lock=False), m.LookupReply).hit_chunks == POOL_CHUNKS
+                lock=False)).hit_chunks == POOL_CHUNKS
         sub.receive_until(lambda _: len(memory()) >= len(expected))
         assert memory() == expected
         seqs = [seq for _, seq, _ in sub.live]

@@ -9,8 +9,6 @@ import msgspec
 import pytest
 import zmq
 
-from lmcache_core.protocol import RequestType
-from lmcache_core.protocol import messages as m
 from lmcache_core.transport.client import MessageQueueClient
 from tests.integration.servers import ServerProcess
 
@@ -74,7 +72,7 @@ def test_bad_lmcache_frames_get_silence_and_the_server_keeps_serving(server, dea
         dealer.recv_multipart()
     assert call(dealer, [enc(9), enc(24)]) == [enc(9), enc(24), enc("OK")]
     with MessageQueueClient(server.url, connect_timeout_s=2) as client:
-        reply = client.call(RequestType.PING, m.PingRequest(), m.PingReply)
+        reply = client.ping()
         assert reply.chunk_size == 64
     assert call(dealer, [enc(10), enc(8), enc({**key(), "num_kv_readers": 0}), enc(1)],
                 timeout_ms=500) is None  # LMCache's behaviour: no reply

@@ -78,9 +78,9 @@ def blocks(first_chunk: int, n_chunks: int) -> list[int]:
 
 def lookup(client: MessageQueueClient, toks: list[int], lookup_id: str = "q",
            lock: bool = False) -> int:
-    return client.call(RequestType.LOOKUP, m.LookupRequest(
+    return client.request(m.LookupRequest(
         model_name="tiny", world_size=1, lookup_id=lookup_id, chunk_hashes=chain_hashes(toks, CHUNK),
-        lock=lock), m.LookupReply).hit_chunks
+        lock=lock)).hit_chunks
 
 
 # ---------------------------------------------------------------- /metrics after real work
@@ -336,7 +336,7 @@ def test_off_serves_no_http_and_sigterm_stops_a_server_with_http(tmp_path: Path)
     on = ServerProcess(tmp_path, name="on").start()
     try:
         with MessageQueueClient(off.url) as client:
-            assert client.call(RequestType.SERVER_INFO, m.NoArgs(), m.ServerInfoReply).http_url is None
+            assert client.server_info().http_url is None
         base = on.http_url()
         assert get(base + "/healthz")[0] == 200
         on_scrapes: list[int] = []
@@ -385,10 +385,10 @@ def test_the_transport_observes_every_served_request_and_counts_errors_by_code(t
         with MessageQueueClient(srv.bound_url) as client:
             client.wait_until_reachable(2)
             with pytest.raises(NotRegisteredError):
-                client.submit_request(RequestType.STORE, [m.StoreRequest(
-                    instance_id=1, chunk_hashes=[b"x"], block_ids=[0])]).result(2)
+                client.request_async(m.StoreRequest(
+                    instance_id=1, chunk_hashes=[b"x"], block_ids=[0])).result(2)
             with pytest.raises(UnknownOperationError):  # no route: rejected before any
-                client.submit_request(RequestType.CLEAR, [m.ClearRequest()]).result(2)
+                client.request_async(m.ClearRequest()).result(2)
     finally:
         srv.stop(1.0)
     assert [(op, code) for op, _, code in observed] == [(RequestType.PING, ""),

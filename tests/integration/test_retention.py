@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from lmcache_core.keys import chain_hashes
-from lmcache_core.protocol import RequestType
 from lmcache_core.protocol import messages as m
 from lmcache_core.transport.client import MessageQueueClient
 from tests.integration.servers import ServerProcess, WorkerProcess
@@ -52,7 +51,7 @@ def worker(server: ServerProcess):
 @pytest.fixture
 def client(server: ServerProcess, worker: WorkerProcess):
     with MessageQueueClient(server.url, connect_timeout_s=5) as c:
-        c.call(RequestType.CLEAR, m.ClearRequest(force=True), m.ClearReply)
+        c.request(m.ClearRequest(force=True))
         yield c
 
 
@@ -60,11 +59,11 @@ def held(client: MessageQueueClient, toks: list[int]) -> int:
     """Leading chunks of ``toks`` the server holds (nothing locked)."""
     request = m.LookupRequest(model_name="tiny", world_size=1, lookup_id="retention-test",
                               chunk_hashes=chain_hashes(toks, CHUNK), lock=False)
-    return client.call(RequestType.LOOKUP, request, m.LookupReply).hit_chunks
+    return client.request(request).hit_chunks
 
 
 def stats(client: MessageQueueClient) -> m.ServerStats:
-    return client.call(RequestType.SERVER_INFO, m.NoArgs(), m.ServerInfoReply).stats
+    return client.server_info().stats
 
 
 _stores = iter(range(10**9))
@@ -175,8 +174,7 @@ def test_lower_priority_is_evicted_first(client, worker) -> None:
     others = flood_until_evicting(client, worker, 6)
     assert held(client, low) < 4  # taken first, though more recent than high and the flood
     assert held(client, high) == 4 and held(client, others[0]) == 4
-    rows = client.call(RequestType.LIST_CHUNKS, m.ListChunksRequest(limit=1000),
-                       m.ChunkListReply).chunks
+    rows = client.request(m.ListChunksRequest(limit=1000)).chunks
     assert {r.priority for r in rows} >= {10, 0}
 
 

@@ -259,8 +259,6 @@ def test_mp_adapter_seed_example(server: ServerProcess) -> None:
         LoadStoreOp,
     )
     from lmcache_core.kv.share import allocate_shared_kv_caches, release_shared_kv_caches
-    from lmcache_core.protocol import RequestType
-    from lmcache_core.protocol import messages as m
 
     block_hashes = vllm_block_hashes(N_CHUNKS * PER_CHUNK, seed=5)
     hashes, ids = block_hashes, list(range(N_CHUNKS * PER_CHUNK))
@@ -318,8 +316,7 @@ def test_mp_adapter_seed_example(server: ServerProcess) -> None:
             assert torch.equal(layer[:, other], layer[:, ids])
         for request_id in ("req-1", "req-2"):
             scheduler_adapter.end_session(request_id).result(5)
-        info = scheduler_adapter.mq_client.call(RequestType.SERVER_INFO, m.NoArgs(),
-                                                m.ServerInfoReply)
+        info = scheduler_adapter.mq_client.server_info()
         assert info.stats.locks_held == 0
 
         # batched submits check that there is one op per request id, before sending anything

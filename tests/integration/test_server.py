@@ -12,7 +12,6 @@ import zmq
 
 from lmcache_core.errors import RequestTooLargeError
 from lmcache_core.keys import chain_hashes
-from lmcache_core.protocol import RequestType
 from lmcache_core.protocol import messages as m
 from lmcache_core.transport.client import MessageQueueClient
 from tests.integration.servers import ServerProcess, WorkerProcess
@@ -43,14 +42,14 @@ def client(server):
 
 
 def lookup(client, toks, world_size=1, lookup_id="q", lock=False, model="tiny") -> int:
-    reply = client.call(RequestType.LOOKUP, m.LookupRequest(
+    reply = client.request(m.LookupRequest(
         model_name=model, world_size=world_size, lookup_id=lookup_id,
-        chunk_hashes=chain_hashes(toks, CHUNK), lock=lock), m.LookupReply)
+        chunk_hashes=chain_hashes(toks, CHUNK), lock=lock))
     return reply.hit_chunks
 
 
 def info(client) -> m.ServerInfoReply:
-    return client.call(RequestType.SERVER_INFO, m.NoArgs(), m.ServerInfoReply)
+    return client.server_info()
 
 
 def test_store_lookup_retrieve_byte_exact(server, client):
@@ -121,8 +120,7 @@ def test_eviction_never_takes_a_locked_chunk(tmp_path):
             assert result["finished"] and "pool is full" in result["failed"]["b"]
             assert lookup(client, a) == 4 and lookup(client, b) == 0
             assert info(client).stats.store_skipped_full == 4
-            client.call(RequestType.FREE_LOOKUP_LOCKS, m.LookupIdRequest(lookup_id="hold"),
-                        m.ReleasedReply)
+            client.free_lookup_locks("hold")
             assert not worker("store", req="b2", keys=b, blocks=blocks(4, 4))["failed"]
             assert lookup(client, b) == 4 and lookup(client, a) == 0
             assert info(client).stats.evictions == 4

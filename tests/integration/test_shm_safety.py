@@ -23,7 +23,6 @@ import pytest
 from lmcache_core.errors import IncompatibleError
 from lmcache_core.kv.shm import SHM_DIR, SharedSegment, pid_namespace
 from lmcache_core.kv.tensors import contiguous_stride
-from lmcache_core.protocol import RequestType
 from lmcache_core.protocol import messages as m
 from lmcache_core.transport.client import MessageQueueClient
 from tests.integration.servers import ServerProcess, WorkerProcess
@@ -73,10 +72,9 @@ def register(client: MessageQueueClient, name: str, pid: int,
     descs = [m.TensorDescriptor(kind="shm", dtype="float16", shape=SHAPE,
                                 stride=contiguous_stride(SHAPE), offset_bytes=i * LAYER_BYTES,
                                 segment_nbytes=2 * LAYER_BYTES, shm_name=name) for i in range(2)]
-    client.call(RequestType.REGISTER_KV_CACHE, m.RegisterKVCacheRequest(
+    client.request(m.RegisterKVCacheRequest(
         instance_id=instance_id, model_name="tiny", world_size=1, kv_rank=0, block_size=16,
-        layout="flash_attn", layers=descs, pid=pid, hostname=socket.gethostname()),
-        m.RegisterKVCacheReply)
+        layout="flash_attn", layers=descs, pid=pid, hostname=socket.gethostname()))
     return instance_id
 
 
@@ -91,7 +89,7 @@ def process_state(pid: int, wait_for: str = "", timeout_s: float = 5.0) -> str:
 
 
 def stats(client: MessageQueueClient) -> m.ServerStats:
-    return client.call(RequestType.SERVER_INFO, m.NoArgs(), m.ServerInfoReply).stats
+    return client.server_info().stats
 
 
 def wait_reaped(client: MessageQueueClient, before: m.ServerStats, count: int,
@@ -153,8 +151,7 @@ def test_another_users_segment_is_refused_unless_allowed(tmp_path: Path, made: l
             register(c, name, os.getpid())
         with MessageQueueClient(allowing.url) as c:
             instance = register(c, name, os.getpid())
-            c.call(RequestType.UNREGISTER_KV_CACHE, m.UnregisterKVCacheRequest(instance_id=instance),
-                   m.OkReply)
+            c.request(m.UnregisterKVCacheRequest(instance_id=instance))
     finally:
         plain.kill()
         allowing.kill()

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from lmcache_core.errors import LMCacheError
-from lmcache_core.protocol import RequestType
 from lmcache_core.protocol import messages as m
 from lmcache_core.transport.client import MessageQueueClient
 from tests.integration.servers import ServerProcess
@@ -45,10 +44,10 @@ class FaultyServer(ServerProcess):
         return code, time.monotonic() - start
 
 
-def _poke(url: str, op: RequestType, payload: m.Message) -> None:
+def _poke(url: str, payload: m.PingRequest | m.UnregisterKVCacheRequest) -> None:
     with MessageQueueClient(url, connect_timeout_s=5, request_timeout_s=1) as client, \
             pytest.raises(LMCacheError):
-        client.call(op, payload, m.Reply)
+        client.request(payload)
 
 
 def _wait_for_socket(path: str, timeout_s: float = 20) -> None:
@@ -62,7 +61,7 @@ def test_a_dead_transport_loop_ends_the_process(tmp_path):
     server = FaultyServer(tmp_path, "loop").start()
     _wait_for_socket(server.url[len("ipc://"):])
     sent = time.monotonic()
-    _poke(server.url, RequestType.PING, m.PingRequest())  # no answer: the loop died on it
+    _poke(server.url, m.PingRequest())  # no answer: the loop died on it
     code, _ = server.exit_code_within(5)
     elapsed = time.monotonic() - sent
     log = server.log()
@@ -74,7 +73,7 @@ def test_a_dead_transport_loop_ends_the_process(tmp_path):
 def test_a_dead_copy_worker_ends_the_process(tmp_path):
     server = FaultyServer(tmp_path, "worker").start()
     sent = time.monotonic()
-    _poke(server.url, RequestType.UNREGISTER_KV_CACHE, m.UnregisterKVCacheRequest(instance_id=1))
+    _poke(server.url, m.UnregisterKVCacheRequest(instance_id=1))
     code, _ = server.exit_code_within(5)
     assert code == 1 and "thread lmcache-server-worker-0 died" in server.log()
     assert time.monotonic() - sent < 2.5

@@ -29,7 +29,6 @@ from lmcache_core.keys import (
     rank_heads,
     world_heads,
 )
-from lmcache_core.protocol import RequestType
 from lmcache_core.protocol import messages as m
 from lmcache_core.storage import record
 from lmcache_core.storage.disk import SUFFIX, DiskTier, file_name
@@ -455,14 +454,14 @@ def blocks(first_chunk: int, n_chunks: int) -> list[int]:
 
 def lookup(client: MessageQueueClient, toks: list[int], lookup_id: str = "q",
            lock: bool = False) -> int:
-    reply = client.call(RequestType.LOOKUP, m.LookupRequest(
+    reply = client.request(m.LookupRequest(
         model_name="tiny", world_size=1, lookup_id=lookup_id, chunk_hashes=chain_hashes(toks, CHUNK),
-        lock=lock), m.LookupReply)
+        lock=lock))
     return reply.hit_chunks
 
 
 def stats(client: MessageQueueClient) -> m.ServerStats:
-    return client.call(RequestType.SERVER_INFO, m.NoArgs(), m.ServerInfoReply).stats
+    return client.server_info().stats
 
 
 def test_two_servers_share_redis_and_disk_survives_restart(redis_up: RedisServer,
@@ -498,10 +497,10 @@ def test_two_servers_share_redis_and_disk_survives_restart(redis_up: RedisServer
             freeze(redis_up.proc.pid)
             try:
                 start = time.monotonic()
-                pending = cb.submit_request(RequestType.LOOKUP, [m.LookupRequest(
+                pending = cb.request_async(m.LookupRequest(
                     model_name="tiny", world_size=1, lookup_id="hung", lock=False,
-                    chunk_hashes=chain_hashes(tokens(1, seed=9), CHUNK))], timeout_s=5)
-                cb.call(RequestType.PING, m.PingRequest(), m.PingReply)
+                    chunk_hashes=chain_hashes(tokens(1, seed=9), CHUNK)), timeout_s=5)
+                cb.ping()
                 ping_s = time.monotonic() - start
                 assert cb.wait(pending, 5)
                 lookup_s = time.monotonic() - start

@@ -14,7 +14,7 @@ from lmcache_core.errors import (
     ServerUnreachableError,
     UnknownOperationError,
 )
-from lmcache_core.protocol import RequestType
+from lmcache_core.protocol import RequestType, ops
 from lmcache_core.protocol import messages as m
 from lmcache_core.transport import MessageQueueClient, MessageQueueServer, Route
 
@@ -52,8 +52,8 @@ def server(request, tmp_path, release):
 def test_round_trip_and_a_slow_store_does_not_delay_ping(server, release):
     with MessageQueueClient(server.bound_url) as client:
         assert client.wait_until_reachable(2).chunk_size == 16
-        store = client.submit_request(RequestType.STORE, [m.StoreRequest(
-            instance_id=1, chunk_hashes=[b"x"], block_ids=[0])])
+        store = client.request_async(m.StoreRequest(
+            instance_id=1, chunk_hashes=[b"x"], block_ids=[0]))
         start = time.perf_counter()
         client.wait_until_reachable(2)
         assert time.perf_counter() - start < 0.5 and not store.query()
@@ -64,10 +64,10 @@ def test_round_trip_and_a_slow_store_does_not_delay_ping(server, release):
 def test_errors_come_back_typed_and_the_server_keeps_serving(server):
     with MessageQueueClient(server.bound_url) as client:
         with pytest.raises(ServerError, match=r"RuntimeError: kaboom"):
-            client.submit_request(RequestType.CLEAR, [m.ClearRequest()]).result(2)
+            client.request_async(m.ClearRequest()).result(2)
         with pytest.raises(UnknownOperationError):
-            client.submit_request(RequestType.LOOKUP, [m.LookupRequest(
-                model_name="m", world_size=1, lookup_id="a", chunk_hashes=[])]).result(2)
+            client.request_async(m.LookupRequest(
+                model_name="m", world_size=1, lookup_id="a", chunk_hashes=[])).result(2)
         assert client.wait_until_reachable(2)
     assert server.counters.errors == 2
 
@@ -95,14 +95,14 @@ def test_raw_garbage_gets_error_replies(server):
 
 def test_many_requests_in_flight(server):
     with MessageQueueClient(server.bound_url) as client:
-        futures = [client.submit_request(RequestType.PING, [m.PingRequest()]) for _ in range(2000)]
+        futures = [client.request_async(m.PingRequest()) for _ in range(2000)]
         assert all(f.result(5).chunk_size == 16 for f in futures)
 
 
 def test_unreachable_and_timeouts():
     with MessageQueueClient("tcp://127.0.0.1:9", request_timeout_s=0.2) as client:
         start = time.perf_counter()
-        future = client.submit_request(RequestType.PING, [m.PingRequest()])
+        future = client.request_async(m.PingRequest())
         with pytest.raises(LMCacheTimeoutError):
             future.result(5)  # the client's own deadline fails it, well before 5 s
         assert time.perf_counter() - start < 1.0
@@ -112,7 +112,7 @@ def test_unreachable_and_timeouts():
 
 def test_close_fails_pending_and_later_requests():
     client = MessageQueueClient("tcp://127.0.0.1:9", request_timeout_s=30)
-    future = client.submit_request(RequestType.PING, [m.PingRequest()])
+    future = client.request_async(m.PingRequest())
     callbacks = []
     future.add_done_callback(lambda f: callbacks.append(f.query()))
     client.close()
@@ -120,7 +120,7 @@ def test_close_fails_pending_and_later_requests():
         future.result(1)
     assert callbacks == [True]
     with pytest.raises(ConnectionClosedError):
-        client.submit_request(RequestType.PING, [m.PingRequest()]).result(1)
+        client.request_async(m.PingRequest()).result(1)
 
 
 def test_stop_finishes_in_flight_work(tmp_path, release):
@@ -132,8 +132,8 @@ def test_stop_finishes_in_flight_work(tmp_path, release):
                                                    RequestType.PING: Route(_ping)})
     srv.start()
     with MessageQueueClient(srv.bound_url) as client:
-        future = client.submit_request(RequestType.STORE, [m.StoreRequest(
-            instance_id=1, chunk_hashes=[b"x"], block_ids=[0])])
+        future = client.request_async(m.StoreRequest(
+            instance_id=1, chunk_hashes=[b"x"], block_ids=[0]))
         client.wait_until_reachable(2)
         srv.stop(5)
         assert future.result(2) == m.StoreReply(stored=1)
@@ -156,7 +156,7 @@ def test_a_flood_of_long_requests_is_bounded_and_pings_still_answer(release):
     big = m.StoreRequest(instance_id=1, chunk_hashes=[b"h" * 32], block_ids=list(range(10_000)))
     try:
         with MessageQueueClient(srv.bound_url) as client:
-            stores = [client.submit_request(RequestType.STORE, [big]) for _ in range(12)]
+            stores = [client.request_async(big) for _ in range(12)]
             start = time.perf_counter()
             client.wait_until_reachable(2)
             assert time.perf_counter() - start < 0.5
@@ -179,7 +179,7 @@ def test_polled_requests_wake_no_thread_yet_resolve_and_expire(server, release):
     I/O thread watches the socket for another request, it resolves polled replies too."""
     with MessageQueueClient(server.bound_url) as client:
         client.wait_until_reachable(2)
-        futures = [client.submit_request(RequestType.PING, [m.PingRequest()], polled=True)
+        futures = [client.submit(ops.PING, m.PingRequest(), polled=True)
                    for _ in range(32)]
         deadline = time.monotonic() + 5
         while not all(f.query() for f in futures):
@@ -187,14 +187,14 @@ def test_polled_requests_wake_no_thread_yet_resolve_and_expire(server, release):
             client.poll_replies()
         assert all(f.result(0).chunk_size == 16 for f in futures)
         # nobody polls: the deadline still fails it (the I/O thread), without a reply getting lost
-        store = client.submit_request(RequestType.STORE, [m.StoreRequest(
-            instance_id=1, chunk_hashes=[b"x"], block_ids=[0])], timeout_s=0.2, polled=True)
+        store = client.submit(ops.STORE, m.StoreRequest(
+            instance_id=1, chunk_hashes=[b"x"], block_ids=[0]), timeout_s=0.2, polled=True)
         with pytest.raises(LMCacheTimeoutError):
             store.result(2)
         release.set()
         # an unattended request makes the I/O thread watch the socket: it settles polled ones too
-        polled = client.submit_request(RequestType.PING, [m.PingRequest()], polled=True)
-        other = client.submit_request(RequestType.PING, [m.PingRequest()])
+        polled = client.submit(ops.PING, m.PingRequest(), polled=True)
+        other = client.request_async(m.PingRequest())
         assert other.result(2).chunk_size == 16 and polled.result(2).chunk_size == 16
         assert client.in_flight == 0
 

@@ -165,14 +165,12 @@ def test_chunks_stored_by_lmcache_are_hits_for_our_adapters(server, worker):
 def test_a_store_for_a_dropped_registration_fails_at_once(server, worker):
     """The server dropped the registration (here: through our own op, as a reap would): the
     store is answered not ok at once, so the client does not wait for its timeout."""
-    from lmcache_core.protocol import RequestType
     from lmcache_core.protocol import messages as m
     from lmcache_core.transport.client import MessageQueueClient
 
     adapter, _layers = worker
     with MessageQueueClient(server.url, connect_timeout_s=2) as client:
-        client.call(RequestType.UNREGISTER_KV_CACHE,
-                    m.UnregisterKVCacheRequest(instance_id=adapter.instance_id), m.OkReply)
+        client.request(m.UnregisterKVCacheRequest(instance_id=adapter.instance_id))
     op = LoadStoreOp(token_ids=[t + 5 for t in TOKENS], block_ids=[SRC], start=0, end=CHUNK)
     started = time.monotonic()
     adapter.submit_store_request("req-dropped", op, adapter.create_recorded_event())

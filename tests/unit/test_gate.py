@@ -102,8 +102,8 @@ def served(tmp_path: Any) -> Iterator[tuple[MessageQueueServer, dict[int, Flag],
 
 
 def _store(client: MessageQueueClient, instance_id: int) -> Any:
-    return client.submit_request(RequestType.STORE, [m.StoreRequest(
-        instance_id=instance_id, chunk_hashes=[b"x" * 32], block_ids=[0], event_handle=b"e")])
+    return client.request_async(m.StoreRequest(
+        instance_id=instance_id, chunk_hashes=[b"x" * 32], block_ids=[0], event_handle=b"e"))
 
 
 def test_a_parked_store_holds_no_worker_thread(served: Any) -> None:

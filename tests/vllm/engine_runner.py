@@ -63,12 +63,10 @@ def _install_fault_hook() -> None:
 def _server_stats(url: str) -> dict[str, Any]:
     import msgspec
 
-    from lmcache_core.protocol import messages as m
-    from lmcache_core.protocol.ops import RequestType
     from lmcache_core.transport.client import MessageQueueClient
 
     with MessageQueueClient(url, connect_timeout_s=2.0) as client:
-        reply = client.call(RequestType.SERVER_INFO, m.NoArgs(), m.ServerInfoReply, timeout_s=5.0)
+        reply = client.server_info(timeout_s=5.0)
     return dict(msgspec.to_builtins(reply.stats))
 
 

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 
 from lmcache_core.keys import chain_hashes
-from lmcache_core.protocol import RequestType
 from lmcache_core.protocol import messages as m
 from lmcache_core.transport.client import MessageQueueClient
 from tests.integration.servers import ServerProcess
@@ -40,7 +39,7 @@ def _flip_payload_byte(data: bytes) -> bytes:
 
 
 def _stats(client: MessageQueueClient) -> m.ServerStats:
-    return client.call(RequestType.SERVER_INFO, m.NoArgs(), m.ServerInfoReply).stats
+    return client.server_info().stats
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +68,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             assert len(files) == 1 and len(rkeys) == 1, (files, rkeys)
             files[0].write_bytes(_flip_payload_byte(files[0].read_bytes()))
             redis_client.set(rkeys[0], _flip_payload_byte(redis_client.get(rkeys[0])))
-            client.call(RequestType.CLEAR, m.ClearRequest(force=True), m.ClearReply)
+            client.request(m.ClearRequest(force=True))
         # A fresh engine (its own prefix cache off): the first lookup loads from disk and meets the
         # corrupt file; the second, with that file gone, asks Redis and meets the corrupt value.
         verify = _run_engine(tmp, "verify", {**common, "steps": [

@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 
 from lmcache_core.keys import chain_hashes
-from lmcache_core.protocol import RequestType
 from lmcache_core.protocol import messages as m
 from lmcache_core.transport.client import MessageQueueClient
 from tests.integration.servers import ServerProcess
@@ -61,7 +60,7 @@ STEPS = [
 def _held(client: MessageQueueClient, prompt: list[int]) -> int:
     request = m.LookupRequest(model_name=str(tiny_llama()), world_size=1, lookup_id="t",
                               chunk_hashes=chain_hashes(prompt, CHUNK), lock=False)
-    return client.call(RequestType.LOOKUP, request, m.LookupReply).hit_chunks
+    return client.request(request).hit_chunks
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import zmq
 from lmcache_core.errors import LMCacheTimeoutError, ServerUnreachableError
 from lmcache_core.keys import chain_hashes, salt_prefix, striding_block_hashes
 from lmcache_core.protocol import messages as m
+from lmcache_core.protocol import ops
 from lmcache_core.protocol.ops import RequestType
 from lmcache_core.transport.client import MessageQueueClient
 from lmcache_core.transport.future import MessagingFuture
@@ -54,10 +55,9 @@ def send_lmcache_request(mq_client: MessageQueueClient, request_type: RequestTyp
 
 def get_lmcache_chunk_size(mq_client: MessageQueueClient) -> int:
     """Ask the server its chunk size; ``ServerUnreachableError`` naming the url if it is silent."""
-    future = mq_client.submit_request(RequestType.GET_CHUNK_SIZE, [m.NoArgs()],
-                                      timeout_s=mq_client.connect_timeout_s)
+    future = mq_client.submit(ops.GET_CHUNK_SIZE, m.NoArgs(), mq_client.connect_timeout_s)
     try:
-        reply: m.ChunkSizeReply = future.result(mq_client.connect_timeout_s + 1.0)
+        reply = future.result(mq_client.connect_timeout_s + 1.0)
     except LMCacheTimeoutError:
         raise ServerUnreachableError(
             f"no lmcache server answered at {mq_client.server_url} within "

@@ -19,7 +19,8 @@ from lmcache_core.integration.vllm.adapter_common import (
     _Connection,
 )
 from lmcache_core.protocol import messages as m
-from lmcache_core.protocol.ops import RequestType
+from lmcache_core.protocol import ops
+from lmcache_core.protocol.ops import Op
 from lmcache_core.protocol.pin_messages import PinRequest
 from lmcache_core.transport.future import MessagingFuture
 
@@ -50,7 +51,7 @@ class LMCacheMPSchedulerAdapter:
         #: Loads shorter than this many tokens are declined (see ``check_lookup_result``).
         self.min_hit_tokens = min_hit_tokens
         self.declined_lookups = 0
-        self._lookups: dict[str, MessagingFuture[Any]] = {}
+        self._lookups: dict[str, MessagingFuture[m.LookupReply]] = {}
         self._last_poll = 0.0
 
     def maybe_submit_lookup_request(self, request_id: str, block_hashes: list[bytes],
@@ -69,8 +70,8 @@ class LMCacheMPSchedulerAdapter:
                                   world_size=self._conn.world_size, lookup_id=request_id,
                                   chunk_hashes=hashes, lock=True)
         # polled: check_lookup_result takes the reply on the scheduler's thread (no I/O thread hop)
-        self._lookups[request_id] = self.mq_client.submit_request(
-            RequestType.LOOKUP, [request], timeout_s=self.lookup_timeout_s, polled=True)
+        self._lookups[request_id] = self.mq_client.submit(
+            ops.LOOKUP, request, self.lookup_timeout_s, polled=True)
 
     def check_lookup_result(self, request_id: str, num_computed_tokens: int = 0) -> int | None:
         """Matched tokens once the answer is in (chunks every rank holds x chunk size), else None.
@@ -91,7 +92,7 @@ class LMCacheMPSchedulerAdapter:
             if not future.query():
                 return None
         try:
-            reply: m.LookupReply = future.result(0)
+            reply = future.result(0)
         except LMCacheError as exc:
             logger.warning("lookup for %s failed, recomputing: %s", request_id, exc)
             return 0
@@ -116,25 +117,25 @@ class LMCacheMPSchedulerAdapter:
 
     def free_lookup_locks(self, request_id: str) -> MessagingFuture[Any]:
         """Release what the request's lookup still locks (e.g. on abort), without waiting."""
-        return self._release(RequestType.FREE_LOOKUP_LOCKS, request_id,
+        return self._release(ops.FREE_LOOKUP_LOCKS, request_id,
                              self._lookups.get(request_id))
 
     def end_session(self, request_id: str) -> MessagingFuture[Any]:
         """The request is done: forget its lookup and release what it still locks on the server."""
-        return self._release(RequestType.END_SESSION, request_id,
+        return self._release(ops.END_SESSION, request_id,
                              self._lookups.pop(request_id, None))
 
-    def _release(self, op: RequestType, request_id: str,
-                 lookup: MessagingFuture[Any] | None) -> MessagingFuture[Any]:
+    def _release(self, op: Op[m.LookupIdRequest, m.ReleasedReply], request_id: str,
+                 lookup: MessagingFuture[m.LookupReply] | None) -> MessagingFuture[Any]:
         """Send ``op`` now, or, while the request's lookup is still in flight, once it has landed:
         sent earlier, the release could reach the server first (a lookup on a tiered server runs on
         its worker pool) and the lookup's locks would then outlive the request until their TTL."""
         if lookup is not None and not lookup.query():
-            released: MessagingFuture[Any] = MessagingFuture(f"{op.value} for {request_id}")
+            released: MessagingFuture[Any] = MessagingFuture(f"{op.type.value} for {request_id}")
             lookup.add_done_callback(lambda _f: _chain(self._release(op, request_id, None), released))
             return released
-        future = self.mq_client.submit_request(op, [m.LookupIdRequest(lookup_id=request_id)])
-        future.add_done_callback(lambda f: _log_failure(f, f"{op.value} for {request_id}"))
+        future = self.mq_client.submit(op, m.LookupIdRequest(lookup_id=request_id))
+        future.add_done_callback(lambda f: _log_failure(f, f"{op.type.value} for {request_id}"))
         return future
 
     def pin(self, block_hashes: list[bytes], ttl_s: float | None = None,
@@ -142,19 +143,19 @@ class LMCacheMPSchedulerAdapter:
         """Pin the leading chunks of this prefix that the server holds (kept from eviction until
         ``ttl_s`` passes or ``unpin``), without waiting: the future resolves to a ``PinReply``,
         or raises ``PinLimitError`` when ``server.max_pinned`` would be passed (nothing pinned)."""
-        return self._pin_op(RequestType.PIN, block_hashes, cache_salt, ttl_s)
+        return self._pin_op(ops.PIN, block_hashes, cache_salt, ttl_s)
 
     def unpin(self, block_hashes: list[bytes], cache_salt: str | None = None
               ) -> MessagingFuture[Any]:
         """Unpin this prefix's chunks, without waiting (the future: an ``UnpinReply``)."""
-        return self._pin_op(RequestType.UNPIN, block_hashes, cache_salt, None)
+        return self._pin_op(ops.UNPIN, block_hashes, cache_salt, None)
 
-    def _pin_op(self, op: RequestType, block_hashes: list[bytes], cache_salt: str | None,
+    def _pin_op(self, op: Op[PinRequest, Any], block_hashes: list[bytes], cache_salt: str | None,
                 ttl_s: float | None) -> MessagingFuture[Any]:
         request = PinRequest(model_name=self._conn.model_name, world_size=self._conn.world_size,
                                chunk_hashes=self._conn.chunk_hashes(block_hashes, cache_salt),
                                ttl_s=ttl_s)
-        return self.mq_client.submit_request(op, [request])
+        return self.mq_client.submit(op, request)
 
     def close(self) -> None:
         self.mq_client.close()

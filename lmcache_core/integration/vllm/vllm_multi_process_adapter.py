@@ -22,7 +22,7 @@ import random
 import socket
 import threading
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import zmq
 
@@ -56,7 +56,7 @@ from lmcache_core.integration.vllm.transfer_state import (
 )
 from lmcache_core.keys import striding_block_hashes, tenant_tag
 from lmcache_core.protocol import messages as m
-from lmcache_core.protocol.ops import RequestType
+from lmcache_core.protocol.ops import RETRIEVE, STORE, Op, RequestType
 from lmcache_core.transport.client import MessageQueueClient
 from lmcache_core.transport.future import MessagingFuture
 
@@ -78,6 +78,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+Q = TypeVar("Q", bound=m.Message)
 
 
 class LMCacheMPWorkerAdapter:
@@ -122,7 +123,7 @@ class LMCacheMPWorkerAdapter:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Share the worker's per-layer KV tensors with the server (once; again replaces them)."""
         wrapped, request = self._registration_request(kv_caches)
-        self.mq_client.call(RequestType.REGISTER_KV_CACHE, request, m.RegisterKVCacheReply)
+        self.mq_client.request(request)
         self.registered = wrapped
         self._kv_caches = dict(kv_caches)
         if self._heartbeat is None and self._heartbeat_interval_s > 0:
@@ -153,7 +154,7 @@ class LMCacheMPWorkerAdapter:
         while not self._stop.wait(interval):
             ping = m.PingRequest(instance_id=self.instance_id)
             try:
-                reply = self.mq_client.submit_request(RequestType.PING, [ping], interval).result(
+                reply = self.mq_client.request_async(ping, interval).result(
                     interval + 1.0)
             except LMCacheError:  # the server is down: the next beat tries again
                 continue
@@ -166,7 +167,7 @@ class LMCacheMPWorkerAdapter:
             return
         try:
             _, request = self._registration_request(self._kv_caches)
-            self.mq_client.call(RequestType.REGISTER_KV_CACHE, request, m.RegisterKVCacheReply)
+            self.mq_client.request(request)
         except LMCacheError as exc:
             logger.warning("re-registering the KV caches with %s failed: %s",
                            self.mq_client.server_url, exc)
@@ -199,7 +200,7 @@ class LMCacheMPWorkerAdapter:
             payload = m.StoreRequest(instance_id=self.instance_id, chunk_hashes=hashes,
                                      block_ids=blocks, event_handle=handle, request_ids=ids,
                                      ttl_s=ttl_s, pin=pin, priority=priority, tenant=tenant)
-            self._submit(RequestType.STORE, payload, ids, blocks, self._stores)
+            self._submit(STORE, payload, ids, blocks, self._stores)
 
     def batched_submit_retrieve_requests(self, request_ids: list[str], ops: list[LoadStoreOp],
                                          event: Any) -> None:
@@ -216,7 +217,7 @@ class LMCacheMPWorkerAdapter:
                                         block_ids=blocks, event_handle=handle,
                                         lookup_id=request_id, request_ids=[request_id],
                                         deadline_ms=self.load_deadline_ms)
-            self._submit(RequestType.RETRIEVE, payload, [request_id], blocks, self._retrieves)
+            self._submit(RETRIEVE, payload, [request_id], blocks, self._retrieves)
 
     def _flatten(self, ops: Iterable[LoadStoreOp]) -> tuple[list[bytes], list[int]]:
         """Whole chunks only: each op's chunk hashes and the block ids those chunks cover."""
@@ -230,14 +231,14 @@ class LMCacheMPWorkerAdapter:
             blocks += op.block_ids[:n * per_chunk]
         return hashes, blocks
 
-    def _submit(self, op: RequestType, payload: m.Message, request_ids: list[str],
+    def _submit(self, op: Op[Q, Any], payload: Q, request_ids: list[str],
                 blocks: list[int], book: dict[str, _RequestState]) -> None:
         if self.registered is None:
             raise RuntimeError("register_kv_caches must be called before store/retrieve")
         if blocks:
-            future = self.mq_client.submit_request(op, [payload])
+            future: MessagingFuture[Any] = self.mq_client.submit(op, payload)
         else:  # nothing whole to move: complete at once, no round trip
-            empty = m.StoreReply(stored=0) if op is RequestType.STORE else m.RetrieveReply(
+            empty = m.StoreReply(stored=0) if op is STORE else m.RetrieveReply(
                 retrieved=0)
             future = MessagingFuture.completed(empty)
         transfer = _Transfer(future, list(request_ids), blocks)
@@ -303,9 +304,8 @@ class LMCacheMPWorkerAdapter:
         self._stop.set()
         if self.registered is not None:
             try:
-                self.mq_client.call(RequestType.UNREGISTER_KV_CACHE,
-                                    m.UnregisterKVCacheRequest(instance_id=self.instance_id),
-                                    m.OkReply, timeout_s=self.mq_client.connect_timeout_s)
+                self.mq_client.request(m.UnregisterKVCacheRequest(instance_id=self.instance_id),
+                                       self.mq_client.connect_timeout_s)
             except LMCacheError as exc:
                 logger.warning("unregistering from %s failed: %s", self.mq_client.server_url, exc)
             self.registered = None
