@@ -101,19 +101,19 @@ class CacheEngine(CacheCore):
             return self.locks.set_readers(lookup_id, readers)
 
     def release_lookup_reads(self, lookup_id: str, chunk_hashes: Collection[bytes],
-                             reads: int) -> int:
-        """Count ``reads`` reads of every range of ``lookup_id``'s locks on the chunks
-        ``chunk_hashes`` name, releasing those with none left to wait for (LMCache's
-        ``free_lookup_locks`` over a range); how many piece locks went."""
+                             reads: int, heads: HeadRange | None = None) -> int:
+        """Count ``reads`` reads of every range (or of ``heads`` only) of ``lookup_id``'s locks
+        on the chunks ``chunk_hashes`` name, releasing those with none left to wait for
+        (LMCache's ``free_lookup_locks`` over a range); how many piece locks went."""
         with self.mutex:
-            return self.locks.release_chunks(lookup_id, chunk_hashes, reads)
+            return self.locks.release_chunks(lookup_id, chunk_hashes, reads, heads)
 
     def held(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
              chunk_hashes: Sequence[bytes]) -> int:
         """How many leading chunks resident pieces cover for ``ranges``, touching nothing (no
         LRU move, no hit or lookup counted, no lock): to compare candidate layouts."""
         with self.mutex:
-            return len(find_hits(self.index, model_name, layout, ranges, chunk_hashes))
+            return find_hits(self.index, model_name, layout, ranges, chunk_hashes).count
 
     def layouts(self, model_name: str) -> list[str]:
         """The layouts of ``model_name`` that have resident pieces (a lookup by a client that
@@ -155,10 +155,7 @@ class CacheEngine(CacheCore):
 
     def _pieces_of(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
                    chunk_hashes: Sequence[bytes]) -> list[Piece]:
-        hits = find_hits(self.index, model_name, layout, ranges, chunk_hashes)
-        found = {piece.handle: piece for chunk in hits for _, _, pieces in chunk
-                 for piece in pieces}
-        return list(found.values())
+        return find_hits(self.index, model_name, layout, ranges, chunk_hashes).pieces()
 
     # ------------------------------------------------------------------ admin
 

@@ -102,13 +102,13 @@ class CacheCore:
         if self.locks.due(now):
             self.counters.locks_expired += self.locks.expire(now)
         hits = find_hits(self.index, model_name, layout, ranges, chunk_hashes)
-        if hits:
+        if hits.count:
             touch_hits(self.index, hits)
-        if lock and hits:
-            self.locks.hold(lookup_id, (hit for chunk in hits for hit in chunk), now)
+        if lock and hits.count:
+            self.locks.hold(lookup_id, hits.held, now)
         elif lock:  # a miss holds nothing, and drops what this id held before
             self.locks.release_all(lookup_id)
-        return len(hits)
+        return hits.count
 
     def expire_locks(self) -> int:
         """Release every lock older than ``lock_ttl_s``; returns how many piece locks went."""

@@ -158,38 +158,94 @@ class PieceIndex:
                 for tenant, count in self.tenant_pieces.items()}
 
 
-#: What a lookup found per chunk: ``(head range, chunk, pieces covering it)`` for each range.
-Hits = list[list[tuple[HeadRange, ChunkId, list[Piece]]]]
+#: Per head range, per chunk (in prefix order), the pieces covering it: the shape a lookup's
+#: locks are kept in (``locks.LockSet.held``), so a locking lookup hands it over as it is.
+Held = dict[HeadRange, dict[ChunkId, list[Piece]]]
+
+
+class Hits:
+    """What a lookup found: ``count`` leading chunks covered for every range, and their pieces
+    (``held``; a chunk named twice in the request is there once)."""
+
+    __slots__ = ("count", "held")
+
+    def __init__(self, count: int, held: Held) -> None:
+        self.count = count
+        self.held = held
+
+    def pieces(self) -> list[Piece]:
+        """Every piece found, once."""
+        found = {piece.handle: piece for chunks in self.held.values()
+                 for pieces in chunks.values() for piece in pieces}
+        return list(found.values())
 
 
 def find_hits(index: PieceIndex, model_name: str, layout: str, ranges: Sequence[HeadRange],
               chunk_hashes: Sequence[bytes]) -> Hits:
-    """The leading chunks whose pieces cover every range, with those pieces."""
+    """The leading chunks whose pieces cover every range, with those pieces. (The scheduler's
+    hot path: one range, one piece per chunk is the common case, checked before ``cover``.)"""
+    if len(ranges) != 1:
+        return _find_hits_ranges(index, model_name, layout, ranges, chunk_hashes)
     chunks_of = index.chunks.get
-    hits: Hits = []
+    heads = ranges[0]
+    lo, hi = heads
+    found: dict[ChunkId, list[Piece]] = {}
+    count = 0
     for chunk_hash in chunk_hashes:
         chunk = (model_name, layout, chunk_hash)
         pieces = chunks_of(chunk)
         if not pieces:
             break
-        found = []
+        key = pieces[0].key
+        if key.head_lo <= lo and key.head_hi >= hi:
+            found[chunk] = [pieces[0]]  # a new list: the index's own changes with stores
+        else:
+            covering = cover(pieces, lo, hi)
+            if covering is None:
+                break
+            found[chunk] = covering
+        count += 1
+    return Hits(count, {heads: found} if found else {})
+
+
+def _find_hits_ranges(index: PieceIndex, model_name: str, layout: str,
+                      ranges: Sequence[HeadRange], chunk_hashes: Sequence[bytes]) -> Hits:
+    """``find_hits`` for several ranges (a lookup for world size > 1)."""
+    chunks_of = index.chunks.get
+    held: Held = {}
+    count = 0
+    for chunk_hash in chunk_hashes:
+        chunk = (model_name, layout, chunk_hash)
+        pieces = chunks_of(chunk)
+        if not pieces:
+            break
+        covers: list[list[Piece]] = []
         for lo, hi in ranges:
             covering = cover(pieces, lo, hi)
             if covering is None:
-                return hits
-            found.append(((lo, hi), chunk, covering))
-        hits.append(found)
-    return hits
+                return Hits(count, held)
+            covers.append(covering)
+        for heads, covering in zip(ranges, covers, strict=True):
+            held.setdefault(heads, {})[chunk] = covering
+        count += 1
+    return Hits(count, held)
 
 
 def touch_hits(index: PieceIndex, hits: Hits) -> None:
     """LRU-touch and count each hit piece once per chunk, the prefix's tail first (so eviction
     eats prefixes from the tail, which keeps what remains of a prefix usable)."""
     move = index.lru.move_to_end
-    for found in reversed(hits):
-        seen: set[int] = set()
-        for _, _, pieces in found:
+    per_range = list(hits.held.values())
+    if len(per_range) == 1:
+        for pieces in reversed(per_range[0].values()):
             for piece in pieces:
+                move(piece.key)
+                piece.hits += 1
+        return
+    for chunk in reversed(per_range[0]) if per_range else ():
+        seen: set[int] = set()
+        for chunks in per_range:
+            for piece in chunks[chunk]:
                 if piece.handle not in seen:
                     seen.add(piece.handle)
                     move(piece.key)

@@ -15,7 +15,7 @@ import heapq
 import itertools
 from collections.abc import Collection, Iterable, Mapping
 
-from lmcache_core.engine.index import ChunkId, Piece
+from lmcache_core.engine.index import ChunkId, Held, Piece
 from lmcache_core.keys import ChunkKey, HeadRange
 
 
@@ -63,20 +63,16 @@ class LockTable:
     def __len__(self) -> int:
         return len(self.sets)
 
-    def hold(self, lookup_id: str, hits: Iterable[tuple[HeadRange, ChunkId, list[Piece]]],
-             now: float) -> None:
-        """Lock ``hits`` for ``lookup_id`` (replacing what it held); a (range, chunk) repeated in
-        the request is locked once."""
+    def hold(self, lookup_id: str, held: Held, now: float) -> None:
+        """Lock the pieces ``held`` (``index.Hits.held``, handed over: kept as it is) for
+        ``lookup_id``, replacing what it held."""
         self.release_all(lookup_id)
         lock_set = LockSet(next(self._seq))
-        held = lock_set.held
-        for heads, chunk, pieces in hits:
-            chunks = held.setdefault(heads, {})
-            if chunk in chunks:
-                continue
-            chunks[chunk] = pieces
-            for piece in pieces:
-                piece.locks += 1
+        lock_set.held = held
+        for chunks in held.values():
+            for pieces in chunks.values():
+                for piece in pieces:
+                    piece.locks += 1
         self.sets[lookup_id] = lock_set
         heapq.heappush(self._expiry, (now + self.ttl_s, lock_set.seq, lookup_id))
         if len(self._expiry) > 2 * len(self.sets) + 64:
@@ -116,14 +112,17 @@ class LockTable:
         lock_set.readers = max(1, readers)
         return True
 
-    def release_chunks(self, lookup_id: str, chunk_hashes: Collection[bytes], reads: int) -> int:
-        """Release ``reads`` expected reads of every range on the chunks named by ``chunk_hashes``
-        (whatever their model and layout); how many piece locks went."""
+    def release_chunks(self, lookup_id: str, chunk_hashes: Collection[bytes], reads: int,
+                       only: HeadRange | None = None) -> int:
+        """Count ``reads`` reads of every range (or the range ``only``) on the chunks named by
+        ``chunk_hashes`` (whatever their model and layout); how many piece locks went."""
         lock_set = self.sets.get(lookup_id)
         if lock_set is None:
             return 0
         released = 0
         for heads, held in list(lock_set.held.items()):
+            if only is not None and heads != only:
+                continue
             for chunk in [c for c in held if c[2] in chunk_hashes]:
                 for piece in lock_set.read(heads, chunk, reads):
                     piece.locks -= 1
