@@ -81,6 +81,7 @@ def serve(
     http = (f"{server.http_url}/metrics, /healthz, /readyz" if server.http_url is not None
             else "off (server.http_url)")
     quotas = _quotas(cfg.server.quota_bytes)
+    tenant_quotas = _quotas(cfg.server.tenant_quota_bytes)
     console.print(Panel.fit(
         f"[bold]lmcache serve[/] {__version__}\n"
         f"url         {bound}\n"
@@ -89,6 +90,8 @@ def serve(
         f"chunk size  {cfg.chunk_size} tokens\n"
         f"pool        {_pool_line(server)}, {cfg.server.eviction} eviction\n"
         + (f"quotas      {quotas}\n" if quotas else "")
+        + (f"tenants     {tenant_quotas} (server.tenant_quotas, by cache_salt)\n"
+           if tenant_quotas else "")
         + f"http        {http}\n"
         f"pool pages  {_pool_pages(server)}",
         title="ready", border_style="green"), highlight=False)
@@ -104,7 +107,7 @@ def _pool_line(server: CacheServer) -> str:
 
 
 def _quotas(quotas: dict[str, int]) -> str:
-    """``model-a 2.0 GiB, model-b 512.0 MiB``, or "" when no model has a quota."""
+    """``model-a 2.0 GiB, model-b 512.0 MiB`` (models' or tenants' quotas), or "" for none."""
     from rich.markup import escape
 
     return ", ".join(f"{escape(name)} {human_bytes(size)}" for name, size in sorted(quotas.items()))

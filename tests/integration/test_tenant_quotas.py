@@ -61,6 +61,10 @@ def metrics(srv: ServerProcess) -> dict[tuple[str, str], float]:
 def test_a_tenant_at_its_quota_evicts_only_its_own_chunks(tmp_path):
     srv = ServerProcess(tmp_path, {"server": {"pool_size": "4MiB", "slab_size": "1MiB",
                                               "tenant_quotas": {"small": 3 * PIECE}}}).start()
+    deadline = time.monotonic() + 10  # the ready panel (printed once the server answers)
+    while "tenants     small 384.0 KiB (server.tenant_quotas" not in srv.log():
+        assert time.monotonic() < deadline, srv.log()
+        time.sleep(0.05)
     worker = WorkerProcess(srv.url, model="m", heads=HEADS, num_blocks=96)
     # (salt, seed, first chunk, chunks): each prompt's tokens and the blocks it is stored from
     big, small1, big2, small2, small3 = (("big", 71, 0, 4), ("small", 72, 4, 3), ("big", 73, 7, 2),
