@@ -190,6 +190,8 @@ class MessageQueueServer:
         poller.register(self._waker.fd, zmq.POLLIN)
         if self._peers is not None:
             poller.register(self._peers.monitor, zmq.POLLIN)
+        more = zmq.Poller()  # the socket alone: is another request queued behind this one?
+        more.register(self._socket, zmq.POLLIN)
         try:
             while not self._drained():
                 events = dict(poller.poll(100 if self._stopping.is_set() else -1))
@@ -197,7 +199,7 @@ class MessageQueueServer:
                     self._waker.drain()
                 self._send_done()
                 if self._socket in events:
-                    self._receive()
+                    self._receive(more)
                 if self._peers is not None and self._peers.monitor in events:
                     self._peers.drain()
         finally:
@@ -216,16 +218,18 @@ class MessageQueueServer:
             logger.warning("stopping with %d request(s) still running", self._in_flight)
         return True
 
-    def _receive(self) -> None:
-        """Serve what is queued (poll said at least one message is); checking EVENTS between
-        messages is cheaper than ending each batch with a zmq.Again exception."""
+    def _receive(self, more: zmq.Poller) -> None:
+        """Serve what is queued (poll said at least one message is). Between messages a
+        zero-timeout poll of the socket alone (~2 us) says whether another is queued: cheaper
+        than ending each batch with a zmq.Again exception, or than reading the EVENTS option
+        (~4 us: pyzmq builds an IntFlag for it, with the GIL held)."""
         sock = self._socket
         assert sock is not None
         peers = self._peers
         for _ in range(_RECV_BATCH):
             frames = peers.recv(sock) if peers is not None else sock.recv_multipart(zmq.NOBLOCK)
             self._dispatch(frames[0], frames[1:])
-            if not int(sock.get(zmq.EVENTS)) & zmq.POLLIN:
+            if not more.poll(0):
                 return
 
     def _dispatch(self, identity: bytes, frames: list[bytes]) -> None:
