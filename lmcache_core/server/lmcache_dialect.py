@@ -75,10 +75,14 @@ class LMCacheDialect:
             # It may read disk or Redis: on a copy thread, its status None until it is done.
             # Acknowledged at once, as LMCache's (its prefetch runs behind the ack).
             self.results.pending(call.args[0].request_id)
-            if self.post is not None:
-                self.post([client, *w.reply_frames(call, None)])
-                return lambda: self._answer(call, client) and None
-            return lambda: self._answer(call, client)
+            if self.post is None:
+                return lambda: self._answer(call, client)
+            self.post([client, *w.reply_frames(call, None)])
+
+            def run() -> None:
+                self._answer(call, client)  # acknowledged already: its result is the status
+
+            return run
         if op in w.BLOCKING:
             return lambda: self._answer(call, client)
         return self._answer(call, client)
@@ -218,13 +222,28 @@ class LMCacheDialect:
                                          skip_first_n_tokens)
         except ValueError:
             return _FAILED
-        if not request.chunk_hashes:
-            return _FAILED[0], True
         try:
+            if not request.chunk_hashes:
+                return _FAILED[0], True
             reply = self.handlers.retrieve(request, client)
         except LMCacheError as exc:  # in-band: vLLM recomputes at once instead of timing out
             return self._failed("retrieve", instance_id, exc)
+        finally:
+            if skip_first_n_tokens >= chunk:
+                self._read_skipped(key, instance_id, skip_first_n_tokens // chunk)
         return _FAILED[0], not reply.missing
+
+    def _read_skipped(self, key: w.IPCCacheServerKey, instance_id: int, skipped: int) -> None:
+        """LMCache's retrieve counts one read of each chunk of its range for its rank, the whole
+        chunks ``skip_first_n_tokens`` left out too (their locks must not wait for the TTL)."""
+        hashes = w.key_hashes(key, self.handlers.config.chunk_size)[:skipped]
+        try:
+            with self.handlers.registry.lease(instance_id) as reg:
+                heads = reg.heads
+        except LMCacheError:
+            return
+        if hashes:
+            self.handlers.engine.release_lookup_reads(key.request_id, set(hashes), 1, heads)
 
     def _failed(self, op: str, instance_id: int, exc: LMCacheError) -> tuple[bytes, bool]:
         if isinstance(exc, NotRegisteredError):

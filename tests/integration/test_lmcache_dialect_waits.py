@@ -177,6 +177,11 @@ def test_lookup_locks_wait_for_every_reader_and_free_releases_its_range(kv_serve
             assert np.array_equal(layer[:, 12:20], want[:, :8])
         assert ask(7, got, 7, dst[1], b"", 0) == [[b"", True]]  # the second: the locks go
         assert srv.engine.locks_of("r") == [] and srv.engine.stats()["locks_held"] == 0
+        # A retrieve counts a read of every chunk of its range, the whole chunks it skips too.
+        assert ask(8, key("k", end=192), 1) == [] and ask(9, "k") == [3]
+        assert ask(7, key("k", end=192, worker_id=0), 7, [list(range(12, 24))], b"", 130) == \
+            [[b"", True]]
+        assert srv.engine.locks_of("k") == []
         # One reader (vLLM's non-MLA default): a free of everything left releases it all.
         assert ask(8, key("q", end=192), 1) == [] and ask(9, "q") == [3]
         assert ask(7, key("q", end=64, worker_id=0), 7, [list(range(12, 16))], b"", 0) == \

@@ -67,3 +67,12 @@ def test_a_relookup_starts_with_one_reader_again() -> None:
     retrieve(engine, 0, 2, hashes(1), "a")
     retrieve(engine, 1, 2, hashes(1), "a")
     assert engine.locks_of("a") == []
+
+
+def test_a_release_may_count_one_range_only() -> None:
+    engine = make()
+    store_ranks(engine, range(2))
+    lookup(engine, 2, hashes(2), "a")
+    rank1 = (1, 2)  # the opaque layout of world size 2: rank 1's heads
+    assert engine.release_lookup_reads("a", {h(0)}, 1, rank1) == 1
+    assert sorted(engine.locks_of("a")) == sorted([key(0, 0), key(1, 0), key(1, 1)])
