@@ -113,11 +113,13 @@ def rank_heads(layout: str, world_size: int, rank: int) -> HeadRange:
     return (rank * step, (rank + 1) * step)
 
 
-def world_heads(layout: str, world_size: int) -> list[HeadRange]:
-    """Every rank's head range for ``world_size`` (one ``(0, 1)`` for MLA: all ranks share it)."""
+@functools.lru_cache(maxsize=1024)
+def world_heads(layout: str, world_size: int) -> tuple[HeadRange, ...]:
+    """Every rank's head range for ``world_size`` (one ``(0, 1)`` for MLA: all ranks share it).
+    Cached: every lookup asks it of the layouts it tries."""
     if is_mla(layout):
-        return [(0, 1)]
-    return [rank_heads(layout, world_size, rank) for rank in range(world_size)]
+        return ((0, 1),)
+    return tuple(rank_heads(layout, world_size, rank) for rank in range(world_size))
 
 
 #: The most tensor-parallel sizes a lower-tier lookup probes for pieces of one range.

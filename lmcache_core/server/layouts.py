@@ -16,7 +16,7 @@ from lmcache_core.keys import HeadRange, opaque_layout, world_heads
 from lmcache_core.server.registry import KVRegistry
 
 #: A layout and the head range of each rank of the request's world size in it.
-Target = tuple[str, list[HeadRange]]
+Target = tuple[str, tuple[HeadRange, ...]]
 
 
 class LayoutResolver:

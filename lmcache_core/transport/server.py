@@ -54,6 +54,7 @@ from lmcache_core.transport.gate import Gate
 from lmcache_core.transport.listen import bind_router, remove_ipc_file
 from lmcache_core.transport.peers import PeerWatch
 from lmcache_core.transport.routes import Dialect, GateFn, Handler, Job, Observer, Route, Task
+from lmcache_core.transport.sending import send_frames
 from lmcache_core.transport.waker import Waker
 
 __all__ = ["Dialect", "GateFn", "Handler", "LogBudget", "MessageQueueServer", "Observer", "Route",
@@ -387,6 +388,6 @@ class MessageQueueServer:
     def _send(self, frames: list[bytes]) -> None:
         assert self._socket is not None
         try:
-            self._socket.send_multipart(frames, zmq.NOBLOCK)
+            send_frames(self._socket, frames)
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the client went away; EAGAIN: it stopped reading
             logger.debug("reply to %s dropped: %s", frames[0].hex(), exc)

@@ -90,8 +90,8 @@ def test_layout_fingerprints_and_head_ranges():
     assert layout_heads(gqa) == 8 and layout_heads(mla) == 1 and layout_heads("ranks4") == 4
     assert is_mla(mla) and not is_mla(gqa) and not is_mla("ranks4")
     assert rank_heads(gqa, 2, 1) == (4, 8) and rank_heads(gqa, 4, 3) == (6, 8)
-    assert world_heads(gqa, 2) == [(0, 4), (4, 8)] and world_heads(mla, 8) == [(0, 1)]
-    assert world_heads("ranks3", 3) == [(0, 1), (1, 2), (2, 3)]
+    assert world_heads(gqa, 2) == ((0, 4), (4, 8)) and world_heads(mla, 8) == ((0, 1),)
+    assert world_heads("ranks3", 3) == ((0, 1), (1, 2), (2, 3))
     with pytest.raises(ValueError, match="divide"):
         rank_heads(gqa, 3, 0)
     with pytest.raises(ValueError, match="outside"):
