@@ -66,6 +66,32 @@ def cover(pieces: Sequence[Piece], lo: int, hi: int) -> list[Piece] | None:
     return chosen
 
 
+class Tally:
+    """Pieces and bytes per name (a model, a tenant tag); a name with none left is dropped."""
+
+    __slots__ = ("bytes", "pieces")
+
+    def __init__(self) -> None:
+        self.bytes: dict[str, int] = {}
+        self.pieces: dict[str, int] = {}
+
+    def add(self, name: str, nbytes: int) -> None:
+        self.bytes[name] = self.bytes.get(name, 0) + nbytes
+        self.pieces[name] = self.pieces.get(name, 0) + 1
+
+    def remove(self, name: str, nbytes: int) -> None:
+        left = self.pieces[name] - 1
+        if left:
+            self.pieces[name] = left
+            self.bytes[name] -= nbytes
+        else:
+            del self.pieces[name]
+            del self.bytes[name]
+
+    def counts(self) -> dict[str, tuple[int, int]]:
+        return {name: (count, self.bytes[name]) for name, count in self.pieces.items()}
+
+
 class PieceIndex:
     """Resident pieces: by key (in LRU order, front = least recently used), by chunk, by handle,
     with bytes per model and per tenant (quotas and their figures)."""
@@ -74,10 +100,10 @@ class PieceIndex:
         self.lru: OrderedDict[ChunkKey, Piece] = OrderedDict()
         self.chunks: dict[ChunkId, list[Piece]] = {}
         self.by_handle: dict[int, Piece] = {}
-        self.model_bytes: dict[str, int] = {}
-        self.model_pieces: dict[str, int] = {}
-        self.tenant_bytes: dict[str, int] = {}  # per tenant tag (pieces of no tenant: not kept)
-        self.tenant_pieces: dict[str, int] = {}
+        self.models = Tally()
+        self.tenants = Tally()  # per tenant tag (pieces of no tenant: not kept)
+        self.model_bytes = self.models.bytes  # what quotas read
+        self.tenant_bytes = self.tenants.bytes
         self.layout_chunks: dict[tuple[str, str], int] = {}  # (model, layout) -> chunks held
         self.nbytes = 0
 
@@ -108,11 +134,9 @@ class PieceIndex:
             self.layout_chunks[pair] = self.layout_chunks.get(pair, 0) + 1
         siblings.append(piece)
         self.by_handle[piece.handle] = piece
-        self.model_bytes[key.model_name] = self.model_bytes.get(key.model_name, 0) + piece.nbytes
-        self.model_pieces[key.model_name] = self.model_pieces.get(key.model_name, 0) + 1
+        self.models.add(key.model_name, piece.nbytes)
         if piece.tenant:
-            self.tenant_bytes[piece.tenant] = self.tenant_bytes.get(piece.tenant, 0) + piece.nbytes
-            self.tenant_pieces[piece.tenant] = self.tenant_pieces.get(piece.tenant, 0) + 1
+            self.tenants.add(piece.tenant, piece.nbytes)
         self.nbytes += piece.nbytes
 
     def remove(self, piece: Piece) -> None:
@@ -127,21 +151,9 @@ class PieceIndex:
             self.layout_chunks[pair] -= 1
             if not self.layout_chunks[pair]:
                 del self.layout_chunks[pair]
-        left = self.model_pieces[key.model_name] - 1
-        if left:
-            self.model_pieces[key.model_name] = left
-            self.model_bytes[key.model_name] -= piece.nbytes
-        else:
-            del self.model_pieces[key.model_name]
-            del self.model_bytes[key.model_name]
+        self.models.remove(key.model_name, piece.nbytes)
         if piece.tenant:
-            left = self.tenant_pieces[piece.tenant] - 1
-            if left:
-                self.tenant_pieces[piece.tenant] = left
-                self.tenant_bytes[piece.tenant] -= piece.nbytes
-            else:
-                del self.tenant_pieces[piece.tenant]
-                del self.tenant_bytes[piece.tenant]
+            self.tenants.remove(piece.tenant, piece.nbytes)
         self.nbytes -= piece.nbytes
 
     def touch(self, piece: Piece) -> None:
@@ -149,13 +161,11 @@ class PieceIndex:
 
     def model_counts(self) -> dict[str, tuple[int, int]]:
         """Per model: (pieces, bytes)."""
-        return {model: (count, self.model_bytes[model])
-                for model, count in self.model_pieces.items()}
+        return self.models.counts()
 
     def tenant_counts(self) -> dict[str, tuple[int, int]]:
         """Per tenant tag: (pieces, bytes)."""
-        return {tenant: (count, self.tenant_bytes[tenant])
-                for tenant, count in self.tenant_pieces.items()}
+        return self.tenants.counts()
 
 
 #: Per head range, per chunk (in prefix order), the pieces covering it: the shape a lookup's

@@ -561,8 +561,8 @@ def heads_of(plan: RetrievePlan) -> list[list[HeadRange]]:
 
 def test_layout_fingerprints() -> None:
     assert (F16, BF16, MLA) == ("float16:2x8x16", "bfloat16:2x8x16", "bfloat16:2xmla64")
-    assert world_heads(F16, 2) == [(0, 4), (4, 8)]
-    assert world_heads(MLA, 4) == [(0, 1)]
+    assert world_heads(F16, 2) == ((0, 4), (4, 8))
+    assert world_heads(MLA, 4) == ((0, 1),)
 
 
 def test_tp2_pieces_count_for_tp1_and_tp4_lookups() -> None:

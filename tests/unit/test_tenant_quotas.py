@@ -163,7 +163,7 @@ def test_tenant_bytes_return_to_zero_after_eviction_and_clear() -> None:
     assert engine.index.tenant_bytes == {ALICE: 2 * SLOT, BOB: 2 * SLOT}
     store(engine, [key(i) for i in range(20, 24)])  # no tenant: fills the pool, evicting all
     assert engine.stats()["evictions"] == 4
-    assert engine.index.tenant_bytes == {} and engine.index.tenant_pieces == {}
+    assert engine.index.tenant_bytes == {} and engine.index.tenants.pieces == {}
     assert figures(engine) == {ALICE: ("alice", 0, 0, 8 * SLOT)}  # named: listed at zero
     store(engine, [key(30)], BOB)
     assert engine.index.tenant_bytes == {BOB: SLOT}
