@@ -225,11 +225,14 @@ def chain_hashes(token_ids: Sequence[int] | Any, chunk_size: int,
     step = chunk_size * 4
     hashes: list[bytes] = []
     append = hashes.append
+    hasher = blake3()  # one hasher, reset per chunk: a new one per chunk cost ~20 % more
+    update, digest, reset = hasher.update, hasher.digest, hasher.reset
     for start in range(0, len(data) - step + 1, step):
-        hasher = blake3(prefix)
-        hasher.update(data[start:start + step])
-        prefix = hasher.digest()
+        update(prefix)
+        update(data[start:start + step])
+        prefix = digest()
         append(prefix)
+        reset()
     return hashes
 
 
