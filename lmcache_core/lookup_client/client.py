@@ -1,9 +1,10 @@
 """``LMCacheAsyncLookupClient``: the scheduler-side half of the async lookup.
 
 ``lookup()`` hashes the prompt (``TokenDatabase``, the one prefix-chain implementation), PUSHes one
-request to every lookup-server worker and returns ``None`` at once. A background thread polls the
-client's PULL socket and an eventfd ``Waker`` (shutdown, and the first deadline of an idle client),
-records each worker's answer, and when every expected worker has answered stores the minimum.
+request to every lookup-server worker and returns ``None`` at once. A background thread (the I/O
+core both clients share, ``transport.io_core.IOThread``) polls the client's PULL socket and its
+``Waker`` (shutdown, and the first deadline of an idle client), records each worker's answer, and
+when every expected worker has answered stores the minimum.
 ``lookup_cache()`` reads that state under a lock and never sleeps. While its lookup is still running
 it also drains the PULL socket itself (non-blocking receives): a scheduler that polls in a tight
 loop holds the GIL, and would otherwise see each answer only when the interpreter's switch interval
@@ -25,8 +26,8 @@ with a cleanup to its worker, so no worker keeps pins nobody will use. The PUSH 
 by the caller's thread (requests) and the background thread (cleanups) under one lock, which also
 gives ZMQ the memory barrier it needs when a socket changes threads.
 
-The parts with a job of their own live next to it: ``sockets`` (the PULL and PUSH sockets, and a
-waiting thread's pollers), ``results`` (the per-lookup bookkeeping, under this client's lock) and
+The parts with a job of their own live next to it: ``sockets`` (the PULL and PUSH sockets),
+``results`` (the per-lookup bookkeeping, under this client's lock) and
 ``messages`` (the wire messages).
 """
 
@@ -35,7 +36,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import select
 import threading
 import time
 from collections.abc import Iterable
@@ -60,8 +60,8 @@ from lmcache_core.lookup_client.messages import (
     encode,
 )
 from lmcache_core.lookup_client.results import MAX_RESULTS, Abandoned, LookupTable
-from lmcache_core.lookup_client.sockets import LookupSockets, ThreadPoller
-from lmcache_core.transport.waker import Waker
+from lmcache_core.lookup_client.sockets import LookupSockets
+from lmcache_core.transport.io_core import IOThread, ThreadWaiters, Waiter
 
 if TYPE_CHECKING:
     import torch
@@ -102,12 +102,13 @@ class LMCacheAsyncLookupClient(LookupClientInterface):
         # across client restarts, so a worker never mistakes a new attempt for an older one.
         self._seqs = itertools.count(time.time_ns())
         self._malformed = 0
-        self._waker = Waker()
         self._closing = threading.Event()
         self._closed = False
-        self._thread = threading.Thread(target=self.process_responses_from_workers,
-                                        name="lmcache-lookup-client", daemon=True)
-        self._thread.start()
+        zmq_fd = self._sockets.pull.get(zmq.FD)
+        self._waiters = ThreadWaiters(zmq_fd)
+        self._io = IOThread("lmcache-lookup-client", zmq_fd, self._turn, self._on_exit,
+                            f"lookup client for {metadata.engine_id}")
+        self._io.start()
         logger.info("lookup client for %s: %d lookup servers, answers at %s",
                     metadata.engine_id, len(self.worker_ids), self._pull_path)
 
@@ -150,7 +151,7 @@ class LMCacheAsyncLookupClient(LookupClientInterface):
                 abandoned = self._table.fail(lookup_id, seq)
             self._send_cleanups(lookup_id, abandoned)
         elif wake:
-            self._waker.wake()  # the thread may be polling with no deadline at all
+            self._io.wake()  # the thread may be polling with no deadline at all
         return None
 
     def lookup_cache(self, lookup_id: str) -> int | None:
@@ -178,8 +179,8 @@ class LMCacheAsyncLookupClient(LookupClientInterface):
             state = self._table.state(lookup_id)
         return state if isinstance(state, int) else None
 
-    def process_responses_from_workers(self) -> None:
-        """The background thread's loop (started by the constructor; do not call it yourself).
+    def _turn(self) -> tuple[int, bool] | None:
+        """One round of the background thread (``IOThread`` polls between rounds); None: closing.
 
         It expires lookups at their deadlines and receives the answers nobody else does. While a
         caller has been receiving answers itself (``lookup_cache`` on a running lookup,
@@ -188,39 +189,25 @@ class LMCacheAsyncLookupClient(LookupClientInterface):
         answer. It then looks again (and drains) every ``_ATTENDED_S``, so an answer nobody reads
         waits at most that long.
         """
-        poller = select.poll()
-        poller.register(self._waker.fd, select.POLLIN)
-        zmq_fd: Any = self._sockets.pull.get(zmq.FD)
-        waker_fd = self._waker.fd
-        watching = False
-        try:
-            while not self._closing.is_set():
-                while self._drain() >= _RECV_BATCH:
-                    pass
-                now = time.monotonic()
-                self._expire(now)
-                timeout_ms = self._poll_timeout_ms()
-                unattended_s = now - self._attended_at
-                watch = unattended_s >= _ATTENDED_S
-                if not watch:
-                    look_ms = int((_ATTENDED_S - unattended_s) * 1000) + 1
-                    timeout_ms = look_ms if timeout_ms < 0 else min(timeout_ms, look_ms)
-                if watch != watching:
-                    # Registering after a drain that read to EAGAIN: ZMQ_FD signals what comes next.
-                    if watch:
-                        poller.register(zmq_fd, select.POLLIN)
-                    else:
-                        poller.unregister(zmq_fd)
-                    watching = watch
-                for fd, _ in poller.poll(timeout_ms):
-                    if fd == waker_fd:
-                        self._waker.drain()
-        except Exception:
-            logger.exception("lookup client thread failed")
-        finally:
-            self._closing.set()
-            self._sockets.close_pull()
-            self._waker.close()
+        if self._closing.is_set():
+            return None
+        while self._drain() >= _RECV_BATCH:
+            pass
+        now = time.monotonic()
+        self._expire(now)
+        timeout_ms = self._poll_timeout_ms()
+        unattended_s = now - self._attended_at
+        watch = unattended_s >= _ATTENDED_S
+        if not watch:
+            look_ms = int((_ATTENDED_S - unattended_s) * 1000) + 1
+            timeout_ms = look_ms if timeout_ms < 0 else min(timeout_ms, look_ms)
+        return timeout_ms, watch
+
+    def _on_exit(self) -> None:
+        """The thread's exit, however it ends: no more receiving (waiters then wait on their
+        wakers and deadlines only)."""
+        self._closing.set()
+        self._sockets.close_pull()
 
     def clear_lookup_status(self, lookup_id: str) -> None:
         """Forget ``lookup_id``'s result (the scheduler used it). A lookup still running is abandoned."""
@@ -251,9 +238,8 @@ class LMCacheAsyncLookupClient(LookupClientInterface):
         for lookup_id, running in abandoned:  # what already answered can be released now
             self._send_cleanups(lookup_id, (running.seq, list(running.answers)))
         self._closing.set()
-        self._waker.wake()
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
+        self._io.wake()
+        if not self._io.join(timeout_s):
             logger.warning("lookup client thread did not stop in %.1fs", timeout_s)
         self._sockets.close_push()
 
@@ -274,7 +260,7 @@ class LMCacheAsyncLookupClient(LookupClientInterface):
         background thread; one received elsewhere rings this thread's waker.
         """
         end = time.monotonic() + (self.timeout_s + 1.0 if timeout_s is None else timeout_s)
-        mine = self._sockets.thread_poller()
+        mine = self._waiters.mine()
         me = (threading.get_ident(), mine.waker)
         with self._lock:
             state = self._table.state(lookup_id)
@@ -288,10 +274,9 @@ class LMCacheAsyncLookupClient(LookupClientInterface):
                 self._table.remove_waiter(lookup_id, me)
         return settled if settled is not None else self.lookup_cache(lookup_id)
 
-    def _wait(self, lookup_id: str, end: float, mine: ThreadPoller) -> int | None:
+    def _wait(self, lookup_id: str, end: float, mine: Waiter) -> int | None:
         """``wait_for_result``'s loop: the settled answer, or None at the lookup's deadline or
         ``end``, whichever comes first."""
-        waker = mine.waker
         while True:
             self._attended_at = time.monotonic()
             self._drain()
@@ -304,12 +289,9 @@ class LMCacheAsyncLookupClient(LookupClientInterface):
                     return None
                 wait_ms = int((min(running.deadline, end) - now) * 1000) + 1
             if not self._sockets.pull_open:  # the thread failed and closed the socket: wait on
-                mine.waker_only.poll(wait_ms)  # the waker (close, answers) and the deadline
-                waker.drain()
+                mine.wait(wait_ms, socket=False)  # the waker (close, answers) and the deadline
                 continue
-            for fd, _ in mine.poller.poll(min(wait_ms, int(_ATTENDED_S * 1000))):
-                if fd == waker.fd:
-                    waker.drain()
+            mine.wait(min(wait_ms, int(_ATTENDED_S * 1000)))
 
     def stats(self) -> dict[str, int]:
         """Counters (lookups, completed, timeouts, cancelled, late answers, cleanups sent, ...)."""
@@ -360,8 +342,8 @@ class LMCacheAsyncLookupClient(LookupClientInterface):
         """
         bufs = self._sockets.receive(_RECV_BATCH)
         if bufs:
-            if len(bufs) >= _RECV_BATCH and threading.current_thread() is not self._thread:
-                self._waker.wake()
+            if len(bufs) >= _RECV_BATCH and not self._io.is_current():
+                self._io.wake()
             self._handle(bufs)
         return len(bufs)
 

@@ -1,5 +1,5 @@
-"""The lookup client's sockets: the PULL socket it binds for the workers' answers, one PUSH socket
-per lookup-server worker, and each waiting caller thread's poller of the answers.
+"""The lookup client's sockets: the PULL socket it binds for the workers' answers and one PUSH
+socket per lookup-server worker (what the I/O core, ``transport.io_core``, does not share).
 
 The PUSH sockets are shared by the caller's thread (requests) and the background thread (cleanups)
 under one lock, the PULL socket by every thread that drains it under another; the locks also give
@@ -8,29 +8,19 @@ ZMQ the memory barrier it needs when a socket changes threads.
 
 from __future__ import annotations
 
-import select
 import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import zmq
 
 from lmcache_core.lookup_client import _ipc
 from lmcache_core.lookup_client.config import LMCacheMetadata
-from lmcache_core.transport.waker import Waker
+from lmcache_core.transport.io_core import receive_ready
 
 _MAX_RESPONSE_BYTES = 64 * 2**10
 _HWM = 100_000
-
-
-class ThreadPoller(NamedTuple):
-    """A waiting caller thread's own waker, a poller of the answer socket and that waker, and a
-    poller of the waker alone (for when the answer socket is closed)."""
-
-    waker: Waker
-    poller: Any  # select.poll
-    waker_only: Any  # select.poll
 
 
 class LookupSockets:
@@ -51,7 +41,6 @@ class LookupSockets:
         self._send_lock = threading.Lock()  # guards the PUSH sockets
         self._recv_lock = threading.Lock()  # guards the PULL socket
         self.pull_open = True
-        self._local = threading.local()  # a waiting caller thread's ThreadPoller
 
     def send_all(self, buf: bytes) -> list[int]:
         """Send ``buf`` to every worker; returns those whose queue is full (or closed)."""
@@ -86,33 +75,10 @@ class LookupSockets:
         The receive lock is held only for non-blocking receives (microseconds). Reading stops at
         EAGAIN, so the socket's FD signals the next message, or at ``limit``.
         """
-        bufs: list[bytes] = []
         with self._recv_lock:
             if not self.pull_open:
-                return bufs
-            sock = self.pull
-            for _ in range(limit):  # to EVENTS without POLLIN: re-arms ZMQ_FD, raises nothing
-                if not int(sock.get(zmq.EVENTS)) & zmq.POLLIN:
-                    break
-                try:
-                    bufs.append(sock.recv(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
-        return bufs
-
-    def thread_poller(self) -> ThreadPoller:
-        """This thread's waker and pollers (made on its first call)."""
-        mine: ThreadPoller | None = getattr(self._local, "mine", None)
-        if mine is None:
-            waker = Waker()
-            poller = select.poll()
-            zmq_fd: Any = self.pull.get(zmq.FD)
-            poller.register(zmq_fd, select.POLLIN)
-            poller.register(waker.fd, select.POLLIN)
-            waker_only = select.poll()
-            waker_only.register(waker.fd, select.POLLIN)
-            mine = self._local.mine = ThreadPoller(waker, poller, waker_only)
-        return mine
+                return []
+            return receive_ready(self.pull, limit, multipart=False)
 
     def close_pull(self) -> None:
         """Close the PULL socket and remove its file (if still its own); receives then get nothing."""

@@ -1,18 +1,17 @@
 """``MessageQueueClient``: a DEALER socket shared by caller threads and one background I/O thread.
 
 Callers encode and send their request themselves, under a lock (no thread hop on the way out). The
-I/O thread waits on the socket's file descriptor with the OS poller, never inside a zmq call, so it
-holds no socket state while a caller sends; when the descriptor fires it takes the lock, receives
-every queued reply, matches replies to futures by request id and fails requests past their deadline.
-Nothing sleeps: the thread blocks only in ``poll`` with a timeout equal to the next deadline.
+I/O thread (``io_core.IOThread``) waits on the socket's file descriptor with the OS poller, never
+inside a zmq call, so it holds no socket state while a caller sends; when the descriptor fires it
+takes the lock, receives every queued reply, matches replies to futures by request id and fails
+requests past their deadline (``io_core.PendingRequests``). Nothing sleeps: the thread blocks only
+in ``poll`` with a timeout equal to the next deadline.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
-import select
 import threading
 import time
 from collections.abc import Sequence
@@ -31,25 +30,27 @@ from lmcache_core.protocol import ops
 from lmcache_core.protocol.codec import decode_reply, decode_uid, encode_request
 from lmcache_core.protocol.ops import RequestType
 from lmcache_core.transport.future import MessagingFuture
+from lmcache_core.transport.io_core import (
+    EVENTS,
+    POLLIN,
+    IOThread,
+    PendingRequests,
+    ThreadWaiters,
+    receive_ready,
+)
 from lmcache_core.transport.typed import TypedRequests
-from lmcache_core.transport.waker import Waker
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R", bound=m.Reply)
 _RECV_BATCH = 256
 _HOLD_S = 0.002  # longest a short call holds the socket waiting for its reply
 _IDLE_WAKE_S = 1.0  # with nothing pending the thread still looks at the clock this often
-# Plain ints: ``int & zmq.POLLIN`` builds an IntFlag through enum's Python code (~1 us a poll).
-_POLLIN = int(zmq.POLLIN)
-_EVENTS = int(zmq.EVENTS)
 
 
 class _Pending(NamedTuple):
     op: RequestType
     op_frame: bytes
     future: MessagingFuture[Any]
-    deadline: float
-    waited_on: bool  # a caller blocks on it in call(), receiving the reply on its own thread
     counted: bool  # in _unattended: the I/O thread watches the socket for its reply
 
 
@@ -70,20 +71,19 @@ class MessageQueueClient(TypedRequests):
         self._context = context if context is not None else zmq.Context.instance()
         self._socket = self._open_socket(server_url)
         self._uids = itertools.count()
-        self._lock = threading.Lock()  # guards the socket, _pending, _deadlines and _closed
-        self._pending: dict[int, _Pending] = {}
-        self._deadlines: list[tuple[float, int]] = []
-        self._next_wake = 0.0  # the latest time the I/O thread will look at deadlines again
+        self._lock = threading.Lock()  # guards the socket, _pending and _closed
+        self._pending: PendingRequests[_Pending] = PendingRequests(_IDLE_WAKE_S)
         self._closed = False
         # Replies nobody waits on in call() ("unattended") need the I/O thread to watch the socket;
         # while there are none it does not, so it never wakes up for, and competes with, a caller
         # that is receiving its own reply.
         self._unattended = 0
         self._watching = False
-        self._waker = Waker()
-        self._thread_state = threading.local()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        zmq_fd = self._socket.getsockopt(zmq.FD)
+        self._waiters = ThreadWaiters(zmq_fd)
+        self._io = IOThread(name, zmq_fd, self._turn, self._shutdown,
+                            f"lmcache client for {server_url}")
+        self._io.start()
 
     def _open_socket(self, url: str) -> zmq.Socket[Any]:
         sock = self._context.socket(zmq.DEALER)
@@ -128,9 +128,9 @@ class MessageQueueClient(TypedRequests):
             error = self._send_locked(frames)
             if error is None:
                 counted = not waited_on and not polled
-                self._pending[uid] = _Pending(op, frames[1], future, deadline, waited_on, counted)
-                if not waited_on:  # a caller in call() enforces its own deadline
-                    heapq.heappush(self._deadlines, (deadline, uid))
+                # a caller in _call() enforces its own deadline
+                self._pending.add(uid, _Pending(op, frames[1], future, counted),
+                                  None if waited_on else deadline)
                 if counted:
                     self._unattended += 1
                 # A send can move arrived replies into the socket without the fd firing again
@@ -138,12 +138,12 @@ class MessageQueueClient(TypedRequests):
                 # no one else to take it (polled and waited-on ones have); an early deadline must
                 # shorten its wait; and it must start watching the socket once a reply has no one
                 # waiting on it.
-                wake = (deadline < self._next_wake or (counted and not self._watching)
-                        or (self._unattended > 0 and bool(self._events() & _POLLIN)))
+                wake = (deadline < self._pending.next_wake or (counted and not self._watching)
+                        or (self._unattended > 0 and bool(self._events() & POLLIN)))
         if error is not None:
             future.set_exception(error)
         elif wake:
-            self._waker.wake()
+            self._io.wake()
         return uid, future
 
     def _send_locked(self, frames: list[bytes]) -> LMCacheError | None:
@@ -159,7 +159,7 @@ class MessageQueueClient(TypedRequests):
         return None
 
     def _events(self) -> int:
-        return int(self._socket.getsockopt(_EVENTS))
+        return int(self._socket.getsockopt(EVENTS))
 
     def _call(self, op: RequestType, payload: Any, reply_type: type[R],
               timeout_s: float | None = None) -> R:
@@ -207,20 +207,19 @@ class MessageQueueClient(TypedRequests):
         without a hop between threads (a wake-up costs tens of microseconds)."""
         if future.query():
             return True
-        local = self._local()
+        mine = self._waiters.mine()
         waiter = threading.get_ident()
         # Wake this thread only from another one: when it settles the future itself (receiving in
         # poll_replies) it is not blocked, and a needless wake costs two system calls.
         future.add_done_callback(
-            lambda _f: None if threading.get_ident() == waiter else local.waker.wake())
+            lambda _f: None if threading.get_ident() == waiter else mine.waker.wake())
         deadline = time.monotonic() + timeout_s
         while not future.query():
             self.poll_replies()
             remaining = deadline - time.monotonic()
             if future.query() or remaining <= 0:
                 break
-            local.poller.poll(max(1, int(remaining * 1000) + 1))
-            local.waker.drain()
+            mine.wait(max(1, int(remaining * 1000) + 1))
         return future.query()
 
     def poll_replies(self) -> None:
@@ -233,13 +232,6 @@ class MessageQueueClient(TypedRequests):
         finally:
             self._lock.release()
         _settle(done)
-
-    def _local(self) -> _WaitState:
-        state: _WaitState | None = getattr(self._thread_state, "wait", None)
-        if state is None:
-            state = _WaitState(self._socket.getsockopt(zmq.FD))
-            self._thread_state.wait = state
-        return state
 
     def wait_until_reachable(self, timeout_s: float | None = None) -> m.PingReply:
         """Ping until the server answers; ``ServerUnreachableError`` naming the url if it never does."""
@@ -261,8 +253,8 @@ class MessageQueueClient(TypedRequests):
             if self._closed:
                 return
             self._closed = True
-        self._waker.wake()
-        self._thread.join(timeout_s)
+        self._io.wake()
+        self._io.join(timeout_s)
 
     def __enter__(self) -> MessageQueueClient:
         return self
@@ -272,52 +264,30 @@ class MessageQueueClient(TypedRequests):
 
     # ------------------------------------------------------------------ I/O thread
 
-    def _run(self) -> None:
-        poller = select.poll()
-        poller.register(self._waker.fd, select.POLLIN)
-        zmq_fd: Any = self._socket.getsockopt(zmq.FD)
-        registered = False
-        try:
-            while True:
-                with self._lock:
-                    if self._closed:
-                        break
-                    done = self._receive_locked()
-                    now = time.monotonic()
-                    done += self._expire_locked(now)
-                    timeout_ms = self._wait_ms_locked(now)
-                    # Decided under the lock, so a submitter that sees False knows to wake us.
-                    self._watching = watch = self._unattended > 0
-                if watch != registered:
-                    if watch:
-                        poller.register(zmq_fd, select.POLLIN)
-                    else:
-                        poller.unregister(zmq_fd)
-                    registered = watch
-                _settle(done)  # outside the lock: done-callbacks may send requests
-                poller.poll(timeout_ms)
-                self._waker.drain()
-        except Exception:  # the thread must never die silently: fail everyone waiting
-            logger.exception("lmcache client I/O thread for %s failed", self.server_url)
-        finally:
-            self._shutdown()
-
-    def _wait_ms_locked(self, now: float) -> int:
-        while self._deadlines and self._deadlines[0][1] not in self._pending:
-            heapq.heappop(self._deadlines)
-        self._next_wake = self._deadlines[0][0] if self._deadlines else now + _IDLE_WAKE_S
-        return max(0, int((self._next_wake - now) * 1000) + 1)
+    def _turn(self) -> tuple[int, bool] | None:
+        """One round of the I/O thread: receive, fail what passed its deadline, and say how long to
+        wait and whether to watch the socket meanwhile (None: closed, the thread ends)."""
+        with self._lock:
+            if self._closed:
+                return None
+            done = self._receive_locked()
+            now = time.monotonic()
+            done += self._expire_locked(now)
+            timeout_ms = self._pending.wait_ms(now)
+            # Decided under the lock, so a submitter that sees False knows to wake us.
+            self._watching = watch = self._unattended > 0
+        _settle(done)  # outside the lock: done-callbacks may send requests
+        return timeout_ms, watch
 
     def _receive_locked(self) -> list[_Outcome]:
         done: list[_Outcome] = []
-        for _ in range(_RECV_BATCH):
-            if not self._events() & _POLLIN:
-                break
-            outcome = self._resolve(self._socket.recv_multipart(zmq.NOBLOCK))
+        received = receive_ready(self._socket, _RECV_BATCH, multipart=True)
+        if len(received) >= _RECV_BATCH:
+            self._io.wake()  # more queued: come back after settling this batch
+        for frames in received:
+            outcome = self._resolve(frames)
             if outcome is not None:
                 done.append(outcome)
-        else:
-            self._waker.wake()  # more queued: come back after settling this batch
         return done
 
     def _resolve(self, frames: list[bytes]) -> _Outcome | None:
@@ -339,44 +309,35 @@ class MessageQueueClient(TypedRequests):
             return pending.future, exc
 
     def _pop(self, uid: int) -> _Pending | None:
-        pending = self._pending.pop(uid, None)
+        pending = self._pending.pop(uid)
         if pending is not None and pending.counted:
             self._unattended -= 1
         return pending
 
     def _expire_locked(self, now: float) -> list[_Outcome]:
         done: list[_Outcome] = []
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, uid = heapq.heappop(self._deadlines)
-            pending = self._pop(uid)
-            if pending is not None:
-                done.append((pending.future, LMCacheTimeoutError(
-                    f"{pending.op.value} to {self.server_url}: no reply within the request timeout")))
+        for pending in self._pending.expired(now):
+            if pending.counted:
+                self._unattended -= 1
+            done.append((pending.future, LMCacheTimeoutError(
+                f"{pending.op.value} to {self.server_url}: no reply within the request timeout")))
         return done
 
     def _shutdown(self) -> None:
+        """The I/O thread's exit, however it ends: fail what is pending, close the socket."""
         with self._lock:
             self._closed = True
-            error = ConnectionClosedError(f"client for {self.server_url} was closed")
-            done: list[_Outcome] = [(p.future, error) for p in self._pending.values()]
-            self._pending.clear()
+            died = self._io.error
+            error = ConnectionClosedError(
+                f"client for {self.server_url} was closed" if died is None else
+                f"client for {self.server_url} closed: its I/O thread died ({died!r})")
+            done: list[_Outcome] = [(p.future, error) for p in self._pending.take_all()]
             self._unattended = 0
             self._socket.close(0)
         _settle(done)
-        self._waker.close()
 
 
 _Outcome = tuple[MessagingFuture[Any], Any]
-
-
-class _WaitState:
-    """A waiting caller thread's own poller: the socket's fd plus a waker its future rings."""
-
-    def __init__(self, zmq_fd: Any) -> None:
-        self.waker = Waker()
-        self.poller = select.poll()
-        self.poller.register(zmq_fd, select.POLLIN)
-        self.poller.register(self.waker.fd, select.POLLIN)
 
 
 def _settle(outcomes: list[_Outcome]) -> None:

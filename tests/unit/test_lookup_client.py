@@ -343,3 +343,19 @@ def test_a_waiter_is_woken_when_another_thread_receives_its_answer(setup):
     stop.set()
     poller.join(5)
     assert results == [8] and not waiter.is_alive()
+
+
+def test_a_dead_client_thread_is_logged_and_lookups_still_end_at_their_deadline(setup, caplog):
+    s = setup({0: ScriptedEngine(16, hold=True)}, world_size=1, timeout_ms=200)
+
+    def broken() -> int:
+        raise RuntimeError("injected")
+
+    s.client._poll_timeout_ms = broken  # the thread's next round raises
+    s.client.lookup(TOKENS, "d")
+    until(lambda: "I/O thread lmcache-lookup-client failed" in caplog.text)
+    start = time.monotonic()
+    assert s.client.wait_for_result("d", 5) == 0  # at the lookup's deadline, not the wait's
+    assert time.monotonic() - start < 2.0
+    s.client.lookup(TOKENS, "e")
+    assert s.client.wait_for_result("e", 5) == 0
