@@ -87,6 +87,18 @@ class LMCacheDialect:
             return lambda: self._answer(call, client)
         return self._answer(call, client)
 
+    def dropped(self, op: str, frames: list[bytes]) -> None:
+        """A task of ours was not run (the copy threads' queue was full): a lookup acknowledged
+        already ends with no hits (its client recomputes) instead of staying "running" until the
+        client's own timeout."""
+        if op != "lookup":
+            return
+        try:
+            call = w.decode_call(frames, op)
+        except w.DialectError:
+            return
+        self.results.set(call.args[0].request_id, 0)
+
     def _answer(self, call: w.Call, client: bytes) -> list[bytes] | None:
         try:
             if call.op == "wait_prefetch_status":  # may be answered later: needs the frames

@@ -32,7 +32,8 @@ class Route(NamedTuple):
 class Dialect(Protocol):
     """A second wire on the same socket (LMCache's own clients): it claims a request by its op
     frame, then answers it (reply frames, or None: no reply now) or hands back a task for a worker
-    thread. It never raises; its replies bypass our codec. ``attach(post)`` at the server's start
+    thread (``dropped`` if that task is not run after all). It never raises; its replies bypass
+our codec. ``attach(post)`` at the server's start
     gives it ``post([identity, *reply])``: a reply sent later, from any thread."""
 
     def attach(self, post: Callable[[list[bytes]], None]) -> None: ...
@@ -41,6 +42,10 @@ class Dialect(Protocol):
 
     def serve(self, op: str, frames: list[bytes],
               client: bytes) -> list[bytes] | Callable[[], list[bytes] | None] | None: ...
+
+    def dropped(self, op: str, frames: list[bytes]) -> None:
+        """A task ``serve`` handed back for ``frames`` will not run (the workers' queue was
+        full): settle whatever it had started (e.g. a lookup already acknowledged)."""
 
 
 class Task(NamedTuple):

@@ -289,11 +289,17 @@ class MessageQueueServer:
             self._rejections.log(logging.INFO, "dropped a %d-byte %s request", size, op)
             return
         start = time.perf_counter()
-        out = self.dialect.serve(op, frames, identity) if self.dialect is not None else None
+        dialect = self.dialect
+        out = dialect.serve(op, frames, identity) if dialect is not None else None
         if callable(out):
+            assert dialect is not None  # only a dialect hands back a task
             if self._in_flight and self._queued_bytes + size > self._max_queued_bytes:
                 self._rejections.log(logging.INFO, "dropped a %s request: %d long requests "
                                      "are queued", op, self._in_flight)
+                try:  # it settles what the task had started (never raises; if it did: logged)
+                    dialect.dropped(op, frames)
+                except Exception:
+                    self._failures.log(logging.ERROR, "dialect.dropped raised", exc_info=True)
                 return
             self._in_flight += 1
             self._queued_bytes += size

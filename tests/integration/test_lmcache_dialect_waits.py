@@ -221,3 +221,44 @@ def test_lmcache_ops_are_timed_under_their_own_labels(kv_server) -> None:
     # Our own ops keep their labels, untouched by LMCache's.
     assert srv.metrics.registry.get_sample_value(
         "lmcache_request_duration_seconds_count", {"op": "store"}) == 0
+
+
+def test_a_lookup_dropped_from_a_full_queue_ends_with_no_hits(short_tmp: str) -> None:
+    """An acknowledged LMCache lookup that the copy threads' queue has no room for reports 0 hit
+    chunks (its client recomputes) instead of staying "running" until the client gives up."""
+    srv = CacheServer(server_config(short_tmp, **{"disk.path": f"{short_tmp}/disk",
+                                                  "server.max_request_bytes": 4096}))
+    release = threading.Event()
+
+    def lookup(request: m.LookupRequest, client: bytes) -> m.LookupReply:
+        assert release.wait(10)
+        return m.LookupReply(hit_chunks=3)
+
+    srv.handlers.lookup = lookup  # type: ignore[method-assign]
+    srv.start()
+    sock = dealer(srv.url)
+    try:
+        ids = [f"r{i}" for i in range(20)]  # ~3 KB each: the queue holds 16 KB (4 x 4096)
+        tokens = list(range(1000))
+        for uid, request_id in enumerate(ids):
+            frame = enc(key(request_id, token_ids=tokens))
+            assert call(sock, [enc(uid), enc(8), frame, enc(1)]) == [
+                enc(uid), enc(8)]
+        before = [call(sock, [enc(100 + i), enc(9), enc(r)]) for i, r in enumerate(ids)]
+        dropped = [r for r, reply in zip(ids, before, strict=True) if reply is not None
+                   and reply[2:] == [enc(0)]]
+        running = [r for r, reply in zip(ids, before, strict=True) if reply is not None
+                   and reply[2:] == []]
+        assert dropped and running and len(dropped) + len(running) == len(ids)
+        release.set()
+        deadline = time.monotonic() + 10
+        while running and time.monotonic() < deadline:
+            running = [r for r in running
+                       if (reply := call(sock, [enc(999), enc(9), enc(r)])) is not None
+                       and reply[2:] == []]
+            time.sleep(0.01)
+        assert not running  # every one that ran got its result
+    finally:
+        release.set()
+        sock.close(0)
+        srv.stop(2)
