@@ -122,6 +122,13 @@ def snapshot(info: ServerInfoReply, previous: ServerInfoReply | None = None) -> 
         "models": [{"model": row.model_name, "pieces": row.pieces, "bytes_used": row.bytes_used,
                     "layouts": list(row.layouts), "quota_bytes": row.quota_bytes,
                     "registered": row.registered} for row in info.models],
+        "tenants": [{"tenant": row.tenant, "name": row.name, "pieces": row.pieces,
+                     "bytes_used": row.bytes_used, "quota_bytes": row.quota_bytes}
+                    for row in info.tenants],
+        "pins": {"pieces": s.pinned_pieces, "bytes": s.pinned_bytes,
+                 "refused": s.store_pin_refused},
+        "integrity": {"failures": s.integrity_failures,
+                      "verified_chunks": s.integrity_verified_chunks},
         "workers": {"registered": s.registered_instances, "reaped": s.reaped_instances},
         "tiers": {},
         "counters": msgspec.structs.asdict(s),
@@ -195,10 +202,18 @@ def render(snap: dict[str, Any]) -> RenderableType:
                   f"{human_bytes(pool['slab_bytes'])} free, {pool['lookup_locks']:,} lookup locks")
     workers = snap["workers"]
     state.add_row("workers", f"{workers['registered']} registered, {workers['reaped']} reaped")
+    pins = snap["pins"]
+    state.add_row("pins", f"{pins['pieces']:,} pieces pinned ({human_bytes(pins['bytes'])}), "
+                  f"{pins['refused']:,} pin(s) refused (server.max_pinned)")
+    integrity = snap["integrity"]
+    state.add_row("integrity", f"{integrity['failures']:,} corrupt piece(s) dropped, "
+                  f"{integrity['verified_chunks']:,} checked intact",
+                  style="bold red" if integrity["failures"] else "")
     if c["store_skipped_quota"]:
-        state.add_row("quotas", f"{c['store_skipped_quota']:,} piece(s) not stored: their model was "
-                      "at its quota", style="yellow")
+        state.add_row("quotas", f"{c['store_skipped_quota']:,} piece(s) not stored: their model or "
+                      "tenant was at its quota", style="yellow")
     models = _models_table(snap["models"], pool["bytes"])
+    tenants = _tenants_table(snap["tenants"], pool["bytes"])
     tiers = snap["tiers"]
     if "disk" in tiers:
         d = tiers["disk"]
@@ -217,8 +232,7 @@ def render(snap: dict[str, Any]) -> RenderableType:
     footer = Text("rates over the last interval; Ctrl-C to quit" if snap["rates"] is not None
                   else "rates from the next refresh on; Ctrl-C to quit", style="dim")
     parts: list[RenderableType] = [Text(head, style="bold"), traffic, state]
-    if models is not None:
-        parts.append(models)
+    parts += [table for table in (models, tenants) if table is not None]
     return Group(*parts, footer)
 
 
@@ -240,6 +254,26 @@ def _models_table(models: list[dict[str, Any]], pool_bytes: int) -> RenderableTy
         table.add_row(escape(row["model"]), f"{row['pieces']:,}", human_bytes(row["bytes_used"]),
                       share, "-" if quota is None else human_bytes(quota), str(row["registered"]),
                       escape(", ".join(row["layouts"])) or "-")
+    return table
+
+
+def _tenants_table(tenants: list[dict[str, Any]], pool_bytes: int) -> RenderableType | None:
+    """Each cache_salt tenant's share of the pool (None when no store named a tenant)."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    if not tenants:
+        return None
+    table = Table()
+    for name, justify in (("tenant", "left"), ("tag", "left"), ("pieces", "right"),
+                          ("bytes", "right"), ("share", "right"), ("quota", "right")):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for row in tenants:
+        quota = row["quota_bytes"]
+        share = f"{100 * row['bytes_used'] / pool_bytes:.1f}%" if pool_bytes else "-"
+        table.add_row(escape(row["name"]) or "-", row["tenant"], f"{row['pieces']:,}",
+                      human_bytes(row["bytes_used"]), share,
+                      "-" if quota is None else human_bytes(quota))
     return table
 
 

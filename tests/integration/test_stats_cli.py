@@ -99,3 +99,26 @@ def test_no_server_is_exit_1_and_bad_usage_exit_2(tmp_path: Path) -> None:
     assert cli("stats", "--count", "0").code == 2
     helped = cli("stats", "--help")
     assert helped.code == 0 and "Example" in helped.out
+
+
+def test_tenants_pins_and_integrity_are_shown(server: ServerProcess) -> None:
+    worker = WorkerProcess(server.url)
+    try:
+        toks = list(range(5000, 5000 + 2 * CHUNK))
+        worker("fill", blocks=list(range(8)), seed=3)
+        assert worker("store", req="t", keys=toks, blocks=list(range(8)), salt="acme",
+                      pin=True)["finished"]
+        snap = cli("stats", "--url", server.url, "--json").json()
+        view = cli("stats", "--url", server.url, "--count", "1")
+    finally:
+        worker.close()
+    from lmcache_core.keys import tenant_tag
+
+    [tenant] = [t for t in snap["tenants"] if t["tenant"] == tenant_tag("acme")]
+    assert tenant["pieces"] == 2 and tenant["bytes_used"] >= 2 * CHUNK_BYTES
+    assert tenant["name"] == "" and tenant["quota_bytes"] is None  # not in server.tenant_quotas
+    assert snap["pins"]["pieces"] >= 2 and snap["pins"]["bytes"] >= 2 * CHUNK_BYTES
+    assert snap["integrity"] == {"failures": 0, "verified_chunks": 0}
+    assert view.code == 0, view.err
+    for text in ("pins", "pinned", "integrity", "corrupt", tenant_tag("acme")):
+        assert text in view.out, view.out
