@@ -280,10 +280,12 @@ class MessageQueueClient(TypedRequests):
         return timeout_ms, watch
 
     def _receive_locked(self) -> list[_Outcome]:
-        done: list[_Outcome] = []
-        received = receive_ready(self._socket, _RECV_BATCH, multipart=True)
+        received = receive_ready(self._socket, _RECV_BATCH, True)
+        if not received:
+            return received
         if len(received) >= _RECV_BATCH:
             self._io.wake()  # more queued: come back after settling this batch
+        done: list[_Outcome] = []
         for frames in received:
             outcome = self._resolve(frames)
             if outcome is not None:

@@ -189,12 +189,14 @@ def receive_ready(sock: zmq.Socket[Any], limit: int, multipart: bool) -> list[An
     """Up to ``limit`` messages the socket holds now (frame lists if ``multipart``), by
     non-blocking receives; asking ``EVENTS`` until it lacks ``POLLIN`` re-arms ``ZMQ_FD``."""
     out: list[Any] = []
+    if not int(sock.getsockopt(EVENTS)) & POLLIN:  # the common case of a poll: nothing in
+        return out
     recv = sock.recv_multipart if multipart else sock.recv
     for _ in range(limit):
-        if not int(sock.getsockopt(EVENTS)) & POLLIN:
-            break
         try:
             out.append(recv(_NOBLOCK))
         except zmq.Again:
+            break
+        if not int(sock.getsockopt(EVENTS)) & POLLIN:
             break
     return out
