@@ -59,6 +59,9 @@ _ENGINE_COUNTERS = (
     ("retrieve_late_chunks", "retrieve_late_chunks",
      "Chunks retrieves did not copy because their load deadline passed (vLLM recomputes them)."),
     ("evictions", "evictions", "Chunks evicted from the pool (least recently used first)."),
+    ("store_pin_refused_chunks", "store_pin_refused",
+     "Chunk pieces stored unpinned although their store asked for a pin: server.max_pinned would "
+     "have been passed."),
     ("lock_expirations", "locks_expired",
      "Chunk locks released by their TTL (a lookup whose retrieve never came)."),
     ("integrity_failures", "integrity_failures",
@@ -165,6 +168,9 @@ class ServerCollector(Collector):
         yield _gauge("pool_chunks",
                      "Chunk pieces resident in the pool (visible to lookups; a piece is some KV "
                      "heads of one chunk).", stats["chunks"])
+        yield _gauge("pinned_chunks", "Chunk pieces pinned now (never evicted until their TTL).",
+                     stats["pinned_pieces"])
+        yield _gauge("pinned_bytes", "Bytes of the chunk pieces pinned now.", stats["pinned_bytes"])
         yield from self._models()
         yield from self._tenants()
         yield _gauge("lookup_locks",

@@ -396,3 +396,23 @@ def test_the_transport_observes_every_served_request_and_counts_errors_by_code(t
     assert all(0 < seconds < 1 for _, seconds, _ in observed)
     assert srv.counters.errors_by_code == {"not_registered": 1, "unknown_op": 1}
     assert srv.counters.errors == 2
+
+
+def test_pins_show_in_the_metrics(tmp_path: Path) -> None:
+    srv = ServerProcess(tmp_path, {"server": {"pool_size": 4 * CHUNK_BYTES,
+                                              "max_pinned": CHUNK_BYTES}}).start()
+    worker = WorkerProcess(srv.url)
+    try:
+        base = srv.http_url()
+        before = scrape(base)
+        assert value(before, "lmcache_pinned_chunks") == 0
+        worker("fill", blocks=blocks(0, 4), seed=7)
+        reply = worker("store", req="p", keys=tokens(2, seed=8), blocks=blocks(0, 2), pin=True)
+        assert reply["finished"] and reply["pin_refused"] == 1  # the second would pass max_pinned
+        after = scrape(base)
+    finally:
+        worker.close()
+        srv.kill()
+    assert value(after, "lmcache_pinned_chunks") == 1
+    assert value(after, "lmcache_pinned_bytes") == CHUNK_BYTES
+    assert delta(after, before, "lmcache_store_pin_refused_chunks_total") == 1
