@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 16 * 2**20
 _HWM = 100_000
+# Plain ints: ``int & zmq.POLLIN`` builds an IntFlag through enum's Python code (~1 us a poll).
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 _RECV_BATCH = 256
 #: How many lookup ids the server remembers the latest attempt (seq) of.
 _MAX_TRACKED = 1 << 16
@@ -161,7 +164,7 @@ class LMCacheAsyncLookupServer:
         """
         sock = self._pull
         for _ in range(_RECV_BATCH):
-            if not int(sock.get(zmq.EVENTS)) & zmq.POLLIN:
+            if not int(sock.getsockopt(_EVENTS)) & _POLLIN:
                 return False
             try:
                 buf = sock.recv(zmq.NOBLOCK)

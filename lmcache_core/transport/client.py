@@ -38,6 +38,7 @@ from lmcache_core.transport.io_core import (
     ThreadWaiters,
     receive_ready,
 )
+from lmcache_core.transport.sending import send_frames
 from lmcache_core.transport.typed import TypedRequests
 
 logger = logging.getLogger(__name__)
@@ -150,7 +151,7 @@ class MessageQueueClient(TypedRequests):
         if self._closed:
             return ConnectionClosedError(f"client for {self.server_url} is closed")
         try:
-            self._socket.send_multipart(frames, zmq.NOBLOCK)
+            send_frames(self._socket, frames)
         except zmq.Again:
             return ServerUnreachableError(
                 f"send queue to {self.server_url} is full: the server is not reading")
