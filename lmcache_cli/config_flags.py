@@ -18,6 +18,7 @@ from typing import Annotated, Any
 import msgspec
 import typer
 
+from lmcache_cli.common import user_errors
 from lmcache_core.config import LMCacheConfig, leaf_keys
 from lmcache_core.errors import ConfigError
 
@@ -30,7 +31,7 @@ class ConfigFlag:
     key: str
     param: str
     decls: tuple[str, ...]
-    kind: type  # int, float, bool or str
+    kind: type  # int, float, bool or str; dict or list: given as YAML ('{m: 10GiB}', '[1000]')
     choices: tuple[str, ...] = ()
     int_or_str: bool = False
 
@@ -68,6 +69,8 @@ def _classify(tp: Any) -> tuple[type, tuple[str, ...], bool]:
         return str, tuple(str(a) for a in typing.get_args(tp)), False
     if tp in (bool, int, float, str):
         return tp, (), False
+    if origin in (dict, list):
+        return origin, (), False
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     if len(args) == 1:  # X | None
         return _classify(args[0])
@@ -103,10 +106,15 @@ def flag_parameters(flags: Sequence[ConfigFlag]) -> list[inspect.Parameter]:
         help_text = flag.key + (" (bytes, or e.g. 4GiB)" if flag.int_or_str else "")
         if flag.choices:
             help_text += f": {'|'.join(flag.choices)}"
+        structured = flag.kind in (dict, list)
+        if structured:
+            help_text += " (YAML, e.g. '{name: 10GiB}')" if flag.kind is dict else " (YAML list)"
+        metavar = "YAML" if structured else flag.kind.__name__.upper()
         option = typer.Option(*flag.decls, help=help_text, show_default=False,
                               rich_help_panel=PANEL, show_choices=False,
-                              metavar=flag.kind.__name__.upper() if flag.kind is not bool else None)
-        kind: Any = choice_enum(flag.key, flag.choices) if flag.choices else flag.kind
+                              metavar=metavar if flag.kind is not bool else None)
+        kind: Any = (choice_enum(flag.key, flag.choices) if flag.choices
+                     else str if structured else flag.kind)
         annotation = Annotated[kind | None, option]
         params.append(inspect.Parameter(flag.param, inspect.Parameter.KEYWORD_ONLY, default=None,
                                         annotation=annotation))
@@ -124,8 +132,9 @@ def with_config_flags(func: Callable[..., Any]) -> Callable[..., Any]:
     by_param = {flag.param: flag for flag in flags}
 
     def wrapper(**kwargs: Any) -> Any:
-        overrides = {by_param[name].key: _plain(kwargs.pop(name)) for name in list(kwargs)
-                     if name in by_param}
+        with user_errors():  # a flag's YAML that does not parse: one line, exit 2
+            overrides = {by_param[name].key: _flag_value(by_param[name], kwargs.pop(name))
+                         for name in list(kwargs) if name in by_param}
         return func(**kwargs, config_overrides=overrides)
 
     wrapper.__name__ = func.__name__
@@ -147,6 +156,13 @@ def _plain(value: Any) -> Any:
     return value.value if isinstance(value, Enum) else value
 
 
+def _flag_value(flag: ConfigFlag, value: Any) -> Any:
+    """A flag's value as the config takes it (a YAML mapping or list parsed)."""
+    if value is None or flag.kind not in (dict, list):
+        return _plain(value)
+    return _coerce(flag.key, value, flag.kind, (), False, where=flag.decls[0])
+
+
 def parse_sets(items: Sequence[str]) -> dict[str, Any]:
     """``["model.num_layers=2", ...]`` -> ``{"model.num_layers": 2}``, typed by the config field.
 
@@ -165,8 +181,11 @@ def parse_sets(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def _coerce(key: str, text: str, kind: type, choices: tuple[str, ...], int_or_str: bool) -> Any:
-    where = f"--set {key}={text}"
+def _coerce(key: str, text: str, kind: type, choices: tuple[str, ...], int_or_str: bool,
+            where: str | None = None) -> Any:
+    where = f"{where} {text}" if where else f"--set {key}={text}"
+    if kind in (dict, list):
+        return _structured(where, text, kind)
     if kind is bool:
         lowered = text.strip().lower()
         if lowered in ("true", "yes", "on", "1"):
@@ -185,6 +204,23 @@ def _coerce(key: str, text: str, kind: type, choices: tuple[str, ...], int_or_st
     if int_or_str and text.strip().isdigit():
         return int(text)
     return text
+
+
+def _structured(where: str, text: str, kind: type) -> Any:
+    """A mapping or list written in YAML (flow style on one line: ``{m: 10GiB, n: 2GiB}``)."""
+    import yaml
+
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{where}: not YAML: {str(exc).splitlines()[0]}") from None
+    if value is None:
+        return {} if kind is dict else []
+    if not isinstance(value, kind):
+        example = "{name: 10GiB}" if kind is dict else "[1000, 1001]"
+        raise ConfigError(f"{where}: expected a YAML {'mapping' if kind is dict else 'list'}, "
+                          f"e.g. '{example}'")
+    return value
 
 
 def merge(*layers: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -441,7 +441,20 @@ def test_serve_print_config_merges_file_set_and_flags(cfg: str) -> None:
     assert merged["model"]["name"] == TINY["model"]["name"]
 
 
+def test_serve_mappings_and_lists_are_given_as_yaml(cfg: str) -> None:
+    result = cli("serve", "-c", cfg, "--print-config", "--set", "server.quotas={tiny: 4MiB}",
+                 "--tenant-quotas", "{acme: 1MiB, other: 2048}")
+    assert result.code == 0, result.err
+    merged = yaml.safe_load(result.out)
+    assert merged["server"]["quotas"] == {"tiny": 4 * 2**20}
+    assert merged["server"]["tenant_quotas"] == {"acme": 2**20, "other": 2048}
+
+
 @pytest.mark.parametrize(("args", "expected"), [
+    (["--set", "server.quotas={tiny: [}"], "--set server.quotas={tiny: [}: not YAML"),
+    (["--set", "server.quotas=4MiB"], "expected a YAML mapping, e.g. '{name: 10GiB}'"),
+    (["--tenant-quotas", "[1, 2]"], "--tenant-quotas [1, 2]: expected a YAML mapping"),
+    (["--set", "server.quotas={tiny: lots}"], "server.quotas"),
     (["--set", "nope=1"], "unknown config key 'nope'"),
     (["--set", "server.workers"], "expected key=value"),
     (["--set", "server.workers=many"], "--set server.workers=many: expected an integer"),
