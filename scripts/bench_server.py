@@ -44,6 +44,7 @@ from benchlib import ECHO, timed  # noqa: E402  (beside this script)
 
 LAYERS, HEADS, DIM, BLOCK, CHUNK = 32, 8, 128, 16, 256
 PER_CHUNK = CHUNK // BLOCK
+BATCH_REQUESTS = 32  # the batched-vs-single stores: one chunk each
 COPY_NAP_S = 0.0002  # poll interval while a 256 MiB copy (~20-40 ms) runs in the server
 
 
@@ -95,7 +96,7 @@ def start_echo(url: str) -> subprocess.Popen[str]:
 
 def start_server(workdir: Path, args: argparse.Namespace, url: str, http: bool,
                  slots: int | None = None, integrity: dict | None = None) -> subprocess.Popen[bytes]:
-    slots = slots or max(args.chunks, args.lookup_chunks) + 8
+    slots = slots or max(args.chunks, args.lookup_chunks, BATCH_REQUESTS) + 8
     config = yaml.safe_load((ROOT / "configs/llama8b.yaml").read_text())
     config["server"].update(url=url, pool_size=slots * 32 * 2**20,
                             http_url="http://127.0.0.1:0" if http else "off")
@@ -203,7 +204,7 @@ def run(args: argparse.Namespace, workdir: Path, server_url: str, echo_url: str,
     cross_tp(args, ctx, server_url, worker, scheduler, client, caches, raw, dst_blocks, nbytes)
 
     # ---- batched vs single stores: with copies, then of chunks already cached (pure round trips)
-    n = 32
+    n = BATCH_REQUESTS
     ops = [LoadStoreOp([1000 + i, *range(CHUNK - 1)], list(range(i * PER_CHUNK, (i + 1) * PER_CHUNK)))
            for i in range(n)]
     for label, clear in (("new chunks (copy-bound)", True), ("chunks already cached (round trips)", False)):
@@ -239,7 +240,7 @@ def bench_caches(args: argparse.Namespace):
 
     from lmcache_core.kv.share import allocate_shared_kv_caches
 
-    n_blocks = max(args.chunks, args.lookup_chunks) * PER_CHUNK * 2
+    n_blocks = max(args.chunks, args.lookup_chunks, BATCH_REQUESTS) * PER_CHUNK * 2
     caches, segment = allocate_shared_kv_caches(LAYERS, [2, n_blocks, BLOCK, HEADS, DIM],
                                                 torch.bfloat16)
     for layer in caches.values():
