@@ -34,14 +34,6 @@ from lmcache_core.transport.server import Route, ServerCounters
 COPY_THREADS_PER_GPU = 2
 
 
-def _spare_core() -> bool:
-    """Whether this process may run on more cores than torch's intra-op threads (copies use
-    those): then a store's checksums can run beside its gather."""
-    import torch
-
-    return len(os.sched_getaffinity(0)) > torch.get_num_threads()
-
-
 def _chunk_blocks(block_ids: Sequence[int], indices: Sequence[int], per_chunk: int) -> list[int]:
     """The block ids of the chunks at ``indices`` (one slice per chunk, not per block)."""
     if len(indices) * per_chunk == len(block_ids):
@@ -67,8 +59,7 @@ class CacheHandlers:
         self.started = time.monotonic()
         #: ``add_workers(extra)`` of the transport, to size copy threads by the GPUs registered.
         self.add_copy_threads: Callable[[int], int] | None = None
-        # Stores hash their pieces there while copying, when a core is left for it.
-        self.checksum_lanes = ChecksumLanes(streaming=_spare_core())
+        self.checksum_lanes = ChecksumLanes()  # stores hash their pieces there while copying
 
     def routes(self) -> dict[RequestType, Route]:
         pins = PinHandlers(self.engine, self.layouts)

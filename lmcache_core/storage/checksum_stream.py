@@ -10,10 +10,7 @@ cache, on another core. The digest is the same as ``integrity.checksum`` of the 
 A lane is one single-thread executor, so the parts of one piece are hashed in order; a store
 holds one lane for its duration (a lane per copy thread is enough: no wait for a free lane). A
 piece nobody reported (a copy from a GPU lands only when its stream is synchronized) is hashed
-whole by ``digests``. Small stores skip the lane (a hand-off costs more than it saves), and so do
-all stores when the server has no core beside torch's copy threads: on a 2-core host torch's
-2-thread gather and a lane contend, and one 32 MiB chunk stored at 0.6x the raw gather streamed
-against 0.73x hashed after (with a core free: 0.8-0.96x streamed, 0.66-0.77x after).
+whole by ``digests``. Small stores skip the lane (a hand-off costs more than it saves).
 """
 
 from __future__ import annotations
@@ -35,19 +32,16 @@ MIN_STREAMED_BYTES = 8 << 20
 
 
 class ChecksumLanes:
-    """The lanes stores hash on; ``begin`` hands one to a store (created on first need).
-    ``streaming=False``: every store hashes on its copy thread after the gather (when no core is
-    left beside the copy's own threads, a lane would only contend with them)."""
+    """The lanes stores hash on; ``begin`` hands one to a store (created on first need)."""
 
-    def __init__(self, streaming: bool = True) -> None:
-        self.streaming = streaming
+    def __init__(self) -> None:
         self._free: queue.SimpleQueue[ThreadPoolExecutor] = queue.SimpleQueue()
         self._all: list[ThreadPoolExecutor] = []
         self._lock = threading.Lock()
 
     def begin(self, slots: Sequence[Any], piece_bytes: int) -> PieceChecksums:
         """Checksums for the pieces ``slots`` (flat uint8 tensors of ``piece_bytes`` each)."""
-        if not self.streaming or len(slots) * piece_bytes < MIN_STREAMED_BYTES:
+        if len(slots) * piece_bytes < MIN_STREAMED_BYTES:
             return PieceChecksums(None, self, slots, piece_bytes)
         try:
             lane = self._free.get_nowait()
