@@ -161,7 +161,7 @@ def every_rank(i: int, world: int) -> list[ChunkKey]:
 
 
 def ranges(world: int) -> list[HeadRange]:
-    return world_heads(LAYOUT, world)
+    return list(world_heads(LAYOUT, world))
 
 
 def pattern(k: ChunkKey) -> torch.Tensor:

@@ -138,7 +138,7 @@ class FakeClient:
     def __init__(self) -> None:
         self.sent: list[Any] = []
 
-    def call(self, op: Any, request: Any, reply_type: Any, **_kw: Any) -> Any:
+    def request(self, request: Any, **_kw: Any) -> Any:
         self.sent.append(request)
         return None
 
