@@ -71,10 +71,11 @@ class LMCacheDialect:
         except w.DialectError as exc:
             self._reject(op, exc)
             return None
+        if op == "lookup":  # its result is kept only while this marker is (``end_session``)
+            self.results.pending(call.args[0].request_id)
         if op == "lookup" and self.handlers.engine.has_tiers:
             # It may read disk or Redis: on a copy thread, its status None until it is done.
             # Acknowledged at once, as LMCache's (its prefetch runs behind the ack).
-            self.results.pending(call.args[0].request_id)
             if self.post is None:
                 return lambda: self._answer(call, client)
             self.post([client, *w.reply_frames(call, None)])

@@ -58,7 +58,8 @@ class PrefetchResults:
         self._wake = threading.Condition(self._lock)
         self._results: OrderedDict[str, int] = OrderedDict()  # request id -> hits, or PENDING
         self._waits: dict[str, list[_Wait]] = {}  # request id -> parked waits, oldest first
-        self._deadlines: list[tuple[float, int, _Wait]] = []  # a min-heap; answered ones stay
+        # A min-heap; the entries of waits answered by ``set`` stay until compacted (``_compact``).
+        self._deadlines: list[tuple[float, int, _Wait]] = []
         self._parked = 0
         self._seq = itertools.count()
         self._timer: threading.Thread | None = None
@@ -76,20 +77,38 @@ class PrefetchResults:
         self.set(request_id, PENDING)
 
     def set(self, request_id: str, hits: int) -> None:
-        """Record a lookup's result; the oldest parked wait on it gets it (handed over), any
-        later ones ``0`` (as LMCache's: the result went to the first)."""
+        """Record a lookup's result: the oldest parked wait on it gets it (handed over), any
+        later ones ``0`` (as LMCache's: the result went to the first); with no wait parked it is
+        kept for ``take`` only while the lookup's ``pending`` marker is still there (a session
+        ended by ``drop`` while its lookup ran does not get the late result back)."""
         with self._lock:
-            waits = self._waits.pop(request_id, None) if hits != PENDING else None
+            if hits == PENDING:
+                self._keep(request_id, PENDING)
+                return
+            waits = self._waits.pop(request_id, None)
             if not waits:
-                self._results[request_id] = hits
-                self._results.move_to_end(request_id)
-                while len(self._results) > self.max_results:
-                    self._results.popitem(last=False)
+                if self._results.get(request_id) == PENDING:
+                    self._keep(request_id, hits)
                 return
             self._results.pop(request_id, None)
             self._parked -= len(waits)
+            if len(self._deadlines) > 2 * self._parked + 64:
+                self._compact()
         for i, wait in enumerate(waits):
             wait.reply(hits if i == 0 else 0)
+
+    def _keep(self, request_id: str, hits: int) -> None:
+        self._results[request_id] = hits
+        self._results.move_to_end(request_id)
+        while len(self._results) > self.max_results:
+            self._results.popitem(last=False)
+
+    def _compact(self) -> None:
+        """Drop the heap entries of waits answered by ``set`` (they would stay until their
+        deadline reached the head: the heap would grow with the wait rate x ``max_wait_s``)."""
+        live = {id(wait) for waits in self._waits.values() for wait in waits}
+        self._deadlines = [item for item in self._deadlines if id(item[2]) in live]
+        heapq.heapify(self._deadlines)
 
     def take(self, request_id: str) -> int | None:
         """``query_prefetch_status``: ``None`` while running; else the hits, once (then 0)."""
@@ -126,7 +145,9 @@ class PrefetchResults:
         return DEFERRED
 
     def drop(self, request_id: str) -> None:
-        """Forget ``request_id``'s result (its session ended); parked waits keep their timeout."""
+        """Forget ``request_id``'s result or pending marker (its session ended): a result its
+        still-running lookup sets later is not kept; parked waits keep their timeout (or get that
+        result)."""
         with self._lock:
             self._results.pop(request_id, None)
 

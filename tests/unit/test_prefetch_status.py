@@ -30,6 +30,7 @@ def test_query_semantics_none_while_running_then_the_hits_once_then_zero() -> No
 
 def test_a_wait_on_a_done_or_unknown_lookup_answers_at_once() -> None:
     r = PrefetchResults()
+    r.pending("a")
     r.set("a", 2)
     reply = Replies()
     assert r.wait("a", 5.0, reply) == 2
@@ -38,7 +39,7 @@ def test_a_wait_on_a_done_or_unknown_lookup_answers_at_once() -> None:
 
 
 def test_a_parked_wait_gets_the_result_when_it_comes() -> None:
-    r = PrefetchResults()
+    r = PrefetchResults(max_wait_s=0.1)
     r.pending("a")
     first, second = Replies(), Replies()
     assert r.wait("a", 5.0, first) is DEFERRED and r.wait("a", 5.0, second) is DEFERRED
@@ -46,8 +47,8 @@ def test_a_parked_wait_gets_the_result_when_it_comes() -> None:
     r.set("a", 4)
     assert first.got == [4] and second.got == [0]  # handed over once, to the oldest wait
     assert r.parked == 0 and r.take("a") == 0
-    time.sleep(0.05)
-    assert first.got == [4]  # the timer never answers it again
+    time.sleep(0.3)  # past the waits' (clamped) deadline
+    assert first.got == [4] and second.got == [0]  # the timer never answers them again
 
 
 def test_a_parked_wait_times_out_with_none_and_the_result_stays() -> None:
@@ -92,7 +93,41 @@ def test_waits_are_bounded_in_number_and_time() -> None:
 def test_dropped_results_and_the_table_bound() -> None:
     r = PrefetchResults(max_results=2)
     for name in "abc":
+        r.pending(name)
         r.set(name, 1)
     assert len(r) == 2 and r.take("a") == 0  # the oldest went
     r.drop("b")
     assert r.take("b") == 0 and r.take("c") == 1
+
+
+def test_a_result_is_kept_only_for_a_pending_lookup() -> None:
+    r = PrefetchResults()
+    r.set("never-pending", 2)
+    assert len(r) == 0 and r.take("never-pending") == 0
+    r.pending("a")
+    r.drop("a")  # end_session while the lookup runs
+    r.set("a", 3)  # the lookup finishes late: not put back
+    assert len(r) == 0 and r.take("a") == 0
+    r.pending("b")
+    r.set("b", 0)  # a failed or dropped pending lookup: no hits, handed over as before
+    assert len(r) == 1 and r.take("b") == 0 and len(r) == 0
+
+
+def test_answered_waits_leave_the_deadline_heap() -> None:
+    r = PrefetchResults()
+    for i in range(500):
+        r.pending(f"r{i}")
+        assert r.wait(f"r{i}", 30.0, Replies()) is DEFERRED
+        r.set(f"r{i}", 1)  # answered long before its deadline
+    assert r.parked == 0
+    assert len(r._deadlines) <= 64 + 1
+    r.pending("live")
+    live = Replies()
+    assert r.wait("live", 30.0, live) is DEFERRED
+    for i in range(200):
+        r.pending(f"s{i}")
+        assert r.wait(f"s{i}", 30.0, Replies()) is DEFERRED
+        r.set(f"s{i}", 1)
+    assert len(r._deadlines) <= 2 * r.parked + 64 + 1
+    r.set("live", 5)
+    assert live.got == [5]
