@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal, NamedTuple
 import msgspec
 
 from lmcache_core.errors import MAX_MESSAGE_CHARS, clip
-from lmcache_core.keys import chain_hashes, salt_prefix
+from lmcache_core.keys import chain_hashes, salt_prefix, tenant_tag
 from lmcache_core.protocol import messages as m
 
 #: LMCache's frozen legacy op ids (its ``wire.py``); the names are the ops themselves.
@@ -256,12 +256,13 @@ def _flat_blocks(groups: Sequence[Sequence[int]], num_chunks: int, per_chunk: in
 
 def store_request(key: IPCCacheServerKey, instance_id: int, groups: Sequence[Sequence[int]],
                   chunk_size: int, per_chunk: int) -> m.StoreRequest:
-    """A STORE of chunks ``[start, end)`` into our store (``ValueError``: answer ``False``)."""
+    """A STORE of chunks ``[start, end)`` into our store (``ValueError``: answer ``False``), for
+    its ``cache_salt``'s tenant (``server.tenant_quotas``), as our workers' stores."""
     check_range(key, chunk_size)
     hashes = key_hashes(key, chunk_size)
     return m.StoreRequest(instance_id=instance_id, chunk_hashes=hashes,
                           block_ids=_flat_blocks(groups, len(hashes), per_chunk),
-                          request_ids=[key.request_id])
+                          request_ids=[key.request_id], tenant=tenant_tag(key.cache_salt))
 
 
 def retrieve_request(key: IPCCacheServerKey, instance_id: int, groups: Sequence[Sequence[int]],

@@ -133,3 +133,14 @@ def test_a_cache_salt_seeds_the_chain_as_in_our_token_mode() -> None:
     assert salted == chain_hashes(TOKENS, C, salt_prefix("tenant-a"))
     assert salted != chain_hashes(TOKENS, C)
     assert w.key_hashes(msgspec.structs.replace(k, cache_salt=""), C) == chain_hashes(TOKENS, C)
+
+
+def test_a_salted_store_is_for_its_tenant() -> None:
+    from lmcache_core.keys import tenant_tag
+
+    k = msgspec.convert(key(cache_salt="tenant-a"), w.IPCCacheServerKey)
+    req = w.store_request(k, 9, [list(range(12))], C, 4)
+    assert req.tenant == tenant_tag("tenant-a") and req.tenant != ""
+    unsalted = w.store_request(msgspec.structs.replace(k, cache_salt=""), 9, [list(range(12))], C, 4)
+    assert unsalted.tenant == ""
+    msgspec.convert(msgspec.to_builtins(req), type(req))  # within the field's bounds
