@@ -266,18 +266,22 @@ def store_request(key: IPCCacheServerKey, instance_id: int, groups: Sequence[Seq
 
 
 def retrieve_request(key: IPCCacheServerKey, instance_id: int, groups: Sequence[Sequence[int]],
-                     chunk_size: int, per_chunk: int, skip_tokens: int = 0) -> m.RetrieveRequest:
-    """A RETRIEVE of chunks ``[start, end)``, consuming the locks of its request's LOOKUP.
+                     chunk_size: int, per_chunk: int,
+                     skip_tokens: int = 0) -> tuple[m.RetrieveRequest, list[bytes]]:
+    """A RETRIEVE of chunks ``[start, end)``, consuming the locks of its request's LOOKUP, and
+    the hashes of the chunks it leaves out.
 
     The whole chunks within the first ``skip_tokens`` of the range (blocks vLLM's prefix cache
-    already holds) are left out; a chunk only partly within them is written whole."""
+    already holds) are left out (their lookup reads are the caller's to count); a chunk only
+    partly within them is written whole."""
     check_range(key, chunk_size)
     hashes = key_hashes(key, chunk_size)
     blocks = _flat_blocks(groups, len(hashes), per_chunk)
     skip = min(skip_tokens // chunk_size, len(hashes))
-    return m.RetrieveRequest(instance_id=instance_id, chunk_hashes=hashes[skip:],
-                             block_ids=blocks[skip * per_chunk:],
-                             lookup_id=key.request_id, request_ids=[key.request_id])
+    request = m.RetrieveRequest(instance_id=instance_id, chunk_hashes=hashes[skip:],
+                                block_ids=blocks[skip * per_chunk:],
+                                lookup_id=key.request_id, request_ids=[key.request_id])
+    return request, hashes[:skip]
 
 
 def tensor_descriptor(layer: CpuShmIPCData) -> m.TensorDescriptor:

@@ -51,6 +51,7 @@ class LMCacheDialect:
         self.post: Post | None = None  # set by ``attach``; without it, waits answer at once
         self.results = PrefetchResults()  # lookup results by request id; parked waits
         self._registrations: dict[int, m.RegisterKVCacheRequest] = {}
+        self._heads: dict[int, tuple[int, int]] = {}  # instance id -> its registered rank's heads
         self._rejections = 0
 
     # ------------------------------------------------------------------ entry point
@@ -167,9 +168,13 @@ class LMCacheDialect:
         if known is not None and _same_cache(known, request):
             self.handlers.registry.touch(instance_id, client)  # LMCache: re-register = liveness
             return None
-        self.handlers.register_kv_cache(request, client)
-        self._registrations[instance_id] = request
+        self._register(request, client)
         return None
+
+    def _register(self, request: m.RegisterKVCacheRequest, client: bytes) -> None:
+        reply = self.handlers.register_kv_cache(request, client)
+        self._registrations[request.instance_id] = request
+        self._heads[request.instance_id] = (reply.head_lo, reply.head_hi)
 
     @staticmethod
     def _owner_pid(descs: list[m.TensorDescriptor]) -> int:
@@ -185,6 +190,7 @@ class LMCacheDialect:
 
     def _op_unregister_kv_cache(self, instance_id: int, *, client: bytes) -> None:
         self._registrations.pop(instance_id, None)
+        self._heads.pop(instance_id, None)
         self.handlers.unregister_kv_cache(m.UnregisterKVCacheRequest(instance_id=instance_id),
                                           client)
 
@@ -199,8 +205,7 @@ class LMCacheDialect:
             if worker_id >= request.world_size:
                 return None
             request = msgspec.structs.replace(request, kv_rank=worker_id)
-            self.handlers.register_kv_cache(request, client)
-            self._registrations[instance_id] = request
+            self._register(request, client)
         return request
 
     # ------------------------------------------------------------------ data path
@@ -231,8 +236,8 @@ class LMCacheDialect:
         if reg is None:
             return _FAILED
         try:
-            request = w.retrieve_request(key, instance_id, groups, chunk, chunk // reg.block_size,
-                                         skip_first_n_tokens)
+            request, skipped = w.retrieve_request(key, instance_id, groups, chunk,
+                                                  chunk // reg.block_size, skip_first_n_tokens)
         except ValueError:
             return _FAILED
         try:
@@ -242,25 +247,27 @@ class LMCacheDialect:
         except LMCacheError as exc:  # in-band: vLLM recomputes at once instead of timing out
             return self._failed("retrieve", instance_id, exc)
         finally:
-            if skip_first_n_tokens >= chunk:
-                self._read_skipped(key, instance_id, skip_first_n_tokens // chunk)
+            if skipped:
+                self._read_skipped(key.request_id, instance_id, skipped)
         return _FAILED[0], not reply.missing
 
-    def _read_skipped(self, key: w.IPCCacheServerKey, instance_id: int, skipped: int) -> None:
+    def _read_skipped(self, request_id: str, instance_id: int, hashes: list[bytes]) -> None:
         """LMCache's retrieve counts one read of each chunk of its range for its rank, the whole
-        chunks ``skip_first_n_tokens`` left out too (their locks must not wait for the TTL)."""
-        hashes = w.key_hashes(key, self.handlers.config.chunk_size)[:skipped]
-        try:
-            with self.handlers.registry.lease(instance_id) as reg:
-                heads = reg.heads
-        except LMCacheError:
+        chunks ``skip_first_n_tokens`` left out too (their locks must not wait for the TTL).
+        Runs in the retrieve's ``finally``: it never raises (it must not hide the retrieve's
+        own exception), a failure is logged and the locks wait for their TTL."""
+        heads = self._heads.get(instance_id)
+        if heads is None:
             return
-        if hashes:
-            self.handlers.engine.release_lookup_reads(key.request_id, set(hashes), 1, heads)
+        try:
+            self.handlers.engine.release_lookup_reads(request_id, set(hashes), 1, heads)
+        except Exception:
+            logger.exception("LMCache retrieve: releasing the skipped chunks' locks failed")
 
     def _failed(self, op: str, instance_id: int, exc: LMCacheError) -> tuple[bytes, bool]:
         if isinstance(exc, NotRegisteredError):
             self._registrations.pop(instance_id, None)
+            self._heads.pop(instance_id, None)
         self._rejections += 1
         if self._rejections <= 20 or self._rejections % 1000 == 0:
             logger.info("LMCache %s answered not ok: %s", op, clip(str(exc)))

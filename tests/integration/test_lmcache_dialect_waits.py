@@ -262,3 +262,31 @@ def test_a_lookup_dropped_from_a_full_queue_ends_with_no_hits(short_tmp: str) ->
         release.set()
         sock.close(0)
         srv.stop(2)
+
+
+def test_a_failing_skipped_release_does_not_hide_the_retrieve_failure(kv_server,
+                                                                      monkeypatch) -> None:
+    from lmcache_core.errors import NotRegisteredError
+
+    srv, _, descs = kv_server
+    dialect = srv.transport.dialect
+    sock = dealer(srv.url)
+
+    def gone(*_args: Any, **_kwargs: Any) -> None:
+        raise NotRegisteredError("reaped meanwhile")
+
+    def broken(*_args: Any, **_kwargs: Any) -> None:
+        raise RuntimeError("release failed")
+
+    try:
+        assert call(sock, [enc(1), enc(1), enc(7), enc(descs), enc("tiny"), enc(1), enc("vllm"),
+                           enc({}), enc([])]) == [enc(1), enc(1)]
+        monkeypatch.setattr(dialect.handlers, "retrieve", gone)
+        monkeypatch.setattr(dialect.handlers.engine, "release_lookup_reads", broken)
+        # The skipped chunks' release fails in the retrieve's finally: the retrieve's own failure
+        # is still answered in-band (not silence, as an exception from the finally would make it).
+        reply = call(sock, [enc(2), enc(7), enc(key("k", end=192, worker_id=0)), enc(7),
+                            enc([list(range(12))]), enc(b""), enc(130)], timeout_ms=3000)
+        assert reply == [enc(2), enc(7), enc([b"", False])]
+    finally:
+        sock.close(0)

@@ -90,10 +90,11 @@ def test_keys_become_our_chain_hashes_and_ranges() -> None:
     assert req.chunk_hashes == full[1:3] and req.block_ids == list(range(8))
     look = w.lookup_request(msgspec.structs.replace(k, worker_id=None), C)
     assert look.chunk_hashes == full and look.lookup_id == "r1"  # a lookup ignores start
-    ret = w.retrieve_request(k, 9, [list(range(8))], C, 4)
-    assert ret.lookup_id == "r1" and ret.chunk_hashes == full[1:3]
-    skipped = w.retrieve_request(k, 9, [list(range(8))], C, 4, skip_tokens=C + 5)
+    ret, left_out = w.retrieve_request(k, 9, [list(range(8))], C, 4)
+    assert ret.lookup_id == "r1" and ret.chunk_hashes == full[1:3] and left_out == []
+    skipped, left_out = w.retrieve_request(k, 9, [list(range(8))], C, 4, skip_tokens=C + 5)
     assert skipped.chunk_hashes == full[2:3] and skipped.block_ids == [4, 5, 6, 7]
+    assert left_out == full[1:2]
     with pytest.raises(ValueError, match="too few"):
         w.store_request(k, 9, [list(range(7))], C, 4)
     with pytest.raises(w.DialectError):
