@@ -4,6 +4,7 @@ the same digests as hashing each whole piece afterwards, whatever the parts."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -116,7 +117,17 @@ def test_concurrent_stores_get_their_own_lanes(monkeypatch: pytest.MonkeyPatch) 
             if sums.digests() != [checksum(s) for s in slots]:
                 failures.append(f"seed {seed}")
 
-    threads = [threading.Thread(target=store, args=(seed,)) for seed in range(4)]
+    held: list[object] = []
+    together = threading.Barrier(4)
+
+    def first(seed: int) -> None:  # four stores hold a lane at the same time
+        sums = lanes.begin([torch.zeros(64, dtype=torch.uint8)], 64)
+        held.append(sums._lane)
+        together.wait(10)
+        sums.abandon()
+        store(seed)
+
+    threads = [threading.Thread(target=first, args=(seed,)) for seed in range(4)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -124,4 +135,47 @@ def test_concurrent_stores_get_their_own_lanes(monkeypatch: pytest.MonkeyPatch) 
     created = len(lanes._all)
     lanes.close()
     assert not failures
-    assert 1 <= created <= 4  # a lane per store at once, at most
+    assert len(held) == 4 and len({id(lane) for lane in held}) == 4  # distinct lanes
+    assert created == 4  # given back and reused: no more than the stores at once
+
+
+def test_a_stuck_lane_fails_the_store_within_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lmcache_core.errors import LMCacheTimeoutError
+
+    monkeypatch.setattr(checksum_stream, "MIN_STREAMED_BYTES", 0)
+    monkeypatch.setattr(checksum_stream, "LANE_TIMEOUT_S", 0.2)
+    release = threading.Event()
+
+    class StuckHasher:
+        def update(self, _part: object) -> None:
+            release.wait(10)
+
+    monkeypatch.setattr(checksum_stream.xxhash, "xxh3_64", StuckHasher)
+    slots = [torch.zeros(64, dtype=torch.uint8)]
+    lanes = ChecksumLanes()
+    try:
+        sums = lanes.begin(slots, 64)
+        sums.written(0, 64)
+        started = time.monotonic()
+        with pytest.raises(LMCacheTimeoutError):
+            sums.digests()
+        assert time.monotonic() - started < 5
+        assert lanes._all == []  # retired, never handed out again
+        failed = lanes.begin(slots, 64)
+        failed.written(0, 64)  # a new lane, stuck too
+        failed.abandon()  # logged, not raised
+        assert lanes._all == []
+    finally:
+        release.set()
+        lanes.close()
+
+
+def test_after_close_stores_hash_inline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(checksum_stream, "MIN_STREAMED_BYTES", 0)
+    slots = [torch.randint(0, 256, (64,), dtype=torch.uint8)]
+    lanes = ChecksumLanes()
+    lanes.close()
+    late = lanes.begin(slots, 64)
+    assert not late.streaming and lanes._all == []  # no lane that nothing would shut down
+    late.written(0, 64)
+    assert late.digests() == [checksum(slots[0])]
