@@ -8,7 +8,7 @@ an error reply, a failed check). They never show a traceback. Nothing here impor
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
@@ -20,6 +20,8 @@ from lmcache_core.config import URL_ENV, LMCacheConfig, load_config
 from lmcache_core.errors import ConfigError, LMCacheError
 
 if TYPE_CHECKING:
+    from rich.table import Table
+
     from lmcache_core.protocol.messages import PingReply
     from lmcache_core.transport.client import MessageQueueClient
 
@@ -126,3 +128,27 @@ def human_age(seconds: float) -> str:
     if s < 86400:
         return f"{s // 3600}h{s % 3600 // 60:02d}m"
     return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def tenant_table(rows: Sequence[Mapping[str, Any]], pool_bytes: int,
+                 title: str | None = None) -> Table | None:
+    """Each cache_salt tenant's share of the pool (rows as ``TenantStats`` fields: ``name``, its
+    label in server.tenant_quotas; ``tenant``, its tag): pieces, bytes, share, quota and how full
+    it is. None without rows (no store named a tenant, none configured)."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    if not rows:
+        return None
+    table = Table(title=title, title_justify="left")
+    for name, justify in (("tenant", "left"), ("tag", "left"), ("pieces", "right"),
+                          ("bytes", "right"), ("share", "right"), ("quota", "right"),
+                          ("of quota", "right")):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for row in rows:
+        used, quota = row["bytes_used"], row["quota_bytes"]
+        table.add_row(escape(row["name"]) or "-", row["tenant"], f"{row['pieces']:,}",
+                      human_bytes(used), f"{100 * used / pool_bytes:.1f}%" if pool_bytes else "-",
+                      "-" if quota is None else human_bytes(quota),
+                      f"{100 * used / quota:.0f}%" if quota else "-")
+    return table

@@ -22,6 +22,7 @@ from lmcache_cli.common import (
     human_age,
     human_bytes,
     print_json,
+    tenant_table,
 )
 
 
@@ -96,6 +97,7 @@ def _models(info: Any, model: str | None) -> list[Any]:
 
 
 def _render(chunks: list[Any], info: Any, summary: dict[str, Any], model: str | None) -> None:
+    import msgspec
     from rich.markup import escape
     from rich.table import Table
 
@@ -116,7 +118,10 @@ def _render(chunks: list[Any], info: Any, summary: dict[str, Any], model: str | 
     else:
         console.print(f"[dim]{title}: no chunks[/]", highlight=False)
     _render_models(_models(info, model), info.pool_bytes)
-    _render_tenants(info.tenants, info.pool_bytes)
+    tenants = tenant_table([msgspec.structs.asdict(row) for row in info.tenants], info.pool_bytes,
+                           title="tenants (cache_salt)")  # never a salt: labels and tags
+    if tenants is not None:
+        console.print(tenants)
     s = summary
     hit_rate = "-" if s["hit_rate"] is None else f"{100 * s['hit_rate']:.1f}%"
     console.print(
@@ -155,27 +160,4 @@ def _render_models(models: list[Any], pool_bytes: int) -> None:
         quota = "-" if row.quota_bytes is None else human_bytes(row.quota_bytes)
         table.add_row(escape(row.model_name), str(row.pieces), human_bytes(row.bytes_used), share,
                       quota, str(row.registered), escape(", ".join(row.layouts)) or "-")
-    console.print(table)
-
-
-def _render_tenants(tenants: list[Any], pool_bytes: int) -> None:
-    """Each cache_salt tenant's share of the pool (its name in server.tenant_quotas, its tag),
-    when the server has any: pieces, bytes, quota and how full it is."""
-    from rich.markup import escape
-    from rich.table import Table
-
-    if not tenants:
-        return
-    table = Table(title="tenants (cache_salt)", title_justify="left")
-    for name, justify in (("tenant", "left"), ("tag", "left"), ("pieces", "right"),
-                          ("size", "right"), ("share", "right"), ("quota", "right"),
-                          ("of quota", "right")):
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
-    for row in tenants:
-        share = f"{100 * row.bytes_used / pool_bytes:.1f}%" if pool_bytes else "-"
-        quota = row.quota_bytes
-        table.add_row(escape(row.name) or "-", row.tenant, str(row.pieces),
-                      human_bytes(row.bytes_used), share,
-                      "-" if quota is None else human_bytes(quota),
-                      "-" if not quota else f"{100 * row.bytes_used / quota:.0f}%")
     console.print(table)

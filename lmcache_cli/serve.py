@@ -81,7 +81,8 @@ def serve(
     http = (f"{server.http_url}/metrics, /healthz, /readyz" if server.http_url is not None
             else "off (server.http_url)")
     quotas = _quotas(cfg.server.quota_bytes)
-    tenant_quotas = _quotas(cfg.server.tenant_quota_bytes)
+    tenant_quotas = _quotas({label: size for label, (_salt, size)
+                             in cfg.server.tenant_quota_bytes.items()})
     console.print(Panel.fit(
         f"[bold]lmcache serve[/] {__version__}\n"
         f"url         {bound}\n"
@@ -90,7 +91,7 @@ def serve(
         f"chunk size  {cfg.chunk_size} tokens\n"
         f"pool        {_pool_line(server)}, {cfg.server.eviction} eviction\n"
         + (f"quotas      {quotas}\n" if quotas else "")
-        + (f"tenants     {tenant_quotas} (server.tenant_quotas, by cache_salt)\n"
+        + (f"tenants     {tenant_quotas} (server.tenant_quotas, by label)\n"
            if tenant_quotas else "")
         + f"http        {http}\n"
         f"pool pages  {_pool_pages(server)}",

@@ -21,6 +21,7 @@ from lmcache_cli.common import (
     human_age,
     human_bytes,
     print_json,
+    tenant_table,
 )
 
 if TYPE_CHECKING:
@@ -213,7 +214,7 @@ def render(snap: dict[str, Any]) -> RenderableType:
         state.add_row("quotas", f"{c['store_skipped_quota']:,} piece(s) not stored: their model or "
                       "tenant was at its quota", style="yellow")
     models = _models_table(snap["models"], pool["bytes"])
-    tenants = _tenants_table(snap["tenants"], pool["bytes"])
+    tenants = tenant_table(snap["tenants"], pool["bytes"])
     tiers = snap["tiers"]
     if "disk" in tiers:
         d = tiers["disk"]
@@ -254,26 +255,6 @@ def _models_table(models: list[dict[str, Any]], pool_bytes: int) -> RenderableTy
         table.add_row(escape(row["model"]), f"{row['pieces']:,}", human_bytes(row["bytes_used"]),
                       share, "-" if quota is None else human_bytes(quota), str(row["registered"]),
                       escape(", ".join(row["layouts"])) or "-")
-    return table
-
-
-def _tenants_table(tenants: list[dict[str, Any]], pool_bytes: int) -> RenderableType | None:
-    """Each cache_salt tenant's share of the pool (None when no store named a tenant)."""
-    from rich.markup import escape
-    from rich.table import Table
-
-    if not tenants:
-        return None
-    table = Table()
-    for name, justify in (("tenant", "left"), ("tag", "left"), ("pieces", "right"),
-                          ("bytes", "right"), ("share", "right"), ("quota", "right")):
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
-    for row in tenants:
-        quota = row["quota_bytes"]
-        share = f"{100 * row['bytes_used'] / pool_bytes:.1f}%" if pool_bytes else "-"
-        table.add_row(escape(row["name"]) or "-", row["tenant"], f"{row['pieces']:,}",
-                      human_bytes(row["bytes_used"]), share,
-                      "-" if quota is None else human_bytes(quota))
     return table
 
 

@@ -10,6 +10,7 @@ server url. Precedence: defaults < file < environment < command-line flags. Any 
 from __future__ import annotations
 
 import os
+import types
 import typing
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,7 +20,14 @@ import msgspec
 import yaml
 
 from lmcache_core.config_parse import MAX_UID as MAX_UID
-from lmcache_core.config_parse import parse_events_urls, parse_http_url, parse_size, parse_uids
+from lmcache_core.config_parse import (
+    check_tenant_quotas,
+    named_sizes,
+    parse_events_urls,
+    parse_http_url,
+    parse_size,
+    parse_uids,
+)
 from lmcache_core.errors import ConfigError
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1,
@@ -36,6 +44,14 @@ DEFAULT_HTTP_URL = "http://127.0.0.1:9464"
 
 class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pass
+
+
+class TenantQuota(_Section):
+    """One ``server.tenant_quotas`` entry: the tenant's ``cache_salt`` (kept out of every figure:
+    the label names the tenant there) and its memory quota."""
+
+    salt: str
+    size: int | str
 
 
 class ModelConfig(_Section):
@@ -74,10 +90,11 @@ class ServerConfig(_Section):
     # Optional per-model memory quotas: {model name: size}; a model at its quota evicts its own
     # oldest pieces first (or skips the store when all are held). Models not named share the rest.
     quotas: dict[str, int | str] = msgspec.field(default_factory=dict)
-    # Optional per-tenant memory quotas: {cache_salt: size}. A tenant is the cache_salt of vLLM
-    # requests (workers send a tag of it, never the salt: keys.tenant_tag); at its quota it evicts
-    # its own oldest pieces first (or skips the store). A piece under a model quota too fits both.
-    tenant_quotas: dict[str, int | str] = msgspec.field(default_factory=dict)
+    # Optional per-tenant memory quotas: {label: {salt: cache_salt, size: size}}. A tenant is the
+    # cache_salt of vLLM requests (workers send a tag of it, never the salt: keys.tenant_tag); at
+    # its quota it evicts its own oldest pieces first (or skips the store). A piece under a model
+    # quota too fits both. Figures name a tenant by its label: a salt is never shown.
+    tenant_quotas: dict[str, TenantQuota] = msgspec.field(default_factory=dict)
     eviction: Literal["lru"] = "lru"
     workers: Positive = 2
     max_request_bytes: Positive = 16 * 2**20
@@ -110,10 +127,8 @@ class ServerConfig(_Section):
             self.slab_size = parse_size(self.slab_size)
             if self.slab_size <= 0 or self.slab_size % 64:
                 raise ValueError("slab_size: must be a positive multiple of 64 bytes")
-        self.quotas = _sizes("quotas", self.quotas)
-        if "" in self.tenant_quotas:
-            raise ValueError("tenant_quotas: a tenant is a non-empty cache_salt")
-        self.tenant_quotas = _sizes("tenant_quotas", self.tenant_quotas)
+        self.quotas = named_sizes("quotas", self.quotas)
+        check_tenant_quotas(self.tenant_quotas)
         if not self.url.startswith(("tcp://", "ipc://")):
             raise ValueError(f"url must start with tcp:// or ipc://, got {self.url!r}")
         self.events_url, self.events_replay_url = (
@@ -139,12 +154,12 @@ class ServerConfig(_Section):
 
     @property
     def quota_bytes(self) -> dict[str, int]:
-        return {name: parse_size(size) for name, size in self.quotas.items()}
+        return {name: int(size) for name, size in self.quotas.items()}  # parsed at load
 
     @property
-    def tenant_quota_bytes(self) -> dict[str, int]:
-        """``tenant_quotas`` in bytes, by cache_salt."""
-        return {salt: parse_size(size) for salt, size in self.tenant_quotas.items()}
+    def tenant_quota_bytes(self) -> dict[str, tuple[str, int]]:
+        """``tenant_quotas`` as ``{label: (cache_salt, bytes)}``."""
+        return {label: (quota.salt, int(quota.size)) for label, quota in self.tenant_quotas.items()}
 
     @property
     def events_urls(self) -> tuple[str, str] | None:
@@ -160,14 +175,6 @@ class ServerConfig(_Section):
     def allowed_uids(self) -> tuple[int, ...]:
         """``shm_allowed_uids`` as uids."""
         return parse_uids(self.shm_allowed_uids)
-
-
-def _sizes(field: str, sizes: dict[str, int | str]) -> dict[str, int | str]:
-    """``{name: size}`` in bytes; a bad size is a ValueError naming ``field``."""
-    try:
-        return {str(name): parse_size(size) for name, size in sizes.items()}
-    except ValueError as exc:
-        raise ValueError(f"{field}: {exc}") from None
 
 
 class TimeoutConfig(_Section):
@@ -272,6 +279,8 @@ def _section_type(annotation: Any) -> type[msgspec.Struct] | None:
     """The struct of a section field (``X`` or an optional ``X | None``), else None."""
     if isinstance(annotation, type):
         return annotation if issubclass(annotation, msgspec.Struct) else None
+    if typing.get_origin(annotation) not in (typing.Union, types.UnionType):
+        return None  # a mapping or list of structs (tenant_quotas) is one key, not a section
     structs = [a for a in typing.get_args(annotation)
                if isinstance(a, type) and issubclass(a, msgspec.Struct)]
     return structs[0] if len(structs) == 1 else None
@@ -358,7 +367,8 @@ def _convert(raw: dict[str, Any], source: str) -> LMCacheConfig:
             field = message.split("`")[1]
             key, message = (f"{key}.{field}" if key else field), "missing required key"
         field, sep, rest = message.partition(": ")
-        if key and sep and f"{key}.{field}" in leaf_keys():  # a section's check naming its field
+        # A section's check naming its field (or a path inside it: tenant_quotas.a.size)
+        if key and sep and f"{key}.{field.split('.')[0]}" in leaf_keys():
             key, message = f"{key}.{field}", rest
         raise ConfigError(f"{source}: {key or '<top level>'}: {message}") from None
 

@@ -6,6 +6,8 @@ the HTTP listener's url and the KV event sockets' urls. Each raises ValueError n
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -89,3 +91,30 @@ def _replay_default(url: str) -> str:
         raise ValueError(f"events_url: {url!r} needs a port below 65535 (tcp://HOST:PORT), or set "
                          f"events_replay_url")
     return f"{host}:{int(port) + 1 if int(port) else 0}"
+
+
+def check_tenant_quotas(tenants: Mapping[str, Any]) -> None:
+    """``server.tenant_quotas`` (``{label: TenantQuota}``): labels and salts non-empty and
+    distinct; sizes parsed in place (errors name the label)."""
+    salts: dict[str, str] = {}
+    for label, quota in tenants.items():
+        where = f"tenant_quotas.{label}" if label else "tenant_quotas"
+        if not label:
+            raise ValueError(f"{where}: a tenant's label must not be empty")
+        if not quota.salt:
+            raise ValueError(f"{where}: salt must be a non-empty cache_salt")
+        if quota.salt in salts:
+            raise ValueError(f"{where}: the same salt as tenant_quotas.{salts[quota.salt]}")
+        salts[quota.salt] = label
+        try:
+            quota.size = parse_size(quota.size)
+        except ValueError as exc:
+            raise ValueError(f"{where}.size: {exc}") from None
+
+
+def named_sizes(field: str, sizes: dict[str, int | str]) -> dict[str, int | str]:
+    """``{name: size}`` in bytes; a bad size is a ValueError naming ``field``."""
+    try:
+        return {str(name): parse_size(size) for name, size in sizes.items()}
+    except ValueError as exc:
+        raise ValueError(f"{field}: {exc}") from None

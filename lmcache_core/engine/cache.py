@@ -40,14 +40,15 @@ class CacheEngine(CacheCore):
                  clock: Callable[[], float] = time.monotonic, *, disk: DiskTier | None = None,
                  remote: RemoteTier | None = None, events: KVEventSink | None = None,
                  quotas: Mapping[str, int] | None = None,
-                 tenant_quotas: Mapping[str, int] | None = None,
+                 tenant_quotas: Mapping[str, tuple[str, int]] | None = None,
                  max_pinned_bytes: int | None = None) -> None:
-        """``quotas``: bytes per model; ``tenant_quotas``: bytes per cache_salt (kept by its
-        ``keys.tenant_tag``, the salt itself only as the tenant's name in the figures)."""
-        self.tenant_names = {tenant_tag(salt): salt for salt in tenant_quotas or {}}
+        """``quotas``: bytes per model; ``tenant_quotas``: ``{label: (cache_salt, bytes)}``, kept
+        by the salt's ``keys.tenant_tag`` (the salt is not kept; figures show the label)."""
+        tenants = {tenant_tag(salt): (label, size)
+                   for label, (salt, size) in (tenant_quotas or {}).items()}
+        self.tenant_names = {tag: label for tag, (label, _) in tenants.items()}
         super().__init__(pool, chunk_size, lock_ttl_s, clock, events=events, quotas=quotas,
-                         tenant_quotas={tenant_tag(salt): size
-                                        for salt, size in (tenant_quotas or {}).items()},
+                         tenant_quotas={tag: size for tag, (_, size) in tenants.items()},
                          max_pinned_bytes=max_pinned_bytes)
         # Checks pieces against their checksums (tier writes; retrieves when asked) and drops
         # the corrupt ones.
@@ -205,7 +206,7 @@ class CacheEngine(CacheCore):
                 for model, (pieces, nbytes) in sorted(counts.items())]
 
     def tenant_stats(self) -> list[TenantStats]:
-        """Per cache_salt tenant: pieces, bytes and quota; every tenant with a quota (by name),
+        """Per cache_salt tenant: pieces, bytes and quota; every tenant with a quota (by label),
         then the ``MAX_TENANT_ROWS`` largest others (by tag only: the server never sees their
         salt). Pieces stored without a salt, or loaded from a tier, belong to no tenant."""
         with self.mutex:

@@ -83,16 +83,18 @@ def quota_limits(index: PieceIndex, quotas: Mapping[str, int], tenant_quotas: Ma
     tenant's (each ``(name, bytes the same request reserved already)``; tenant "": none)."""
     limits: list[tuple[Belongs, int]] = []
     (model_name, model_pending), (tag, tenant_pending) = model, tenant
-    quota = quotas.get(model_name)
-    if quota is not None:
-        excess = index.model_bytes.get(model_name, 0) + model_pending + nbytes - quota
-        if excess > 0:
-            limits.append((lambda piece: piece.key.model_name == model_name, excess))
+    # The tenant's first: its own oldest pieces go, and those of this model count for the model's
+    # quota too; the model's first would take another tenant's piece, then the tenant's as well.
     quota = tenant_quotas.get(tag) if tag else None
     if quota is not None:
         excess = index.tenant_bytes.get(tag, 0) + tenant_pending + nbytes - quota
         if excess > 0:
             limits.append((lambda piece: piece.tenant == tag, excess))
+    quota = quotas.get(model_name)
+    if quota is not None:
+        excess = index.model_bytes.get(model_name, 0) + model_pending + nbytes - quota
+        if excess > 0:
+            limits.append((lambda piece: piece.key.model_name == model_name, excess))
     return limits
 
 

@@ -76,7 +76,7 @@ class ModelStats(msgspec.Struct, kw_only=True):
 
 class TenantStats(msgspec.Struct, kw_only=True):
     """One ``cache_salt`` tenant's share of the pool, by its tag (``keys.tenant_tag``); ``name``:
-    the salt as configured in ``server.tenant_quotas`` ("" for a tenant not named there)."""
+    its label in ``server.tenant_quotas`` ("" for a tenant not there; a salt is never sent)."""
 
     tenant: str
     name: str = ""

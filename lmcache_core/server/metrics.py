@@ -226,13 +226,13 @@ class ServerCollector(Collector):
         yield quotas
 
     def _tenants(self) -> Iterator[Metric]:
-        """Each cache_salt tenant's bytes and quota, labelled by its name in
+        """Each cache_salt tenant's bytes and quota, labelled by its label in
         server.tenant_quotas, else its tag (``keys.tenant_tag``): the named ones, then the
         largest others up to MAX_MODEL_LABELS in all."""
         rows = self._engine.tenant_stats()[:MAX_MODEL_LABELS]
         used = GaugeMetricFamily("lmcache_tenant_used_bytes",
                                  "Bytes of a cache_salt tenant's chunk pieces resident in the pool, "
-                                 "by tenant (its name in server.tenant_quotas, else its tag).",
+                                 "by tenant (its label in server.tenant_quotas, else its tag).",
                                  labels=["tenant"])
         quotas = GaugeMetricFamily("lmcache_tenant_quota_bytes",
                                    "A cache_salt tenant's memory quota (server.tenant_quotas), by "

@@ -443,11 +443,12 @@ def test_serve_print_config_merges_file_set_and_flags(cfg: str) -> None:
 
 def test_serve_mappings_and_lists_are_given_as_yaml(cfg: str) -> None:
     result = cli("serve", "-c", cfg, "--print-config", "--set", "server.quotas={tiny: 4MiB}",
-                 "--tenant-quotas", "{acme: 1MiB, other: 2048}")
+                 "--tenant-quotas", "{acme: {salt: s1, size: 1MiB}, other: {salt: s2, size: 2048}}")
     assert result.code == 0, result.err
     merged = yaml.safe_load(result.out)
     assert merged["server"]["quotas"] == {"tiny": 4 * 2**20}
-    assert merged["server"]["tenant_quotas"] == {"acme": 2**20, "other": 2048}
+    assert merged["server"]["tenant_quotas"] == {"acme": {"salt": "s1", "size": 2**20},
+                                                 "other": {"salt": "s2", "size": 2048}}
 
 
 @pytest.mark.parametrize(("args", "expected"), [

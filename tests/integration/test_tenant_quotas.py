@@ -13,6 +13,7 @@ import time
 import urllib.request
 from typing import Any
 
+import msgspec
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -60,9 +61,11 @@ def metrics(srv: ServerProcess) -> dict[tuple[str, str], float]:
 
 def test_a_tenant_at_its_quota_evicts_only_its_own_chunks(tmp_path):
     srv = ServerProcess(tmp_path, {"server": {"pool_size": "4MiB", "slab_size": "1MiB",
-                                              "tenant_quotas": {"small": 3 * PIECE}}}).start()
+                                              "tenant_quotas": {"ops": {"salt": "small",
+                                                                        "size": 3 * PIECE}}}}
+                        ).start()
     deadline = time.monotonic() + 10  # the ready panel (printed once the server answers)
-    while "tenants     small 384.0 KiB (server.tenant_quotas" not in srv.log():
+    while "tenants     ops 384.0 KiB (server.tenant_quotas" not in srv.log():
         assert time.monotonic() < deadline, srv.log()
         time.sleep(0.05)
     worker = WorkerProcess(srv.url, model="m", heads=HEADS, num_blocks=96)
@@ -96,20 +99,23 @@ def test_a_tenant_at_its_quota_evicts_only_its_own_chunks(tmp_path):
         tenants = {row.tenant: row for row in info.tenants}
         small_row, big_row = tenants[tenant_tag("small")], tenants[tenant_tag("big")]
         assert (small_row.name, small_row.pieces, small_row.bytes_used, small_row.quota_bytes) == (
-            "small", 3, 3 * PIECE, 3 * PIECE)
+            "ops", 3, 3 * PIECE, 3 * PIECE)
         assert (big_row.name, big_row.pieces, big_row.bytes_used, big_row.quota_bytes) == (
             "", 6, 6 * PIECE, None)
-        assert "big" not in {row.name for row in info.tenants}  # never sent: only its tag
         gauges = metrics(srv)
-        assert gauges[("lmcache_tenant_used_bytes", "small")] == 3 * PIECE
-        assert gauges[("lmcache_tenant_quota_bytes", "small")] == 3 * PIECE
+        assert gauges[("lmcache_tenant_used_bytes", "ops")] == 3 * PIECE
+        assert gauges[("lmcache_tenant_quota_bytes", "ops")] == 3 * PIECE
         assert gauges[("lmcache_tenant_used_bytes", tenant_tag("big"))] == 6 * PIECE
         listing = inspect_chunks(srv.url, "--json")
-        assert {(row["name"], row["pieces"]) for row in listing["tenants"]} == {("small", 3),
+        assert {(row["name"], row["pieces"]) for row in listing["tenants"]} == {("ops", 3),
                                                                                 ("", 6)}
         table = inspect_chunks(srv.url)
         assert "tenants (cache_salt)" in table and tenant_tag("big") in table
-        assert "small" in table and "100%" in table  # the small tenant is at its quota
+        assert "ops" in table and "100%" in table  # the small tenant is at its quota
+        # No salt is shown anywhere: configured tenants by their label, others by their tag.
+        for shown in (msgspec.json.encode(info).decode(), table, json.dumps(listing),
+                      json.dumps([list(k) for k in gauges])):
+            assert "small" not in shown and "big" not in shown
 
         # What remains of both tenants retrieves byte-exact.
         target = blocks(17, 4)

@@ -32,9 +32,18 @@ def test_defaults_without_file():
      "server.pool_size: 1048576 bytes is smaller than one slab"),
     ("server:\n  slab_size: 100\n", "multiple of 64"),
     ("server:\n  quotas: {m: lots}\n", "server.quotas: not a size"),
-    ("server:\n  tenant_quotas: {alice: lots}\n", "server.tenant_quotas: not a size"),
-    ("server:\n  tenant_quotas: {alice: -5}\n", "server.tenant_quotas: size must not be negative"),
-    ("server:\n  tenant_quotas: {'': 1GiB}\n", "server.tenant_quotas: a tenant is a non-empty"),
+    ("server:\n  tenant_quotas: {a: {salt: s, size: lots}}\n",
+     "server.tenant_quotas.a.size: not a size"),
+    ("server:\n  tenant_quotas: {a: {salt: s, size: -5}}\n",
+     "server.tenant_quotas.a.size: size must not be negative"),
+    ("server:\n  tenant_quotas: {a: {salt: '', size: 1GiB}}\n",
+     "server.tenant_quotas.a: salt must be a non-empty cache_salt"),
+    ("server:\n  tenant_quotas: {'': {salt: s, size: 1GiB}}\n",
+     "server.tenant_quotas: a tenant's label must not be empty"),
+    ("server:\n  tenant_quotas: {a: {salt: s, size: 1}, b: {salt: s, size: 2}}\n",
+     "server.tenant_quotas.b: the same salt as tenant_quotas.a"),
+    ("server:\n  tenant_quotas: {a: 1GiB}\n", "server.tenant_quotas[...]: Expected `object`"),
+    ("server:\n  tenant_quotas: {a: {salt: s, size: 1, max: 2}}\n", "unknown"),
     ("server:\n  pool_size: lots\n", "not a size"),
     ("server:\n  url: http://x\n", "must start with tcp:// or ipc://"),
     ("- 1\n- 2\n", "top level must be a mapping"),
@@ -120,11 +129,13 @@ def test_the_server_needs_no_model_and_takes_slabs_and_quotas(tmp_path):
     assert load_config(None).server.slab_bytes is None  # auto: the pool picks it
 
 
-def test_tenant_quotas_are_sizes_by_cache_salt(tmp_path):
+def test_tenant_quotas_are_labelled_salts_and_sizes(tmp_path):
     path = tmp_path / "node.yaml"
-    path.write_text("server:\n  tenant_quotas:\n    team-a: 256MiB\n    'salt with spaces': 1000\n")
+    path.write_text("server:\n  tenant_quotas:\n    team-a: {salt: s3cret-a, size: 256MiB}\n"
+                    "    team-b:\n      salt: 'salt with spaces'\n      size: 1000\n")
     config = load_config(path, environ={})
-    assert config.server.tenant_quota_bytes == {"team-a": 256 * 2**20, "salt with spaces": 1000}
+    assert config.server.tenant_quota_bytes == {"team-a": ("s3cret-a", 256 * 2**20),
+                                                "team-b": ("salt with spaces", 1000)}
     assert load_config(None, environ={}).server.tenant_quota_bytes == {}
-    env = {"LMCACHE_SERVER_TENANT_QUOTAS": "{team-b: 2GiB}"}
-    assert load_config(None, environ=env).server.tenant_quota_bytes == {"team-b": 2 * 2**30}
+    env = {"LMCACHE_SERVER_TENANT_QUOTAS": "{team-c: {salt: x, size: 2GiB}}"}
+    assert load_config(None, environ=env).server.tenant_quota_bytes == {"team-c": ("x", 2 * 2**30)}

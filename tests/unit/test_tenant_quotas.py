@@ -25,8 +25,10 @@ def key(i: int, model: str = "a") -> ChunkKey:
 
 def make(slots: int = 16, quotas: dict[str, int] | None = None,
          tenant_quotas: dict[str, int] | None = None) -> CacheEngine:
+    """An engine; ``tenant_quotas`` by salt, each labelled ``team-<salt>``."""
+    tenants = {f"team-{salt}": (salt, size) for salt, size in (tenant_quotas or {}).items()}
     return CacheEngine(MemoryPool.slots(SLOT, slots, pin=False), chunk_size=16, clock=FakeClock(),
-                       quotas=quotas, tenant_quotas=tenant_quotas)
+                       quotas=quotas, tenant_quotas=tenants)
 
 
 def store(engine: CacheEngine, keys: Sequence[ChunkKey], tenant: str = "",
@@ -62,7 +64,7 @@ def test_a_tenant_at_its_quota_evicts_its_own_oldest_pieces_only() -> None:
     assert resident(engine, alice) == [False, True, True, True]
     assert resident(engine, bob + plain) == [True, True, True]  # other tenants', no tenant's
     assert engine.stats()["evictions"] == 1
-    assert figures(engine) == {ALICE: ("alice", 3, 3 * SLOT, 3 * SLOT),
+    assert figures(engine) == {ALICE: ("team-alice", 3, 3 * SLOT, 3 * SLOT),
                                BOB: ("", 2, 2 * SLOT, None)}
     # bob has no quota: he stores on, past alice's figure
     assert store(engine, [key(i) for i in range(30, 35)], BOB).stored == 5
@@ -123,16 +125,17 @@ def test_model_and_tenant_quotas_are_both_honoured() -> None:
     assert resident(engine, [key(2), key(10), key(11), key(12), key(3), key(4)]) == [
         False, False, True, True, True, True]
     assert engine.stats()["evictions"] == 4
-    # Both at their quota, the model's oldest is bob's 11: it goes for the model, and alice's
-    # oldest (3) for her: two evictions for one piece.
+    # Both at their quota: alice's oldest (3) goes for her quota and counts for the model's too,
+    # one eviction (the model's oldest, bob's 11, stays: never another tenant's for hers).
     assert store(engine, [key(5)], ALICE).stored == 1
     assert resident(engine, [key(11), key(12), key(3), key(4), key(5)]) == [
-        False, True, False, True, True]
-    assert engine.stats()["evictions"] == 6
-    # Both at their quota again, the model's oldest is alice's 4 (bob's touched by a lookup): it
-    # counts for both, one eviction.
+        True, True, False, True, True]
+    assert engine.stats()["evictions"] == 5
+    # bob's next piece: the model at its quota, its oldest is bob's 11.
     assert store(engine, [key(13)], BOB).stored == 1
+    assert resident(engine, [key(11), key(12), key(13)]) == [False, True, True]
     assert lookup(engine, 1, [h(12), h(13)], "touch", lock=False, model="a") == 2
+    # alice at her quota again: her oldest (4) goes, counting for both quotas.
     assert store(engine, [key(6)], ALICE).stored == 1
     assert resident(engine, [key(4), key(5), key(6), key(12), key(13)]) == [
         False, True, True, True, True]
@@ -164,7 +167,8 @@ def test_tenant_bytes_return_to_zero_after_eviction_and_clear() -> None:
     store(engine, [key(i) for i in range(20, 24)])  # no tenant: fills the pool, evicting all
     assert engine.stats()["evictions"] == 4
     assert engine.index.tenant_bytes == {} and engine.index.tenants.pieces == {}
-    assert figures(engine) == {ALICE: ("alice", 0, 0, 8 * SLOT)}  # named: listed at zero
+    # listed at zero, by its label: the salt itself is in no figure
+    assert figures(engine) == {ALICE: ("team-alice", 0, 0, 8 * SLOT)}
     store(engine, [key(30)], BOB)
     assert engine.index.tenant_bytes == {BOB: SLOT}
     assert engine.clear(force=True) == (4, 0)
