@@ -106,3 +106,34 @@ def test_a_client_whose_io_thread_dies_fails_its_pending_requests():
     finally:
         client.close()
         router.close(0)
+
+
+def test_a_waker_closes_only_after_a_wake_in_progress(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another thread's ``wake`` that read the fd is done writing before ``close`` frees the
+    number (a descriptor reusing it must never get the 8 bytes)."""
+    import os
+
+    from lmcache_core.transport.waker import Waker
+
+    waker = Waker()
+    writing, go_on = threading.Event(), threading.Event()
+    real_write = os.eventfd_write
+
+    def paused_write(fd: int, value: int) -> None:
+        writing.set()
+        go_on.wait(5)
+        real_write(fd, value)
+
+    monkeypatch.setattr(os, "eventfd_write", paused_write)
+    waking = threading.Thread(target=waker.wake)
+    waking.start()
+    assert writing.wait(5)
+    closing = threading.Thread(target=waker.close)
+    closing.start()
+    closing.join(0.2)
+    assert closing.is_alive()  # the fd stays open while the wake writes to it
+    go_on.set()
+    waking.join(5)
+    closing.join(5)
+    assert not closing.is_alive() and waker.fd == -1
+    waker.wake()  # closed: nothing written
