@@ -194,8 +194,9 @@ class BlockCopier:
                written: Written | None = None) -> None:
         """Copy chunk ``i``'s blocks (``block_ids[i*bpc:(i+1)*bpc]``) of every layer into
         ``slots[i]``. ``written(i, n)``, when given, is told as soon as slot ``i``'s first ``n``
-        bytes are in, in steps of a layer or so (a checksum can start on them); copies from a
-        GPU land only at the stream's end and report nothing."""
+        bytes are in, in parts of about ``REPORT_BYTES`` (a smaller layer group is one part; a
+        checksum can start on them); copies from a GPU land only at the stream's end and report
+        nothing."""
         flats = [self._slot_bytes(s) for s in slots]
         index = self.index(block_ids, len(flats))
         plan = self._native

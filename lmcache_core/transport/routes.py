@@ -33,8 +33,8 @@ class Dialect(Protocol):
     """A second wire on the same socket (LMCache's own clients): it claims a request by its op
     frame, then answers it (reply frames, or None: no reply now) or hands back a task for a worker
     thread (``dropped`` if that task is not run after all). It never raises; its replies bypass
-our codec. ``attach(post)`` at the server's start
-    gives it ``post([identity, *reply])``: a reply sent later, from any thread."""
+    our codec. ``attach(post)`` at the server's start gives it ``post([identity, *reply])``: a
+    reply sent later, from any thread."""
 
     def attach(self, post: Callable[[list[bytes]], None]) -> None: ...
 
