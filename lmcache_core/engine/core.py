@@ -35,6 +35,7 @@ from lmcache_core.engine.index import Piece, PieceIndex, cover, find_hits, touch
 from lmcache_core.engine.locks import LockTable
 from lmcache_core.engine.plans import Counters, RetrievePlan, StorePlan
 from lmcache_core.engine.retention import PLAIN, Retention, RetentionBook, eviction_order
+from lmcache_core.engine.writing import Writing
 from lmcache_core.errors import IncompatibleError, ProtocolError
 from lmcache_core.events import KVEventSink
 from lmcache_core.keys import ChunkKey, HeadRange
@@ -65,7 +66,7 @@ class CacheCore:
         self.mutex = threading.Lock()
         self.index = PieceIndex()
         self.locks = LockTable(lock_ttl_s)
-        self.writing: dict[ChunkKey, int] = {}  # key -> pool handle while a store copies in
+        self.writing = Writing()  # key -> pool handle while a store or a tier load fills it
         self.counters = Counters()
         # Pins, TTLs, priorities asked for by requests; pins take at most a quarter of the pool
         # unless told otherwise.
@@ -170,37 +171,31 @@ class CacheCore:
                 if keep:
                     self._retain_present(key, plan)
             else:
-                writing[key] = -1
+                writing.claim(key)
                 new.append((position, key))
         got: list[tuple[int, ChunkKey]] = []
-        pending: dict[str, int] = {}  # per model: bytes this request reserved already
         for position, key in new:
-            model = key.model_name
-            if not self.quota_room(model, nbytes, pending.get(model, 0), plan.tenant,
-                                   nbytes * len(got)):
+            if not self.quota_room(key.model_name, nbytes, plan.tenant):
                 plan.skipped_quota += 1
                 continue
             handle = self.allocate(nbytes, len(new) - len(got))
             if handle is None:
                 break
-            writing[key] = handle
+            writing.reserve(key, handle, nbytes, plan.tenant)
             plan.keys.append(key)
             plan.handles.append(handle)
-            pending[model] = pending.get(model, 0) + nbytes
             got.append((position, key))
         for _, key in new:
-            if writing.get(key) == -1:
-                del writing[key]
+            writing.unclaim(key)
         plan.skipped_full += len(new) - len(got) - plan.skipped_quota
         return got
 
-    def quota_room(self, model_name: str, nbytes: int, pending: int, tenant: str = "",
-                   tenant_pending: int = 0) -> bool:
-        """Whether a piece of ``model_name`` for ``tenant`` fits both their quotas (``pending``,
-        ``tenant_pending``: bytes the same request reserved already), evicting their own oldest
+    def quota_room(self, model_name: str, nbytes: int, tenant: str = "") -> bool:
+        """Whether a piece of ``model_name`` for ``tenant`` fits both their quotas (with the
+        pieces being written, this request's and others', counted), evicting their own oldest
         pieces if that makes it fit; nothing is evicted when it cannot."""
-        limits = eviction.quota_limits(self.index, self.quotas, self.tenant_quotas, nbytes,
-                                       (model_name, pending), (tenant, tenant_pending))
+        limits = eviction.quota_limits(self.index, self.writing, self.quotas, self.tenant_quotas,
+                                       nbytes, model_name, tenant)
         if not limits:
             return True
         now = self.clock()
@@ -229,9 +224,8 @@ class CacheCore:
                 return
             plan.done = True
             if not ok:
-                for key, handle in zip(plan.keys, plan.handles, strict=True):
-                    del self.writing[key]
-                    self.pool.free(handle)
+                for key in plan.keys:
+                    self.pool.free(self.writing.release(key))
                 self.counters.store_pin_refused += plan.pin_refused
                 return
             self.commit([(key, handle, plan.nbytes)
@@ -252,7 +246,7 @@ class CacheCore:
         tenant = plan.tenant if plan is not None else ""  # tier loads: records carry no tenant
         sums = checksums or (plan.checksums if plan is not None else ()) or [0] * len(items)
         for (key, handle, nbytes), checksum in zip(reversed(items), reversed(sums), strict=True):
-            del writing[key]
+            writing.release(key)
             piece = Piece(key, handle, nbytes, now, checksum, tenant)
             add(piece)
             if (plan is not None and not retention.plain
@@ -360,10 +354,9 @@ class CacheCore:
         with self.mutex:
             sums = checksums or [0] * len(items)
             whole = [(item, s) for item, n, s in zip(items, got, sums, strict=True) if n == item[2]]
-            for (key, handle, nbytes), n in zip(items, got, strict=True):
+            for (key, _handle, nbytes), n in zip(items, got, strict=True):
                 if n != nbytes:
-                    del self.writing[key]
-                    self.pool.free(handle)
+                    self.pool.free(self.writing.release(key))
             self.commit([item for item, _ in whole], checksums=[s for _, s in whole])
         return [item[0] for item, _ in whole]
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from lmcache_core.engine.index import Piece, PieceIndex
 from lmcache_core.engine.retention import free_to_go
+from lmcache_core.engine.writing import Writing
 from lmcache_core.storage.pool import MemoryPool
 
 
@@ -76,25 +77,25 @@ def quota_victims(order: Iterable[Piece], now: float, belongs: Belongs,
     return chosen
 
 
-def quota_limits(index: PieceIndex, quotas: Mapping[str, int], tenant_quotas: Mapping[str, int],
-                 nbytes: int, model: tuple[str, int],
-                 tenant: tuple[str, int]) -> list[tuple[Belongs, int]]:
-    """The quotas a new piece of ``nbytes`` would pass, for ``over_quotas``: its model's and its
-    tenant's (each ``(name, bytes the same request reserved already)``; tenant "": none)."""
+def quota_limits(index: PieceIndex, writing: Writing, quotas: Mapping[str, int],
+                 tenant_quotas: Mapping[str, int], nbytes: int, model_name: str,
+                 tag: str) -> list[tuple[Belongs, int]]:
+    """The quotas a new piece of ``nbytes`` for ``model_name`` and tenant ``tag`` ("": none) would
+    pass, for ``over_quotas``; pieces being written (``writing``) count as well as resident ones."""
     limits: list[tuple[Belongs, int]] = []
-    (model_name, model_pending), (tag, tenant_pending) = model, tenant
     # The tenant's first: its own oldest pieces go, and those of this model count for the model's
     # quota too; the model's first would take another tenant's piece, then the tenant's as well.
     quota = tenant_quotas.get(tag) if tag else None
     if quota is not None:
-        excess = index.tenant_bytes.get(tag, 0) + tenant_pending + nbytes - quota
-        if excess > 0:
-            limits.append((lambda piece: piece.tenant == tag, excess))
+        used = index.tenants.bytes.get(tag, 0) + writing.tenants.bytes.get(tag, 0)
+        if used + nbytes > quota:
+            limits.append((lambda piece: piece.tenant == tag, used + nbytes - quota))
     quota = quotas.get(model_name)
     if quota is not None:
-        excess = index.model_bytes.get(model_name, 0) + model_pending + nbytes - quota
-        if excess > 0:
-            limits.append((lambda piece: piece.key.model_name == model_name, excess))
+        used = index.models.bytes.get(model_name, 0) + writing.models.bytes.get(model_name, 0)
+        if used + nbytes > quota:
+            limits.append((lambda piece: piece.key.model_name == model_name,
+                           used + nbytes - quota))
     return limits
 
 

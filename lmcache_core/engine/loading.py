@@ -35,21 +35,18 @@ def reserve(core: CacheCore,
     as far as the pool allows (evicting as a store does): ``(key, handle, nbytes)``. They count
     as being written until ``core.commit_loaded``."""
     out: list[tuple[ChunkKey, int, int]] = []
-    pending: dict[str, int] = {}  # per model: bytes reserved here already
     with core.mutex:
         for key, nbytes in items:
             if key in core.writing or key in core.index.lru or not core.pool.fits(nbytes):
                 continue
             # Loaded pieces have no tenant (tier records carry none; ``commit_loaded`` leaves
             # them untagged): only the model's quota applies.
-            model = key.model_name
-            if not core.quota_room(model, nbytes, pending.get(model, 0)):
+            if not core.quota_room(key.model_name, nbytes):
                 continue
             handle = core.allocate(nbytes, 1)
             if handle is None:
                 break
-            core.writing[key] = handle
-            pending[model] = pending.get(model, 0) + nbytes
+            core.writing.reserve(key, handle, nbytes)
             out.append((key, handle, nbytes))
     return out
 

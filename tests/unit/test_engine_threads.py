@@ -160,7 +160,8 @@ def check_invariants(engine: CacheEngine) -> None:
     assert len(set(handles)) == len(handles)
     assert all(pool.is_allocated(handle) for handle in handles)
     assert all(piece.locks == 0 and piece.readers == 0 for piece in engine.index)
-    assert engine.writing == {}
+    assert len(engine.writing) == 0
+    assert engine.writing.models.bytes == {} and engine.writing.tenants.bytes == {}
     assert stats["bytes_used"] == SLOT * stats["chunks"]
     assert stats["evictions"] > 0
     assert stats["lookup_hit_chunks"] > 0

@@ -198,3 +198,23 @@ def test_store_request_tenant_is_a_bounded_hex_tag() -> None:
         with pytest.raises(msgspec.ValidationError):
             msgspec.msgpack.decode(msgspec.msgpack.encode({**base, "tenant": bad}),
                                    type=m.StoreRequest)
+
+
+def test_stores_in_flight_at_once_count_against_the_quotas() -> None:
+    """Two stores of one tenant (or one model) copying at once: the second sees the first's
+    pieces being written, so together they stay within the quota."""
+    engine = make(quotas={"b": 3 * SLOT}, tenant_quotas={"alice": 3 * SLOT})
+    first = engine.begin_store([key(1), key(2)], SLOT, tenant=ALICE)
+    second = engine.begin_store([key(3), key(4)], SLOT, tenant=ALICE)  # first still copying
+    assert (len(first.writes), len(second.writes), second.skipped_quota) == (2, 1, 1)
+    engine.finish_store(second)
+    engine.finish_store(first)
+    assert figures(engine)[ALICE][1:3] == (3, 3 * SLOT)
+    other = [ChunkKey("b", opaque_layout(1), 0, 1, h(i)) for i in range(10, 14)]
+    model_first = engine.begin_store(other[:2], SLOT)
+    model_second = engine.begin_store(other[2:], SLOT)
+    assert (len(model_first.writes), len(model_second.writes)) == (2, 1)
+    engine.finish_store(model_first, ok=False)  # a failed store gives its share back
+    engine.finish_store(model_second)
+    assert engine.index.model_bytes["b"] == SLOT
+    assert len(engine.writing) == 0 and engine.writing.models.bytes == {}
