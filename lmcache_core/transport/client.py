@@ -38,10 +38,11 @@ from lmcache_core.transport.io_core import (
     ThreadWaiters,
     receive_ready,
 )
-from lmcache_core.transport.sending import send_frames
+from lmcache_core.transport.sending import recv_frames, send_frames
 from lmcache_core.transport.typed import TypedRequests
 
 logger = logging.getLogger(__name__)
+_RCVTIMEO = int(zmq.RCVTIMEO)
 R = TypeVar("R", bound=m.Reply)
 _RECV_BATCH = 256
 _HOLD_S = 0.002  # longest a short call holds the socket waiting for its reply
@@ -190,9 +191,9 @@ class MessageQueueClient(TypedRequests):
                 remaining_ms = int((end - time.monotonic()) * 1000)
                 if remaining_ms <= 0:
                     break
-                self._socket.setsockopt(zmq.RCVTIMEO, remaining_ms)
+                self._socket.setsockopt(_RCVTIMEO, remaining_ms)
                 try:
-                    frames = self._socket.recv_multipart()
+                    frames = recv_frames(self._socket, 0)  # blocking, up to RCVTIMEO
                 except zmq.Again:
                     break
                 outcome = self._resolve(frames)

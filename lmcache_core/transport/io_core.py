@@ -21,10 +21,12 @@ import logging
 import select
 import threading
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Generic, NamedTuple, TypeVar
 
 import zmq
 
+from lmcache_core.transport.sending import recv_frames
 from lmcache_core.transport.waker import Waker
 
 logger = logging.getLogger(__name__)
@@ -191,7 +193,7 @@ def receive_ready(sock: zmq.Socket[Any], limit: int, multipart: bool) -> list[An
     out: list[Any] = []
     if not int(sock.getsockopt(EVENTS)) & POLLIN:  # the common case of a poll: nothing in
         return out
-    recv = sock.recv_multipart if multipart else sock.recv
+    recv = partial(recv_frames, sock) if multipart else sock.recv
     for _ in range(limit):
         try:
             out.append(recv(_NOBLOCK))

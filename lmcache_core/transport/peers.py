@@ -19,6 +19,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 logger = logging.getLogger(__name__)
+_RCVMORE = int(zmq.RCVMORE)  # an int: the enum member costs ~1 us a frame
 
 
 class PeerWatch:
@@ -42,7 +43,7 @@ class PeerWatch:
         with contextlib.suppress(zmq.ZMQError, ValueError, TypeError):
             self._fd_of[identity] = int(first.get(zmq.SRCFD))
         frames = [identity]
-        while sock.getsockopt(zmq.RCVMORE):
+        while sock.getsockopt(_RCVMORE):
             frames.append(sock.recv(zmq.NOBLOCK))
         return frames
 

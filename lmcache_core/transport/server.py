@@ -54,7 +54,7 @@ from lmcache_core.transport.gate import Gate
 from lmcache_core.transport.listen import bind_router, remove_ipc_file
 from lmcache_core.transport.peers import PeerWatch
 from lmcache_core.transport.routes import Dialect, GateFn, Handler, Job, Observer, Route, Task
-from lmcache_core.transport.sending import send_frames
+from lmcache_core.transport.sending import recv_frames, send_frames
 from lmcache_core.transport.waker import Waker
 
 __all__ = ["Dialect", "GateFn", "Handler", "LogBudget", "MessageQueueServer", "Observer", "Route",
@@ -228,7 +228,7 @@ class MessageQueueServer:
         assert sock is not None
         peers = self._peers
         for _ in range(_RECV_BATCH):
-            frames = peers.recv(sock) if peers is not None else sock.recv_multipart(zmq.NOBLOCK)
+            frames = peers.recv(sock) if peers is not None else recv_frames(sock)
             self._dispatch(frames[0], frames[1:])
             if not more.poll(0):
                 return
