@@ -137,6 +137,8 @@ class KVRegistry:
         self._clock = clock
         self._lock = threading.Lock()
         self._by_id: dict[int, Registration] = {}
+        # (model, world size) -> layouts registered: every lookup asks; any change clears it.
+        self._layouts: dict[tuple[str, int], list[str]] = {}
         self.reaped = 0
 
     def register(self, request: RegisterKVCacheRequest, client: bytes = b"") -> Registration:
@@ -146,6 +148,7 @@ class KVRegistry:
         with self._lock:
             old = self._by_id.pop(request.instance_id, None)
             self._by_id[request.instance_id] = registration
+            self._layouts.clear()
         if old is not None:
             self._retire(old)
         return registration
@@ -153,6 +156,7 @@ class KVRegistry:
     def unregister(self, instance_id: int) -> bool:
         with self._lock:
             registration = self._by_id.pop(instance_id, None)
+            self._layouts.clear()
         if registration is None:
             return False
         self._retire(registration)
@@ -205,6 +209,7 @@ class KVRegistry:
             dead = [(r, why) for r in self._by_id.values() if (why := self._why_dead(r, now))]
             for registration, _ in dead:
                 del self._by_id[registration.instance_id]
+            self._layouts.clear()
         for registration, why in dead:
             logger.warning("reaped KV cache instance %d (%s rank %d): worker %s",
                            registration.instance_id, registration.model_name, registration.kv_rank,
@@ -250,6 +255,7 @@ class KVRegistry:
         with self._lock:
             registrations = list(self._by_id.values())
             self._by_id.clear()
+            self._layouts.clear()
         for registration in registrations:
             self._retire(registration)
 
@@ -259,8 +265,12 @@ class KVRegistry:
     def layouts(self, model_name: str, world_size: int) -> list[str]:
         """The layout fingerprints of the workers registered for this model and world size."""
         with self._lock:
-            return list(dict.fromkeys(r.layout for r in self._by_id.values()
-                                      if r.model_name == model_name and r.world_size == world_size))
+            found = self._layouts.get((model_name, world_size))
+            if found is None:
+                found = self._layouts[(model_name, world_size)] = list(dict.fromkeys(
+                    r.layout for r in self._by_id.values()
+                    if r.model_name == model_name and r.world_size == world_size))
+            return list(found)
 
     def models(self) -> dict[str, int]:
         """Registered KV caches (workers) per model name."""

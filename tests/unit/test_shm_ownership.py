@@ -279,3 +279,23 @@ def test_config_allowed_uids() -> None:
     for bad in ("-1", "root", 2**32 - 1, [1, "x"]):
         with pytest.raises(ConfigError, match=r"server\.shm_allowed_uids"):
             load_config(overrides={"server.shm_allowed_uids": bad})
+
+
+def test_layouts_follow_registrations(made: list[str]) -> None:
+    """Every lookup asks the registered layouts (cached): a registration, an unregistration and a
+    reap each show at once."""
+    registry = KVRegistry(open_mapping, reap_timeout_s=60)
+    live, dead = our_name(os.getpid()), our_name(exited_pid())
+    create(made, live)
+    create(made, dead)
+    assert registry.layouts("tiny", 1) == []
+    register(registry, live, os.getpid(), 1)
+    (layout,) = registry.layouts("tiny", 1)
+    assert registry.layouts("tiny", 2) == [] and registry.layouts("other", 1) == []
+    registry.unregister(1)
+    assert registry.layouts("tiny", 1) == []
+    register(registry, dead, parse_segment_name(dead).pid, 2)  # type: ignore[union-attr]
+    assert registry.layouts("tiny", 1) == [layout]
+    assert registry.reap() == [2]
+    assert registry.layouts("tiny", 1) == []
+    registry.close_all()
