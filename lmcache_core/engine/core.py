@@ -275,9 +275,14 @@ class CacheCore:
             self.pool.free(piece.handle)
 
     def drop(self, piece: Piece) -> None:
+        """Under the lock: take ``piece`` out of the index; its bytes are freed now, or by its
+        last reader (``release_reader``) when one is still copying out of it."""
         self.index.remove(piece)
         self.retention.forget(piece)
-        self.pool.free(piece.handle)
+        if piece.readers:
+            piece.dropped = True
+        else:
+            self.pool.free(piece.handle)
 
     def _retain_present(self, key: ChunkKey, plan: StorePlan) -> None:
         """A store found ``key``'s heads already held: give those pieces its retention."""

@@ -38,9 +38,10 @@ class IntegrityGuard:
     # ------------------------------------------------------------------ tier writers
 
     @contextmanager
-    def source(self, key: ChunkKey) -> Iterator[memoryview | None]:
-        """The core's ``reading(key)``, verified: the piece's bytes held for the ``with`` block
-        when they match its checksum; None when it is gone or corrupt (then dropped, counted)."""
+    def source(self, key: ChunkKey) -> Iterator[tuple[memoryview, int] | None]:
+        """The core's ``reading(key)``, verified: the piece's bytes held for the ``with`` block,
+        with their checksum, when they match it (the tier record reuses it: one hash per write);
+        None when it is gone or corrupt (then dropped, counted)."""
         core = self.core
         piece: Piece | None = None
         good = False
@@ -52,7 +53,8 @@ class IntegrityGuard:
                 if good:
                     with core.mutex:
                         core.counters.integrity_verified_chunks += 1
-            yield payload if good else None
+            yield ((payload, piece.checksum)
+                   if good and payload is not None and piece is not None else None)
         if piece is not None and not good:
             self.condemn([piece])
 
@@ -103,20 +105,9 @@ class IntegrityGuard:
         for piece in dict.fromkeys(pieces):  # a piece serving two ranges is dropped once
             if core.index.get(piece.key) is not piece:
                 continue  # gone already (another check dropped it)
-            if piece.readers:  # freed by its last reader
-                core.index.remove(piece)
-                core.retention.forget(piece)
-                piece.dropped = True
-            else:
-                core.drop(piece)
+            core.drop(piece)  # one being read is freed by its last reader
             dropped.append(piece.key)
         core.counters.integrity_failures += len(dropped)
         if core.events is not None and dropped:
             core.events.removed(dropped, MEMORY_TIER)
         return len(dropped)
-
-    def checksum_of(self, key: ChunkKey) -> int | None:
-        """The resident piece ``key``'s checksum (0: none recorded); None when not resident."""
-        with self.core.mutex:
-            piece = self.core.index.get(key)
-        return None if piece is None else piece.checksum

@@ -57,8 +57,9 @@ Chunk = tuple[str, str, bytes]
 
 _MAX_LOGGED_AT_START = 10
 
-#: Gives the writer a chunk's bytes while it stays pinned in memory (None: no longer resident).
-Source = Callable[[ChunkKey], AbstractContextManager[memoryview | None]]
+#: ``source(key)``: the resident piece's bytes and their checksum, verified (held for the ``with``
+#: block; the record takes that checksum without hashing the bytes again), or None when gone.
+Source = Callable[[ChunkKey], AbstractContextManager[tuple[memoryview, int] | None]]
 #: The memory chunks nearest eviction that are not on disk yet (at most ``limit``).
 ColdKeys = Callable[[int], list[ChunkKey]]
 
@@ -235,12 +236,13 @@ class DiskTier:
 
     # ------------------------------------------------------------------ write
 
-    def write(self, key: ChunkKey, payload: memoryview) -> bool:
-        """Write ``key``'s file now (temp file, then an atomic rename); True once it is indexed."""
+    def write(self, key: ChunkKey, payload: memoryview, payload_xxh3: int = 0) -> bool:
+        """Write ``key``'s file now (temp file, then an atomic rename); True once it is indexed.
+        ``payload_xxh3``: the payload's checksum, verified by the caller (0: taken here)."""
         if key in self._index:
             return True
         nbytes = payload.nbytes
-        header = record.encode_header(key, payload)
+        header = record.encode_header(key, payload, payload_xxh3)
         size = len(header) + nbytes
         if size > self.max_bytes:
             return False
@@ -357,9 +359,9 @@ class DiskTier:
     def _write_from_source(self, key: ChunkKey) -> None:
         if key in self._index or self._source is None:
             return
-        with self._source(key) as payload:
-            if payload is not None:
-                self.write(key, payload)
+        with self._source(key) as found:
+            if found is not None:
+                self.write(key, *found)
 
     def stats(self) -> dict[str, int]:
         out = self.n.snapshot()

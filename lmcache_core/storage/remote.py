@@ -17,7 +17,7 @@ another key (another head range, say), is counted, logged, deleted and never ser
   SETs.
 * **Lookups** run on this tier's own two threads so the caller can wait at most its budget
   (``Future.result(timeout)``): ``lengths`` asks for every wanted key in one pipelined round trip
-  (STRLEN: presence and size at once), ``fetch_into`` GETs the values of the prefix in pipelined
+  (STRLEN: presence and size at once), ``fetch_checked_into`` GETs the values of the prefix in pipelined
   batches, verifies them and copies them into the caller's slots.
 * **Faults:** every client call has socket timeouts (``timeout_ms``) and one immediate retry on a
   connection error (a connection that a Redis restart left dead is replaced transparently). The
@@ -197,12 +197,6 @@ class RemoteTier:
         self._ok()
         return [int(n) for n in found]
 
-    def fetch_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview],
-                   deadline: float) -> list[int]:
-        """GET each key's record into its ``outs`` slot, verified; bytes loaded per key (0: none)
-        (``fetch_checked_into``)."""
-        return [n for n, _ in self.fetch_checked_into(keys, outs, deadline)]
-
     def fetch_checked_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview],
                            deadline: float) -> list[tuple[int, int]]:
         """GET each key's record into its ``outs`` slot, verified: per key ``(bytes loaded, the
@@ -309,10 +303,10 @@ class RemoteTier:
         values: list[tuple[bytes, Buffer]] = []
         size = 0
         for i, key in enumerate(batch):
-            with self._source(key) as payload:
-                if payload is None:  # evicted before its turn: nothing to write
+            with self._source(key) as found:
+                if found is None:  # evicted before its turn: nothing to write
                     continue
-                value = self._encode(key, payload, len(values))
+                value = self._encode(key, *found, len(values))
             values.append((self.redis_key(key), value))
             size += len(value)
             if size >= MAX_BATCH_BYTES or i == len(batch) - 1:
@@ -322,14 +316,16 @@ class RemoteTier:
         if values:
             self._flush_values(values, [])
 
-    def _encode(self, key: ChunkKey, payload: memoryview, index: int) -> Buffer:
-        """The record, in the writer's reused buffer ``index`` when the packer sends buffers as
-        they are (no fresh pages per chunk, no second copy); a bytes object otherwise."""
+    def _encode(self, key: ChunkKey, payload: memoryview, payload_xxh3: int,
+                index: int) -> Buffer:
+        """The record (with the payload's verified checksum), in the writer's reused buffer
+        ``index`` when the packer sends buffers as they are (no fresh pages per chunk, no second
+        copy); a bytes object otherwise."""
         if self.cluster:
-            return record.encode(key, payload)
+            return record.encode(key, payload, payload_xxh3)
         while len(self._buffers) <= index:
             self._buffers.append(bytearray())
-        size = record.encode_into(key, payload, self._buffers[index])
+        size = record.encode_into(key, payload, self._buffers[index], payload_xxh3)
         return memoryview(self._buffers[index])[:size]
 
     def _flush_values(self, values: list[tuple[bytes, Buffer]], rest: list[ChunkKey]) -> bool:

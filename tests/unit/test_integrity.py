@@ -144,9 +144,9 @@ def test_a_piece_corrupted_in_memory_is_dropped_by_the_writer(tmp_path: Path) ->
     corrupt(engine, 2)
     assert engine.tiers is not None
     for i in (1, 2):
-        with engine.tiers.guard.source(key(i)) as payload:
-            if payload is not None:
-                assert disk.write(key(i), payload)
+        with engine.tiers.guard.source(key(i)) as found:  # (bytes, their verified checksum)
+            if found is not None:
+                assert disk.write(key(i), *found)
     assert disk.contains(key(1)) and not disk.contains(key(2))
     s = engine.stats()
     assert s["integrity_failures"] == 1 and s["integrity_verified_chunks"] == 1

@@ -151,6 +151,14 @@ def test_pin_and_unpin_by_hand_and_a_store_of_present_pieces_applies_its_hints()
     assert engine.unpin("m", LAYOUT, RANGES, [h(0), h(1), h(2)]) == 3
 
 
+def test_a_pin_with_a_ttl_replaces_the_ttl_and_keeps_the_priority():
+    engine, _clock = make(max_pinned=4 * SLOT)
+    store(engine, [0], Retention(priority=50, ttl_s=600))
+    assert engine.pin("m", LAYOUT, RANGES, [h(0)], ttl_s=60) == 1
+    row = engine.list_chunks()[0][0]
+    assert (row.pinned, row.priority, row.expires_in_s) == (True, 50, pytest.approx(60))
+
+
 def test_clear_keeps_pinned_pieces_unless_forced():
     engine, _ = make()
     store(engine, [0], Retention(pin=True))
