@@ -229,6 +229,10 @@ def test_startup_sweep_removes_dead_owners_segments_only(tmp_path: Path, made: l
         assert not exists(dead)
         assert exists(live) and exists(foreign)
         assert exists(other_user) == (os.geteuid() == 0)
+        deadline = time.monotonic() + 10  # the sweep logs its line after removing the files
+        while ("shared-memory segment(s) of exited workers" not in srv.log()
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
         assert "shared-memory segment(s) of exited workers" in srv.log()
     finally:
         srv.kill()
