@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 from lmcache_core.engine.core import CacheCore
 from lmcache_core.engine.index import cover
+from lmcache_core.engine.retention import eviction_order
 from lmcache_core.keys import ChunkKey, HeadRange
 
 
@@ -65,15 +66,20 @@ def relookup(core: CacheCore, model_name: str, layout: str, ranges: Sequence[Hea
 
 def coldest(core: CacheCore, limit: int, ahead_bytes: int,
             saved: Callable[[ChunkKey], bool]) -> list[ChunkKey]:
-    """Up to ``limit`` pieces not ``saved`` among the least recently used ones holding
-    ``ahead_bytes - free pool bytes``: the next in line for eviction (``saved`` runs under the
-    lock: a dict lookup)."""
+    """Up to ``limit`` pieces not ``saved`` among the next in line for eviction, holding
+    ``ahead_bytes - free pool bytes``: eviction's own order (``retention.eviction_order``: LRU,
+    unless TTLs, pins or priorities reorder it), past pinned pieces, which eviction never takes
+    (saving them ahead would spend disk writes on nothing). ``saved`` runs under the lock: a dict
+    lookup."""
     out: list[ChunkKey] = []
     with core.mutex:
+        now = core.clock()
         at_risk = ahead_bytes - core.pool.bytes_free
-        for piece in core.index.lru.values():
+        for piece in eviction_order(core.index, core.retention, now):
             if at_risk <= 0 or len(out) >= limit:
                 break
+            if piece.pinned and piece.expires > now:
+                continue
             at_risk -= piece.nbytes
             if not saved(piece.key):
                 out.append(piece.key)

@@ -239,9 +239,9 @@ class TieredStorage:
     def spill_candidates(self, limit: int) -> list[ChunkKey]:
         """Up to ``limit`` chunks among those next in line for eviction that are not on disk yet.
 
-        "Next in line": the least recently used pieces holding ``spill_ahead_bytes - free pool
-        bytes``, so the writer starts saving once the pool is three quarters full and stays ahead
-        of eviction.
+        "Next in line": in eviction's order (``loading.coldest``), the pieces holding
+        ``spill_ahead_bytes - free pool bytes``, so the writer starts saving once the pool is three
+        quarters full and stays ahead of eviction.
         """
         disk = self.disk
         if disk is None:

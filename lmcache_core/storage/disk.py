@@ -7,10 +7,11 @@ of one chunk on disk (a secondary index, kept with the main one).
 
 Files are written behind, never on a request's path: a writer thread (a ``BackgroundWriter``)
 takes chunk keys from a bounded queue (every store when ``write_through``; a full queue drops the
-write and counts it) and, in any mode, keeps the coldest part of the memory pool saved ahead of
-eviction (``spill``), so that when memory evicts a chunk its bytes are already here and eviction
-never waits on a disk write. The writer pins the memory entry while it copies (``source``), so the
-bytes cannot change under it.
+write and counts it) and, in any mode, keeps the part of the memory pool next in line for
+eviction saved ahead of it (``spill``; in eviction's own order, pinned pieces left out), so that
+when memory evicts a chunk its bytes are already here and eviction never waits on a disk write.
+The writer pins the memory entry while it copies (``source``), so the bytes cannot change under
+it.
 
 A file is written to a temp name in the same directory and renamed over its final name, so a reader
 never sees half a file; each holds a ``record`` (header with key, size and xxh3 checksums, then the

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from lmcache_core.engine import CacheEngine
+from lmcache_core.engine.retention import Retention
 from lmcache_core.keys import ChunkKey, opaque_layout
 from lmcache_core.storage.disk import DiskTier
 from lmcache_core.storage.pool import MemoryPool
@@ -70,6 +71,22 @@ def test_close_shuts_the_prefetch_pool_down(tmp_path: Path) -> None:
     assert engine.async_lookup_and_prefetch("f", hashes, model_name="m") == 48
     assert engine.cleanup_memory_objs("f") == 3
     assert engine.close()
+
+
+def test_spill_ahead_follows_the_eviction_order(tmp_path: Path) -> None:
+    """The disk writer saves what eviction will take next: priorities and TTLs reorder it, and a
+    pinned piece (never evicted) is not saved ahead. Plain LRU would pick keys[0] and keys[1]."""
+    engine = CacheEngine(MemoryPool.slots(SLOT, 8, pin=False), chunk_size=16,
+                         disk=DiskTier(tmp_path, 1 << 20))
+    keys = [ChunkKey("m", W1, 0, 1, bytes([i]) * 16) for i in range(8)]
+    hints = {0: Retention(pin=True), 1: Retention(priority=5), 6: Retention(priority=-1)}
+    for i, k in enumerate(keys):
+        engine.finish_store(engine.begin_store([k], SLOT, hints.get(i, Retention())))
+    assert engine.tiers is not None
+    # Full pool, 2 slots' worth ahead: priority -1 first, then the LRU of the priority-0 pieces.
+    assert engine.tiers.spill_candidates(8) == [keys[6], keys[2]]
+    assert engine.tiers.spill_candidates(1) == [keys[6]]
+    engine.close()
 
 
 def test_stats_and_spill_hooks_without_and_with_a_disk(tmp_path: Path) -> None:
