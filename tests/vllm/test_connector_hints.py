@@ -72,10 +72,10 @@ def test_the_worker_side_passes_the_hints_to_the_adapter() -> None:
     worker._views = type("V", (), {"blocks_per_vllm_block": 1})()
     worker._bpc = 2
     spec = lc.TransferSpec("r", [b"h" * 32], [4, 5], ttl_s=9.0, pin=True, priority=-2)
-    _, (op,) = worker._ops([spec])
+    (op,) = worker._ops([spec])
     assert (op.ttl_s, op.pin, op.priority) == (9.0, True, -2) and op.block_ids == [4, 5]
     assert op.cache_salt is None
-    _, (salted,) = worker._ops([lc.TransferSpec("s", [b"h" * 32], [4, 5], cache_salt="team-a")])
+    (salted,) = worker._ops([lc.TransferSpec("s", [b"h" * 32], [4, 5], cache_salt="team-a")])
     assert salted.cache_salt == "team-a"  # the adapter sends its tenant tag with the store
 
 

@@ -168,17 +168,29 @@ class ConnectorWorkerSide(KVConnectorBase_V1):
         futures_of = worker.retrieve_futures if retrieve else worker.store_futures
         self._events.hold(event, [f for rid in request_ids for f in futures_of(rid)])
 
-    def _ops(self, specs: Iterable[TransferSpec]) -> tuple[list[str], list[LoadStoreOp]]:
+    def _ops(self, specs: Iterable[TransferSpec]) -> list[LoadStoreOp]:
         assert self._views is not None
         ratio = self._views.blocks_per_vllm_block
-        ids, ops = [], []
-        for spec in specs:
-            ids.append(spec.request_id)
-            ops.append(LoadStoreOp(per_block_hashes(spec.chunk_hashes, self._bpc),
-                                   expand_block_ids(spec.block_ids, ratio), ttl_s=spec.ttl_s,
-                                   pin=spec.pin, priority=spec.priority,
-                                   cache_salt=spec.cache_salt))
-        return ids, ops
+        return [LoadStoreOp(per_block_hashes(spec.chunk_hashes, self._bpc),
+                            expand_block_ids(spec.block_ids, ratio), ttl_s=spec.ttl_s,
+                            pin=spec.pin, priority=spec.priority, cache_salt=spec.cache_salt)
+                for spec in specs]
+
+    def _submit(self, ids: list[str], specs: list[TransferSpec], retrieve: bool) -> None:
+        """Submit this step's retrieves (or stores) ``specs`` in one batch, with an event recorded
+        after the step's work. Raises what submitting raised; the event is held for whatever
+        went out before a failure."""
+        event = None
+        try:
+            if self._worker is None:
+                raise LMCacheError("the KV caches are not registered")
+            ops = self._ops(specs)
+            event = self._event()
+            submit = (self._worker.batched_submit_retrieve_requests if retrieve
+                      else self._worker.batched_submit_store_requests)
+            submit(ids, ops, event)
+        finally:
+            self._hold_event(event, ids, retrieve)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -188,20 +200,13 @@ class ConnectorWorkerSide(KVConnectorBase_V1):
         for spec in meta.loads:
             self._local_load_errors.update(spec.invalid_block_ids)
         ids = [spec.request_id for spec in meta.loads]
-        event = None
         try:
-            if self._worker is None:
-                raise LMCacheError("the KV caches are not registered")
-            _, ops = self._ops(meta.loads)
-            event = self._event()
-            self._worker.batched_submit_retrieve_requests(ids, ops, event)
+            self._submit(ids, meta.loads, retrieve=True)
         except Exception as exc:  # the blocks stay unfilled: vLLM recomputes them
             logger.warning("lmcache: submitting loads for %s failed, recomputing: %s", ids, exc)
             for spec in meta.loads:
                 self._local_load_errors.update(spec.block_ids)
             self._loads_failed_to_submit.update(ids)
-        finally:  # some requests may have gone out before a failure
-            self._hold_event(event, ids, retrieve=True)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are per request (the request waits in WAITING_FOR_REMOTE_KVS)
@@ -218,18 +223,11 @@ class ConnectorWorkerSide(KVConnectorBase_V1):
         if not meta.stores:
             return
         ids = [spec.request_id for spec in meta.stores]
-        event = None
         try:
-            if self._worker is None:
-                raise LMCacheError("the KV caches are not registered")
-            _, ops = self._ops(meta.stores)
-            event = self._event()
-            self._worker.batched_submit_store_requests(ids, ops, event)
+            self._submit(ids, meta.stores, retrieve=False)
         except Exception as exc:
             logger.warning("lmcache: submitting stores for %s failed: %s", ids, exc)
             self._stores_failed_to_submit.update(ids)
-        finally:
-            self._hold_event(event, ids, retrieve=False)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """vLLM frees a preempted request's blocks without asking: finish its stores first."""
@@ -238,7 +236,7 @@ class ConnectorWorkerSide(KVConnectorBase_V1):
             return
         deadline = time.monotonic() + self._config.timeouts.request_s
         for request_id in preempted:
-            for future in _store_futures(self._worker, request_id):
+            for future in self._worker.store_futures(request_id):
                 try:
                     future.result(max(0.0, deadline - time.monotonic()))
                 except Exception as exc:  # failed or timed out: the chunk was not made visible
@@ -254,7 +252,7 @@ class ConnectorWorkerSide(KVConnectorBase_V1):
             loads |= r or set()
         self._engine_finished |= set(finished_req_ids) & self._stores_failed_to_submit
         done = {r for r in self._engine_finished
-                if self._worker is None or not _store_futures(self._worker, r)}
+                if self._worker is None or not self._worker.store_futures(r)}
         self._engine_finished -= done
         self._stores_failed_to_submit -= done
         stores |= done
@@ -270,7 +268,3 @@ class ConnectorWorkerSide(KVConnectorBase_V1):
             errors |= {b // ratio for b in self._worker.get_block_ids_with_load_errors()}
         return errors
 
-
-def _store_futures(worker: LMCacheMPWorkerAdapter, request_id: str) -> list[Any]:
-    """The futures of the stores the adapter still tracks for ``request_id``."""
-    return worker.store_futures(request_id)
