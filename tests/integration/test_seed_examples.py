@@ -333,3 +333,30 @@ def test_mp_adapter_seed_example(server: ServerProcess) -> None:
             scheduler_adapter.close()
         release_shared_kv_caches(segment)
         ctx.destroy(linger=0)
+
+
+def test_failed_requests_kept_are_bounded(server: ServerProcess, monkeypatch) -> None:
+    """A long-running worker misses routinely: the failures it keeps for inspection stay bounded
+    (the newest kept), instead of one entry per failed request forever."""
+    from lmcache_core.integration.vllm import vllm_multi_process_adapter as adapter_module
+    from lmcache_core.kv.share import allocate_shared_kv_caches, release_shared_kv_caches
+
+    monkeypatch.setattr(adapter_module, "MAX_FAILURES_KEPT", 4)
+    kv_cache_dict, segment = allocate_shared_kv_caches(
+        LAYERS, [2, N_CHUNKS * PER_CHUNK, BLOCK, HEADS, HEAD_DIM], torch.float16)
+    worker = adapter_module.LMCacheMPWorkerAdapter(server.url, None, "meta-llama/Llama-3.1-8B",
+                                                   1, 0, BLOCK)
+    try:
+        worker.register_kv_caches(kv_cache_dict)
+        ids = list(range(N_CHUNKS * PER_CHUNK))
+        for i in range(10):  # chunks nobody stored: each retrieve fails (its blocks unloaded)
+            request_id = f"miss-{i}"
+            worker.submit_retrieve_request(
+                request_id, adapter_module.LoadStoreOp(vllm_block_hashes(len(ids), 1000 + i), ids),
+                None)
+            wait_finished(worker, request_id, "retrieve")
+        assert list(worker.failed_retrieves) == [f"miss-{i}" for i in range(6, 10)]
+        assert worker.get_block_ids_with_load_errors() == set(ids)
+    finally:
+        worker.shutdown()
+        release_shared_kv_caches(segment)

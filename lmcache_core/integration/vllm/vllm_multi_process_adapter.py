@@ -79,6 +79,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 Q = TypeVar("Q", bound=m.Message)
+#: How many failed requests' reasons ``failed_stores`` and ``failed_retrieves`` each keep.
+MAX_FAILURES_KEPT = 1024
 
 
 class LMCacheMPWorkerAdapter:
@@ -87,8 +89,9 @@ class LMCacheMPWorkerAdapter:
     ``get_finished`` follows vLLM's connector contract: a request's stores are reported once they
     completed AND the engine finished the request (late completions are reported on a later call);
     retrieves are reported when done, successful or not. Failures are logged with the server's reason
-    and kept in ``failed_stores`` / ``failed_retrieves``; ``get_block_ids_with_load_errors`` names
-    the blocks a failed retrieve did not fill, so the engine recomputes them.
+    and the latest ``MAX_FAILURES_KEPT`` are kept in ``failed_stores`` / ``failed_retrieves`` (a
+    long-running worker misses routinely: they never grow past that); ``get_block_ids_with_load_errors``
+    names the blocks a failed retrieve did not fill, so the engine recomputes them.
     """
 
     def __init__(self, server_url: str, context: zmq.Context[Any], model_name: str,
@@ -270,7 +273,10 @@ class LMCacheMPWorkerAdapter:
         for transfer in state.transfers:
             reason = transfer_failure(transfer)
             if reason is not None:
+                failures.pop(request_id, None)  # re-inserted: the newest go last
                 failures[request_id] = reason
+                if len(failures) > MAX_FAILURES_KEPT:
+                    del failures[next(iter(failures))]  # the oldest
                 if book is self._retrieves:
                     self._load_error_blocks.update(
                         unloaded_blocks(transfer, self._conn.blocks_in_chunk))
