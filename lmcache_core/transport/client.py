@@ -81,6 +81,7 @@ class MessageQueueClient(TypedRequests):
         # that is receiving its own reply.
         self._unattended = 0
         self._watching = False
+        self._sleepers = 0  # threads in ``wait``, which sleep on the socket's fd
         zmq_fd = self._socket.getsockopt(zmq.FD)
         self._waiters = ThreadWaiters(zmq_fd)
         self._io = IOThread(name, zmq_fd, self._turn, self._shutdown,
@@ -137,11 +138,13 @@ class MessageQueueClient(TypedRequests):
                     self._unattended += 1
                 # A send can move arrived replies into the socket without the fd firing again
                 # (ZMQ_FD is edge-triggered): the thread must then receive them if some reply has
-                # no one else to take it (polled and waited-on ones have); an early deadline must
-                # shorten its wait; and it must start watching the socket once a reply has no one
-                # waiting on it.
+                # no one else to take it, or if another thread sleeps on that fd in ``wait`` (it
+                # would sleep on past its reply: seconds, until some deadline); an early deadline
+                # must shorten its wait; and it must start watching the socket once a reply has
+                # no one waiting on it.
                 wake = (deadline < self._pending.next_wake or (counted and not self._watching)
-                        or (self._unattended > 0 and bool(self._events() & POLLIN)))
+                        or ((self._unattended > 0 or self._sleepers > 0)
+                            and bool(self._events() & POLLIN)))
         if error is not None:
             future.set_exception(error)
         elif wake:
@@ -216,12 +219,18 @@ class MessageQueueClient(TypedRequests):
         future.add_done_callback(
             lambda _f: None if threading.get_ident() == waiter else mine.waker.wake())
         deadline = time.monotonic() + timeout_s
-        while not future.query():
-            self.poll_replies()
-            remaining = deadline - time.monotonic()
-            if future.query() or remaining <= 0:
-                break
-            mine.wait(max(1, int(remaining * 1000) + 1))
+        with self._lock:  # from here on, a sender that finds a reply queued wakes the I/O thread
+            self._sleepers += 1
+        try:
+            while not future.query():
+                self.poll_replies()
+                remaining = deadline - time.monotonic()
+                if future.query() or remaining <= 0:
+                    break
+                mine.wait(max(1, int(remaining * 1000) + 1))
+        finally:
+            with self._lock:
+                self._sleepers -= 1
         return future.query()
 
     def poll_replies(self) -> None:

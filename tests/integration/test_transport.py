@@ -199,6 +199,40 @@ def test_polled_requests_wake_no_thread_yet_resolve_and_expire(server, release):
         assert client.in_flight == 0
 
 
+def test_a_sleeping_call_wakes_when_another_thread_sends_past_its_reply(server, release,
+                                                                        monkeypatch):
+    """ZMQ_FD is edge-triggered and any socket call may take the edge: a thread that sends while
+    a caller sleeps in ``wait`` on that fd, its reply already queued, must see that someone wakes
+    it (it slept until its own timeout: seconds)."""
+    from lmcache_core.transport import client as client_module
+
+    monkeypatch.setattr(client_module, "_IDLE_WAKE_S", 60.0)  # the I/O thread's own look: later
+    with MessageQueueClient(server.bound_url) as client:
+        client.wait_until_reachable(2)
+        took: list[float] = []
+
+        def slow_call() -> None:  # sleeps in wait(): the store is held by ``release``
+            start = time.monotonic()
+            client.call(ops.STORE, m.StoreRequest(instance_id=1, chunk_hashes=[b"x"],
+                                                  block_ids=[0]), 20.0)
+            took.append(time.monotonic() - start)
+
+        caller = threading.Thread(target=slow_call)
+        caller.start()
+        time.sleep(0.1)
+        with client._lock:  # as a sender would: the reply arrives and a socket call takes the edge
+            release.set()
+            deadline = time.monotonic() + 5
+            while not int(client._socket.getsockopt(zmq.EVENTS)) & int(zmq.POLLIN):
+                assert time.monotonic() < deadline, "the reply never came"
+                time.sleep(0.001)
+            time.sleep(0.05)  # the caller, unable to receive, is back asleep on a quiet fd
+        # another thread's send (its deadline is past the I/O thread's next look: that wakes nobody)
+        client.submit(ops.PING, m.PingRequest(), 100.0, polled=True)
+        caller.join(3.0)
+        assert not caller.is_alive() and took and took[0] < 3.0
+
+
 def test_future_semantics():
     from lmcache_core.transport.future import MessagingFuture
 
