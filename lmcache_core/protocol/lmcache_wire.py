@@ -91,6 +91,12 @@ class TensorMetadata(msgspec.Struct, forbid_unknown_fields=True):
     storage_offset: m.ByteCount
     device_uuid: Annotated[str, msgspec.Meta(max_length=64)]
 
+    def __post_init__(self) -> None:
+        # Checked as it is decoded (a bad frame, answered as one): every view of the tensor
+        # (``hnd_as_nhd``, the mapping) pairs each dim with its stride.
+        if len(self.stride) != len(self.shape):
+            raise ValueError(f"shape {self.shape} with a {len(self.stride)}-element stride")
+
 
 class CpuShmIPCData(msgspec.Struct, tag="cpu_shm", tag_field="type", forbid_unknown_fields=True,
                     kw_only=True):
@@ -306,6 +312,8 @@ def hnd_as_nhd(desc: m.TensorDescriptor) -> m.TensorDescriptor:
     4-D ``[NB, NH, BS, 2*HS]`` is vLLM's CPU backend (the only vLLM backend on a CPU host): each
     (block, head) run holds ``BS`` K rows then ``BS`` V rows of ``HS`` (as our own connector reads
     it, ``integration/vllm/kv_views.py``), so chunks match those our connector stores."""
+    if len(desc.stride) != len(desc.shape):  # checked at decode (``TensorMetadata``) too
+        raise DialectError(f"shape {desc.shape} with a {len(desc.stride)}-element stride")
     if len(desc.shape) == 4:
         nb, h, n, c = desc.shape
         sb, sh, sn, sc = desc.stride

@@ -33,6 +33,7 @@ from lmcache_core.server.handlers import CacheHandlers
 from lmcache_core.server.prefetch_status import DEFERRED, PrefetchResults
 from lmcache_core.server.registry import HOSTNAME
 from lmcache_core.server.segments import process_gone
+from lmcache_core.transport.counters import LogBudget
 
 logger = logging.getLogger(__name__)
 #: What an answered-at-once retrieve or store replies when it failed: no device work, not ok.
@@ -52,7 +53,9 @@ class LMCacheDialect:
         self.results = PrefetchResults()  # lookup results by request id; parked waits
         self._registrations: dict[int, m.RegisterKVCacheRequest] = {}
         self._heads: dict[int, tuple[int, int]] = {}  # instance id -> its registered rank's heads
-        self._rejections = 0
+        # Bad frames and failures are the client's to cause at any rate: a few lines each.
+        self._rejections = LogBudget(logger=logger)
+        self._failures = LogBudget(logger=logger)
 
     # ------------------------------------------------------------------ entry point
 
@@ -110,17 +113,15 @@ class LMCacheDialect:
             return None if result is DEFERRED else w.reply_frames(call, result)
         except (w.DialectError, LMCacheError) as exc:
             self._reject(call.op, exc)
-        except Exception:
-            logger.exception("LMCache %s failed", call.op)
+        except Exception:  # a bug, but one any client may trigger at will: rationed
+            self._failures.log(logging.ERROR, "LMCache %s failed", call.op, exc_info=True)
         if call.op == "lookup":  # the prefetch job ends with no hits, as LMCache's would
             self.results.set(call.args[0].request_id, 0)
         return None
 
     def _reject(self, op: str, exc: Exception) -> None:
-        self._rejections += 1
-        if self._rejections <= 20 or self._rejections % 1000 == 0:
-            logger.info("LMCache %s request not answered (%d so far): %s", op, self._rejections,
-                        clip(str(exc)))
+        self._rejections.log(logging.INFO, "LMCache %s request not answered: %s", op,
+                             clip(str(exc)))
 
     # ------------------------------------------------------------------ control ops
 
@@ -262,15 +263,14 @@ class LMCacheDialect:
         try:
             self.handlers.engine.release_lookup_reads(request_id, set(hashes), 1, heads)
         except Exception:
-            logger.exception("LMCache retrieve: releasing the skipped chunks' locks failed")
+            self._failures.log(logging.ERROR, "LMCache retrieve: releasing the skipped chunks' "
+                               "locks failed", exc_info=True)
 
     def _failed(self, op: str, instance_id: int, exc: LMCacheError) -> tuple[bytes, bool]:
         if isinstance(exc, NotRegisteredError):
             self._registrations.pop(instance_id, None)
             self._heads.pop(instance_id, None)
-        self._rejections += 1
-        if self._rejections <= 20 or self._rejections % 1000 == 0:
-            logger.info("LMCache %s answered not ok: %s", op, clip(str(exc)))
+        self._rejections.log(logging.INFO, "LMCache %s answered not ok: %s", op, clip(str(exc)))
         return _FAILED
 
     # ------------------------------------------------------------------ lookups

@@ -145,3 +145,18 @@ def test_a_salted_store_is_for_its_tenant() -> None:
     unsalted = w.store_request(msgspec.structs.replace(k, cache_salt=""), 9, [list(range(12))], C, 4)
     assert unsalted.tenant == ""
     msgspec.convert(msgspec.to_builtins(req), type(req))  # within the field's bounds
+
+
+def test_a_stride_not_pairing_the_shape_is_a_bad_frame() -> None:
+    """A 4-D HND shape with a 3-element stride made ``hnd_as_nhd`` fail to unpack (a ValueError
+    logged with its traceback per request); it is a malformed frame, refused as it is decoded."""
+    data = msgspec.msgpack.decode(shm_layer().data)
+    data["metadata"].update(shape=[2, 4, 16, 64], stride=[1, 1, 1])
+    bad = msgspec.msgpack.Ext(1, enc(data))
+    with pytest.raises(w.DialectError, match="3-element stride"):
+        w.decode_call([enc(1), enc(1), enc(7), enc([bad]), enc("m"), enc(1), enc("vllm"),
+                       enc({"kv_layout": "HND"}), enc([])], "register_kv_cache")
+    desc = w.tensor_descriptor(msgspec.convert(msgspec.msgpack.decode(shm_layer().data),
+                                               w.CpuShmIPCData))
+    with pytest.raises(w.DialectError):  # a descriptor built some other way: still refused
+        w.hnd_as_nhd(msgspec.structs.replace(desc, shape=[4, 1, 16, 16], stride=[256, 16, 1]))

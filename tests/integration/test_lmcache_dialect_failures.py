@@ -1,0 +1,66 @@
+"""LMCache 0.5.6's wire on a real in-process server: what a client can make go wrong costs a few
+log lines, never one per request."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+import pytest
+
+from tests.integration.test_lmcache_dialect_waits import (  # noqa: F401 (fixtures)
+    call,
+    dealer,
+    kv_server,
+    short_tmp,
+)
+
+enc = msgspec.msgpack.encode
+DIALECT_LOGGER = "lmcache_core.server.lmcache_dialect"
+
+
+def _dialect_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == DIALECT_LOGGER]
+
+
+def test_bad_hnd_registers_are_bad_frames_and_cost_few_lines(kv_server,  # noqa: F811
+                                                             caplog) -> None:
+    srv, _, _ = kv_server
+    caplog.set_level(logging.INFO, logger=DIALECT_LOGGER)
+    layer = msgspec.msgpack.Ext(1, enc({"type": "cpu_shm", "version": 1, "metadata": {
+        "dtype": "float16", "shape": [2, 4, 16, 64], "stride": [1, 1, 1], "storage_offset": 0,
+        "device_uuid": "cpu"}, "shm_name": "/lmcache_kv_1_0", "nbytes": 100}))
+    sock = dealer(srv.url)
+    try:
+        for uid in range(60):
+            sock.send_multipart([enc(uid), enc(1), enc(7), enc([layer]), enc("tiny"), enc(1),
+                                 enc("vllm"), enc({"kv_layout": "HND"}), enc([])])
+        assert not sock.poll(300)  # silence, as for any bad frame
+        assert call(sock, [enc(99), enc(24)]) == [enc(99), enc(24), enc("OK")]
+    finally:
+        sock.close(0)
+    records = _dialect_records(caplog)
+    assert records and not any(r.exc_info for r in records)  # refused, not failed
+    assert len(records) <= 20
+
+
+def test_unexpected_failures_are_logged_rationed(kv_server, caplog,  # noqa: F811
+                                                 monkeypatch) -> None:
+    srv, _, _ = kv_server
+    caplog.set_level(logging.INFO, logger=DIALECT_LOGGER)
+
+    def broken(*_args: Any, **_kwargs: Any) -> None:
+        raise RuntimeError("a bug any client can reach")
+
+    monkeypatch.setattr(srv.transport.dialect, "_op_noop", broken)
+    sock = dealer(srv.url)
+    try:
+        for uid in range(60):
+            sock.send_multipart([enc(uid), enc(24)])
+        assert not sock.poll(300)
+        assert call(sock, [enc(99), enc(21)]) == [enc(99), enc(21), enc(64)]  # still serving
+    finally:
+        sock.close(0)
+    failed = [r for r in _dialect_records(caplog) if r.exc_info]
+    assert 1 <= len(failed) <= 20  # with their traceback, but not one per request
