@@ -298,23 +298,36 @@ class RemoteTier:
 
     def _write_batch(self, batch: list[ChunkKey]) -> None:
         """SET the batch's chunks still in memory, ``MAX_BATCH_BYTES`` of values at a time."""
-        if self._source is None:
+        source = self._source
+        if source is None:
             return
         values: list[tuple[bytes, Buffer]] = []
         size = 0
         for i, key in enumerate(batch):
-            with self._source(key) as found:
-                if found is None:  # evicted before its turn: nothing to write
-                    continue
-                value = self._encode(key, *found, len(values))
-            values.append((self.redis_key(key), value))
-            size += len(value)
-            if size >= MAX_BATCH_BYTES or i == len(batch) - 1:
-                if not self._flush_values(values, batch[i + 1:]):
-                    return
+            value = self._value_of(source, key, len(values))
+            if value is not None:
+                values.append((self.redis_key(key), value))
+                size += len(value)
+            if values and (size >= MAX_BATCH_BYTES or i == len(batch) - 1):
+                try:
+                    if not self._flush_values(values, batch[i + 1:]):
+                        return
+                finally:
+                    _release(values)  # views of the reused buffers: the next key may grow them
                 values, size = [], 0
-        if values:
-            self._flush_values(values, [])
+
+    def _value_of(self, source: Source, key: ChunkKey, index: int) -> Buffer | None:
+        """``key``'s record (in buffer ``index``), or None: evicted before its turn, or it could
+        not be encoded (counted in ``remote_write_failed`` and logged; the batch goes on)."""
+        try:
+            with source(key) as found:
+                if found is None:  # evicted before its turn: nothing to write
+                    return None
+                return self._encode(key, *found, index)
+        except Exception as exc:  # one bad chunk must not lose the rest of the batch
+            self.n.add(remote_write_failed=1)
+            self._log_refused(f"could not encode {key.short()}: {exc!r}")
+            return None
 
     def _encode(self, key: ChunkKey, payload: memoryview, payload_xxh3: int,
                 index: int) -> Buffer:
@@ -339,17 +352,21 @@ class RemoteTier:
             return False
         self._ok()
         failed = sum(1 for r in results if isinstance(r, Exception))
-        if failed:
+        if failed:  # e.g. Redis is full (maxmemory, noeviction)
             self.n.add(remote_write_failed=failed)
-            now = time.monotonic()
-            if now - self._last_refused_log > 10.0:  # e.g. Redis is full (maxmemory, noeviction)
-                self._last_refused_log = now
-                logger.warning("remote tier: Redis refused %d write(s): %s", failed,
-                               next(r for r in results if isinstance(r, Exception)))
+            self._log_refused(f"Redis refused {failed} write(s): "
+                              f"{next(r for r in results if isinstance(r, Exception))}")
         self.n.add(remote_written_chunks=len(results) - failed)
         if self.events is not None:
             self.events.stored(self._written_keys(values, results), REMOTE)
         return True
+
+    def _log_refused(self, what: str) -> None:
+        """Log a failed write, at most once per 10 s (they come in runs)."""
+        now = time.monotonic()
+        if now - self._last_refused_log > 10.0:
+            self._last_refused_log = now
+            logger.warning("remote tier: %s", what)
 
     def _written_keys(self, values: list[tuple[bytes, Buffer]], results: list[Any]) -> list[ChunkKey]:
         """The chunks of a pipelined SET that Redis took (for KV events)."""
@@ -376,3 +393,8 @@ class RemoteTier:
         out.update(remote_queued=self._writer.queued, remote_down=int(self._down))
         return out
 
+
+def _release(values: list[tuple[bytes, Buffer]]) -> None:
+    """Release the memoryviews among ``values`` (a bytearray cannot grow while one is exported)."""
+    for view in (value for _, value in values if isinstance(value, memoryview)):
+        view.release()

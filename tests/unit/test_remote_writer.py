@@ -1,0 +1,76 @@
+"""The remote tier's writer batch (``RemoteTier._write_batch``) without Redis: the pipelined SET is
+replaced by a recorder, so what each batch would send is seen (tests/integration/test_tiers.py runs
+the writer against a real redis-server)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from lmcache_core.keys import ChunkKey, opaque_layout
+from lmcache_core.storage import integrity, record
+from lmcache_core.storage.remote import MAX_BATCH_BYTES, RemoteTier
+
+LAYOUT = opaque_layout(1)
+
+
+def key(i: int, lo: int = 0, hi: int = 1) -> ChunkKey:
+    return ChunkKey("m", LAYOUT, lo, hi, bytes([i]) * 32)
+
+
+@pytest.fixture
+def tier() -> Iterator[RemoteTier]:
+    t = RemoteTier("redis://127.0.0.1:1")  # never connects: _set_many is replaced below
+    yield t
+    t.stop(drain_timeout_s=0)
+
+
+def serve(tier: RemoteTier, payloads: dict[ChunkKey, bytes]) -> list[tuple[bytes, bytes]]:
+    """Bind ``payloads`` as the tier's source; the returned list gets each (redis key, value) SET."""
+    @contextlib.contextmanager
+    def source(k: ChunkKey) -> Iterator[tuple[memoryview, int] | None]:
+        p = payloads.get(k)
+        yield None if p is None else (memoryview(p), integrity.checksum(p))
+
+    sent: list[tuple[bytes, bytes]] = []
+
+    def set_many(values: list[tuple[bytes, Any]]) -> list[Any]:
+        sent.extend((rkey, bytes(value)) for rkey, value in values)  # copied: buffers are reused
+        return [True] * len(values)
+
+    tier.bind(source)
+    tier._set_many = set_many  # type: ignore[method-assign]
+    return sent
+
+
+def test_growing_values_after_a_mid_batch_flush(tier: RemoteTier) -> None:
+    # 9 MiB fills a batch (a flush mid-batch); the 10 MiB value after it reuses, and must grow, the
+    # same buffer: a view of it kept past the flush made that a BufferError and lost the rest.
+    payloads = {key(1): b"\x01" * (MAX_BATCH_BYTES + 2**20), key(2): b"\x02" * (MAX_BATCH_BYTES + 2**21),
+                key(3): b"\x03" * 1000}
+    sent = serve(tier, payloads)
+    tier._write_batch(list(payloads))
+    assert [rkey for rkey, _ in sent] == [tier.redis_key(k) for k in payloads]
+    for (_, value), (k, payload) in zip(sent, payloads.items(), strict=True):
+        out = memoryview(bytearray(len(payload)))
+        assert record.decode_into(value, k, out) == len(payload) and out == payload
+    assert tier.stats()["remote_written_chunks"] == 3 and tier.stats()["remote_write_failed"] == 0
+
+
+def test_a_key_that_cannot_be_encoded_is_counted_and_the_batch_goes_on(tier: RemoteTier) -> None:
+    bad = key(2, lo=3, hi=1)  # no record holds an empty head range: encoding it raises
+    payloads = {key(1): b"a" * 100, bad: b"b" * 100, key(3): b"c" * 100}
+    sent = serve(tier, payloads)
+    tier._write_batch(list(payloads))
+    assert [rkey for rkey, _ in sent] == [tier.redis_key(key(1)), tier.redis_key(key(3))]
+    assert tier.stats()["remote_write_failed"] == 1 and tier.stats()["remote_written_chunks"] == 2
+
+
+def test_evicted_keys_are_skipped_and_the_rest_flushed(tier: RemoteTier) -> None:
+    sent = serve(tier, {key(1): b"a" * 100})
+    tier._write_batch([key(1), key(2)])  # key(2) left memory before its turn
+    assert [rkey for rkey, _ in sent] == [tier.redis_key(key(1))]
+    assert tier.stats()["remote_write_failed"] == 0
