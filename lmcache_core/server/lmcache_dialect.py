@@ -23,16 +23,12 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
-
 from lmcache_core.errors import LMCacheError, NotRegisteredError, clip
-from lmcache_core.kv.shm import parse_lmcache_segment_name
 from lmcache_core.protocol import lmcache_wire as w
 from lmcache_core.protocol import messages as m
 from lmcache_core.server.handlers import CacheHandlers
+from lmcache_core.server.lmcache_registrations import DialectRegistrations, registration_request
 from lmcache_core.server.prefetch_status import DEFERRED, PrefetchResults
-from lmcache_core.server.registry import HOSTNAME
-from lmcache_core.server.segments import process_gone
 from lmcache_core.transport.counters import LogBudget
 
 logger = logging.getLogger(__name__)
@@ -51,8 +47,7 @@ class LMCacheDialect:
         self.handlers = handlers
         self.post: Post | None = None  # set by ``attach``; without it, waits answer at once
         self.results = PrefetchResults()  # lookup results by request id; parked waits
-        self._registrations: dict[int, m.RegisterKVCacheRequest] = {}
-        self._heads: dict[int, tuple[int, int]] = {}  # instance id -> its registered rank's heads
+        self.registrations = DialectRegistrations(handlers)  # in step with the registry
         # Bad frames and failures are the client's to cause at any rate: a few lines each.
         self._rejections = LogBudget(logger=logger)
         self._failures = LogBudget(logger=logger)
@@ -151,63 +146,11 @@ class LMCacheDialect:
     def _op_register_kv_cache(self, instance_id: int, layers: list[Any], model_name: str,
                               world_size: int, _engine: str, hints: w.LayoutHints,
                               groups: list[w.EngineGroupInfo], *, client: bytes) -> None:
-        if len(groups) > 1:
-            raise w.DialectError(f"{len(groups)} engine KV groups: one plain group is served")
-        if hints.kv_layout not in (None, "NHD", "HND"):
-            raise w.DialectError(f"kv_layout {hints.kv_layout!r}: NHD and HND are served")
-        descs = [w.tensor_descriptor(layer) for layer in layers]
-        if hints.kv_layout == "HND":  # vLLM's CPU backend: viewed as NHD, chunks byte-identical
-            descs = [w.hnd_as_nhd(d) for d in descs]
-        pid = self._owner_pid(descs)
-        from lmcache_core.kv.layout import detect_layout, kv_geometry
-        layout = detect_layout(descs[0].shape)
-        request = m.RegisterKVCacheRequest(
-            instance_id=instance_id, model_name=model_name, world_size=world_size, kv_rank=0,
-            block_size=kv_geometry(descs[0].shape, layout).block_size, layout=layout,
-            layers=descs, pid=pid, hostname=HOSTNAME)
-        known = self._registrations.get(instance_id)
-        if known is not None and _same_cache(known, request):
-            self.handlers.registry.touch(instance_id, client)  # LMCache: re-register = liveness
-            return None
-        self._register(request, client)
-        return None
-
-    def _register(self, request: m.RegisterKVCacheRequest, client: bytes) -> None:
-        reply = self.handlers.register_kv_cache(request, client)
-        self._registrations[request.instance_id] = request
-        self._heads[request.instance_id] = (reply.head_lo, reply.head_hi)
-
-    @staticmethod
-    def _owner_pid(descs: list[m.TensorDescriptor]) -> int:
-        """The one live process all layers' LMCache segment names name (else refused)."""
-        pids = {parse_lmcache_segment_name(d.shm_name) for d in descs}
-        if len(pids) != 1 or None in pids:
-            raise w.DialectError("KV segments must all be named lmcache_kv_<pid>_<n> by one pid")
-        pid = pids.pop()
-        assert pid is not None
-        if process_gone(pid):
-            raise w.DialectError(f"process {pid} that named the KV segments is not running")
-        return pid
+        request = registration_request(instance_id, layers, model_name, world_size, hints, groups)
+        self.registrations.register(request, client)
 
     def _op_unregister_kv_cache(self, instance_id: int, *, client: bytes) -> None:
-        self._registrations.pop(instance_id, None)
-        self._heads.pop(instance_id, None)
-        self.handlers.unregister_kv_cache(m.UnregisterKVCacheRequest(instance_id=instance_id),
-                                          client)
-
-    def _registration(self, instance_id: int, worker_id: int | None,
-                      client: bytes) -> m.RegisterKVCacheRequest | None:
-        """The instance's registration, mapped for ``worker_id``'s rank (LMCache's register names
-        no rank: the first store or retrieve of another rank maps it again under that rank)."""
-        request = self._registrations.get(instance_id)
-        if request is None or worker_id is None:
-            return None
-        if request.kv_rank != worker_id:
-            if worker_id >= request.world_size:
-                return None
-            request = msgspec.structs.replace(request, kv_rank=worker_id)
-            self._register(request, client)
-        return request
+        self.registrations.unregister(instance_id, client)
 
     # ------------------------------------------------------------------ data path
 
@@ -215,7 +158,7 @@ class LMCacheDialect:
                   event: bytes, *, client: bytes) -> tuple[bytes, bool]:
         chunk = self.handlers.config.chunk_size
         w.check_range(key, chunk)
-        reg = self._registration(instance_id, key.worker_id, client)
+        reg = self.registrations.for_rank(instance_id, key.worker_id, client)
         if reg is None:
             return _FAILED
         try:
@@ -233,7 +176,7 @@ class LMCacheDialect:
                      event: bytes, skip_first_n_tokens: int, *, client: bytes) -> tuple[bytes, bool]:
         chunk = self.handlers.config.chunk_size
         w.check_range(key, chunk)
-        reg = self._registration(instance_id, key.worker_id, client)
+        reg = self.registrations.for_rank(instance_id, key.worker_id, client)
         if reg is None:
             return _FAILED
         try:
@@ -257,7 +200,7 @@ class LMCacheDialect:
         chunks ``skip_first_n_tokens`` left out too (their locks must not wait for the TTL).
         Runs in the retrieve's ``finally``: it never raises (it must not hide the retrieve's
         own exception), a failure is logged and the locks wait for their TTL."""
-        heads = self._heads.get(instance_id)
+        heads = self.registrations.heads(instance_id)
         if heads is None:
             return
         try:
@@ -268,8 +211,7 @@ class LMCacheDialect:
 
     def _failed(self, op: str, instance_id: int, exc: LMCacheError) -> tuple[bytes, bool]:
         if isinstance(exc, NotRegisteredError):
-            self._registrations.pop(instance_id, None)
-            self._heads.pop(instance_id, None)
+            self.registrations.forget(instance_id)
         self._rejections.log(logging.INFO, "LMCache %s answered not ok: %s", op, clip(str(exc)))
         return _FAILED
 
@@ -315,7 +257,3 @@ class LMCacheDialect:
         self.results.drop(request_id)
         self.handlers.end_session(m.LookupIdRequest(lookup_id=request_id), client)
 
-
-def _same_cache(a: m.RegisterKVCacheRequest, b: m.RegisterKVCacheRequest) -> bool:
-    """The same tensors (a re-register after a server recovery or a heartbeat)."""
-    return (a.model_name, a.world_size, a.layers) == (b.model_name, b.world_size, b.layers)
