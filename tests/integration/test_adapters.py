@@ -230,6 +230,42 @@ def test_end_session_during_a_lookup_leaves_no_locks(tmp_path):
         srv.kill()
 
 
+def test_a_lookup_past_its_timeout_still_keeps_the_release_behind_it(tmp_path):
+    """The scheduler stops waiting at ``lookup_timeout_s`` (it is told 0 and recomputes), but the
+    lookup is still queued on the server: a release sent then would overtake it on a tiered
+    server (lookups run on its workers) and the lookup's locks would stay until their TTL. The
+    release goes out once the server has answered, whether the result was cleaned up or not."""
+    srv = ServerProcess(tmp_path, {"disk": {"path": str(tmp_path / "disk")}}).start()
+    worker = WorkerProcess(srv.url)
+    scheduler = LMCacheMPSchedulerAdapter(srv.url, zmq.Context.instance(), "tiny", 1, 0, BLOCK,
+                                          lookup_timeout_s=0.2)
+    try:
+        toks = tokens(4, seed=71)
+        worker("fill", blocks=blocks(0, 4), seed=3)
+        assert worker("store", req="s", keys=toks, blocks=blocks(0, 4))["finished"]
+        for trial in range(3):
+            request_id = f"late-{trial}"
+            freeze(srv.proc.pid)
+            try:
+                scheduler.maybe_submit_lookup_request(request_id, toks)
+                released = scheduler.end_session(request_id) if trial < 2 else None
+                time.sleep(0.4)  # past the scheduler's timeout, the server still frozen
+                if released is None:  # the scheduler gave up, cleaned up, then ended it
+                    assert scheduler.check_lookup_result(request_id) == 0
+                    scheduler.cleanup_lookup_result(request_id)
+                    released = scheduler.end_session(request_id)
+                assert not released.query()
+            finally:
+                os.kill(srv.proc.pid, signal.SIGCONT)
+            assert released.result(10).released == 4
+            assert server_stats(scheduler).locks_held == 0
+        assert not scheduler._unanswered and not scheduler._given_up
+    finally:
+        scheduler.close()
+        worker.close()
+        srv.kill()
+
+
 def test_worker_registers_again_after_a_server_restart(tmp_path):
     srv = ServerProcess(tmp_path).start()
     worker = WorkerProcess(srv.url)  # heartbeat every second

@@ -6,6 +6,7 @@ Part of :mod:`.vllm_multi_process_adapter`, which re-exports ``LMCacheMPSchedule
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
@@ -52,6 +53,13 @@ class LMCacheMPSchedulerAdapter:
         self.min_hit_tokens = min_hit_tokens
         self.declined_lookups = 0
         self._lookups: dict[str, MessagingFuture[m.LookupReply]] = {}
+        # The scheduler's own deadline per lookup (perf_counter), apart from the server's answer:
+        # past it the scheduler is told 0 (it recomputes), but the lookup stays in flight until
+        # the server answers (the request timeout bounds that), so a release is sent behind it.
+        self._give_up_at: dict[str, float] = {}
+        self._given_up: set[str] = set()
+        # Lookups forgotten (cleanup_lookup_result) before the server answered them.
+        self._unanswered: dict[str, MessagingFuture[m.LookupReply]] = {}
         self._last_poll = 0.0
 
     def maybe_submit_lookup_request(self, request_id: str, block_hashes: list[bytes],
@@ -70,8 +78,8 @@ class LMCacheMPSchedulerAdapter:
                                   world_size=self._conn.world_size, lookup_id=request_id,
                                   chunk_hashes=hashes, lock=True)
         # polled: check_lookup_result takes the reply on the scheduler's thread (no I/O thread hop)
-        self._lookups[request_id] = self.mq_client.submit(
-            ops.LOOKUP, request, self.lookup_timeout_s, polled=True)
+        self._lookups[request_id] = self.mq_client.submit(ops.LOOKUP, request, polled=True)
+        self._give_up_at[request_id] = time.perf_counter() + self.lookup_timeout_s
 
     def check_lookup_result(self, request_id: str, num_computed_tokens: int = 0) -> int | None:
         """Matched tokens once the answer is in (chunks every rank holds x chunk size), else None.
@@ -81,7 +89,7 @@ class LMCacheMPSchedulerAdapter:
         the engine already has) would be shorter is declined: 0 from now on for this request,
         and the server's locks on it are released at once (not at the request's end)."""
         future = self._lookups.get(request_id)
-        if future is None:
+        if future is None or request_id in self._given_up:
             return 0
         if not future.query():
             now = time.perf_counter()
@@ -90,7 +98,9 @@ class LMCacheMPSchedulerAdapter:
             self._last_poll = now
             self.mq_client.poll_replies()  # take arrived replies now, without a thread hop
             if not future.query():
-                return None
+                if now < self._give_up_at.get(request_id, math.inf):
+                    return None
+                return self._give_up(request_id)
         try:
             reply = future.result(0)
         except LMCacheError as exc:
@@ -102,6 +112,14 @@ class LMCacheMPSchedulerAdapter:
             return 0
         return hit
 
+    def _give_up(self, request_id: str) -> int:
+        """The lookup passed ``lookup_timeout_s``: 0 for the scheduler from now on (it recomputes);
+        the server's answer, when it comes, only lets a release go out behind it."""
+        logger.warning("lookup for %s got no answer within %gs, recomputing", request_id,
+                       self.lookup_timeout_s)
+        self._given_up.add(request_id)
+        return 0
+
     def _decline(self, request_id: str) -> None:
         """Forget a hit not worth loading and release its locks now (one message, not waited)."""
         self._lookups[request_id] = MessagingFuture.completed(m.LookupReply(hit_chunks=0))
@@ -112,18 +130,34 @@ class LMCacheMPSchedulerAdapter:
         return self._conn.num_blocks_per_chunk()
 
     def cleanup_lookup_result(self, request_id: str) -> None:
-        """Forget the lookup's result (the server's locks stay until retrieve or end_session)."""
-        self._lookups.pop(request_id, None)
+        """Forget the lookup's result (the server's locks stay until retrieve or end_session).
+        One the server has not answered yet is kept until it does, for a release to go behind."""
+        lookup = self._lookups.pop(request_id, None)
+        self._drop_deadline(request_id)
+        if lookup is None or lookup.query():
+            return
+        self._unanswered[request_id] = lookup
+
+        def answered(done: MessagingFuture[m.LookupReply]) -> None:
+            if self._unanswered.get(request_id) is done:
+                del self._unanswered[request_id]
+
+        lookup.add_done_callback(answered)
+
+    def _drop_deadline(self, request_id: str) -> None:
+        self._give_up_at.pop(request_id, None)
+        self._given_up.discard(request_id)
 
     def free_lookup_locks(self, request_id: str) -> MessagingFuture[Any]:
         """Release what the request's lookup still locks (e.g. on abort), without waiting."""
         return self._release(ops.FREE_LOOKUP_LOCKS, request_id,
-                             self._lookups.get(request_id))
+                             self._lookups.get(request_id) or self._unanswered.get(request_id))
 
     def end_session(self, request_id: str) -> MessagingFuture[Any]:
         """The request is done: forget its lookup and release what it still locks on the server."""
-        return self._release(ops.END_SESSION, request_id,
-                             self._lookups.pop(request_id, None))
+        lookup = self._lookups.pop(request_id, None) or self._unanswered.pop(request_id, None)
+        self._drop_deadline(request_id)
+        return self._release(ops.END_SESSION, request_id, lookup)
 
     def _release(self, op: Op[m.LookupIdRequest, m.ReleasedReply], request_id: str,
                  lookup: MessagingFuture[m.LookupReply] | None) -> MessagingFuture[Any]:
