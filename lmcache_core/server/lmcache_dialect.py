@@ -158,7 +158,10 @@ class LMCacheDialect:
                   event: bytes, *, client: bytes) -> tuple[bytes, bool]:
         chunk = self.handlers.config.chunk_size
         w.check_range(key, chunk)
-        reg = self.registrations.for_rank(instance_id, key.worker_id, client)
+        try:
+            reg = self.registrations.for_rank(instance_id, key.worker_id, client)
+        except LMCacheError as exc:  # mapping it for this rank failed: in-band, not silence
+            return self._failed("store", instance_id, exc)
         if reg is None:
             return _FAILED
         try:
@@ -176,7 +179,10 @@ class LMCacheDialect:
                      event: bytes, skip_first_n_tokens: int, *, client: bytes) -> tuple[bytes, bool]:
         chunk = self.handlers.config.chunk_size
         w.check_range(key, chunk)
-        reg = self.registrations.for_rank(instance_id, key.worker_id, client)
+        try:
+            reg = self.registrations.for_rank(instance_id, key.worker_id, client)
+        except LMCacheError as exc:  # mapping it for this rank failed: in-band, not silence
+            return self._failed("retrieve", instance_id, exc)
         if reg is None:
             return _FAILED
         try:

@@ -52,7 +52,8 @@ class DialectRegistrations:
                  client: bytes) -> m.RegisterKVCacheRequest | None:
         """The instance's registration, mapped for ``worker_id``'s rank (LMCache's register names
         no rank: the first store or retrieve of another rank maps it again under that rank);
-        None when there is none to use (answered in-band as a failure)."""
+        None when there is none to use. Both, and the re-map's LMCacheError, are answered
+        in-band as a failure."""
         known = self._live(instance_id)
         if known is None or worker_id is None:
             return None

@@ -69,3 +69,28 @@ def test_instances_the_registry_dropped_are_not_kept(kv_server) -> None:  # noqa
         assert len(registrations) == 0
     finally:
         sock.close(0)
+
+
+def test_a_failing_re_map_for_another_rank_answers_in_band(kv_server,  # noqa: F811
+                                                          monkeypatch) -> None:
+    from lmcache_core.errors import IncompatibleError
+
+    srv, _, descs = kv_server
+    sock = dealer(srv.url)
+
+    def refused(*_args: Any, **_kwargs: Any) -> None:
+        raise IncompatibleError("this rank's KV cache cannot be mapped")
+
+    try:
+        assert call(sock, [enc(1), *register(7, descs, world_size=2)]) == [enc(1), enc(1)]
+        monkeypatch.setattr(srv.handlers, "register_kv_cache", refused)
+        # Rank 1's first store maps the instance again under rank 1, which fails: answered
+        # (b"", False) at once, as the store and retrieve document, not with silence.
+        assert call(sock, [enc(2), *store(7, "s", worker_id=1)], timeout_ms=3000) == \
+            [enc(2), enc(6), enc([b"", False])]
+        retrieve = [enc(7), enc(key("r", worker_id=1)), enc(7), enc([list(range(8))]), enc(b""),
+                    enc(0)]
+        assert call(sock, [enc(3), *retrieve], timeout_ms=3000) == \
+            [enc(3), enc(7), enc([b"", False])]
+    finally:
+        sock.close(0)
