@@ -133,7 +133,8 @@ class LMCacheAsyncLookupClient(LookupClientInterface):
             table = self._table
             table.counts["lookups"] += 1
             abandoned = table.forget(lookup_id)
-            started = bool(hashes) and not self._closed
+            # closed, or its thread ended (no answer would be read): 0 at once, nothing pinned
+            started = bool(hashes) and not self._closed and not self._closing.is_set()
             if started:
                 wake = table.start(lookup_id, seq, time.monotonic() + self.timeout_s)
             else:  # nothing to look up (no complete chunk), or closed: 0 at once

@@ -357,5 +357,6 @@ def test_a_dead_client_thread_is_logged_and_lookups_still_end_at_their_deadline(
     start = time.monotonic()
     assert s.client.wait_for_result("d", 5) == 0  # at the lookup's deadline, not the wait's
     assert time.monotonic() - start < 2.0
-    s.client.lookup(TOKENS, "e")
+    s.client.lookup(TOKENS, "e")  # nobody reads answers any more: 0 at once, nothing sent
+    assert s.client.lookup_cache("e") == 0
     assert s.client.wait_for_result("e", 5) == 0
