@@ -136,7 +136,8 @@ class CacheCore:
         """Reserve pool bytes for each piece not yet held, evicting as needed.
 
         A key whose head range resident pieces already cover, or that is being written, counts as
-        ``already_present`` (covering pieces get ``retention`` too); keys no room can be found for
+        ``already_present`` (covering pieces get ``retention`` too, are touched as hits and never
+        evicted for this store's room); keys no room can be found for
         count as ``skipped_full`` (earlier keys, the prefix's head, get room first). Never raises
         for a full pool. ``retention``: the request's TTL, pin and priority (``retention``);
         ``tenant``: its cache_salt tenant (``keys.tenant_tag``), whose quota applies too."""
@@ -163,16 +164,36 @@ class CacheCore:
         """Under the lock: claim the keys not held yet and give them pool bytes, into ``plan``;
         the (request index, key) pairs that got room."""
         new: list[tuple[int, ChunkKey]] = []
-        index, writing = self.index, self.writing
-        keep = not plan.retention.plain
+        present: list[Piece] = []  # the resident pieces holding keys already present
+        writing = self.writing
         for position, key in enumerate(keys):
-            if key in writing or index.covers(key.chunk, (key.head_lo, key.head_hi)):
-                plan.already_present += 1
-                if keep:
-                    self._retain_present(key, plan)
-            else:
+            covering = None if key in writing else self.index.covering(key)
+            if covering is None and key not in writing:
                 writing.claim(key)
                 new.append((position, key))
+                continue
+            plan.already_present += 1
+            present += covering or ()
+        if not plan.retention.plain:  # the pieces it found get its retention too
+            plan.pin_refused += self.retention.keep(present, plan.retention, self.clock())
+        # The present pieces are part of what this store keeps: touched as a hit (the prefix's
+        # head most recent) and held while room is made, so its evictions never take them.
+        for piece in reversed(present):
+            self.index.touch(piece)
+            piece.readers += 1
+        try:
+            got = self._room(new, nbytes, plan)
+        finally:
+            for piece in present:
+                self.release_reader(piece)
+        for _, key in new:
+            writing.unclaim(key)
+        plan.skipped_full += len(new) - len(got) - plan.skipped_quota
+        return got
+
+    def _room(self, new: Sequence[tuple[int, ChunkKey]], nbytes: int,
+              plan: StorePlan) -> list[tuple[int, ChunkKey]]:
+        """``claim``'s allocations, in request order until the pool is full (quotas skip keys)."""
         got: list[tuple[int, ChunkKey]] = []
         for position, key in new:
             if not self.quota_room(key.model_name, nbytes, plan.tenant):
@@ -181,13 +202,10 @@ class CacheCore:
             handle = self.allocate(nbytes, len(new) - len(got))
             if handle is None:
                 break
-            writing.reserve(key, handle, nbytes, plan.tenant)
+            self.writing.reserve(key, handle, nbytes, plan.tenant)
             plan.keys.append(key)
             plan.handles.append(handle)
             got.append((position, key))
-        for _, key in new:
-            writing.unclaim(key)
-        plan.skipped_full += len(new) - len(got) - plan.skipped_quota
         return got
 
     def quota_room(self, model_name: str, nbytes: int, tenant: str = "") -> bool:
@@ -283,15 +301,6 @@ class CacheCore:
             piece.dropped = True
         else:
             self.pool.free(piece.handle)
-
-    def _retain_present(self, key: ChunkKey, plan: StorePlan) -> None:
-        """A store found ``key``'s heads already held: give those pieces its retention."""
-        pieces = self.index.chunks.get(key.chunk)
-        covering = cover(pieces, key.head_lo, key.head_hi) if pieces else None
-        now = self.clock()
-        for piece in covering or ():
-            if not self.retention.apply(piece, plan.retention, now, False):
-                plan.pin_refused += 1
 
     # ------------------------------------------------------------------ retrieve
 

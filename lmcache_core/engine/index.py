@@ -121,6 +121,11 @@ class PieceIndex:
         pieces = self.chunks.get(chunk)
         return pieces is not None and cover(pieces, heads[0], heads[1]) is not None
 
+    def covering(self, key: ChunkKey) -> list[Piece] | None:
+        """The resident pieces that hold ``key``'s heads (``cover``); None if some head is not."""
+        pieces = self.chunks.get(key.chunk)
+        return cover(pieces, key.head_lo, key.head_hi) if pieces else None
+
     def add(self, piece: Piece) -> None:
         """Index a committed piece as the most recently used."""
         key = piece.key

@@ -14,7 +14,7 @@ snapshot of the index (O(pieces) per eviction pass).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from lmcache_core.engine.index import Piece, PieceIndex
@@ -66,6 +66,11 @@ class RetentionBook:
         pinned = not retention.pin or self._pin(piece)
         self.special += _special(piece) - was
         return pinned
+
+    def keep(self, pieces: Iterable[Piece], retention: Retention, now: float) -> int:
+        """A store found ``pieces`` already held: give them its hints (the longer/higher wins);
+        how many of its pins were refused."""
+        return sum(not self.apply(piece, retention, now, False) for piece in pieces)
 
     def unpin(self, piece: Piece) -> bool:
         """Unpin ``piece``; False when it was not pinned."""
