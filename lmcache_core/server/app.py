@@ -78,7 +78,7 @@ class CacheServer:
             self.transport.counters, config.server.url)
         self.registry = self.handlers.registry
         self.transport.routes = self.handlers.routes()
-        self.transport.dialect = LMCacheDialect(self.handlers)  # LMCache 0.5.6's own clients
+        self.transport.dialect = LMCacheDialect(self.handlers, self.transport.limits)  # LMCache's clients
         self.handlers.add_copy_threads = self.transport.add_workers  # more per GPU registered
         self.transport.on_disconnect = self.registry.disconnected  # a killed GPU worker
         self._stop = threading.Event()

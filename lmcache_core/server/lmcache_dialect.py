@@ -9,7 +9,9 @@ this one chose, is listed in the README ("LMCache's own clients").
 Failures: a malformed or unserved request is answered with silence, as LMCache's server does (its
 client's timeout decides); a store or retrieve that fails in a way LMCache reports in-band (an
 unknown instance, too few block ids, a chunk missing) is answered ``(b"", False)`` at once, so the
-client recomputes instead of waiting.
+client recomputes instead of waiting. A key naming more chunks than one request may
+(``Limits.max_keys_per_request``, as for our own requests) is refused before it is hashed: a
+lookup with silence, a store or retrieve in-band.
 
 Lookups: LMCache's LOOKUP acknowledges at once and its hit count is handed over once, by
 ``query_prefetch_status`` or ``wait_prefetch_status`` (``prefetch_status.PrefetchResults``). With
@@ -26,6 +28,7 @@ from typing import Any
 from lmcache_core.errors import LMCacheError, NotRegisteredError, clip
 from lmcache_core.protocol import lmcache_wire as w
 from lmcache_core.protocol import messages as m
+from lmcache_core.protocol.codec import DEFAULT_LIMITS, Limits
 from lmcache_core.server.handlers import CacheHandlers
 from lmcache_core.server.lmcache_registrations import DialectRegistrations, registration_request
 from lmcache_core.server.prefetch_status import DEFERRED, PrefetchResults
@@ -43,8 +46,9 @@ Post = Callable[[list[bytes]], None]
 class LMCacheDialect:
     """Serves LMCache's ops over ``handlers``; one per server."""
 
-    def __init__(self, handlers: CacheHandlers) -> None:
+    def __init__(self, handlers: CacheHandlers, limits: Limits = DEFAULT_LIMITS) -> None:
         self.handlers = handlers
+        self.limits = limits  # the transport's: what one request may weigh, in either dialect
         self.post: Post | None = None  # set by ``attach``; without it, waits answer at once
         self.results = PrefetchResults()  # lookup results by request id; parked waits
         self.registrations = DialectRegistrations(handlers)  # in step with the registry
@@ -70,6 +74,8 @@ class LMCacheDialect:
         except w.DialectError as exc:
             self._reject(op, exc)
             return None
+        if self._over_limit(call):  # refused unhashed: store and retrieve in-band, as they fail
+            return w.reply_frames(call, _FAILED) if op in ("store", "retrieve") else None
         if op == "lookup":  # its result is kept only while this marker is (``end_session``)
             self.results.pending(call.args[0].request_id)
         if op == "lookup" and self.handlers.engine.has_tiers:
@@ -113,6 +119,21 @@ class LMCacheDialect:
         if call.op == "lookup":  # the prefetch job ends with no hits, as LMCache's would
             self.results.set(call.args[0].request_id, 0)
         return None
+
+    def _over_limit(self, call: w.Call) -> bool:
+        """Whether the call's key names more chunks than one request may
+        (``Limits.max_keys_per_request``, as for our own requests). Every chunk of its tokens up
+        to ``end`` is chain-hashed, on the loop thread for a memory-only lookup: a 4 MiB frame of
+        token ids took ~0.2 s there."""
+        key = call.args[0] if call.args else None
+        if not isinstance(key, w.IPCCacheServerKey):
+            return False
+        chunks = key.end // self.handlers.config.chunk_size
+        if chunks <= self.limits.max_keys_per_request:
+            return False
+        self._rejections.log(logging.INFO, "LMCache %s refused: %d chunks, at most %d per request",
+                             call.op, chunks, self.limits.max_keys_per_request)
+        return True
 
     def _reject(self, op: str, exc: Exception) -> None:
         self._rejections.log(logging.INFO, "LMCache %s request not answered: %s", op,

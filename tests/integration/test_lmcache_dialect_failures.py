@@ -12,6 +12,7 @@ import pytest
 from tests.integration.test_lmcache_dialect_waits import (  # noqa: F401 (fixtures)
     call,
     dealer,
+    key,
     kv_server,
     short_tmp,
 )
@@ -64,3 +65,43 @@ def test_unexpected_failures_are_logged_rationed(kv_server, caplog,  # noqa: F81
         sock.close(0)
     failed = [r for r in _dialect_records(caplog) if r.exc_info]
     assert 1 <= len(failed) <= 20  # with their traceback, but not one per request
+
+
+def test_keys_over_the_request_limit_are_refused_before_hashing(kv_server,  # noqa: F811
+                                                               monkeypatch) -> None:
+    """TINY allows 1000 keys (chunks) per request: a key whose tokens up to ``end`` make more is
+    refused unhashed (a lookup with silence, a store or retrieve in-band), not chain-hashed
+    on the loop thread (a 4 MiB frame of token ids took ~0.2 s there, stalling every client)."""
+    from lmcache_core.protocol import lmcache_wire
+
+    srv, _, descs = kv_server
+    hashed: list[int] = []
+    chain = lmcache_wire.chain_hashes
+
+    def counted(tokens: Any, *args: Any) -> list[bytes]:
+        hashed.append(len(tokens))
+        return chain(tokens, *args)
+
+    monkeypatch.setattr(lmcache_wire, "chain_hashes", counted)
+    over = {"token_ids": list(range(1001 * 64)), "end": 1001 * 64}
+    sock = dealer(srv.url)
+    try:
+        assert call(sock, [enc(1), enc(1), enc(7), enc(descs), enc("tiny"), enc(1), enc("vllm"),
+                           enc({}), enc([])]) == [enc(1), enc(1)]
+        assert call(sock, [enc(2), enc(8), enc({**key("big"), **over}), enc(1)],
+                    timeout_ms=500) is None
+        assert call(sock, [enc(3), enc(9), enc("big")]) == [enc(3), enc(9), enc(0)]
+        stored = {**key("s", worker_id=0), **over}
+        assert call(sock, [enc(4), enc(6), enc(stored), enc(7), enc([list(range(8))]),
+                           enc(b"")]) == [enc(4), enc(6), enc([b"", False])]
+        assert call(sock, [enc(5), enc(7), enc(stored), enc(7), enc([list(range(8))]), enc(b""),
+                           enc(0)]) == [enc(5), enc(7), enc([b"", False])]
+        assert call(sock, [enc(6), enc(12), enc({**key("big"), **over}), enc(1)],
+                    timeout_ms=500) is None  # free_lookup_locks hashes its key too
+        assert hashed == []
+        # At the limit: served.
+        at = {"token_ids": list(range(1000 * 64)), "end": 1000 * 64}
+        assert call(sock, [enc(7), enc(8), enc({**key("ok"), **at}), enc(1)]) == [enc(7), enc(8)]
+        assert hashed == [1000 * 64]
+    finally:
+        sock.close(0)
