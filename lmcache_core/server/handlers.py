@@ -17,7 +17,7 @@ from lmcache_core import __version__
 from lmcache_core.config import LMCacheConfig
 from lmcache_core.engine import CacheEngine, Retention, RetrievePlan, StorePlan
 from lmcache_core.errors import IncompatibleError, ProtocolError
-from lmcache_core.keys import ChunkKey, rank_heads
+from lmcache_core.keys import ChunkKey, is_mla, rank_heads
 from lmcache_core.kv.cuda_events import open_ipc_event
 from lmcache_core.kv.mapped import MappedKVCache
 from lmcache_core.protocol import messages as m
@@ -295,9 +295,13 @@ class CacheHandlers:
                 f"({per_chunk} per chunk), got {len(block_ids)}")
         return per_chunk
 
-    def lookup(self, request: m.LookupRequest, _client: bytes) -> m.LookupReply:
+    def lookup(self, request: m.LookupRequest, _client: bytes, readers: int = 1) -> m.LookupReply:
         """Hit chunks for ``world_size`` ranks in the request's layout (``layouts``: its own, else
-        the registered workers', else every one held for the model; the best of several)."""
+        the registered workers', else every one held for the model; the best of several).
+
+        Each rank's lock on a chunk goes with ``readers`` retrieves of it (LMCache's
+        ``num_kv_readers``); for MLA, whose one piece every rank reads, ``world_size`` times that:
+        the first rank's retrieve must not unlock the chunk the others still read."""
         target = self.layouts.best(request.model_name, request.world_size, request.layout,
                                    request.chunk_hashes)
         if target is None:
@@ -310,6 +314,10 @@ class CacheHandlers:
         else:
             hits = self.engine.lookup(request.model_name, layout, ranges, request.chunk_hashes,
                                       request.lookup_id, request.lock)
+        if is_mla(layout):
+            readers *= request.world_size
+        if hits and request.lock and readers > 1:  # before the reply: no retrieve has read yet
+            self.engine.set_lock_readers(request.lookup_id, readers)
         return m.LookupReply(hit_chunks=hits)
 
     @property

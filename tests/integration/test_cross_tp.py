@@ -119,7 +119,12 @@ def test_mla_pieces_serve_every_tp_size(server):
         assert lookup(server.url, 1, "mla1", toks, model="mla") == 2 * CHUNK
         load_and_check(made[1], "mla1", toks, 41, 2)
         assert lookup(server.url, 2, "mla2", toks, model="mla") == 2 * CHUNK
-        load_and_check(made[2], "mla2", toks, 41, 2)
+        held = server_info(server.url).stats.locks_held
+        # every rank reads the one piece: the first rank's retrieve leaves the locks to the other
+        load_and_check(made[2][:1], "mla2", toks, 41, 2)
+        assert server_info(server.url).stats.locks_held == held
+        load_and_check(made[2][1:], "mla2", toks, 41, 2)
+        assert server_info(server.url).stats.locks_held == held - 2
     finally:
         for workers in made.values():
             for worker in workers:
