@@ -5,6 +5,13 @@ A worker's ``LMCacheAsyncLookupServer`` calls ``CacheEngine.async_lookup_and_pre
 the ``AsyncLookups`` it holds. Without lower tiers a lookup answers at once on the caller's thread;
 with them the prefix is brought into memory by ``lookup_tiers`` on a small prefetch thread pool
 (made on first use), so the caller never waits on tier I/O. ``close`` shuts that pool down.
+
+``cleanup`` (the request was cancelled or timed out) releases the lookup's locks. A tiered lookup
+still in flight then would lock again when it ends (its final re-lookup), with nobody left to
+release them, so each one is tracked by lookup id from its submission: one that a cleanup cancelled
+skips its I/O if it has not started, releases what it locked when it ends, and answers 0 (a reported
+hit is always locked). When a newer lookup of the same id was submitted after the cleanup, the locks
+of that id are the newer one's: the cancelled one answers 0 and leaves them.
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 from lmcache_core.errors import ProtocolError
@@ -41,6 +50,15 @@ logger = logging.getLogger(__name__)
 PREFETCH_THREADS = 4
 
 
+@dataclass(slots=True)
+class _Tracked:
+    """One lookup id's tiered lookups in flight (kept only while one is)."""
+
+    running: int = 0  # submitted, not finished
+    submitted: int = 0  # numbers each submission (1, 2, ...)
+    cancelled_upto: int = 0  # a cleanup cancelled the submissions up to this number
+
+
 class AsyncLookups:
     """Answers async lookups against one engine; owns the prefetch threads of tiered ones."""
 
@@ -49,6 +67,7 @@ class AsyncLookups:
         self._lock = threading.Lock()
         self._prefetch: ThreadPoolExecutor | None = None
         self._in_flight: set[Future[None]] = set()
+        self._tracked: dict[str, _Tracked] = {}  # lookup id -> its tiered lookups in flight
         self._closed = False
 
     def lookup_and_prefetch(self, lookup_id: str, hashes: Sequence[bytes],
@@ -84,32 +103,73 @@ class AsyncLookups:
         if on_result is None:  # nobody to call back: wait here
             return answer(engine.lookup_tiers(model_name, layout, ranges, hashes, lookup_id, pin))
 
-        def prefetch() -> None:
-            try:
-                chunks = engine.lookup_tiers(model_name, layout, ranges, hashes, lookup_id, pin)
-            except Exception:
-                logger.exception("async lookup %r failed", lookup_id)
-                engine.free_lookup_locks(lookup_id)
-                chunks = 0
-            answer(chunks)
-
+        lookup = partial(engine.lookup_tiers, model_name, layout, ranges, hashes, lookup_id, pin)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the engine is closed: no more tiered async lookups")
             if self._prefetch is None:
                 self._prefetch = ThreadPoolExecutor(PREFETCH_THREADS,
                                                     thread_name_prefix="lmcache-prefetch")
-            future = self._prefetch.submit(prefetch)
+            number = self._track(lookup_id)  # before it can run: a cleanup from now on sees it
+            future = self._prefetch.submit(self._prefetch_one, lookup_id, number, lookup, answer)
             self._in_flight.add(future)
-        future.add_done_callback(self._finished)
+        future.add_done_callback(partial(self._finished, lookup_id, number))
         return None
 
-    def _finished(self, future: Future[None]) -> None:
+    def _prefetch_one(self, lookup_id: str, number: int, lookup: Callable[[], int],
+                      answer: Callable[[int], int]) -> None:
+        """Submission ``number`` of ``lookup_id``, on a prefetch thread: look up, then answer."""
+        chunks = 0
+        with self._lock:
+            started = number > self._tracked[lookup_id].cancelled_upto
+        if started:  # else cancelled while queued: no I/O, nothing locked
+            try:
+                chunks = lookup()
+            except Exception:
+                logger.exception("async lookup %r failed", lookup_id)
+                self.engine.free_lookup_locks(lookup_id)
+                chunks = 0
+        with self._lock:
+            if self._untrack(lookup_id, number):
+                chunks = 0
+        answer(chunks)
+
+    def _track(self, lookup_id: str) -> int:
+        """Under ``_lock``: count a submission of ``lookup_id`` in flight; its number."""
+        tracked = self._tracked.get(lookup_id)
+        if tracked is None:
+            tracked = self._tracked[lookup_id] = _Tracked()
+        tracked.running += 1
+        tracked.submitted += 1
+        return tracked.submitted
+
+    def _untrack(self, lookup_id: str, number: int) -> bool:
+        """Under ``_lock`` (so no newer submission slips in): submission ``number`` ended; True
+        when a cleanup cancelled it, whose locks are released here unless a newer submission of
+        the id (made after that cleanup) owns them."""
+        tracked = self._tracked[lookup_id]
+        tracked.running -= 1
+        if not tracked.running:
+            del self._tracked[lookup_id]
+        if number > tracked.cancelled_upto:
+            return False
+        if tracked.submitted == tracked.cancelled_upto:
+            self.engine.free_lookup_locks(lookup_id)
+        return True
+
+    def _finished(self, lookup_id: str, number: int, future: Future[None]) -> None:
         with self._lock:
             self._in_flight.discard(future)
+            if future.cancelled():  # by ``close``: it never ran, so never untracked itself
+                self._untrack(lookup_id, number)
 
     def cleanup(self, lookup_id: str) -> int:
-        """Release what ``lookup_id``'s async lookup pinned (it was cancelled or timed out)."""
+        """Release what ``lookup_id``'s async lookup pinned (it was cancelled or timed out); its
+        tiered lookups in flight are cancelled (they release what they lock and answer 0)."""
+        with self._lock:
+            tracked = self._tracked.get(lookup_id)
+            if tracked is not None:
+                tracked.cancelled_upto = tracked.submitted
         return self.engine.free_lookup_locks(lookup_id)
 
     def close(self, timeout_s: float = 5.0) -> bool:

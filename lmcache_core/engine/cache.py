@@ -264,7 +264,8 @@ class CacheEngine(CacheCore):
                                                on_result=on_result)
 
     def cleanup_memory_objs(self, lookup_id: str) -> int:
-        """Release what ``lookup_id``'s async lookup pinned (it was cancelled or timed out)."""
+        """Release what ``lookup_id``'s async lookup pinned (it was cancelled or timed out); a
+        tiered one still in flight releases what it pins when it ends, and answers 0."""
         return self._async.cleanup(lookup_id)
 
 
