@@ -144,7 +144,8 @@ class CacheEngine(CacheCore):
                     f"({book.max_pinned_bytes}); unpin others or raise it")
             hint = Retention(ttl_s=ttl_s, pin=True)
             for piece in pieces:
-                # The pin's TTL replaces the piece's; its priority stays (the hint has none).
+                # The pin's TTL replaces the piece's (none: pinned until unpinned, whatever TTL
+                # it had); its priority stays (the hint has none).
                 book.apply(piece, hint, now, fresh=False, replace_ttl=ttl_s is not None)
         return len(pieces)
 

@@ -5,7 +5,9 @@ A store may carry hints (vLLM's ``kv_transfer_params``: ``lmcache.ttl_s``, ``lmc
 ones, least recently used first within a priority; it never takes a pinned piece before its TTL ends
 or it is unpinned. Pins are bounded by ``max_pinned_bytes``: a pin past it is refused (counted and
 reported), never silently dropped. Pieces stored again keep the longer TTL, the higher priority and
-their pin. Not thread-safe: the engine calls it under its lock.
+their pin. A pin without a TTL of its own (a store's, ``lmcache pin``'s) holds until unpinned, so it
+drops the TTL a piece had; one with a TTL ends with it. Not thread-safe: the engine calls it under
+its lock.
 
 Without any hint in use the order is plain LRU at no extra cost; with some, eviction sorts a
 snapshot of the index (O(pieces) per eviction pass).
@@ -26,7 +28,7 @@ class Retention:
     """A request's hints for the pieces it stores (all optional)."""
 
     ttl_s: float | None = None  # may be evicted first once this many seconds have passed
-    pin: bool = False  # never evicted until the TTL ends (if any) or it is unpinned
+    pin: bool = False  # never evicted until this TTL ends (none: until unpinned)
     priority: int = 0  # lower priorities are evicted first
 
     @property
@@ -64,6 +66,8 @@ class RetentionBook:
             piece.expires = until if replace else max(piece.expires, until)
         piece.priority = retention.priority if fresh else max(piece.priority, retention.priority)
         pinned = not retention.pin or self._pin(piece)
+        if retention.pin and retention.ttl_s is None and piece.pinned:
+            piece.expires = math.inf  # a pin of no TTL of its own holds until unpinned
         self.special += _special(piece) - was
         return pinned
 

@@ -166,3 +166,51 @@ def test_clear_keeps_pinned_pieces_unless_forced():
     assert engine.clear() == (1, 1)
     assert engine.clear(force=True) == (1, 0)
     assert engine.stats()["pinned_pieces"] == 0 and engine.retention.special == 0
+
+
+def test_a_pin_without_a_ttl_holds_a_piece_stored_with_one_until_unpinned():
+    engine, clock = make(slots=2, max_pinned=2 * SLOT)
+    store(engine, [1], Retention(ttl_s=5))
+    assert engine.pin("m", LAYOUT, RANGES, [h(1)]) == 1  # "until unpinned"
+    assert engine.list_chunks()[0][0].expires_in_s is None
+    clock.now += 10  # past the store's TTL
+    assert engine.expire_locks() == 0 and engine.stats()["pinned_pieces"] == 1
+    store(engine, [2, 3, 4])  # a 2-slot pool: only the unpinned pieces come and go
+    assert resident(engine, [1]) == [True]
+    assert engine.unpin("m", LAYOUT, RANGES, [h(1)]) == 1
+    store(engine, [5, 6])
+    assert resident(engine, [1]) == [False] and engine.retention.special == 0
+
+
+def test_a_store_that_pins_a_present_piece_without_a_ttl_pins_it_until_unpinned():
+    engine, clock = make(slots=2, max_pinned=2 * SLOT)
+    store(engine, [1], Retention(ttl_s=5))
+    plan = store(engine, [1], Retention(pin=True))  # already present: pinned, no TTL of its own
+    assert (plan.already_present, plan.pin_refused) == (1, 0)
+    clock.now += 10
+    engine.expire_locks()
+    store(engine, [2, 3, 4])
+    assert resident(engine, [1]) == [True] and engine.stats()["pinned_pieces"] == 1
+
+
+def test_a_refused_pin_without_a_ttl_leaves_the_pieces_ttl():
+    engine, _clock = make(max_pinned=SLOT)
+    store(engine, [0], Retention(pin=True))  # takes all of max_pinned
+    store(engine, [1], Retention(ttl_s=5))
+    plan = store(engine, [1], Retention(pin=True))
+    assert plan.pin_refused == 1
+    row = {r.chunk_hash[0]: r for r in engine.list_chunks()[0]}[1]
+    assert (row.pinned, row.expires_in_s) == (False, pytest.approx(5))
+
+
+def test_a_pin_with_a_ttl_still_ends_with_it_and_a_later_pin_without_one_holds():
+    engine, clock = make(slots=2, max_pinned=2 * SLOT)
+    store(engine, [1])
+    assert engine.pin("m", LAYOUT, RANGES, [h(1)], ttl_s=5) == 1
+    clock.now += 10
+    assert engine.expire_locks() == 0 and engine.stats()["pinned_pieces"] == 0  # lapsed
+    assert engine.pin("m", LAYOUT, RANGES, [h(1)]) == 1
+    clock.now += 1000
+    engine.expire_locks()
+    assert engine.stats()["pinned_pieces"] == 1
+    assert engine.stats()["pinned_bytes"] == SLOT
