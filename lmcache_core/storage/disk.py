@@ -22,7 +22,9 @@ truncated or corrupted file is deleted, counted (``disk_corrupt``), logged, and 
 never served.
 
 The index is an in-memory LRU (``contains`` is a dict lookup, safe to call under the engine's lock);
-file I/O and unlinks happen outside this tier's own lock, which only guards dict work.
+file I/O and unlinks happen outside this tier's own lock, which only guards dict work, except the
+rare unlink of a bad file or of one ``remove`` drops: done with its index change, since a file's name
+is fixed per key and the writer may save the key again right after it is unindexed.
 """
 
 from __future__ import annotations
@@ -218,7 +220,10 @@ class DiskTier:
         self.n.add(disk_loaded_chunks=1)
         return meta.nbytes, payload_xxh3
 
-    def _forget(self, key: ChunkKey, meta: DiskFile) -> bool:
+    def _forget(self, key: ChunkKey, meta: DiskFile, delete: bool = False) -> bool:
+        """Unindex ``key`` if ``meta`` is still its file; True if it was. ``delete``: unlink the
+        file too, under the lock: once unindexed, the writer may save the key again under the same
+        name, and an unlink after that would delete the fresh file while it is indexed."""
         with self._mutex:
             if self._index.get(key) is not meta:
                 return False
@@ -227,11 +232,12 @@ class DiskTier:
             self._bytes -= meta.size
             if self.events is not None:
                 self.events.removed((key,), DISK)
+            if delete:
+                unlink(self.path / meta.name)
             return True
 
     def _drop_bad(self, key: ChunkKey, meta: DiskFile, why: str) -> None:
-        if self._forget(key, meta):
-            unlink(self.path / meta.name)
+        if self._forget(key, meta, delete=True):
             self.n.add(disk_corrupt=1)
             logger.warning("disk tier: dropped %s (%s): %s", self.path / meta.name, key.short(), why)
 
@@ -305,10 +311,7 @@ class DiskTier:
     def remove(self, key: ChunkKey) -> bool:
         """Delete ``key``'s file if there is one."""
         meta = self._index.get(key)
-        if meta is None or not self._forget(key, meta):
-            return False
-        unlink(self.path / meta.name)
-        return True
+        return meta is not None and self._forget(key, meta, delete=True)
 
     # ------------------------------------------------------------------ writer thread
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +17,7 @@ from blake3 import blake3
 
 from lmcache_core.errors import ConfigError
 from lmcache_core.keys import ChunkKey, layout_key, opaque_layout, rank_heads, world_heads
+from lmcache_core.storage import disk as disk_module
 from lmcache_core.storage import integrity, record
 from lmcache_core.storage.disk import SUFFIX, TMP_PREFIX, DiskTier, file_name
 
@@ -475,3 +477,57 @@ def _wait(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.01)
+
+
+def _resave_between(disk: DiskTier, k: ChunkKey, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Make the tier's next unlink race a re-save of ``k`` (the writer thread, saving the key again
+    once it is unindexed): the re-save runs on a thread and gets a moment to land first."""
+    real_unlink = disk_module.unlink
+    saved: list[bool] = []
+
+    def racing_unlink(path: Path) -> None:
+        monkeypatch.setattr(disk_module, "unlink", real_unlink)
+        writer = threading.Thread(target=lambda: saved.append(disk.write(k, payload(1))))
+        writer.start()
+        writer.join(0.3)  # lands now unless the tier's lock keeps it out until the drop is done
+        real_unlink(path)
+
+    monkeypatch.setattr(disk_module, "unlink", racing_unlink)
+    return saved
+
+
+def _wait_saved(saved: list[bool]) -> None:
+    deadline = time.monotonic() + 5
+    while not saved and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert saved == [True]
+
+
+def test_a_resave_racing_the_drop_of_a_bad_file_is_kept(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    disk = DiskTier(tmp_path, 1 << 20)
+    k = key(1)
+    assert disk.write(k, payload(1))
+    path = tmp_path / file_name(k)
+    size = path.stat().st_size
+    with open(path, "r+b") as f:  # corrupt the payload's last byte
+        f.seek(-1, os.SEEK_END)
+        f.write(b"X")
+    saved = _resave_between(disk, k, monkeypatch)
+    assert disk.load_into(k, memoryview(bytearray(NBYTES))) == (0, 0)
+    _wait_saved(saved)
+    assert disk.contains(k) and path.exists() and disk.stats()["disk_bytes"] == size
+    out = memoryview(bytearray(NBYTES))
+    assert disk.load_into(k, out)[0] == NBYTES and out == payload(1)
+
+
+def test_a_resave_racing_remove_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    disk = DiskTier(tmp_path, 1 << 20)
+    k = key(1)
+    assert disk.write(k, payload(1))
+    path = tmp_path / file_name(k)
+    saved = _resave_between(disk, k, monkeypatch)
+    assert disk.remove(k)
+    _wait_saved(saved)
+    assert disk.contains(k) and path.exists()
+    assert disk.load_into(k, memoryview(bytearray(NBYTES)))[0] == NBYTES
