@@ -16,7 +16,9 @@ lookup with silence, a store or retrieve in-band.
 Lookups: LMCache's LOOKUP acknowledges at once and its hit count is handed over once, by
 ``query_prefetch_status`` or ``wait_prefetch_status`` (``prefetch_status.PrefetchResults``). With
 lower tiers a lookup runs on a worker thread after its ack; a wait on it is parked there and
-answered through the transport's ``post`` when the lookup finishes or its timeout passes.
+answered through the transport's ``post`` when the lookup finishes or its timeout passes. A long
+prompt's lookup (over ``INLINE_LOOKUP_BYTES``) is decoded, hashed and answered on a worker thread,
+its ack sent once its result is in, so no request holds the loop thread for long.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from lmcache_core.transport.counters import LogBudget
 logger = logging.getLogger(__name__)
 #: What an answered-at-once retrieve or store replies when it failed: no device work, not ok.
 _FAILED = (b"", False)
+#: A lookup frame longer than this (~64k token ids) is decoded and hashed on a worker thread.
+INLINE_LOOKUP_BYTES = 256 << 10
 #: ``run()`` -> reply frames or None (silence): a request to serve on a worker thread.
 Task = Callable[[], list[bytes] | None]
 #: ``post([identity, *reply])``: sends a reply later, from any thread (the transport's ``post``).
@@ -69,10 +73,12 @@ class LMCacheDialect:
 
     def serve(self, op: str, frames: list[bytes], client: bytes) -> list[bytes] | Task | None:
         """The reply frames of an inline op, None for silence, or a task for a worker thread."""
-        try:
-            call = w.decode_call(frames, op)
-        except w.DialectError as exc:
-            self._reject(op, exc)
+        if op == "lookup" and sum(map(len, frames)) > INLINE_LOOKUP_BYTES:
+            # Decoding and hashing a long prompt takes the loop thread ~40 ms per MiB of token
+            # ids: a worker does it.
+            return lambda: self._long_lookup(frames, client)
+        call = self._decode(op, frames)
+        if call is None:
             return None
         if self._over_limit(call):  # refused unhashed: store and retrieve in-band, as they fail
             return w.reply_frames(call, _FAILED) if op in ("store", "retrieve") else None
@@ -92,6 +98,23 @@ class LMCacheDialect:
         if op in w.BLOCKING:
             return lambda: self._answer(call, client)
         return self._answer(call, client)
+
+    def _decode(self, op: str, frames: list[bytes]) -> w.Call | None:
+        try:
+            return w.decode_call(frames, op)
+        except w.DialectError as exc:
+            self._reject(op, exc)
+            return None
+
+    def _long_lookup(self, frames: list[bytes], client: bytes) -> list[bytes] | None:
+        """A long prompt's lookup, on a worker thread: decoded, hashed and answered there; its
+        ack goes once its result is in (a status asked after the ack finds it)."""
+        call = self._decode("lookup", frames)
+        if call is None or self._over_limit(call):
+            return None
+        self.results.pending(call.args[0].request_id)
+        self._answer(call, client)
+        return w.reply_frames(call, None)
 
     def dropped(self, op: str, frames: list[bytes]) -> None:
         """A task of ours was not run (the copy threads' queue was full): a lookup acknowledged
@@ -246,9 +269,7 @@ class LMCacheDialect:
 
     def _op_lookup(self, key: w.IPCCacheServerKey, _tp: int, *, client: bytes) -> None:
         request = w.lookup_request(key, self.handlers.config.chunk_size)
-        reply = self.handlers.lookup(request, client)
-        if reply.hit_chunks and key.num_kv_readers > 1:  # before the result is seen: no reads yet
-            self.handlers.engine.set_lock_readers(key.request_id, key.num_kv_readers)
+        reply = self.handlers.lookup(request, client, readers=key.num_kv_readers)
         self.results.set(key.request_id, reply.hit_chunks)
 
     def _op_query_prefetch_status(self, request_id: str, *, client: bytes) -> int | None:

@@ -105,3 +105,35 @@ def test_keys_over_the_request_limit_are_refused_before_hashing(kv_server,  # no
         assert hashed == [1000 * 64]
     finally:
         sock.close(0)
+
+
+def test_a_long_prompts_lookup_is_decoded_and_hashed_off_the_loop_thread(kv_server,  # noqa: F811
+                                                                         monkeypatch) -> None:
+    """A lookup frame of ~100k token ids (~40 ms per MiB to decode and hash) runs on a worker
+    thread, so it stalls no other client; its ack comes once its result is in. A short one
+    stays inline (a hand-off would cost more than it saves)."""
+    import threading
+
+    from lmcache_core.protocol import lmcache_wire
+    from lmcache_core.server.lmcache_dialect import INLINE_LOOKUP_BYTES
+
+    srv, _, _ = kv_server
+    threads: list[str] = []
+    chain = lmcache_wire.chain_hashes
+
+    def where(tokens: Any, *args: Any) -> list[bytes]:
+        threads.append(threading.current_thread().name)
+        return chain(tokens, *args)
+
+    monkeypatch.setattr(lmcache_wire, "chain_hashes", where)
+    long_key = {**key("long", end=640), "token_ids": list(range(100_000))}
+    assert len(enc(long_key)) > INLINE_LOOKUP_BYTES
+    sock = dealer(srv.url)
+    try:
+        assert call(sock, [enc(1), enc(8), enc(long_key), enc(1)]) == [enc(1), enc(8)]
+        assert call(sock, [enc(2), enc(9), enc("long")]) == [enc(2), enc(9), enc(0)]
+        assert call(sock, [enc(3), enc(8), enc(key("short")), enc(1)]) == [enc(3), enc(8)]
+        assert call(sock, [enc(4), enc(9), enc("short")]) == [enc(4), enc(9), enc(0)]
+    finally:
+        sock.close(0)
+    assert len(threads) == 2 and "worker" in threads[0] and threads[1].endswith("-loop"), threads

@@ -66,7 +66,7 @@ def blocked_lookups_server(tmp: str, **extra: Any) -> tuple[CacheServer, threadi
     srv = CacheServer(server_config(tmp, **{"disk.path": f"{tmp}/disk", **extra}))
     release = threading.Event()
 
-    def lookup(request: m.LookupRequest, client: bytes) -> m.LookupReply:
+    def lookup(request: m.LookupRequest, client: bytes, readers: int = 1) -> m.LookupReply:
         assert release.wait(10)
         return m.LookupReply(hit_chunks=3)
 
