@@ -379,9 +379,9 @@ class CacheCore:
         return self.pool.view(handle, nbytes).numpy().data
 
     @contextmanager
-    def reading(self, key: ChunkKey) -> Iterator[memoryview | None]:
-        """A resident piece's bytes, held (not evictable) for the ``with`` block; None if gone.
-        (The tiers' writers take bytes through it.)"""
+    def reading(self, key: ChunkKey) -> Iterator[tuple[Piece, memoryview] | None]:
+        """A resident piece and its bytes, held (not evictable) for the ``with`` block; None if
+        gone. (The tiers' writers take bytes through it, checked against that piece's checksum.)"""
         with self.mutex:
             piece = self.index.get(key)
             if piece is not None:
@@ -390,7 +390,7 @@ class CacheCore:
             yield None
             return
         try:
-            yield self.memory(piece.handle, piece.nbytes)
+            yield piece, self.memory(piece.handle, piece.nbytes)
         finally:
             with self.mutex:
                 self.release_reader(piece)

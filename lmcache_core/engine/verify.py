@@ -45,16 +45,16 @@ class IntegrityGuard:
         core = self.core
         piece: Piece | None = None
         good = False
-        with core.reading(key) as payload:
-            if payload is not None:
-                with core.mutex:
-                    piece = core.index.get(key)
-                good = piece is not None and integrity.matches(payload, piece.checksum)
+        with core.reading(key) as held:
+            if held is not None:
+                # The piece being read, not whatever the key names now (it may have been dropped
+                # and stored again meanwhile): its bytes are checked against its own checksum.
+                piece, payload = held
+                good = integrity.matches(payload, piece.checksum)
                 if good:
                     with core.mutex:
                         core.counters.integrity_verified_chunks += 1
-            yield ((payload, piece.checksum)
-                   if good and payload is not None and piece is not None else None)
+            yield (payload, piece.checksum) if good and held is not None else None
         if piece is not None and not good:
             self.condemn([piece])
 

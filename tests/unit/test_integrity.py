@@ -153,6 +153,36 @@ def test_a_piece_corrupted_in_memory_is_dropped_by_the_writer(tmp_path: Path) ->
     assert len(engine) == 1 and engine.pool.bytes_allocated == SLOT  # its slot is free again
 
 
+def test_a_writer_checks_the_piece_it_reads_not_a_newer_one_of_its_key(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The piece a tier writer holds may leave the index (dropped) and its key be stored again
+    before the check: its bytes are checked against its own checksum, and the newer piece (of
+    other bytes, another checksum) is neither condemned nor written under the old bytes."""
+    engine = engine_with(DiskTier(tmp_path, 2**20))
+    store(engine, [1])
+    old = engine.index.get(key(1))
+    assert old is not None
+    memory = engine.memory
+
+    def restored_meanwhile(handle: int, nbytes: int) -> memoryview:
+        engine.drop(old)  # being read: its slot stays until the writer is done
+        plan = engine.begin_store([key(1)], NBYTES)
+        plan.writes[0][2].copy_(pattern(9))
+        plan.checksums = [integrity.checksum(plan.writes[0][2])]
+        engine.finish_store(plan)
+        return memory(handle, nbytes)
+
+    monkeypatch.setattr(engine, "memory", restored_meanwhile)
+    assert engine.tiers is not None
+    with engine.tiers.guard.source(key(1)) as found:
+        assert found is not None and found[1] == old.checksum
+        assert integrity.checksum(found[0]) == old.checksum
+    newer = engine.index.get(key(1))
+    assert newer is not None and newer is not old and newer.checksum != old.checksum
+    s = engine.stats()
+    assert s["integrity_failures"] == 0 and s["integrity_verified_chunks"] == 1
+
+
 def test_a_tier_load_keeps_the_records_checksum_and_refuses_a_corrupt_payload(
         tmp_path: Path) -> None:
     disk = DiskTier(tmp_path, 2**20)

@@ -435,8 +435,8 @@ def test_engine_reports_stores_evictions_clears_and_tier_loads(tmp_path):
                           (STORED, MEMORY, [key(3), key(4)])]
     sink.calls.clear()
     for k in (key(3), key(4)):  # what write-through would write behind
-        with engine.reading(k) as payload:
-            assert payload is not None and disk.write(k, payload)
+        with engine.reading(k) as held:
+            assert held is not None and disk.write(k, held[1])
     assert sink.calls == [(STORED, DISK, [key(3)]), (STORED, DISK, [key(4)])]
     sink.calls.clear()
     assert engine.clear() == (3, 0)
