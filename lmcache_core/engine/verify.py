@@ -54,7 +54,7 @@ class IntegrityGuard:
                 if good:
                     with core.mutex:
                         core.counters.integrity_verified_chunks += 1
-            yield (payload, piece.checksum) if good and held is not None else None
+            yield (payload, piece.checksum) if good and piece is not None else None
         if piece is not None and not good:
             self.condemn([piece])
 
