@@ -270,7 +270,10 @@ class LMCacheDialect:
     def _op_lookup(self, key: w.IPCCacheServerKey, _tp: int, *, client: bytes) -> None:
         request = w.lookup_request(key, self.handlers.config.chunk_size)
         reply = self.handlers.lookup(request, client, readers=key.num_kv_readers)
-        self.results.set(key.request_id, reply.hit_chunks)
+        if not self.results.set(key.request_id, reply.hit_chunks) and reply.hit_chunks:
+            # Its session ended while it ran on a worker (end_session is served at once, and
+            # found nothing to release yet): nobody will read these chunks, release them now.
+            self.handlers.engine.free_lookup_locks(key.request_id)
 
     def _op_query_prefetch_status(self, request_id: str, *, client: bytes) -> int | None:
         return self.results.take(request_id)  # once; an unknown id is 0, as in LMCache

@@ -76,26 +76,29 @@ class PrefetchResults:
         """A lookup under ``request_id`` started (its status is ``None`` until ``set``)."""
         self.set(request_id, PENDING)
 
-    def set(self, request_id: str, hits: int) -> None:
+    def set(self, request_id: str, hits: int) -> bool:
         """Record a lookup's result: the oldest parked wait on it gets it (handed over), any
         later ones ``0`` (as LMCache's: the result went to the first); with no wait parked it is
         kept for ``take`` only while the lookup's ``pending`` marker is still there (a session
-        ended by ``drop`` while its lookup ran does not get the late result back)."""
+        ended by ``drop`` while its lookup ran does not get the late result back). False when
+        it went nowhere (that session ended)."""
         with self._lock:
             if hits == PENDING:
                 self._keep(request_id, PENDING)
-                return
+                return True
             waits = self._waits.pop(request_id, None)
             if not waits:
-                if self._results.get(request_id) == PENDING:
-                    self._keep(request_id, hits)
-                return
+                if self._results.get(request_id) != PENDING:
+                    return False
+                self._keep(request_id, hits)
+                return True
             self._results.pop(request_id, None)
             self._parked -= len(waits)
             if len(self._deadlines) > 2 * self._parked + 64:
                 self._compact()
         for i, wait in enumerate(waits):
             wait.reply(hits if i == 0 else 0)
+        return True
 
     def _keep(self, request_id: str, hits: int) -> None:
         self._results[request_id] = hits

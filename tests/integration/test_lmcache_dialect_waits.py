@@ -123,9 +123,21 @@ NB, BS, H, D = 32, 16, 4, 32  # TINY: 2 layers of 4 KV heads x 32, fp16; chunk 6
 def kv_server(short_tmp: str) -> Iterator[tuple[CacheServer, list[np.ndarray], list[dict]]]:
     """An in-process server, and two NHD layers in LMCache-named shared memory of this process
     (``/lmcache_kv_<pid>_<n>``) as its ``cpu_shm`` descriptors."""
+    yield from kv_server_with(short_tmp)
+
+
+@pytest.fixture
+def tiered_kv_server(short_tmp: str) -> Iterator[tuple[CacheServer, list[np.ndarray], list[dict]]]:
+    """``kv_server`` with a disk tier: LMCache's lookups run on a copy thread after their ack."""
+    yield from kv_server_with(short_tmp, **{"disk.path": f"{short_tmp}/disk"})
+
+
+def kv_server_with(short_tmp: str, **extra: Any
+                   ) -> Iterator[tuple[CacheServer, list[np.ndarray], list[dict]]]:
     from multiprocessing import shared_memory
 
-    srv = CacheServer(server_config(short_tmp, **{"server.http_url": "http://127.0.0.1:0"}))
+    srv = CacheServer(server_config(short_tmp, **{"server.http_url": "http://127.0.0.1:0",
+                                                  **extra}))
     srv.start()
     shape, nbytes = (2, NB, BS, H, D), 2 * NB * BS * H * D * 2
     segments = [shared_memory.SharedMemory(f"lmcache_kv_{os.getpid()}_{i + 900}", create=True,
@@ -285,4 +297,44 @@ def test_a_failing_skipped_release_does_not_hide_the_retrieve_failure(kv_server,
                             enc([list(range(12))]), enc(b""), enc(130)], timeout_ms=3000)
         assert reply == [enc(2), enc(7), enc([b"", False])]
     finally:
+        sock.close(0)
+
+
+def test_a_lookup_whose_session_ends_while_it_runs_leaves_no_locks(tiered_kv_server) -> None:
+    """On a tiered server a lookup runs on a copy thread after its ack, and end_session is
+    served at once: ended first, it found nothing to release, and the lookup then locked its
+    hits for nobody until the lock TTL. The lookup now releases them itself."""
+    srv, _, descs = tiered_kv_server
+    sock = dealer(srv.url)
+    engine = srv.handlers.engine
+    started, release, looked_up = threading.Event(), threading.Event(), threading.Event()
+    lookup_tiers = engine.lookup_tiers
+
+    def held_back(*args: Any, **kwargs: Any) -> int:
+        started.set()
+        assert release.wait(10)
+        try:
+            return lookup_tiers(*args, **kwargs)  # locks its hits
+        finally:
+            looked_up.set()
+
+    try:
+        assert call(sock, [enc(1), enc(1), enc(7), enc(descs), enc("tiny"), enc(1),
+                           enc("vllm"), enc({}), enc([])]) == [enc(1), enc(1)]
+        stored = key("s", end=192, worker_id=0)
+        assert call(sock, [enc(2), enc(6), enc(stored), enc(7), enc([list(range(12))]),
+                           enc(b"")]) == [enc(2), enc(6), enc([b"", True])]
+        engine.lookup_tiers = held_back  # type: ignore[method-assign]
+        assert call(sock, [enc(3), enc(8), enc(key("e", end=192)), enc(1)]) == [enc(3), enc(8)]
+        assert started.wait(5)
+        assert call(sock, [enc(4), enc(13), enc("e")]) == [enc(4), enc(13)]  # ended first
+        release.set()
+        assert looked_up.wait(5)
+        deadline = time.monotonic() + 2
+        while engine.locks_of("e") or engine.stats()["locks_held"]:
+            assert time.monotonic() < deadline, engine.locks_of("e")
+            time.sleep(0.01)
+        assert call(sock, [enc(5), enc(9), enc("e")]) == [enc(5), enc(9), enc(0)]  # not kept
+    finally:
+        release.set()
         sock.close(0)
