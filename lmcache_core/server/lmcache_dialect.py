@@ -27,7 +27,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from lmcache_core.errors import LMCacheError, NotRegisteredError, clip
+from lmcache_core.errors import LMCacheError, NotRegisteredError, ProtocolError, clip
 from lmcache_core.protocol import lmcache_wire as w
 from lmcache_core.protocol import messages as m
 from lmcache_core.protocol.codec import DEFAULT_LIMITS, Limits
@@ -39,6 +39,9 @@ from lmcache_core.transport.counters import LogBudget
 logger = logging.getLogger(__name__)
 #: What an answered-at-once retrieve or store replies when it failed: no device work, not ok.
 _FAILED = (b"", False)
+#: Why a store or retrieve found no registration to use (none, dropped, or no such rank); not a
+#: NotRegisteredError, which would also forget a registration that is fine for its other ranks.
+_UNUSABLE = ProtocolError("no registration of this instance for that rank")
 #: A lookup frame longer than this (~64k token ids) is decoded and hashed on a worker thread.
 INLINE_LOOKUP_BYTES = 256 << 10
 #: ``run()`` -> reply frames or None (silence): a request to serve on a worker thread.
@@ -207,7 +210,7 @@ class LMCacheDialect:
         except LMCacheError as exc:  # mapping it for this rank failed: in-band, not silence
             return self._failed("store", instance_id, exc)
         if reg is None:
-            return _FAILED
+            return self._failed("store", instance_id, _UNUSABLE)
         try:
             request = w.store_request(key, instance_id, groups, chunk, chunk // reg.block_size)
         except ValueError:
@@ -228,7 +231,7 @@ class LMCacheDialect:
         except LMCacheError as exc:  # mapping it for this rank failed: in-band, not silence
             return self._failed("retrieve", instance_id, exc)
         if reg is None:
-            return _FAILED
+            return self._failed("retrieve", instance_id, _UNUSABLE)
         try:
             request, skipped = w.retrieve_request(key, instance_id, groups, chunk,
                                                   chunk // reg.block_size, skip_first_n_tokens)
