@@ -167,9 +167,18 @@ class MappedKVCache:
         self._live().scatter_heads(chunks, heads, block_ids)
 
     def _live(self) -> BlockCopier:
+        """The copier, once every segment is checked still whole: a worker that truncated its
+        segment would make the copy fault (SIGBUS ends the server, every worker's session with
+        it). One that does so during a copy still can; a check per copy catches the rest."""
         copier = self._copier
         if copier is None:
             raise NotRegisteredError("this KV cache was unregistered (its mapping is closed)")
+        for segment in self._segments:
+            size = segment.shrunk()
+            if size is not None:
+                raise IncompatibleError(
+                    f"shared-memory segment {segment.name!r} shrank to {size} bytes since it was "
+                    f"registered ({segment.nbytes}): its owner truncated it; register again")
         return copier
 
     # ------------------------------------------------------------------ teardown

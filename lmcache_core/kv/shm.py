@@ -238,6 +238,15 @@ class SharedSegment:
     def closed(self) -> bool:
         return self._mmap is None
 
+    def shrunk(self) -> int | None:
+        """The file's size now, if its owner truncated it below what is mapped (touching a page
+        past its end would kill this process with SIGBUS); else None. One fstat."""
+        mapping = self._mmap
+        if mapping is None:
+            return None
+        size = mapping.size()  # fstat of the mapping's own descriptor: this inode, not the name
+        return size if size < self._nbytes else None
+
     @property
     def address(self) -> int:
         """The virtual address of the first byte of this process's mapping."""

@@ -241,6 +241,26 @@ def test_startup_sweep_removes_dead_owners_segments_only(tmp_path: Path, made: l
 # ---------------------------------------------------------------- a server restart
 
 
+def test_a_segment_its_worker_truncated_is_refused_not_a_crash(
+        client: MessageQueueClient, server: ServerProcess, made: list[str]) -> None:
+    """The worker owns its segment file and may shrink it: a copy through the old mapping would
+    touch pages past its end (SIGBUS: the server and every worker's session gone). Stores and
+    retrieves are refused with a typed error instead, and the server keeps serving."""
+    name = create(made, our_name(os.getpid()))
+    instance_id = register(client, name, os.getpid())
+    stored = secrets.token_bytes(32)
+    assert client.request(m.StoreRequest(instance_id=instance_id, chunk_hashes=[stored],
+                                         block_ids=blocks(0, 1))).stored == 1
+    os.truncate(f"{SHM_DIR}/{name}", LAYER_BYTES // 2)
+    with pytest.raises(IncompatibleError, match="shrank"):
+        client.request(m.StoreRequest(instance_id=instance_id, chunk_hashes=[b"t" * 32],
+                                      block_ids=blocks(1, 1)))
+    with pytest.raises(IncompatibleError, match="shrank"):
+        client.request(m.RetrieveRequest(instance_id=instance_id, chunk_hashes=[stored],
+                                         block_ids=blocks(1, 1)))
+    assert client.ping().pid == server.proc.pid and server.proc.poll() is None
+
+
 def test_cpu_worker_stores_and_retrieves_again_after_a_server_restart(tmp_path: Path) -> None:
     srv = ServerProcess(tmp_path).start()
     worker = WorkerProcess(srv.url)  # heartbeat every second
