@@ -21,13 +21,21 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+#: Torch's quantized dtypes: their tensors carry scales apart from the bytes, so a view of plain
+#: memory as one fails inside torch (an internal assert), never a KV cache's dtype.
+_QUANTIZED = frozenset({"qint8", "quint8", "qint32", "quint4x2", "quint2x4"})
+
+
 def parse_dtype(name: str) -> torch.dtype:
-    """The torch dtype called ``name`` (e.g. ``"bfloat16"``); IncompatibleError if there is none."""
+    """The torch dtype called ``name`` (e.g. ``"bfloat16"``); IncompatibleError if there is none
+    or it is a quantized one."""
     import torch
 
     dtype = getattr(torch, name, None) if name.isidentifier() else None
     if not isinstance(dtype, torch.dtype):
         raise IncompatibleError(f"unknown tensor dtype {name!r} (expected e.g. 'bfloat16')")
+    if name in _QUANTIZED:
+        raise IncompatibleError(f"tensor dtype {name!r} is quantized: not a KV cache dtype")
     return dtype
 
 

@@ -3,7 +3,7 @@
 import pytest
 
 from lmcache_core.errors import IncompatibleError
-from lmcache_core.kv.tensors import check_no_overlap, contiguous_stride
+from lmcache_core.kv.tensors import check_no_overlap, contiguous_stride, parse_dtype
 
 FLASH = [2, 64, 16, 4, 32]  # [K/V, blocks, block size, heads, head dim]
 
@@ -27,3 +27,17 @@ def test_real_layouts_pass(shape, stride):
 def test_self_overlapping_layouts_are_refused(shape, stride):
     with pytest.raises(IncompatibleError, match="overlap"):
         check_no_overlap(shape, stride)
+
+
+@pytest.mark.parametrize("name", ["qint8", "quint8", "qint32", "quint4x2", "quint2x4",
+                                  "nonsense", "Tensor", "float16 ", ""])
+def test_dtypes_that_are_no_kv_dtype_are_refused_typed(name):
+    with pytest.raises(IncompatibleError):
+        parse_dtype(name)
+
+
+@pytest.mark.parametrize("name", ["float16", "bfloat16", "float32", "float8_e4m3fn", "uint8"])
+def test_kv_dtypes_parse(name):
+    import torch
+
+    assert parse_dtype(name) is getattr(torch, name)
