@@ -7,14 +7,26 @@ worker and the server may see different ``CUDA_VISIBLE_DEVICES``.
 from __future__ import annotations
 
 import os
+import re
+import stat
+from collections.abc import Collection
 
 import torch
 
 from lmcache_core.errors import IncompatibleError
+from lmcache_core.kv.shm import SHM_DIR, check_segment_uid
 from lmcache_core.kv.tensors import dtype_name, span_elems
 from lmcache_core.protocol.messages import CudaIpcHandle, TensorDescriptor
 
 StorageKey = tuple[bytes, int]
+#: ``cudaIpcMemHandle_t`` and ``cudaIpcEventHandle_t``: 64 bytes each.
+IPC_HANDLE_BYTES = 64
+#: Counters in one of torch's reference-counter files (``CUDA_IPC_REF_COUNTER_FILE_SIZE``), 8 bytes
+#: each, after a 64-byte header.
+REF_COUNTERS_PER_FILE = 10_000
+#: torch's name for them (``at::NewProcessWideShmHandle``): ``/torch_<pid>_<n>`` or, newer,
+#: ``/torch_<pid>_<random>_<n>``.
+_REF_COUNTER_NAME = re.compile(rb"/torch_(?P<pid>[1-9][0-9]{0,9})_[0-9]{1,20}(?:_[0-9]{1,20})?")
 
 
 def require_cuda(what: str) -> None:
@@ -103,6 +115,36 @@ def cuda_descriptor(tensor: torch.Tensor, handle: CudaIpcHandle) -> TensorDescri
     )
 
 
+def check_ipc_handle(handle: CudaIpcHandle, owner_pid: int | None,
+                     allowed_uids: Collection[int] = ()) -> None:
+    """IncompatibleError unless ``handle`` is what torch's export of ``owner_pid``'s memory makes.
+
+    torch trusts these fields: short handles are read past their end, and when the server lets
+    the storage go, torch opens ``/dev/shm<ref_counter_handle>`` read-write, grows it if small
+    and decrements the counter at ``ref_counter_offset`` with no bounds check. So the handles
+    must be full size, the offset one of the file's counters, and the file torch's own, of that
+    process, a regular file of an allowed owner at full size."""
+    if len(handle.handle) != IPC_HANDLE_BYTES or (
+            handle.event_handle is not None and len(handle.event_handle) != IPC_HANDLE_BYTES):
+        raise IncompatibleError(f"CUDA IPC handles are {IPC_HANDLE_BYTES} bytes")
+    if handle.ref_counter_offset >= REF_COUNTERS_PER_FILE:
+        raise IncompatibleError(f"ref_counter_offset {handle.ref_counter_offset} is past the "
+                                f"{REF_COUNTERS_PER_FILE} counters of torch's file")
+    match = _REF_COUNTER_NAME.fullmatch(handle.ref_counter_handle)
+    if match is None or (owner_pid is not None and int(match["pid"]) != owner_pid):
+        raise IncompatibleError(
+            f"ref_counter_handle {handle.ref_counter_handle[:64]!r} is not a reference-counter "
+            f"file torch made for the registering process {owner_pid}")
+    name = handle.ref_counter_handle.decode()
+    try:
+        st = os.stat(SHM_DIR + name, follow_symlinks=False)
+    except OSError as exc:
+        raise IncompatibleError(f"reference-counter file {name}: {exc.strerror}") from None
+    if not stat.S_ISREG(st.st_mode) or st.st_size < 8 * REF_COUNTERS_PER_FILE:
+        raise IncompatibleError(f"{SHM_DIR}{name} is not one of torch's reference-counter files")
+    check_segment_uid(name, st.st_uid, allowed_uids)
+
+
 def open_storage(handle: CudaIpcHandle, device_index: int) -> torch.UntypedStorage:
     """Map another process's storage on local device ``device_index``."""
     require_cuda("opening a CUDA IPC handle")
@@ -123,14 +165,18 @@ def open_cuda_tensor(
     desc: TensorDescriptor,
     dtype: torch.dtype,
     cache: dict[StorageKey, torch.UntypedStorage],
+    owner_pid: int | None = None,
+    allowed_uids: Collection[int] = (),
 ) -> torch.Tensor:
-    """The tensor ``desc`` names, its storage opened once per (handle, offset) via ``cache``."""
+    """The tensor ``desc`` names, its storage opened once per (handle, offset) via ``cache``
+    (its handle checked first: ``check_ipc_handle``)."""
     if desc.cuda is None:
         raise IncompatibleError("a kind='cuda' tensor descriptor carries no CUDA IPC handle")
     handle = desc.cuda
     key = (handle.handle, handle.storage_offset_bytes)
     storage = cache.get(key)
     if storage is None:
+        check_ipc_handle(handle, owner_pid, allowed_uids)
         storage = open_storage(handle, device_index_by_uuid(desc.device_uuid))
         cache[key] = storage
     itemsize = dtype.itemsize

@@ -66,7 +66,8 @@ class MappedKVCache:
                            for d in descs]
             else:
                 require_cuda("a KV cache shared with kind='cuda'")
-                tensors = [open_cuda_tensor(d, dtype, storages) for d in descs]
+                tensors = [open_cuda_tensor(d, dtype, storages, owner_pid, allowed_uids)
+                           for d in descs]
             copier = BlockCopier(tensors, layout, chunk_size)
         except BaseException:
             for segment in segments.values():
