@@ -288,11 +288,18 @@ class CacheHandlers:
 
     @staticmethod
     def _check_blocks(reg: Registration, hashes: Sequence[bytes], block_ids: Sequence[int]) -> int:
+        """Blocks per chunk, once the request's block ids are checked whole (count and range)
+        before anything is copied: a retrieve copies chunk by chunk, and some paths (pieces of
+        other TP sizes) check ids only as they copy, so a bad id late in the list would leave
+        the earlier chunks written."""
         per_chunk: int = reg.mapped.blocks_per_chunk
         if len(block_ids) != len(hashes) * per_chunk:
             raise ProtocolError(
                 f"{len(hashes)} chunks need {len(hashes) * per_chunk} block ids "
                 f"({per_chunk} per chunk), got {len(block_ids)}")
+        if block_ids and (min(block_ids) < 0 or max(block_ids) >= reg.mapped.num_blocks):
+            raise ProtocolError(f"block ids must be in [0, {reg.mapped.num_blocks}) for this KV "
+                                f"cache, got {min(block_ids)}..{max(block_ids)}")
         return per_chunk
 
     def lookup(self, request: m.LookupRequest, _client: bytes, readers: int = 1) -> m.LookupReply:

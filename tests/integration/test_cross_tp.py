@@ -182,3 +182,20 @@ def test_eviction_runs_across_models_of_different_piece_sizes(tmp_path):
         small.close()
         large.close()
         srv.kill()
+
+
+def test_a_retrieve_with_a_bad_block_id_writes_nothing(server, engines):
+    """Chunk 0 held whole (TP=1), chunk 1 as TP=2 pieces: the copies go chunk by chunk, and the
+    pieces' path checks ids as it copies, so an out-of-range id for chunk 1 used to leave chunk
+    0 written before the request failed. The ids are checked whole first."""
+    toks = tokens(2, 88)
+    store(engines[1], toks[:CHUNK], 88, 1)
+    store(engines[2], toks, 88, 2)
+    assert lookup(server.url, 1, "bad-ids", toks) == 2 * CHUNK
+    (worker,) = engines[1]
+    target = blocks(8, 1)
+    worker("zero", blocks=target)
+    before = worker("digest", blocks=target)["digest"]
+    result = worker("retrieve", req="bad-ids", keys=toks, blocks=target + [10_000] * PER_CHUNK)
+    assert result["finished"] and result["failed"], result
+    assert worker("digest", blocks=target)["digest"] == before
