@@ -98,6 +98,11 @@ class LMCacheTimeoutError(LMCacheError, TimeoutError):
     """A wait ran past its timeout (connect, request, lookup)."""
 
 
+class CopiesStalledError(LMCacheTimeoutError):
+    """The server's own GPU copies did not complete in time: they may still land later, so the
+    memory they touch must not be handed out again (the server stops)."""
+
+
 class ConnectionClosedError(LMCacheError, ConnectionError):
     """The client was closed while requests were still waiting for replies."""
 

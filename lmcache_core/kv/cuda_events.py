@@ -25,6 +25,7 @@ import torch
 
 from lmcache_core.errors import (
     ConnectionClosedError,
+    CopiesStalledError,
     IncompatibleError,
     LMCacheTimeoutError,
     ProtocolError,
@@ -167,12 +168,16 @@ class CopyStream:
         del worker_event
 
     def synchronize(self, timeout_s: float = DEFAULT_EVENT_TIMEOUT_S) -> None:
-        """Wait (polled, bounded) for everything queued on this stream; no-op on CPU."""
+        """Wait (polled, bounded) for everything queued on this stream; no-op on CPU.
+        CopiesStalledError past ``timeout_s``: the copies are queued and may still land."""
         if self._stream is None:
             return
         done = torch.cuda.Event()
         done.record(self._stream)
-        wait_event_done(done, timeout_s, "the server's copies")
+        try:
+            wait_event_done(done, timeout_s, "the server's copies")
+        except LMCacheTimeoutError as exc:
+            raise CopiesStalledError(str(exc)) from None
 
 
 class _FutureLike(Protocol):

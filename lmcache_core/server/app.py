@@ -80,6 +80,7 @@ class CacheServer:
         self.transport.routes = self.handlers.routes()
         self.transport.dialect = LMCacheDialect(self.handlers, self.transport.limits)  # LMCache's clients
         self.handlers.add_copy_threads = self.transport.add_workers  # more per GPU registered
+        self.handlers.on_copies_stalled = self.supervisor.fail  # the GPU left copies in flight
         self.transport.on_disconnect = self.registry.disconnected  # a killed GPU worker
         self._stop = threading.Event()
         self._housekeeper: threading.Thread | None = None

@@ -16,7 +16,7 @@ from typing import Any
 from lmcache_core import __version__
 from lmcache_core.config import LMCacheConfig
 from lmcache_core.engine import CacheEngine, Retention, RetrievePlan, StorePlan
-from lmcache_core.errors import IncompatibleError, ProtocolError
+from lmcache_core.errors import CopiesStalledError, IncompatibleError, ProtocolError
 from lmcache_core.keys import ChunkKey, is_mla, rank_heads
 from lmcache_core.kv.cuda_events import open_ipc_event
 from lmcache_core.kv.mapped import MappedKVCache
@@ -59,6 +59,8 @@ class CacheHandlers:
         self.started = time.monotonic()
         #: ``add_workers(extra)`` of the transport, to size copy threads by the GPUs registered.
         self.add_copy_threads: Callable[[int], int] | None = None
+        #: Told why, when the GPU did not finish a request's copies in time (the server stops).
+        self.on_copies_stalled: Callable[[str], None] | None = None
         self.checksum_lanes = ChecksumLanes()  # stores hash their pieces there while copying
 
     def routes(self) -> dict[RequestType, Route]:
@@ -143,14 +145,18 @@ class CacheHandlers:
             keys = self._keys(reg, request.chunk_hashes)
             plan = self.engine.begin_store(keys, reg.mapped.chunk_bytes, Retention(
                 request.ttl_s, request.pin, request.priority), request.tenant)
-            ok = False
+            ok = stalled = False
             try:
                 if plan.writes:
                     plan.checksums = self._gather(reg, request.block_ids, plan, per_chunk,
                                                   request.event_handle)
                 ok = True
+            except CopiesStalledError as exc:
+                stalled = self._copies_stalled(exc)
+                raise
             finally:
-                self.engine.finish_store(plan, ok)
+                if not stalled:  # a late copy may still write its slots: they stay reserved
+                    self.engine.finish_store(plan, ok)
         return m.StoreReply(stored=len(plan.writes), already_present=plan.already_present,
                             skipped_full=plan.skipped_full, skipped_quota=plan.skipped_quota,
                             pin_refused=plan.pin_refused)
@@ -188,6 +194,7 @@ class CacheHandlers:
             plan = self.engine.begin_retrieve(reg.model_name, reg.layout, reg.heads,
                                               request.chunk_hashes, request.lookup_id)
             copied: int | None = None
+            stalled = False
             try:
                 if plan.found and self.config.integrity.verify_on_retrieve:
                     self.engine.integrity.verify_retrieve(plan)  # corrupt chunks: missing
@@ -200,8 +207,12 @@ class CacheHandlers:
                             until = math.inf if deadline_s is None else started + deadline_s
                             copied = self._scatter_until(reg, plan, request.block_ids,
                                                          per_chunk, until)
+            except CopiesStalledError as exc:
+                stalled = self._copies_stalled(exc)
+                raise
             finally:
-                self.engine.finish_retrieve(plan, copied)
+                if not stalled:  # a late copy may still read its pieces: they stay held
+                    self.engine.finish_retrieve(plan, copied)
         if copied is None or copied == len(plan.found):
             return m.RetrieveReply(retrieved=len(plan.found), missing=list(plan.missing))
         late = [f[0] for f in plan.found[copied:]]
@@ -239,6 +250,15 @@ class CacheHandlers:
             self._scatter(reg, plan, (done,), block_ids, per_chunk)
             reg.copy_stream.synchronize(self.event_timeout_s)  # no-op on CPU
         return len(plan.found)
+
+    def _copies_stalled(self, exc: CopiesStalledError) -> bool:
+        """The GPU did not finish this request's copies in time. They cannot be cancelled and may
+        land later: in slots a new piece would get, or read from pieces evicted meanwhile. So
+        the request's memory stays held, and the server stops (its supervisor logs why and
+        exits non-zero, to be restarted) rather than serve with copies it cannot account for."""
+        if self.on_copies_stalled is not None:
+            self.on_copies_stalled(f"GPU copies stalled: {exc}")
+        return True
 
     def load_deadline_s(self, request: m.RetrieveRequest) -> float | None:
         """The retrieve's deadline in seconds: its own ``deadline_ms``, else ``timeouts.load_ms``;
