@@ -1,22 +1,23 @@
 """ipc:// socket plumbing shared by the lookup client and server: bind, connect, remove.
 
 libzmq silently replaces a socket file that already exists when it binds, so a second process with
-the same engine id would steal the first one's traffic. ``bind_pull`` probes the file first: a live
-listener is an error, a stale file (its process died) is removed. ``unbind`` removes the file only if
-it is still the one this socket created.
+the same engine id would steal the first one's traffic. ``bind_pull`` claims the file first
+(``transport.ipc_files``: a live listener is an error, a stale file is removed); ``unbind`` removes
+the file only if it is still the one this socket created.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
 import zmq
 
 from lmcache_core.errors import BindError
+from lmcache_core.transport.ipc_files import claim, remove_if_ours, remove_if_stale
+
+__all__ = ["bind_pull", "connect_push", "remove_if_stale", "unbind"]
 
 RECONNECT_IVL_MS = 50
 #: A connection whose peer never completes the ZMTP greeting is dropped (and redialled) this soon.
@@ -27,7 +28,7 @@ RECONNECT_IVL_MAX_MS = 250  # a restarted peer is found again within a quarter s
 def bind_pull(context: zmq.Context[Any], path: Path, max_msg_bytes: int,
               rcvhwm: int) -> tuple[zmq.Socket[Any], int]:
     """A PULL socket bound at ``path``, and the inode of the file it created."""
-    _clear_stale(path)
+    claim(path, "lookup socket", "another engine with the same engine_id and runtime_dir?")
     sock = context.socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
@@ -61,29 +62,5 @@ def unbind(sock: zmq.Socket[Any], path: Path, inode: int) -> None:
     would otherwise reach the dying listener's backlog and hang in its handshake, even after a new
     process has bound the path again.
     """
-    with contextlib.suppress(OSError):
-        if os.stat(path).st_ino == inode:
-            os.unlink(path)
+    remove_if_ours(path, inode)
     sock.close(0)
-
-
-def remove_if_stale(path: Path) -> bool:
-    """Remove ``path`` if no process listens on it (left behind by one that died); True if gone."""
-    if not path.exists():
-        return True
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(str(path))
-    except OSError:  # refused (nobody listens) or not a socket
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        return True
-    finally:
-        probe.close()
-    return False
-
-
-def _clear_stale(path: Path) -> None:
-    if not remove_if_stale(path):
-        raise BindError(f"lookup socket {path} is in use by another process "
-                        "(another engine with the same engine_id and runtime_dir?)")

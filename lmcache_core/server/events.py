@@ -46,6 +46,7 @@ import zmq
 
 from lmcache_core.errors import BindError
 from lmcache_core.keys import ChunkKey
+from lmcache_core.transport.ipc_files import claim
 
 if TYPE_CHECKING:
     from lmcache_core.config import LMCacheConfig
@@ -276,10 +277,15 @@ class KVEventPublisher:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, (self._ring.maxlen or 0) + 2)  # a whole replay fits
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLAY_REQUEST_BYTES)
-        if url.startswith("ipc://"):
-            Path(url[len("ipc://"):]).parent.mkdir(parents=True, exist_ok=True)
         try:
+            if url.startswith("ipc://"):  # libzmq would silently take a live publisher's path
+                Path(url[len("ipc://"):]).parent.mkdir(parents=True, exist_ok=True)
+                claim(Path(url[len("ipc://"):]), f"server.{key}: socket",
+                      "is another lmcache serve publishing there?")
             sock.bind(url)
+        except BindError:
+            sock.close(0)
+            raise
         except zmq.ZMQError as exc:
             sock.close(0)
             raise BindError(f"server.{key}: cannot listen on {url}: {exc.strerror}") from None

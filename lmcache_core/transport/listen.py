@@ -1,5 +1,6 @@
 """The server's listening socket: a ROUTER bound with its options and size cap, an ipc:// file only
-its user may connect to, and that file's removal when the server closes."""
+its user may connect to (never one a live server listens on), and that file's removal when the
+server closes (unless another server has bound the path since)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 import zmq
 
 from lmcache_core.errors import BindError
+from lmcache_core.transport.ipc_files import claim, inode_of, remove_if_ours
 
 _IPC = "ipc://"
 
@@ -33,8 +35,10 @@ def _owner_only_files(active: bool) -> Iterator[None]:
 
 
 def bind_router(context: zmq.Context[Any], url: str,
-                max_request_bytes: int) -> tuple[zmq.Socket[Any], str]:
-    """A ROUTER socket bound at ``url``, and the url it is bound at (the real port for :0)."""
+                max_request_bytes: int) -> tuple[zmq.Socket[Any], str, int | None]:
+    """A ROUTER socket bound at ``url``, the url it is bound at (the real port for :0), and for
+    ipc:// the inode of its socket file (for ``remove_ipc_file``). An ipc:// path a live server
+    listens on is a BindError: libzmq would silently take it over."""
     sock = context.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -46,6 +50,11 @@ def bind_router(context: zmq.Context[Any], url: str,
     path = url[len(_IPC):] if url.startswith(_IPC) else None
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            claim(Path(path), "server socket", "is another lmcache serve running there?")
+        except BindError:
+            sock.close(0)
+            raise
     try:
         with _owner_only_files(path is not None):
             sock.bind(url)
@@ -58,11 +67,12 @@ def bind_router(context: zmq.Context[Any], url: str,
         # the shared memory it maps.
         os.chmod(path, 0o600)
     endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
-    return sock, endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
+    inode = inode_of(Path(path)) if path is not None else None
+    return sock, endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint), inode
 
 
-def remove_ipc_file(bound_url: str) -> None:
-    """Remove an ipc:// url's socket file (nothing for tcp://, or when it is gone already)."""
+def remove_ipc_file(bound_url: str, inode: int | None) -> None:
+    """Remove an ipc:// url's socket file if it is still the one bound (inode ``inode``): nothing
+    for tcp://, when it is gone already, or when another server has bound the path since."""
     if bound_url.startswith(_IPC):
-        with contextlib.suppress(OSError):
-            os.unlink(bound_url[len(_IPC):])
+        remove_if_ours(Path(bound_url[len(_IPC):]), inode)

@@ -113,8 +113,8 @@ class MessageQueueServer:
 
     def start(self) -> str:
         """Bind and start the loop and worker threads; returns the bound url (real port for :0)."""
-        self._socket, self.bound_url = bind_router(self._context, self.url,
-                                                   self.limits.max_request_bytes)
+        self._socket, self.bound_url, self._ipc_inode = bind_router(
+            self._context, self.url, self.limits.max_request_bytes)
         if self.on_disconnect is not None:
             self._peers = PeerWatch(self._socket, self.on_disconnect)
         if self.dialect is not None:
@@ -207,7 +207,7 @@ class MessageQueueServer:
             if self._peers is not None:
                 self._peers.close(self._socket)
             self._socket.close(0)
-            remove_ipc_file(self.bound_url)
+            remove_ipc_file(self.bound_url, self._ipc_inode)
 
     def _drained(self) -> bool:
         if not self._stopping.is_set():

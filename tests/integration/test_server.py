@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -218,3 +220,30 @@ def test_pool_pages_populated_in_the_background_by_default(tmp_path, prefault):
     finally:
         srv.kill()
     assert srv.proc is not None and "pool pages" in srv.log()
+
+
+def test_a_second_server_on_a_live_ipc_path_is_refused_and_takes_nothing(tmp_path):
+    """libzmq silently replaces a live socket file when it binds: a second server on the same
+    ipc:// url (or KV events url) took the first one's clients, and removed the file when it
+    stopped, leaving the first unreachable while its probes said healthy. It is refused now, and
+    a stale file (left by a server that was killed) is still replaced."""
+    events = f"ipc://{tmp_path}/events.sock"
+    first = ServerProcess(tmp_path, {"server": {"events_url": events}}, name="first").start()
+    try:
+        for url in (first.url, f"ipc://{tmp_path}/other.sock"):
+            second = ServerProcess(tmp_path, {"server": {"url": url, "events_url": events}},
+                                   name="second")
+            run = subprocess.run([sys.executable, "-m", "lmcache_cli", "serve", "-c",
+                                  str(second.config_path)], capture_output=True, text=True,
+                                 timeout=60)
+            assert run.returncode != 0 and "in use by another process" in run.stdout + run.stderr
+        with MessageQueueClient(first.url) as client:
+            assert client.ping().pid == first.proc.pid
+    finally:
+        first.kill()  # SIGKILL: its socket files stay behind
+    again = ServerProcess(tmp_path, {"server": {"events_url": events}}, name="first").start()
+    try:
+        with MessageQueueClient(again.url) as client:
+            assert client.ping().pid == again.proc.pid
+    finally:
+        again.kill()
