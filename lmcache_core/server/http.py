@@ -18,6 +18,7 @@ import logging
 import selectors
 import socket
 import socketserver
+import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -27,6 +28,7 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from lmcache_core.errors import BindError
 from lmcache_core.supervision import Supervisor
+from lmcache_core.transport.counters import LogBudget
 from lmcache_core.transport.waker import Waker
 
 logger = logging.getLogger(__name__)
@@ -34,6 +36,7 @@ logger = logging.getLogger(__name__)
 #: A probe: (healthy or ready, a JSON-able body saying why).
 Probe = Callable[[], tuple[bool, dict[str, Any]]]
 _CLIENT_TIMEOUT_S = 10.0  # a connection that sends nothing for this long is closed
+_MAX_CONNECTIONS = 64  # served at once (probes and scrapes take milliseconds)
 _JOIN_S = 2.0
 _INDEX = b"lmcache: /metrics (Prometheus), /healthz (liveness), /readyz (readiness)\n"
 _StartResponse = Callable[..., Any]
@@ -50,6 +53,41 @@ class _Server(socketserver.ThreadingMixIn, WSGIServer):
     daemon_threads = True  # request threads are not joined (nor tracked) at close
     block_on_close = False
     timeout = 0  # handle_request() after our own wait: never block in it
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Each connection has a thread for up to its timeout per read: clients that connect and
+        # idle would otherwise add threads without bound. Past this many, new ones are closed.
+        self._connections = threading.BoundedSemaphore(_MAX_CONNECTIONS)
+        self._failures = LogBudget(logger=logger)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._connections.acquire(blocking=False):
+            logger.debug("HTTP: %d connections open, closing one from %s", _MAX_CONNECTIONS,
+                         client_address)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # its thread did not start: it will not give the slot back
+            self._connections.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._connections.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that idles past its timeout or goes away is its own business (socketserver
+        printed a traceback to stderr for each); anything else is logged, rationed."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError):
+            logger.debug("HTTP client %s: %s", client_address, exc)
+            return
+        self._failures.log(logging.ERROR, "HTTP request from %s failed", client_address,
+                           exc_info=True)
 
     def server_bind(self) -> None:
         # HTTPServer.server_bind would resolve our own name (getfqdn: a DNS round trip).
