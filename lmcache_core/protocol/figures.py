@@ -61,6 +61,13 @@ class ServerStats(msgspec.Struct, kw_only=True):
     remote_lookup_timeouts: int = 0
     remote_queued: int = 0
     remote_down: int = 0
+    # KV events (``server.events_url``): batches published, reported keys dropped from the full
+    # queue, keys waiting, replays answered, replay requests refused.
+    events_batches: int = 0
+    events_dropped: int = 0
+    events_pending: int = 0
+    events_replays: int = 0
+    events_bad_replays: int = 0
 
 
 class ModelStats(msgspec.Struct, kw_only=True):

@@ -81,6 +81,7 @@ class CacheServer:
         self.transport.dialect = LMCacheDialect(self.handlers, self.transport.limits)  # LMCache's clients
         self.handlers.add_copy_threads = self.transport.add_workers  # more per GPU registered
         self.handlers.on_copies_stalled = self.supervisor.fail  # the GPU left copies in flight
+        self.handlers.events_stats = self.events.stats if self.events is not None else None
         self.transport.on_disconnect = self.registry.disconnected  # a killed GPU worker
         self._stop = threading.Event()
         self._housekeeper: threading.Thread | None = None
@@ -90,7 +91,8 @@ class CacheServer:
         if self.metrics is not None:
             self.metrics.watch(ServerCollector(
                 self.engine, self.registry, self.transport, config.chunk_size,
-                disk=self.disk is not None, remote=self.remote is not None))
+                disk=self.disk is not None, remote=self.remote is not None,
+                events=self.handlers.events_stats))
 
     @property
     def url(self) -> str:

@@ -61,6 +61,7 @@ class CacheHandlers:
         self.add_copy_threads: Callable[[int], int] | None = None
         #: Told why, when the GPU did not finish a request's copies in time (the server stops).
         self.on_copies_stalled: Callable[[str], None] | None = None
+        self.events_stats: Callable[[], dict[str, int]] | None = None  # KV events' counters
         self.checksum_lanes = ChecksumLanes()  # stores hash their pieces there while copying
 
     def routes(self) -> dict[RequestType, Route]:
@@ -366,7 +367,7 @@ class CacheHandlers:
         return m.ClearReply(removed=removed, kept_locked=kept)
 
     def server_info(self, _request: m.NoArgs, _client: bytes) -> m.ServerInfoReply:
-        stats: dict[str, Any] = dict(self._engine_stats())
+        stats: dict[str, Any] = self._engine_stats()
         stats.update(registered_instances=len(self.registry), reaped_instances=self.registry.reaped,
                      requests=self.counters.requests, errors=self.counters.errors)
         stats.update(gpu_instances=self.registry.gpu_instances(),
@@ -391,8 +392,8 @@ class CacheHandlers:
             rss_bytes=process_rss_bytes())
 
     def _engine_stats(self) -> dict[str, int]:
-        stats = self.engine.stats()
-        return stats if isinstance(stats, dict) else dict(vars(stats))
+        """The engine's counters, and the KV-event publisher's (``events_*``) when there is one."""
+        return {**self.engine.stats(), **(self.events_stats() if self.events_stats else {})}
 
     def list_chunks(self, request: m.ListChunksRequest, _client: bytes) -> m.ChunkListReply:
         rows, total = self.engine.list_chunks(request.model_name, request.limit, request.sort)

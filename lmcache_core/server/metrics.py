@@ -132,12 +132,24 @@ def op_label(op: RequestType | str) -> str:
     return "lmcache." + op
 
 
+#: (metric name without ``lmcache_``/``_total``, publisher field, help) of the KV events.
+_EVENT_COUNTERS = (
+    ("kv_events_batches", "events_batches", "KV-event batches published."),
+    ("kv_events_dropped", "events_dropped",
+     "Reported keys dropped because the KV-event queue was full (routers miss them)."),
+    ("kv_events_replays", "events_replays", "KV-event replay requests answered."),
+    ("kv_events_bad_replays", "events_bad_replays", "Malformed KV-event replay requests."),
+)
+
+
 class ServerCollector(Collector):
     """Reads one server's counters when Prometheus scrapes; holds no state of its own."""
 
     def __init__(self, engine: CacheEngine, registry: KVRegistry, transport: MessageQueueServer,
-                 chunk_size: int, *, disk: bool = False, remote: bool = False) -> None:
+                 chunk_size: int, *, disk: bool = False, remote: bool = False,
+                 events: Callable[[], dict[str, int]] | None = None) -> None:
         self._engine = engine
+        self._events = events  # the KV-event publisher's counters (server.events_url)
         self._registry = registry
         self._transport = transport
         self._chunk_size = chunk_size
@@ -173,6 +185,8 @@ class ServerCollector(Collector):
         yield _gauge("pinned_bytes", "Bytes of the chunk pieces pinned now.", stats["pinned_bytes"])
         yield from self._models()
         yield from self._tenants()
+        if self._events is not None:
+            yield from self._kv_events(self._events())
         yield _gauge("lookup_locks",
                      "Chunk locks lookups hold for coming retrieves (a chunk locked by two lookups "
                      "counts twice); locked chunks are never evicted.", stats["locks_held"])
@@ -260,6 +274,13 @@ class ServerCollector(Collector):
         yield _counter("reaped_workers",
                        "Registered KV caches dropped because their worker died or went silent.",
                        self._registry.reaped)
+
+    @staticmethod
+    def _kv_events(stats: dict[str, int]) -> Iterator[Metric]:
+        for name, field, help_text in _EVENT_COUNTERS:
+            yield _counter(name, help_text, stats[field])
+        yield _gauge("kv_events_pending", "Reported keys waiting for the next KV-event batch.",
+                     stats["events_pending"])
 
     def _tiers(self, stats: dict[str, int]) -> Iterator[Metric]:
         tiers = [t for t, on in (("disk", self._disk), ("remote", self._remote)) if on]

@@ -416,3 +416,25 @@ def test_pins_show_in_the_metrics(tmp_path: Path) -> None:
     assert value(after, "lmcache_pinned_chunks") == 1
     assert value(after, "lmcache_pinned_bytes") == CHUNK_BYTES
     assert delta(after, before, "lmcache_store_pin_refused_chunks_total") == 1
+
+
+def test_kv_events_show_in_the_metrics_and_server_info(tmp_path: Path) -> None:
+    """The publisher's counters (batches, keys dropped from a full queue, replays) were kept but
+    shown nowhere; an operator sees them in /metrics and SERVER_INFO (``lmcache stats``)."""
+    srv = ServerProcess(tmp_path, {"server": {"events_url": f"ipc://{tmp_path}/ev.sock"}}).start()
+    worker = WorkerProcess(srv.url)
+    try:
+        base = srv.http_url()
+        assert value(scrape(base), "lmcache_kv_events_batches_total") == 0
+        worker("fill", blocks=blocks(0, 1), seed=3)
+        assert worker("store", req="e", keys=tokens(1, seed=4), blocks=blocks(0, 1))["finished"]
+        wait_for(lambda: value(scrape(base), "lmcache_kv_events_batches_total") >= 1)
+        samples = scrape(base)
+        with MessageQueueClient(srv.url) as client:
+            stats = client.server_info().stats
+    finally:
+        worker.close()
+        srv.kill()
+    assert value(samples, "lmcache_kv_events_dropped_total") == 0
+    assert value(samples, "lmcache_kv_events_pending") == 0
+    assert stats.events_batches >= 1 and stats.events_dropped == 0
