@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from lmcache_core.errors import ConfigError
 from lmcache_core.storage.pinned import pin_exact
 
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
@@ -45,6 +46,37 @@ def allocate_buffer(nbytes: int, pin: bool,
         logger.debug("memory pool: no anonymous mapping (%s); using torch.empty", exc)
         return torch.empty(nbytes, dtype=torch.uint8), False, None
     return torch.frombuffer(mapping, dtype=torch.uint8), False, mapping
+
+
+def allocate_pool(nbytes: int, pin: bool,
+                  logger: logging.Logger) -> tuple[torch.Tensor, bool, mmap.mmap | None]:
+    """``allocate_buffer`` for the server's pool: one the machine cannot hold (more than its
+    memory, or an allocation that fails) is a ConfigError naming ``server.pool_size`` and the
+    size (``lmcache serve`` prints it as one line, exit 2), not a traceback."""
+    where = f"server.pool_size: {nbytes} bytes ({_gib(nbytes)})"
+    total = total_memory_bytes()
+    if total is not None and nbytes > total:
+        raise ConfigError(f"{where} is more than this machine's memory ({_gib(total)})")
+    try:
+        return allocate_buffer(nbytes, pin, logger)
+    except (RuntimeError, OverflowError, MemoryError, OSError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"{where} cannot be allocated: {reason}") from None
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def total_memory_bytes() -> int | None:
+    """The machine's physical memory (MemTotal), or None where /proc/meminfo does not say."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, IndexError, ValueError):
+        pass
+    return None
 
 
 def populate_write(address: int, start: int, end: int, stop: threading.Event | None,

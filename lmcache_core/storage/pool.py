@@ -90,8 +90,8 @@ class MemoryPool:
         self._num_slabs = nbytes // slab_bytes
         self._nbytes = self._num_slabs * slab_bytes
         want_pin = torch.cuda.is_available() if pin is None else pin
-        self._buf, self._pinned, self._mapping = pages.allocate_buffer(self._nbytes, want_pin,
-                                                                       logger)
+        self._buf, self._pinned, self._mapping = pages.allocate_pool(self._nbytes, want_pin,
+                                                                     logger)
         #: pinning was wanted (a CUDA host) but failed: the ready panel says so
         self.pin_failed = want_pin and not self._pinned
         #: transparent huge pages were asked for (after the populate) and the kernel offers them

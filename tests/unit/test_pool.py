@@ -365,3 +365,28 @@ def test_populate_makes_the_pool_resident() -> None:
     pool.populate()
     assert process_rss_bytes() - before >= 0.9 * pool.nbytes
     assert int(pool.tensor[::4096].sum()) == 0  # fresh pages still read as zeros
+
+
+def test_a_pool_bigger_than_the_machine_is_a_config_error(monkeypatch) -> None:
+    monkeypatch.setattr(pages, "total_memory_bytes", lambda: 4 * MIB)
+    with pytest.raises(ConfigError, match=r"server.pool_size: 8388608 bytes \(8.0 MiB\) is more "
+                                          r"than this machine's memory \(4.0 MiB\)"):
+        MemoryPool(8 * MIB, pin=False)
+    monkeypatch.undo()
+    with pytest.raises(ConfigError, match=r"server\.pool_size: 109951161678088372224 bytes"):
+        MemoryPool(99999999 << 40, pin=False)  # 99999999TiB: overflowed mmap's size before
+
+
+@pytest.mark.parametrize("exc", [OverflowError("cannot fit 'int' into an index-sized integer"),
+                                 OSError(12, "Cannot allocate memory"), MemoryError()])
+def test_an_allocation_that_fails_is_a_config_error(monkeypatch, exc) -> None:
+    """mmap fails (too big for the address space, ENOMEM), then so does torch's own allocator."""
+    def refuse(*_args: object, **_kwargs: object) -> None:
+        raise exc
+
+    monkeypatch.setattr(pages.mmap, "mmap", refuse)
+    monkeypatch.setattr(pages.torch, "empty", lambda *_a, **_k: (_ for _ in ()).throw(
+        RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8388608")))
+    with pytest.raises(ConfigError, match=r"server.pool_size: 8388608 bytes \(8.0 MiB\) cannot "
+                                          r"be allocated: "):
+        MemoryPool(8 * MIB, pin=False)
