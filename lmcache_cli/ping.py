@@ -18,6 +18,7 @@ from lmcache_cli.common import (
     fail,
     print_json,
 )
+from lmcache_core.config_parse import MAX_TIMEOUT_S
 
 
 def ping(
@@ -25,7 +26,9 @@ def ping(
     url: UrlOption = None,
     count: Annotated[int, typer.Option("--count", "-n", min=1, help="Round trips to time.")] = 1,
     timeout: Annotated[float | None, typer.Option(
-        min=0.001, help="Seconds to wait for each answer (default: the config's timeouts.connect_s).",
+        min=0.001, max=MAX_TIMEOUT_S, metavar="SECONDS",
+        help="Seconds to wait for each answer, at most a day (default: the config's "
+        "timeouts.connect_s).",
         show_default=False)] = None,
     as_json: JsonOption = False,
 ) -> None:

@@ -42,6 +42,9 @@ from lmcache_cli.store_bench_report import GB as GB
 from lmcache_cli.store_bench_report import build_report, render
 from lmcache_core.config import LMCacheConfig
 
+# Bounds of the count options: beyond them a worker fails inside torch (a seed times 1009 must fit
+# a 64-bit seed, a thread count a C long) or the machine drowns in processes.
+MAX_CPU_WORKERS, MAX_THREADS, MAX_SEED = 256, 1024, 2**53
 
 def _cuda_devices() -> int:
     """Visible CUDA devices; 0 without NVIDIA device files (then torch is not even imported)."""
@@ -88,7 +91,8 @@ def store_bench(
         help="GPU indices (0,1), all, or cpu. One worker process per GPU. Default: all GPUs, or "
              "cpu on a machine without CUDA.", show_default=False)] = None,
     cpu_workers: Annotated[int, typer.Option(
-        "--cpu-workers", min=1, help="Worker processes with --gpus cpu.")] = 1,
+        "--cpu-workers", min=1, max=MAX_CPU_WORKERS,
+        help="Worker processes with --gpus cpu.")] = 1,
     chunks: Annotated[int, typer.Option("--chunks", "-n", min=1,
                                         help="Chunks each worker stores per round.")] = 16,
     rounds: Annotated[int, typer.Option("--rounds", "-r", min=1, help="Timed rounds.")] = 3,
@@ -99,11 +103,13 @@ def store_bench(
     lookups: Annotated[int, typer.Option("--lookups", min=1,
                                          help="Lookups per round (the first one locks).")] = 10,
     threads: Annotated[int | None, typer.Option(
-        "--threads", min=1, help="Torch threads in each worker (default: torch's default).",
+        "--threads", min=1, max=MAX_THREADS,
+        help="Torch threads in each worker (default: torch's default).",
         show_default=False)] = None,
     block_size: Annotated[int, typer.Option("--block-size", min=1,
                                             help="vLLM block size (tokens per KV block).")] = 16,
     seed: Annotated[int | None, typer.Option(
+        min=0, max=MAX_SEED,
         help="Seed of the token ids and data (default: random, so chunks are new to the server).",
         show_default=False)] = None,
     tokens_out: Annotated[Path | None, typer.Option(

@@ -21,12 +21,18 @@ import yaml
 
 from lmcache_core.config_parse import MAX_UID as MAX_UID
 from lmcache_core.config_parse import (
+    DelayMs,
+    NonNegativeMs,
+    RemoteTtlS,
+    TimeoutMs,
+    TimeoutS,
     check_tenant_quotas,
     named_sizes,
     parse_events_urls,
     parse_http_url,
     parse_size,
     parse_uids,
+    size_of,
 )
 from lmcache_core.errors import ConfigError
 
@@ -34,9 +40,7 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "f
                "uint8": 1}
 DTypeName = Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "uint8"]
 Positive = Annotated[int, msgspec.Meta(gt=0)]
-PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
-NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
 ENV_PREFIX = "LMCACHE_"
 URL_ENV = "LMCACHE_URL"
 DEFAULT_HTTP_URL = "http://127.0.0.1:9464"
@@ -99,7 +103,7 @@ class ServerConfig(_Section):
     workers: Positive = 2
     max_request_bytes: Positive = 16 * 2**20
     max_keys_per_request: Positive = 65536
-    reap_timeout_s: PositiveFloat = 60.0
+    reap_timeout_s: TimeoutS = 60.0
     # Populate every pool page on a background thread right after the server is ready (~0.4 s
     # per GiB here; then transparent huge pages where offered), so first stores into fresh slots
     # do not pay page faults (~30x slower per byte on first touch); the pool is then resident.
@@ -117,12 +121,12 @@ class ServerConfig(_Section):
     shm_allowed_uids: list[int] | int | str = msgspec.field(default_factory=list)
     # TEST ONLY (fault injection, off by default): sleep this long before each chunk a retrieve
     # copies, to make loads slow on purpose (tests of the load deadline). Never set in production.
-    test_copy_delay_ms: NonNegativeFloat = 0.0
+    test_copy_delay_ms: DelayMs = 0.0
 
     def __post_init__(self) -> None:
-        self.pool_size = parse_size(self.pool_size)
+        self.pool_size = size_of("pool_size", self.pool_size)
         if self.max_pinned is not None:
-            self.max_pinned = parse_size(self.max_pinned)
+            self.max_pinned = size_of("max_pinned", self.max_pinned)
         if self.slab_size is not None:
             self.slab_size = parse_size(self.slab_size)
             if self.slab_size <= 0 or self.slab_size % 64:
@@ -130,7 +134,7 @@ class ServerConfig(_Section):
         self.quotas = named_sizes("quotas", self.quotas)
         check_tenant_quotas(self.tenant_quotas)
         if not self.url.startswith(("tcp://", "ipc://")):
-            raise ValueError(f"url must start with tcp:// or ipc://, got {self.url!r}")
+            raise ValueError(f"url: must start with tcp:// or ipc://, got {self.url!r}")
         self.events_url, self.events_replay_url = (
             parse_events_urls(self.events_url, self.events_replay_url) or (None, None))
         if parse_http_url(self.http_url) is None:
@@ -178,14 +182,14 @@ class ServerConfig(_Section):
 
 
 class TimeoutConfig(_Section):
-    connect_s: PositiveFloat = 5.0
-    request_s: PositiveFloat = 30.0
-    lookup_ms: Positive = 2000
-    lock_ttl_s: PositiveFloat = 300.0
+    connect_s: TimeoutS = 5.0
+    request_s: TimeoutS = 30.0
+    lookup_ms: TimeoutMs = 2000
+    lock_ttl_s: TimeoutS = 300.0
     # A retrieve's deadline (server side, from when a copy thread takes it up; a request's
     # deadline_ms overrides it): chunks not reached in time are not copied and are answered
     # missing, so vLLM recomputes them. 0: no deadline (one batched copy, the fastest path).
-    load_ms: NonNegative = 2000
+    load_ms: NonNegativeMs = 2000
 
 
 class DiskConfig(_Section):
@@ -216,11 +220,11 @@ class RemoteConfig(_Section):
 
     url: str  # redis://, rediss://, valkey://, valkeys://, unix://; redis+cluster:// for a cluster
     queue_size: Positive = 256  # chunk writes waiting for the writer; beyond it they are dropped
-    timeout_ms: Positive = 500  # socket connect/read timeout of every Redis call
+    timeout_ms: TimeoutMs = 500  # socket connect/read timeout of every Redis call
     key_prefix: str = "lmcache"
-    ttl_s: Positive | None = None  # expire chunks in Redis after this long (None: Redis decides)
+    ttl_s: RemoteTtlS | None = None  # expire chunks in Redis after this long (None: Redis decides)
     cluster: bool = False
-    retry_interval_s: PositiveFloat = 1.0  # how often a down Redis is probed
+    retry_interval_s: TimeoutS = 1.0  # how often a down Redis is probed
 
     def __post_init__(self) -> None:
         from lmcache_core.storage.remote_url import parse_url  # (remote itself imports redis)
@@ -317,8 +321,9 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         text = path.read_text()
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file") from None
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "not a UTF-8 text file (YAML is text)"
+        raise ConfigError(f"{path}: cannot read: {why}") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -341,12 +346,15 @@ def _parse_scalar(text: str) -> Any:
 
 
 def _set(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set ``dotted``; a section that is not a mapping (``server: 5``) is kept, for the load to report."""
     *parents, leaf = dotted.split(".")
     node = raw
     for part in parents:
         child = node.get(part)
-        if not isinstance(child, dict):
+        if child is None:
             child = node[part] = {}
+        elif not isinstance(child, dict):
+            return
         node = child
     node[leaf] = value
 

@@ -7,14 +7,26 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import urlsplit
+
+import msgspec
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 2**10, "ki": 2**10, "m": 1000**2,
           "mb": 1000**2, "mib": 2**20, "mi": 2**20, "g": 1000**3, "gb": 1000**3, "gib": 2**30,
           "gi": 2**30, "t": 1000**4, "tb": 1000**4, "tib": 2**40, "ti": 2**40}
 MAX_UID = 2**32 - 2  # (uid_t)-1 means "no uid"
+#: The longest any timeout, interval or delay may be (a day): longer ones (or .inf) overflow the
+#: waits they feed (zmq polls, sleeps) and are refused at load, naming the key.
+MAX_TIMEOUT_S = 86400.0
+TimeoutS = Annotated[float, msgspec.Meta(gt=0, le=MAX_TIMEOUT_S)]
+TimeoutMs = Annotated[int, msgspec.Meta(gt=0, le=int(MAX_TIMEOUT_S * 1000))]
+NonNegativeMs = Annotated[int, msgspec.Meta(ge=0, le=int(MAX_TIMEOUT_S * 1000))]
+DelayMs = Annotated[float, msgspec.Meta(ge=0, le=MAX_TIMEOUT_S * 1000)]
+#: remote.ttl_s at most a year (Redis refuses expiry times that overflow, on every write)
+MAX_REMOTE_TTL_S = 365 * 86400
+RemoteTtlS = Annotated[int, msgspec.Meta(gt=0, le=MAX_REMOTE_TTL_S)]
 
 
 def parse_size(value: int | str) -> int:
@@ -28,6 +40,14 @@ def parse_size(value: int | str) -> int:
         raise ValueError(f"not a size: {value!r} (try 4GiB, 512MiB or a byte count)")
     number, unit = match.groups()
     return int(float(number) * _UNITS[(unit or "").lower()])
+
+
+def size_of(field: str, value: int | str) -> int:
+    """``parse_size``, its ValueError naming ``field`` (the loader prefixes its section)."""
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise ValueError(f"{field}: {exc}") from None
 
 
 def parse_uids(value: list[int] | int | str) -> tuple[int, ...]:
