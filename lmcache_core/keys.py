@@ -83,7 +83,7 @@ def opaque_layout(world_size: int) -> str:
 def layout_heads(layout: str) -> int:
     """How many heads a layout's pieces divide (1 for MLA); ValueError for a malformed one."""
     match = _LAYOUT_RE.match(layout)
-    if match is not None:
+    if match is not None and (match.group(4) or int(match.group(3)) > 0):  # 0 heads: no ranges
         return 1 if match.group(4) else int(match.group(3))
     opaque = _OPAQUE_RE.match(layout)
     if opaque is not None and int(opaque.group(1)) > 0:

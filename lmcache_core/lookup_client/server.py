@@ -254,10 +254,12 @@ class LMCacheAsyncLookupServer:
             self._counts["responses"] += 1
         except zmq.ZMQError as exc:  # the scheduler is not reading: nobody will use these pins
             self._counts["dropped_responses"] += 1
-            logger.warning("lookup server %d: cannot answer %r (%s); releasing its pins",
-                           self.worker_id, lookup_id, exc)
+            level = (logging.WARNING if self._counts["dropped_responses"] <= _LOGGED_BAD
+                     else logging.DEBUG)  # any client may cause it at will: a few lines
+            logger.log(level, "lookup server %d: cannot answer %r (%s); releasing its pins",
+                       self.worker_id, lookup_id, exc)
             if self._latest.get(lookup_id) == attempt:
-                self.engine.cleanup_memory_objs(lookup_id)
+                self._cleanup(LookupCleanupMsg(lookup_id=lookup_id, seq=seq))
 
     def _push_to(self, reply_to: str) -> zmq.Socket[Any]:
         """The PUSH socket to client instance ``reply_to``; the least recent beyond a few is closed."""

@@ -360,3 +360,37 @@ def test_a_dead_client_thread_is_logged_and_lookups_still_end_at_their_deadline(
     s.client.lookup(TOKENS, "e")  # nobody reads answers any more: 0 at once, nothing sent
     assert s.client.lookup_cache("e") == 0
     assert s.client.wait_for_result("e", 5) == 0
+
+
+def test_answers_that_cannot_be_delivered_release_their_pins_and_cost_few_lines(
+        setup, caplog) -> None:
+    """A request naming an answer socket no one can reach (here: a path too long for ipc) is
+    answered by releasing its pins; any client may send those at will, so they are logged a
+    few times only, and a failing release does not stop the lookup server."""
+    import logging
+
+    import zmq
+
+    from lmcache_core.lookup_client.messages import LookupRequestMsg, encode
+
+    engine = ScriptedEngine(8)
+    s = setup({0: engine}, world_size=1)
+    server = s.servers[0]
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(f"ipc://{server.socket_path}")
+    caplog.set_level(logging.DEBUG, logger="lmcache_core.lookup_client.server")
+    try:
+        for i in range(40):
+            push.send(encode(LookupRequestMsg(lookup_id=f"x{i}", seq=1, reply_to="a" * 115 + ".sock",
+                                              hashes=[b"h" * 32], offsets=[CHUNK])))
+        until(lambda: server.stats()["dropped_responses"] == 40)
+    finally:
+        push.close(0)
+    until(lambda: len(engine.cleanups) == 40)
+    assert not engine.pinned  # every pin released
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING
+                and "cannot answer" in r.getMessage()]
+    assert 1 <= len(warnings) <= 10
+    s.client.lookup(TOKENS, "still")  # the server still answers lookups
+    assert s.client.wait_for_result("still", 5) == 8
