@@ -94,12 +94,13 @@ class CacheEngine(CacheCore):
         with self.mutex:
             return self.locks.keys_of(lookup_id)
 
-    def set_lock_readers(self, lookup_id: str, readers: int) -> bool:
+    def set_lock_readers(self, lookup_id: str, readers: int, shared: int = 1) -> bool:
         """Each lock ``lookup_id`` holds (per head range and chunk) goes with the ``readers``-th
-        retrieve of it (LMCache's ``num_kv_readers``; one unless set); called right after the
-        lookup. False if it holds none."""
+        retrieve of it by each of the ``shared`` ranks reading that range (LMCache's
+        ``num_kv_readers``; MLA's world size); called right after the lookup. False if it
+        holds none."""
         with self.mutex:
-            return self.locks.set_readers(lookup_id, readers)
+            return self.locks.set_readers(lookup_id, readers, shared)
 
     def release_lookup_reads(self, lookup_id: str, chunk_hashes: Collection[bytes],
                              reads: int, heads: HeadRange | None = None) -> int:

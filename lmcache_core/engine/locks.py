@@ -22,13 +22,14 @@ from lmcache_core.keys import ChunkKey, HeadRange
 class LockSet:
     """The pieces one lookup id locked: per head range, per chunk."""
 
-    __slots__ = ("held", "readers", "reads", "seq")
+    __slots__ = ("held", "readers", "reads", "seq", "shared")
 
     def __init__(self, seq: int) -> None:
         self.held: dict[HeadRange, dict[ChunkId, list[Piece]]] = {}
         self.seq = seq
-        self.readers = 1  # reads of each (range, chunk) its lock waits for
-        self.reads: dict[tuple[HeadRange, ChunkId], int] = {}  # reads so far, while < readers
+        self.readers = 1  # reads per rank of each (range, chunk) its lock waits for
+        self.shared = 1  # ranks reading each range (MLA: every rank reads the one range)
+        self.reads: dict[tuple[HeadRange, ChunkId], int] = {}  # reads so far, while < expected
 
     def read(self, heads: HeadRange, chunk: ChunkId, reads: int) -> list[Piece]:
         """``reads`` reads of ``heads`` on ``chunk``: the pieces whose lock they end (none while
@@ -36,9 +37,10 @@ class LockSet:
         held = self.held.get(heads)
         if held is None or chunk not in held:
             return []
-        if self.readers > 1:
+        expected = self.readers * self.shared
+        if expected > 1:
             done = self.reads.get((heads, chunk), 0) + reads
-            if done < self.readers:
+            if done < expected:
                 self.reads[(heads, chunk)] = done
                 return []
             self.reads.pop((heads, chunk), None)
@@ -103,28 +105,31 @@ class LockTable:
         if not lock_set.held:
             del self.sets[lookup_id]
 
-    def set_readers(self, lookup_id: str, readers: int) -> bool:
-        """Each (range, chunk) lock of ``lookup_id`` waits for ``readers`` reads (set right after
-        its lookup, before any read); False if it holds none."""
+    def set_readers(self, lookup_id: str, readers: int, shared: int = 1) -> bool:
+        """Each (range, chunk) lock of ``lookup_id`` waits for ``readers`` reads by each of the
+        ``shared`` ranks that read its range (set right after its lookup, before any read);
+        False if it holds none."""
         lock_set = self.sets.get(lookup_id)
         if lock_set is None:
             return False
-        lock_set.readers = max(1, readers)
+        lock_set.readers, lock_set.shared = max(1, readers), max(1, shared)
         return True
 
     def release_chunks(self, lookup_id: str, chunk_hashes: Collection[bytes], reads: int,
                        only: HeadRange | None = None) -> int:
-        """Count ``reads`` reads of every range (or the range ``only``) on the chunks named by
-        ``chunk_hashes`` (whatever their model and layout); how many piece locks went."""
+        """Count ``reads`` reads by every rank (or by the one reading the range ``only``) on the
+        chunks named by ``chunk_hashes`` (whatever their model and layout); how many piece locks
+        went."""
         lock_set = self.sets.get(lookup_id)
         if lock_set is None:
             return 0
         released = 0
+        per_range = reads if only is not None else reads * lock_set.shared
         for heads, held in list(lock_set.held.items()):
             if only is not None and heads != only:
                 continue
             for chunk in [c for c in held if c[2] in chunk_hashes]:
-                for piece in lock_set.read(heads, chunk, reads):
+                for piece in lock_set.read(heads, chunk, per_range):
                     piece.locks -= 1
                     released += 1
         if not lock_set.held:

@@ -327,9 +327,9 @@ class CacheHandlers:
         """Hit chunks for ``world_size`` ranks in the request's layout (``layouts``: its own, else
         the registered workers', else every one held for the model; the best of several).
 
-        Each rank's lock on a chunk goes with ``readers`` retrieves of it (LMCache's
-        ``num_kv_readers``); for MLA, whose one piece every rank reads, ``world_size`` times that:
-        the first rank's retrieve must not unlock the chunk the others still read."""
+        Each rank's lock on a chunk goes with ``readers`` retrieves of it by that rank (LMCache's
+        ``num_kv_readers``); for MLA, whose one piece every rank reads, by each of the
+        ``world_size`` ranks: the first rank's retrieve must not unlock what the others read."""
         target = self.layouts.best(request.model_name, request.world_size, request.layout,
                                    request.chunk_hashes)
         if target is None:
@@ -342,10 +342,9 @@ class CacheHandlers:
         else:
             hits = self.engine.lookup(request.model_name, layout, ranges, request.chunk_hashes,
                                       request.lookup_id, request.lock)
-        if is_mla(layout):
-            readers *= request.world_size
-        if hits and request.lock and readers > 1:  # before the reply: no retrieve has read yet
-            self.engine.set_lock_readers(request.lookup_id, readers)
+        shared = request.world_size if is_mla(layout) else 1
+        if hits and request.lock and readers * shared > 1:  # before the reply: no read yet
+            self.engine.set_lock_readers(request.lookup_id, readers, shared)
         return m.LookupReply(hit_chunks=hits)
 
     @property

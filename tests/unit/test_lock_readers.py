@@ -76,3 +76,21 @@ def test_a_release_may_count_one_range_only() -> None:
     rank1 = (1, 2)  # the opaque layout of world size 2: rank 1's heads
     assert engine.release_lookup_reads("a", {h(0)}, 1, rank1) == 1
     assert sorted(engine.locks_of("a")) == sorted([key(0, 0), key(1, 0), key(1, 1)])
+
+
+def test_mla_locks_wait_for_every_rank_and_a_free_counts_them_all() -> None:
+    """MLA: every rank of world size W reads the one piece, so its lock waits for W reads (times
+    LMCache's num_kv_readers); a free_lookup_locks (reads by every rank) counts all W."""
+    from tests.unit.test_engine import MLA, piece, store
+
+    engine = make()
+    store(engine, [piece(i, 0, 1, MLA) for i in range(2)])
+    for lookup_id in ("read", "freed"):
+        assert lookup(engine, 2, hashes(2), lookup_id, layout=MLA) == 2
+        assert engine.set_lock_readers(lookup_id, 1, shared=2)
+    retrieve(engine, 0, 2, hashes(2), "read", layout=MLA)  # rank 0: rank 1 still reads them
+    assert len(engine.locks_of("read")) == 2
+    retrieve(engine, 1, 2, hashes(2), "read", layout=MLA)
+    assert engine.locks_of("read") == []
+    assert engine.release_lookup_reads("freed", set(hashes(2)), 1) == 2  # both ranks' reads
+    assert engine.locks_of("freed") == [] and engine.stats()["locks_held"] == 0
