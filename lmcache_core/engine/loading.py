@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 from lmcache_core.engine.core import CacheCore
 from lmcache_core.engine.index import cover
-from lmcache_core.engine.retention import eviction_order
+from lmcache_core.engine.retention import eviction_order, pinned_now
 from lmcache_core.keys import ChunkKey, HeadRange
 
 
@@ -73,12 +73,14 @@ def coldest(core: CacheCore, limit: int, ahead_bytes: int,
     lookup."""
     out: list[ChunkKey] = []
     with core.mutex:
-        now = core.clock()
         at_risk = ahead_bytes - core.pool.bytes_free
+        if at_risk <= 0:  # nothing due: skip the order (with hints, a sort of the whole index)
+            return out
+        now = core.clock()
         for piece in eviction_order(core.index, core.retention, now):
             if at_risk <= 0 or len(out) >= limit:
                 break
-            if piece.pinned and piece.expires > now:
+            if pinned_now(piece, now):
                 continue
             at_risk -= piece.nbytes
             if not saved(piece.key):

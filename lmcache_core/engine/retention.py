@@ -114,10 +114,14 @@ class RetentionBook:
         return len(due)
 
 
+def pinned_now(piece: Piece, now: float) -> bool:
+    """Whether ``piece`` is pinned and its pin has not lapsed: eviction never takes it."""
+    return piece.pinned and piece.expires > now
+
+
 def free_to_go(piece: Piece, now: float) -> bool:
     """Whether eviction may take ``piece`` now: not locked, not being read, not pinned."""
-    return (not piece.locks and not piece.readers
-            and (not piece.pinned or piece.expires <= now))
+    return not piece.locks and not piece.readers and not pinned_now(piece, now)
 
 
 def eviction_order(index: PieceIndex, book: RetentionBook, now: float) -> Iterator[Piece]:

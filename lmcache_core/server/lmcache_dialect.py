@@ -119,17 +119,20 @@ class LMCacheDialect:
         self._answer(call, client)
         return w.reply_frames(call, None)
 
-    def dropped(self, op: str, frames: list[bytes]) -> None:
+    def dropped(self, op: str, frames: list[bytes], client: bytes) -> None:
         """A task of ours was not run (the copy threads' queue was full): a lookup acknowledged
         already ends with no hits (its client recomputes) instead of staying "running" until the
-        client's own timeout."""
+        client's own timeout. A long one, not acknowledged yet, is acknowledged now, undecoded
+        (that is the loop thread's work it was sent away from): its status is then unknown, 0."""
         if op != "lookup":
             return
-        try:
-            call = w.decode_call(frames, op)
-        except w.DialectError:
+        if sum(map(len, frames)) > INLINE_LOOKUP_BYTES:
+            if self.post is not None:
+                self.post([client, *frames[:2]])  # the ack: its uid and op frames
             return
-        self.results.set(call.args[0].request_id, 0)
+        call = self._decode(op, frames)
+        if call is not None:
+            self.results.set(call.args[0].request_id, 0)
 
     def _answer(self, call: w.Call, client: bytes) -> list[bytes] | None:
         try:

@@ -43,9 +43,9 @@ class Dialect(Protocol):
     def serve(self, op: str, frames: list[bytes],
               client: bytes) -> list[bytes] | Callable[[], list[bytes] | None] | None: ...
 
-    def dropped(self, op: str, frames: list[bytes]) -> None:
-        """A task ``serve`` handed back for ``frames`` will not run (the workers' queue was
-        full): settle whatever it had started (e.g. a lookup already acknowledged)."""
+    def dropped(self, op: str, frames: list[bytes], client: bytes) -> None:
+        """A task ``serve`` handed back for ``frames`` (from ``client``) will not run (the workers'
+        queue was full): settle whatever it had started (e.g. a lookup already acknowledged)."""
 
 
 class Task(NamedTuple):

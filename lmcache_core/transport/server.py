@@ -297,7 +297,7 @@ class MessageQueueServer:
                 self._rejections.log(logging.INFO, "dropped a %s request: %d long requests "
                                      "are queued", op, self._in_flight)
                 try:  # it settles what the task had started (never raises; if it did: logged)
-                    dialect.dropped(op, frames)
+                    dialect.dropped(op, frames, identity)
                 except Exception:
                     self._failures.log(logging.ERROR, "dialect.dropped raised", exc_info=True)
                 return

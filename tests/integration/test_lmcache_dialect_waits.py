@@ -272,6 +272,34 @@ def test_a_lookup_dropped_from_a_full_queue_ends_with_no_hits(short_tmp: str) ->
         srv.stop(2)
 
 
+def test_a_long_lookup_dropped_from_a_full_queue_is_acknowledged(short_tmp: str) -> None:
+    """A long prompt's lookup goes to the copy threads before its ack: dropped there (the queue
+    full), it is acknowledged at once, undecoded (its status then 0: it recomputes), rather than
+    left without an answer until its client's own timeout."""
+    from lmcache_core.server.lmcache_dialect import INLINE_LOOKUP_BYTES
+
+    srv, release = blocked_lookups_server(short_tmp, **{"server.max_request_bytes": 300 << 10})
+    sock = dealer(srv.url)
+    try:
+        frames = [enc(key(f"long{uid}", end=640, token_ids=[70_000] * 55_000))
+                  for uid in range(12)]
+        assert all(INLINE_LOOKUP_BYTES < len(frame) < 300 << 10 for frame in frames)
+        for uid, frame in enumerate(frames):  # the copy threads and their queue hold a few;
+            sock.send_multipart([enc(uid), enc(8), frame, enc(1)])  # the rest are dropped
+        acked: list[int] = []
+        while sock.poll(1000):  # the blocked ones answer nothing until released
+            reply = sock.recv_multipart()
+            assert reply[1:] == [enc(8)], reply
+            acked.append(msgspec.msgpack.decode(reply[0]))
+        assert len(acked) >= 4  # the dropped ones, acknowledged while the others are blocked
+        for uid in acked:
+            assert call(sock, [enc(99), enc(9), enc(f"long{uid}")]) == [enc(99), enc(9), enc(0)]
+    finally:
+        release.set()
+        sock.close(0)
+        srv.stop(2)
+
+
 def test_a_failing_skipped_release_does_not_hide_the_retrieve_failure(kv_server,
                                                                       monkeypatch) -> None:
     from lmcache_core.errors import NotRegisteredError
