@@ -233,6 +233,24 @@ class MessageQueueClient(TypedRequests):
                 self._sleepers -= 1
         return future.query()
 
+    def watch(self, future: MessagingFuture[Any]) -> None:
+        """Have the I/O thread take ``future``'s reply as soon as it arrives: for a ``polled``
+        request whose caller stopped polling but waits on its outcome (the scheduler adapter
+        sends a release behind a lookup still in flight). Unwatched, its reply would wait in the
+        socket until someone polls, or the I/O thread's next look (up to its deadline)."""
+        with self._lock:
+            entries = self._pending.entries
+            # A scan: rare calls, few requests in flight.
+            uid = next((uid for uid, p in entries.items() if p.future is future and not p.counted),
+                       None)
+            if uid is None:
+                return
+            entries[uid] = entries[uid]._replace(counted=True)
+            self._unattended += 1
+            wake = not self._watching
+        if wake:
+            self._io.wake()
+
     def poll_replies(self) -> None:
         """Receive whatever replies have arrived, now, on this thread; never blocks (if the I/O
         thread holds the socket, it is receiving them anyway)."""

@@ -257,7 +257,8 @@ def test_a_lookup_past_its_timeout_still_keeps_the_release_behind_it(tmp_path):
                 assert not released.query()
             finally:
                 os.kill(srv.proc.pid, signal.SIGCONT)
-            assert released.result(10).released == 4
+            # Given up (trial 2): its locks were freed behind it at once, before the end.
+            assert released.result(10).released == (4 if trial < 2 else 0)
             assert server_stats(scheduler).locks_held == 0
         assert not scheduler._unanswered and not scheduler._given_up
     finally:

@@ -233,6 +233,23 @@ def test_a_sleeping_call_wakes_when_another_thread_sends_past_its_reply(server, 
         assert not caller.is_alive() and took and took[0] < 3.0
 
 
+def test_a_watched_polled_request_is_settled_without_polling(server, release, monkeypatch):
+    """``watch``: a polled request nobody polls any more (a lookup with a release chained behind
+    it) is settled as soon as its reply arrives, not at the I/O thread's next look."""
+    from lmcache_core.transport import client as client_module
+
+    monkeypatch.setattr(client_module, "_IDLE_WAKE_S", 60.0)
+    with MessageQueueClient(server.bound_url) as client:
+        client.wait_until_reachable(2)
+        store = client.submit(ops.STORE, m.StoreRequest(
+            instance_id=1, chunk_hashes=[b"x"], block_ids=[0]), timeout_s=100.0, polled=True)
+        client.watch(store)
+        release.set()
+        assert store.result(3) == m.StoreReply(stored=1)  # no poll: the I/O thread took it
+        client.watch(store)  # done already: nothing to do
+        assert client.in_flight == 0
+
+
 def test_future_semantics():
     from lmcache_core.transport.future import MessagingFuture
 

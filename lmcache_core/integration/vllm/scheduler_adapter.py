@@ -100,7 +100,7 @@ class LMCacheMPSchedulerAdapter:
             if not future.query():
                 if now < self._give_up_at.get(request_id, math.inf):
                     return None
-                return self._give_up(request_id)
+                return self._give_up(request_id, future)
         try:
             reply = future.result(0)
         except LMCacheError as exc:
@@ -112,12 +112,13 @@ class LMCacheMPSchedulerAdapter:
             return 0
         return hit
 
-    def _give_up(self, request_id: str) -> int:
-        """The lookup passed ``lookup_timeout_s``: 0 for the scheduler from now on (it recomputes);
-        the server's answer, when it comes, only lets a release go out behind it."""
+    def _give_up(self, request_id: str, lookup: MessagingFuture[m.LookupReply]) -> int:
+        """The lookup passed ``lookup_timeout_s``: 0 for the scheduler from now on (it recomputes),
+        and whatever it locks is released behind it (nobody will load those chunks)."""
         logger.warning("lookup for %s got no answer within %gs, recomputing", request_id,
                        self.lookup_timeout_s)
         self._given_up.add(request_id)
+        self._release(ops.FREE_LOOKUP_LOCKS, request_id, lookup)
         return 0
 
     def _decline(self, request_id: str) -> None:
@@ -138,9 +139,9 @@ class LMCacheMPSchedulerAdapter:
             return
         self._unanswered[request_id] = lookup
 
-        def answered(done: MessagingFuture[m.LookupReply]) -> None:
+        def answered(done: MessagingFuture[m.LookupReply]) -> None:  # on the I/O thread
             if self._unanswered.get(request_id) is done:
-                del self._unanswered[request_id]
+                self._unanswered.pop(request_id, None)  # end_session may have taken it meanwhile
 
         lookup.add_done_callback(answered)
 
@@ -167,6 +168,7 @@ class LMCacheMPSchedulerAdapter:
         if lookup is not None and not lookup.query():
             released: MessagingFuture[Any] = MessagingFuture(f"{op.type.value} for {request_id}")
             lookup.add_done_callback(lambda _f: _chain(self._release(op, request_id, None), released))
+            self.mq_client.watch(lookup)  # nobody may poll it any more: take its reply at once
             return released
         future = self.mq_client.submit(op, m.LookupIdRequest(lookup_id=request_id))
         future.add_done_callback(lambda f: _log_failure(f, f"{op.type.value} for {request_id}"))
