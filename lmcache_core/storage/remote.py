@@ -53,6 +53,7 @@ from lmcache_core.storage.remote_keys import key_of, redis_key
 from lmcache_core.storage.remote_url import parse_url
 from lmcache_core.storage.writer import BackgroundWriter
 from lmcache_core.supervision import Supervisor
+from lmcache_core.transport.counters import LogBudget
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -110,7 +111,7 @@ class RemoteTier:
             probe_interval_s=retry_interval_s, on_start=self._writer_started)
         self._lookups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lmcache-remote")
         self._last_corrupt_log = 0.0
-        self._last_refused_log = 0.0
+        self._refused = LogBudget(logger=logger)  # failed writes come in runs
         self._buffers: list[bytearray] = []  # the writer's reused value buffers (one per batch slot)
 
     # ------------------------------------------------------------------ client and health
@@ -326,7 +327,7 @@ class RemoteTier:
                 return self._encode(key, *found, index)
         except Exception as exc:  # one bad chunk must not lose the rest of the batch
             self.n.add(remote_write_failed=1)
-            self._log_refused(f"could not encode {key.short()}: {exc!r}")
+            self._refused.log(logging.WARNING, "remote tier: could not encode %s: %r", key.short(), exc)
             return None
 
     def _encode(self, key: ChunkKey, payload: memoryview, payload_xxh3: int,
@@ -354,19 +355,12 @@ class RemoteTier:
         failed = sum(1 for r in results if isinstance(r, Exception))
         if failed:  # e.g. Redis is full (maxmemory, noeviction)
             self.n.add(remote_write_failed=failed)
-            self._log_refused(f"Redis refused {failed} write(s): "
-                              f"{next(r for r in results if isinstance(r, Exception))}")
+            self._refused.log(logging.WARNING, "remote tier: Redis refused %d write(s): %s", failed,
+                              next(r for r in results if isinstance(r, Exception)))
         self.n.add(remote_written_chunks=len(results) - failed)
         if self.events is not None:
             self.events.stored(self._written_keys(values, results), REMOTE)
         return True
-
-    def _log_refused(self, what: str) -> None:
-        """Log a failed write, at most once per 10 s (they come in runs)."""
-        now = time.monotonic()
-        if now - self._last_refused_log > 10.0:
-            self._last_refused_log = now
-            logger.warning("remote tier: %s", what)
 
     def _written_keys(self, values: list[tuple[bytes, Buffer]], results: list[Any]) -> list[ChunkKey]:
         """The chunks of a pipelined SET that Redis took (for KV events)."""

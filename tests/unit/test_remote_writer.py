@@ -74,3 +74,20 @@ def test_evicted_keys_are_skipped_and_the_rest_flushed(tier: RemoteTier) -> None
     tier._write_batch([key(1), key(2)])  # key(2) left memory before its turn
     assert [rkey for rkey, _ in sent] == [tier.redis_key(key(1))]
     assert tier.stats()["remote_write_failed"] == 0
+
+
+def test_refused_writes_are_rationed_and_the_dropped_lines_counted(
+        tier: RemoteTier, caplog: pytest.LogCaptureFixture) -> None:
+    # Redis full (maxmemory, noeviction) refuses every batch: a LogBudget lets 20 lines through per
+    # window and tells how many it dropped with the next line (no line is lost uncounted).
+    payloads = {key(1): b"a" * 100}
+    serve(tier, payloads)
+    tier._set_many = lambda values: [Exception("OOM")] * len(values)  # type: ignore[method-assign]
+    with caplog.at_level("WARNING", logger="lmcache_core.storage.remote"):
+        for _ in range(25):
+            tier._write_batch(list(payloads))
+        lines = [r.getMessage() for r in caplog.records if "Redis refused" in r.getMessage()]
+        assert len(lines) == 20 and tier.stats()["remote_write_failed"] == 25
+        tier._refused._window_start = float("-inf")  # the window has passed
+        tier._write_batch(list(payloads))
+    assert "(5 similar line(s) suppressed before this one)" in caplog.records[-1].getMessage()
