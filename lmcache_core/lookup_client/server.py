@@ -29,6 +29,7 @@ from lmcache_core.lookup_client.messages import (
     decode_worker_msg,
     encode,
 )
+from lmcache_core.transport.counters import LogBudget
 from lmcache_core.transport.waker import Waker
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,6 @@ _POLLIN = int(zmq.POLLIN)
 _RECV_BATCH = 256
 #: How many lookup ids the server remembers the latest attempt (seq) of.
 _MAX_TRACKED = 1 << 16
-_LOGGED_BAD = 10
 #: Client instances (answer sockets) a server keeps a PUSH to; one is the normal case.
 _MAX_CLIENTS = 4
 
@@ -83,6 +83,11 @@ class LMCacheAsyncLookupServer:
         self._outbox: deque[tuple[str, tuple[int, str] | None, int]] = deque()
         self._counts = {"requests": 0, "cleanups": 0, "stale_cleanups": 0, "responses": 0,
                         "dropped_responses": 0, "malformed": 0, "engine_errors": 0}
+        # Any client may send malformed messages, or name an answer socket no one can reach, at
+        # will; a failing engine cleanup fails for every lookup: a few lines each, the rest counted.
+        self._malformed_log = LogBudget(logger=logger)
+        self._undeliverable_log = LogBudget(logger=logger)
+        self._cleanup_log = LogBudget(logger=logger)
         self._waker = Waker()
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self.process_requests_from_scheduler,
@@ -174,9 +179,9 @@ class LMCacheAsyncLookupServer:
                 msg = decode_worker_msg(buf)
             except LMCacheError as exc:
                 self._counts["malformed"] += 1
-                level = logging.WARNING if self._counts["malformed"] <= _LOGGED_BAD else logging.DEBUG
-                logger.log(level, "lookup server %d: dropping a malformed message (%d bytes): %s",
-                           self.worker_id, len(buf), exc)
+                self._malformed_log.log(
+                    logging.WARNING, "lookup server %d: dropping a malformed message (%d bytes): %s",
+                    self.worker_id, len(buf), exc)
                 continue
             if isinstance(msg, LookupRequestMsg):
                 self._lookup(msg)
@@ -227,7 +232,8 @@ class LMCacheAsyncLookupServer:
         try:
             self.engine.cleanup_memory_objs(msg.lookup_id)
         except Exception:
-            logger.exception("lookup server %d: cleanup of %r failed", self.worker_id, msg.lookup_id)
+            self._cleanup_log.log(logging.ERROR, "lookup server %d: cleanup of %r failed",
+                                  self.worker_id, msg.lookup_id, exc_info=True)
 
     def _answer(self, lookup_id: str, num_hit_tokens: int, attempt: tuple[int, str] | None) -> None:
         if threading.get_ident() == self._thread.ident:
@@ -254,10 +260,9 @@ class LMCacheAsyncLookupServer:
             self._counts["responses"] += 1
         except zmq.ZMQError as exc:  # the scheduler is not reading: nobody will use these pins
             self._counts["dropped_responses"] += 1
-            level = (logging.WARNING if self._counts["dropped_responses"] <= _LOGGED_BAD
-                     else logging.DEBUG)  # any client may cause it at will: a few lines
-            logger.log(level, "lookup server %d: cannot answer %r (%s); releasing its pins",
-                       self.worker_id, lookup_id, exc)
+            self._undeliverable_log.log(
+                logging.WARNING, "lookup server %d: cannot answer %r (%s); releasing its pins",
+                self.worker_id, lookup_id, exc)
             if self._latest.get(lookup_id) == attempt:
                 self._cleanup(LookupCleanupMsg(lookup_id=lookup_id, seq=seq))
 

@@ -365,8 +365,8 @@ def test_a_dead_client_thread_is_logged_and_lookups_still_end_at_their_deadline(
 def test_answers_that_cannot_be_delivered_release_their_pins_and_cost_few_lines(
         setup, caplog) -> None:
     """A request naming an answer socket no one can reach (here: a path too long for ipc) is
-    answered by releasing its pins; any client may send those at will, so they are logged a
-    few times only, and a failing release does not stop the lookup server."""
+    answered by releasing its pins; any client may send those at will, so they are logged through
+    a LogBudget (20 lines per 10 s), and a failing release does not stop the lookup server."""
     import logging
 
     import zmq
@@ -391,6 +391,43 @@ def test_answers_that_cannot_be_delivered_release_their_pins_and_cost_few_lines(
     assert not engine.pinned  # every pin released
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING
                 and "cannot answer" in r.getMessage()]
-    assert 1 <= len(warnings) <= 10
+    assert 1 <= len(warnings) <= 20  # the LogBudget's lines per window
+    s.client.lookup(TOKENS, "still")  # the server still answers lookups
+    assert s.client.wait_for_result("still", 5) == 8
+
+
+class FailingCleanupEngine(ScriptedEngine):
+    def cleanup_memory_objs(self, lookup_id: str) -> int:
+        super().cleanup_memory_objs(lookup_id)
+        raise RuntimeError("cleanup broke")
+
+
+def test_malformed_messages_and_failing_cleanups_cost_few_lines(setup, caplog) -> None:
+    """Malformed messages (any client may send them) and an engine whose every cleanup fails are
+    logged through LogBudgets (20 lines per 10 s each), not one line or traceback each."""
+    import logging
+
+    import zmq
+
+    from lmcache_core.lookup_client.messages import LookupCleanupMsg, encode
+
+    engine = FailingCleanupEngine(8)
+    s = setup({0: engine}, world_size=1)
+    server = s.servers[0]
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(f"ipc://{server.socket_path}")
+    caplog.set_level(logging.DEBUG, logger="lmcache_core.lookup_client.server")
+    try:
+        for i in range(40):
+            push.send(b"junk")
+            push.send(encode(LookupCleanupMsg(lookup_id=f"c{i}", seq=1)))
+        until(lambda: server.stats()["malformed"] == 40 and len(engine.cleanups) == 40)
+    finally:
+        push.close(0)
+    malformed = [r for r in caplog.records if "malformed message" in r.getMessage()]
+    failed = [r for r in caplog.records if "cleanup of" in r.getMessage()]
+    assert len(malformed) == 20 and len(failed) == 20
+    assert all(r.exc_info for r in failed)  # the lines let through keep their traceback
     s.client.lookup(TOKENS, "still")  # the server still answers lookups
     assert s.client.wait_for_result("still", 5) == 8
