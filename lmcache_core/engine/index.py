@@ -117,10 +117,6 @@ class PieceIndex:
     def pieces(self, chunk: ChunkId) -> list[Piece]:
         return self.chunks.get(chunk, [])
 
-    def covers(self, chunk: ChunkId, heads: HeadRange) -> bool:
-        pieces = self.chunks.get(chunk)
-        return pieces is not None and cover(pieces, heads[0], heads[1]) is not None
-
     def covering(self, key: ChunkKey) -> list[Piece] | None:
         """The resident pieces that hold ``key``'s heads (``cover``); None if some head is not."""
         pieces = self.chunks.get(key.chunk)

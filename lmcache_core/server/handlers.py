@@ -153,7 +153,8 @@ class CacheHandlers:
                                                   request.event_handle)
                 ok = True
             except CopiesStalledError as exc:
-                stalled = self._copies_stalled(exc)
+                stalled = True
+                self._copies_stalled(exc)
                 raise
             finally:
                 if not stalled:  # a late copy may still write its slots: they stay reserved
@@ -209,7 +210,8 @@ class CacheHandlers:
                             copied = self._scatter_until(reg, plan, request.block_ids,
                                                          per_chunk, until)
             except CopiesStalledError as exc:
-                stalled = self._copies_stalled(exc)
+                stalled = True
+                self._copies_stalled(exc)
                 raise
             finally:
                 if not stalled:  # a late copy may still read its pieces: they stay held
@@ -252,14 +254,13 @@ class CacheHandlers:
             reg.copy_stream.synchronize(self.event_timeout_s)  # no-op on CPU
         return len(plan.found)
 
-    def _copies_stalled(self, exc: CopiesStalledError) -> bool:
+    def _copies_stalled(self, exc: CopiesStalledError) -> None:
         """The GPU did not finish this request's copies in time. They cannot be cancelled and may
         land later: in slots a new piece would get, or read from pieces evicted meanwhile. So
         the request's memory stays held, and the server stops (its supervisor logs why and
         exits non-zero, to be restarted) rather than serve with copies it cannot account for."""
         if self.on_copies_stalled is not None:
             self.on_copies_stalled(f"GPU copies stalled: {exc}")
-        return True
 
     def load_deadline_s(self, request: m.RetrieveRequest) -> float | None:
         """The retrieve's deadline in seconds: its own ``deadline_ms``, else ``timeouts.load_ms``;
@@ -366,7 +367,7 @@ class CacheHandlers:
         return m.ClearReply(removed=removed, kept_locked=kept)
 
     def server_info(self, _request: m.NoArgs, _client: bytes) -> m.ServerInfoReply:
-        stats: dict[str, Any] = self._engine_stats()
+        stats: dict[str, Any] = self._stats()
         stats.update(registered_instances=len(self.registry), reaped_instances=self.registry.reaped,
                      requests=self.counters.requests, errors=self.counters.errors)
         stats.update(gpu_instances=self.registry.gpu_instances(),
@@ -390,7 +391,7 @@ class CacheHandlers:
             pool_populate_s=pool.populate_s, pool_huge_pages=pool.huge_pages,
             rss_bytes=process_rss_bytes())
 
-    def _engine_stats(self) -> dict[str, int]:
+    def _stats(self) -> dict[str, int]:
         """The engine's counters, and the KV-event publisher's (``events_*``) when there is one."""
         return {**self.engine.stats(), **(self.events_stats() if self.events_stats else {})}
 

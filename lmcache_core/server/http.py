@@ -35,8 +35,10 @@ logger = logging.getLogger(__name__)
 
 #: A probe: (healthy or ready, a JSON-able body saying why).
 Probe = Callable[[], tuple[bool, dict[str, Any]]]
-_CLIENT_TIMEOUT_S = 10.0  # a connection that sends nothing for this long is closed
-_MAX_CONNECTIONS = 64  # served at once (probes and scrapes take milliseconds)
+# A connection that sends (or takes) nothing for this long is closed. Probes and scrapes send their
+# request at once; short, so idle connections cannot hold every slot (and the probes) for long.
+_CLIENT_TIMEOUT_S = 2.0
+_MAX_CONNECTIONS = 128  # served at once (probes and scrapes take milliseconds)
 _JOIN_S = 2.0
 _INDEX = b"lmcache: /metrics (Prometheus), /healthz (liveness), /readyz (readiness)\n"
 _StartResponse = Callable[..., Any]

@@ -219,7 +219,11 @@ def test_a_sleeping_call_wakes_when_another_thread_sends_past_its_reply(server, 
 
         caller = threading.Thread(target=slow_call)
         caller.start()
-        time.sleep(0.1)
+        deadline = time.monotonic() + 5
+        while not client.in_flight:  # its request is out (it then waits for the reply)
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        time.sleep(0.05)  # past its brief hold of the socket, asleep in wait()
         with client._lock:  # as a sender would: the reply arrives and a socket call takes the edge
             release.set()
             deadline = time.monotonic() + 5

@@ -48,13 +48,29 @@ def test_idle_clients_cost_no_traceback_and_probes_still_answer(
     assert "Traceback" not in capfd.readouterr().err
 
 
-def test_connections_past_the_cap_are_closed_at_once(listener: str) -> None:
+def test_connections_past_the_cap_are_closed_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(http._Handler, "timeout", 30.0)  # held ones stay for the whole test
+    monkeypatch.setattr(http, "_MAX_CONNECTIONS", 4, raising=False)
+    server = HttpListener("127.0.0.1", 0, CollectorRegistry(),
+                          {"/healthz": lambda: (True, {"status": "ok"})}, Supervisor())
+    listener = server.start()
+    try:
+        closed_at_once(server, listener)
+    finally:
+        server.stop()
+
+
+def closed_at_once(server: HttpListener, listener: str) -> None:
     held = [connect(listener) for _ in range(4)]
-    time.sleep(0.1)
+    deadline = time.monotonic() + 10
+    slots = server._server._connections if server._server is not None else None
+    while slots is not None and slots._value:  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, "the held connections were never accepted"
+        time.sleep(0.01)
     extra = connect(listener)
     start = time.monotonic()
-    assert extra.recv(1) == b""  # closed without a thread, before any timeout (0.3 s)
-    assert time.monotonic() - start < 0.2
+    assert extra.recv(1) == b""  # closed without a thread, not after the held ones' 30 s
+    assert time.monotonic() - start < 10
     extra.close()
     for sock in held:
         sock.close()
