@@ -51,7 +51,11 @@ def connect_push(context: zmq.Context[Any], path: Path, sndhwm: int) -> zmq.Sock
     sock.setsockopt(zmq.SNDHWM, sndhwm)
     sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
-    sock.connect(f"ipc://{path}")
+    try:
+        sock.connect(f"ipc://{path}")
+    except BaseException:  # e.g. a path too long for ipc (any client may name one): no leak
+        sock.close(0)
+        raise
     return sock
 
 

@@ -431,3 +431,24 @@ def test_malformed_messages_and_failing_cleanups_cost_few_lines(setup, caplog) -
     assert all(r.exc_info for r in failed)  # the lines let through keep their traceback
     s.client.lookup(TOKENS, "still")  # the server still answers lookups
     assert s.client.wait_for_result("still", 5) == 8
+
+
+def test_connect_push_closes_its_socket_when_connect_fails(tmp_path) -> None:
+    import zmq
+
+    from lmcache_core.lookup_client import _ipc
+
+    made: list[zmq.Socket[Any]] = []
+
+    class Recording(zmq.Context):  # type: ignore[type-arg]
+        def socket(self, *args: Any, **kw: Any) -> Any:
+            made.append(super().socket(*args, **kw))
+            return made[-1]
+
+    context = Recording()
+    try:
+        with pytest.raises(zmq.ZMQError):
+            _ipc.connect_push(context, tmp_path / ("a" * 200 + ".sock"), 10)
+        assert len(made) == 1 and made[0].closed
+    finally:
+        context.destroy(linger=0)
