@@ -59,7 +59,7 @@ class ChunkKey(NamedTuple):
 
 #: A piece's head range: ``(head_lo, head_hi)``.
 HeadRange = tuple[int, int]
-_LAYOUT_RE = re.compile(r"^([a-z0-9_]{1,24}):(\d{1,5})x(?:(\d{1,5})x|(mla))(\d{1,6})$")
+_LAYOUT_RE = re.compile(r"^([a-z0-9_]{1,24}):([1-9]\d{0,4})x(?:([1-9]\d{0,4})x|(mla))([1-9]\d{0,5})$")
 _OPAQUE_RE = re.compile(r"^ranks(\d{1,5})$")
 
 
@@ -83,7 +83,7 @@ def opaque_layout(world_size: int) -> str:
 def layout_heads(layout: str) -> int:
     """How many heads a layout's pieces divide (1 for MLA); ValueError for a malformed one."""
     match = _LAYOUT_RE.match(layout)
-    if match is not None and (match.group(4) or int(match.group(3)) > 0):  # 0 heads: no ranges
+    if match is not None:
         return 1 if match.group(4) else int(match.group(3))
     opaque = _OPAQUE_RE.match(layout)
     if opaque is not None and int(opaque.group(1)) > 0:

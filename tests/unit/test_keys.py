@@ -97,7 +97,8 @@ def test_layout_fingerprints_and_head_ranges():
         rank_heads(gqa, 3, 0)
     with pytest.raises(ValueError, match="outside"):
         rank_heads(gqa, 2, 2)
-    for bad in ("", "bfloat16", "bfloat16:32x8", "x" * 100, "ranks0", "bf16:1x2x3x4", "bf16:1x0x1"):
+    for bad in ("", "bfloat16", "bfloat16:32x8", "x" * 100, "ranks0", "bf16:1x2x3x4", "bf16:1x0x1",
+                "bf16:0x8x128", "bf16:32x8x0", "bf16:0xmla576", "bf16:61xmla0", "bf16:032x8x128"):
         with pytest.raises(ValueError):
             layout_heads(bad)
 
