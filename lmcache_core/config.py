@@ -128,7 +128,7 @@ class ServerConfig(_Section):
         if self.max_pinned is not None:
             self.max_pinned = size_of("max_pinned", self.max_pinned)
         if self.slab_size is not None:
-            self.slab_size = parse_size(self.slab_size)
+            self.slab_size = size_of("slab_size", self.slab_size)
             if self.slab_size <= 0 or self.slab_size % 64:
                 raise ValueError("slab_size: must be a positive multiple of 64 bytes")
         self.quotas = named_sizes("quotas", self.quotas)

@@ -61,6 +61,8 @@ def test_timeouts_up_to_a_day_load(tmp_path):
     ("server:\n  pool_size: lots\n", {}, "server.pool_size: not a size: 'lots'"),
     ("server:\n  max_pinned: -5\n", {}, "server.max_pinned: size must not be negative, got -5"),
     ("server:\n  max_pinned: lots\n", {}, "server.max_pinned: not a size"),
+    ("server:\n  slab_size: lots\n", {}, "server.slab_size: not a size: 'lots'"),
+    ("server:\n  slab_size: -64\n", {}, "server.slab_size: size must not be negative, got -64"),
     ("server:\n  url: http://x\n", {}, "server.url: must start with tcp:// or ipc://"),
     ("", {"LMCACHE_URL": "udp://x"}, "server.url: must start with tcp:// or ipc://"),
 ])
