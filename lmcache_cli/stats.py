@@ -23,6 +23,7 @@ from lmcache_cli.common import (
     print_json,
     tenant_table,
 )
+from lmcache_core.config_parse import MAX_TIMEOUT_S
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -46,7 +47,8 @@ def stats(
     config: ConfigOption = None,
     url: UrlOption = None,
     interval: Annotated[float, typer.Option(
-        "--interval", "-i", min=0.05, help="Seconds between refreshes.")] = 1.0,
+        "--interval", "-i", min=0.05, max=MAX_TIMEOUT_S,  # it is the request timeout too
+        help="Seconds between refreshes.")] = 1.0,
     count: Annotated[int | None, typer.Option(
         "--count", "-n", min=1, help="Stop after N refreshes (default: until Ctrl-C; 1 with --json).",
         show_default=False)] = None,

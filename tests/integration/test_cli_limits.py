@@ -36,6 +36,13 @@ def test_ping_timeout_has_an_upper_bound(timeout: str) -> None:
     assert "Traceback" not in result.err and "--timeout" in result.err
 
 
+@pytest.mark.parametrize("interval", ["inf", "1e20", "86401"])
+def test_stats_interval_has_an_upper_bound(interval: str) -> None:
+    result = cli("stats", "--url", NOWHERE, "--json", "--interval", interval)
+    assert result.code == 2, result.err
+    assert "Traceback" not in result.err and "--interval" in result.err
+
+
 @pytest.mark.parametrize(("env", "text"), [
     ({"LMCACHE_TIMEOUTS_CONNECT_S": ".inf"}, ""),
     ({}, "timeouts:\n  connect_s: .inf\n"),
