@@ -311,9 +311,8 @@ def hnd_as_nhd(desc: m.TensorDescriptor) -> m.TensorDescriptor:
     5-D ``[2, NB, NH, BS, HS]`` / ``[NB, 2, NH, BS, HS]``: the head and block-size dims swapped.
     4-D ``[NB, NH, BS, 2*HS]`` is vLLM's CPU backend (the only vLLM backend on a CPU host): each
     (block, head) run holds ``BS`` K rows then ``BS`` V rows of ``HS`` (as our own connector reads
-    it, ``integration/vllm/kv_views.py``), so chunks match those our connector stores."""
-    if len(desc.stride) != len(desc.shape):  # checked at decode (``TensorMetadata``) too
-        raise DialectError(f"shape {desc.shape} with a {len(desc.stride)}-element stride")
+    it, ``integration/vllm/kv_views.py``), so chunks match those our connector stores. ``desc``
+    comes of a decoded ``TensorMetadata``: its shape and stride pair (checked there)."""
     if len(desc.shape) == 4:
         nb, h, n, c = desc.shape
         sb, sh, sn, sc = desc.stride
