@@ -210,16 +210,17 @@ class LMCacheAsyncLookupServer:
                 msg.lookup_id, msg.hashes, msg.offsets, True, msg.request_configs,
                 model_name=meta.model_name, world_size=meta.world_size, worker_id=self.worker_id,
                 on_result=on_result)
-        except Exception:
+        except Exception:  # what a request holds may make it fail: a few lines, not one each
             self._counts["engine_errors"] += 1
-            logger.exception("lookup server %d: lookup %r failed; answering 0 hit tokens",
-                             self.worker_id, msg.lookup_id)
+            self._cleanup_log.log(logging.ERROR, "lookup server %d: lookup %r failed; answering 0 "
+                                  "hit tokens", self.worker_id, msg.lookup_id, exc_info=True)
             if not answered:
                 try:
                     self.engine.cleanup_memory_objs(msg.lookup_id)
                 except Exception:
-                    logger.exception("lookup server %d: releasing the pins of %r failed",
-                                     self.worker_id, msg.lookup_id)
+                    self._cleanup_log.log(logging.ERROR, "lookup server %d: releasing the pins "
+                                          "of %r failed", self.worker_id, msg.lookup_id,
+                                          exc_info=True)
                 on_result(msg.lookup_id, 0)
 
     def _cleanup(self, msg: LookupCleanupMsg) -> None:
