@@ -110,7 +110,7 @@ class RemoteTier:
             batch=MAX_BATCH_KEYS, down=lambda: self._down, probe=self.probe,
             probe_interval_s=retry_interval_s, on_start=self._writer_started)
         self._lookups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lmcache-remote")
-        self._last_corrupt_log = 0.0
+        self._corrupt = LogBudget(logger=logger)  # anyone with Redis access can write bad values
         self._refused = LogBudget(logger=logger)  # failed writes come in runs
         self._buffers: list[bytearray] = []  # the writer's reused value buffers (one per batch slot)
 
@@ -238,11 +238,8 @@ class RemoteTier:
             return record.decode_checked_into(value, key, out)
         except record.RecordError as exc:
             self.n.add(remote_corrupt=1)
-            now = time.monotonic()
-            if now - self._last_corrupt_log > 10.0:
-                self._last_corrupt_log = now
-                logger.warning("remote tier: dropped bad value %s: %s", rkey.decode(errors="replace"),
-                               exc)
+            self._corrupt.log(logging.WARNING, "remote tier: dropped bad value %s: %s",
+                              rkey.decode(errors="replace"), exc)
             with contextlib.suppress(*_FAULTS):
                 self.client().delete(rkey)
             if self.events is not None:
