@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -369,24 +370,17 @@ def test_answers_that_cannot_be_delivered_release_their_pins_and_cost_few_lines(
     a LogBudget (20 lines per 10 s), and a failing release does not stop the lookup server."""
     import logging
 
-    import zmq
-
     from lmcache_core.lookup_client.messages import LookupRequestMsg, encode
 
     engine = ScriptedEngine(8)
     s = setup({0: engine}, world_size=1)
     server = s.servers[0]
-    push = zmq.Context.instance().socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 0)
-    push.connect(f"ipc://{server.socket_path}")
     caplog.set_level(logging.DEBUG, logger="lmcache_core.lookup_client.server")
-    try:
+    with raw_push(server) as push:
         for i in range(40):
             push.send(encode(LookupRequestMsg(lookup_id=f"x{i}", seq=1, reply_to="a" * 115 + ".sock",
                                               hashes=[b"h" * 32], offsets=[CHUNK])))
         until(lambda: server.stats()["dropped_responses"] == 40)
-    finally:
-        push.close(0)
     until(lambda: len(engine.cleanups) == 40)
     assert not engine.pinned  # every pin released
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING
@@ -394,6 +388,20 @@ def test_answers_that_cannot_be_delivered_release_their_pins_and_cost_few_lines(
     assert 1 <= len(warnings) <= 20  # the LogBudget's lines per window
     s.client.lookup(TOKENS, "still")  # the server still answers lookups
     assert s.client.wait_for_result("still", 5) == 8
+
+
+@contextlib.contextmanager
+def raw_push(server: LMCacheAsyncLookupServer) -> Iterator[Any]:
+    """A PUSH socket to ``server``'s requests socket, as any client could connect one."""
+    import zmq
+
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(f"ipc://{server.socket_path}")
+    try:
+        yield push
+    finally:
+        push.close(0)
 
 
 class FailingCleanupEngine(ScriptedEngine):
@@ -407,24 +415,17 @@ def test_malformed_messages_and_failing_cleanups_cost_few_lines(setup, caplog) -
     logged through LogBudgets (20 lines per 10 s each), not one line or traceback each."""
     import logging
 
-    import zmq
-
     from lmcache_core.lookup_client.messages import LookupCleanupMsg, encode
 
     engine = FailingCleanupEngine(8)
     s = setup({0: engine}, world_size=1)
     server = s.servers[0]
-    push = zmq.Context.instance().socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 0)
-    push.connect(f"ipc://{server.socket_path}")
     caplog.set_level(logging.DEBUG, logger="lmcache_core.lookup_client.server")
-    try:
+    with raw_push(server) as push:
         for i in range(40):
             push.send(b"junk")
             push.send(encode(LookupCleanupMsg(lookup_id=f"c{i}", seq=1)))
         until(lambda: server.stats()["malformed"] == 40 and len(engine.cleanups) == 40)
-    finally:
-        push.close(0)
     malformed = [r for r in caplog.records if "malformed message" in r.getMessage()]
     failed = [r for r in caplog.records if "cleanup of" in r.getMessage()]
     assert len(malformed) == 20 and len(failed) == 20
