@@ -192,9 +192,20 @@ def dialect_op(op_frame: bytes) -> str | None:
     return op if isinstance(op, str) and op in OP_NAMES else None
 
 
+def plausible_uid(frame: bytes) -> bool:
+    """Whether ``frame`` holds a msgpack int, as a request's uid frame must (at most 9 bytes)."""
+    if len(frame) > 9:
+        return False
+    try:
+        uid = _decode_any(frame)
+    except Exception:  # DecodeError and the like: the client's frame
+        return False
+    return isinstance(uid, int) and not isinstance(uid, bool)
+
+
 def decode_call(frames: Sequence[bytes], op: str) -> Call:
     """``[uid, op, payloads...]`` of op ``op`` (from :func:`dialect_op`) into a typed call."""
-    if len(frames) < 2 or len(frames[0]) > 9:
+    if len(frames) < 2 or not plausible_uid(frames[0]):
         raise DialectError("a request is [uid, op, payloads...] with a msgpack int uid")
     decoders = _decoders.get(op)
     if decoders is None:
@@ -203,12 +214,7 @@ def decode_call(frames: Sequence[bytes], op: str) -> Call:
     if len(payloads) != len(decoders):
         raise DialectError(f"{op} takes {len(decoders)} payload frame(s), got {len(payloads)}")
     try:
-        uid = _decode_any(frames[0])
-        if not isinstance(uid, int) or isinstance(uid, bool):
-            raise DialectError("the uid frame must hold a msgpack int")
         args = tuple(d.decode(p) for d, p in zip(decoders, payloads, strict=True))
-    except DialectError:
-        raise
     except Exception as exc:  # ValidationError, DecodeError, RecursionError...: the client's frame
         raise DialectError(f"bad {op} payload: {clip(str(exc), MAX_MESSAGE_CHARS)}") from None
     return Call(frames[0], frames[1], op, args)

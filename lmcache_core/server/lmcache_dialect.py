@@ -127,7 +127,7 @@ class LMCacheDialect:
         if op != "lookup":
             return
         if sum(map(len, frames)) > INLINE_LOOKUP_BYTES:
-            if self.post is not None:
+            if self.post is not None and len(frames) >= 2 and w.plausible_uid(frames[0]):
                 self.post([client, *frames[:2]])  # the ack: its uid and op frames
             return
         call = self._decode(op, frames)

@@ -267,6 +267,41 @@ def test_a_lookup_past_its_timeout_still_keeps_the_release_behind_it(tmp_path):
         srv.kill()
 
 
+def test_a_given_up_lookup_never_frees_a_newer_lookups_locks(tmp_path):
+    """A lookup given up at ``lookup_timeout_s`` frees its locks once it lands, unless the id was
+    looked up again meanwhile (a preempted request resumed): that free would release the new
+    lookup's locks, and its hit could be evicted before its load."""
+    srv = ServerProcess(tmp_path, {"disk": {"path": str(tmp_path / "disk")}}).start()
+    worker = WorkerProcess(srv.url)
+    scheduler = LMCacheMPSchedulerAdapter(srv.url, zmq.Context.instance(), "tiny", 1, 0, BLOCK,
+                                          lookup_timeout_s=0.2)
+    try:
+        toks = tokens(4, seed=72)
+        worker("fill", blocks=blocks(0, 4), seed=3)
+        assert worker("store", req="s", keys=toks, blocks=blocks(0, 4))["finished"]
+        freeze(srv.proc.pid)
+        try:
+            scheduler.maybe_submit_lookup_request("r", toks)
+            time.sleep(0.4)
+            assert scheduler.check_lookup_result("r") == 0  # given up
+            scheduler.cleanup_lookup_result("r")
+            scheduler.maybe_submit_lookup_request("r", toks)  # resumed: looked up again
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while (hit := scheduler.check_lookup_result("r")) is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        assert hit == 4 * CHUNK
+        time.sleep(0.5)  # the old lookup landed long ago: a free behind it would be in by now
+        assert server_stats(scheduler).locks_held == 4  # the new lookup's, for its load
+        assert scheduler.end_session("r").result(10).released == 4
+    finally:
+        scheduler.close()
+        worker.close()
+        srv.kill()
+
+
 def test_worker_registers_again_after_a_server_restart(tmp_path):
     srv = ServerProcess(tmp_path).start()
     worker = WorkerProcess(srv.url)  # heartbeat every second

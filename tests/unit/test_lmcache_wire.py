@@ -156,3 +156,15 @@ def test_a_stride_not_pairing_the_shape_is_a_bad_frame() -> None:
     with pytest.raises(w.DialectError, match="3-element stride"):
         w.decode_call([enc(1), enc(1), enc(7), enc([bad]), enc("m"), enc(1), enc("vllm"),
                        enc({"kv_layout": "HND"}), enc([])], "register_kv_cache")
+
+
+def test_plausible_uid_takes_msgpack_ints_only() -> None:
+    import msgspec
+
+    from lmcache_core.protocol.lmcache_wire import plausible_uid
+
+    for good in (0, 7, 2**63 - 1, -5):
+        assert plausible_uid(msgspec.msgpack.encode(good))
+    for bad in (msgspec.msgpack.encode(True), msgspec.msgpack.encode("7"), b"\xc1", b"x" * 300_000,
+                b""):
+        assert not plausible_uid(bad)

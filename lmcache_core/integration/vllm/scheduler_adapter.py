@@ -118,7 +118,15 @@ class LMCacheMPSchedulerAdapter:
         logger.warning("lookup for %s got no answer within %gs, recomputing", request_id,
                        self.lookup_timeout_s)
         self._given_up.add(request_id)
-        self._release(ops.FREE_LOOKUP_LOCKS, request_id, lookup)
+
+        def free(_answered: MessagingFuture[m.LookupReply]) -> None:
+            # Only if no newer lookup of this id went out since (a preempted request resumed):
+            # the free would release that one's locks.
+            if self._lookups.get(request_id, lookup) is lookup:
+                self._release(ops.FREE_LOOKUP_LOCKS, request_id, None)
+
+        lookup.add_done_callback(free)
+        self.mq_client.watch(lookup)
         return 0
 
     def _decline(self, request_id: str) -> None:
