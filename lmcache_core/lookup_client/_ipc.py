@@ -15,9 +15,7 @@ from typing import Any
 import zmq
 
 from lmcache_core.errors import BindError
-from lmcache_core.transport.ipc_files import claim, remove_if_ours, remove_if_stale
-
-__all__ = ["bind_pull", "connect_push", "remove_if_stale", "unbind"]
+from lmcache_core.transport.ipc_files import claim, remove_if_ours
 
 RECONNECT_IVL_MS = 50
 #: A connection whose peer never completes the ZMTP greeting is dropped (and redialled) this soon.

@@ -45,7 +45,6 @@ import zmq
 
 from lmcache_core.errors import LMCacheError
 from lmcache_core.keys import TokenDatabase
-from lmcache_core.lookup_client import _ipc
 from lmcache_core.lookup_client.abstract_client import LookupClientInterface
 from lmcache_core.lookup_client.config import (
     LMCacheEngineConfig,
@@ -62,6 +61,7 @@ from lmcache_core.lookup_client.messages import (
 from lmcache_core.lookup_client.results import MAX_RESULTS, Abandoned, LookupTable
 from lmcache_core.lookup_client.sockets import LookupSockets
 from lmcache_core.transport.io_core import IOThread, ThreadWaiters, Waiter
+from lmcache_core.transport.ipc_files import remove_if_stale
 
 if TYPE_CHECKING:
     import torch
@@ -91,7 +91,7 @@ class LMCacheAsyncLookupClient(LookupClientInterface):
         self._context = context if context is not None else zmq.Context.instance()
         ensure_private_dir(metadata.runtime_path())
         for path in metadata.scheduler_sockets():  # answer sockets of clients that died
-            _ipc.remove_if_stale(path)
+            remove_if_stale(path)
         self._pull_path = metadata.scheduler_socket(f"{os.getpid()}-{next(_instances)}")
         self.reply_to = self._pull_path.name
         self._sockets = LookupSockets(self._context, metadata, self.worker_ids, self._pull_path)

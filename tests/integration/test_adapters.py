@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import zmq
@@ -125,13 +128,10 @@ def test_batched_store_covers_every_request(ranks, scheduler):
 def test_get_finished_waits_for_both_store_and_engine(server, ranks):
     worker = ranks[0]
     toks = tokens(1, seed=40)
-    freeze(server.proc.pid)  # the store cannot complete while the server is frozen
-    try:
+    with server_stopped(server):  # the store cannot complete meanwhile
         worker("submit_store", req="g1", keys=toks, blocks=blocks(0, 1))
         early = worker("get_finished", engine_finished=["g1"])
         assert early["stores_none"] and early["retrieves_none"], early
-    finally:
-        os.kill(server.proc.pid, signal.SIGCONT)
     # the engine finished g1 before its store completed: it is reported later, without naming it again
     deadline = time.monotonic() + 10
     while not (late := worker("get_finished", engine_finished=[]))["stores"]:
@@ -146,15 +146,12 @@ def test_get_finished_waits_for_both_store_and_engine(server, ranks):
 
 
 def test_pending_lookup_never_blocks(server, scheduler):
-    freeze(server.proc.pid)
-    try:
+    with server_stopped(server):
         scheduler.maybe_submit_lookup_request("p", tokens(2, seed=50))
         start = time.perf_counter()
         for _ in range(1000):
             assert scheduler.check_lookup_result("p") is None
         per_call = (time.perf_counter() - start) / 1000
-    finally:
-        os.kill(server.proc.pid, signal.SIGCONT)
     assert per_call < 200e-6
     scheduler.end_session("p").result(5)
 
@@ -205,29 +202,45 @@ def server_stats(adapter: LMCacheMPSchedulerAdapter) -> m.ServerStats:
     return reply.stats
 
 
-def test_end_session_during_a_lookup_leaves_no_locks(tmp_path):
-    # On a tiered server a lookup runs on the worker pool, so a release sent right behind it could
-    # overtake it; the adapter holds the release back until the lookup has landed.
+@contextlib.contextmanager
+def tiered_prompt(tmp_path, seed: int, **scheduler_kw: float) -> Iterator[tuple[Any, Any, list]]:
+    """A server with a disk tier (its lookups run on its worker pool, so a message sent right
+    behind one could overtake it), a 4-chunk prompt stored there, and a scheduler adapter:
+    ``(server, scheduler, prompt)``."""
     srv = ServerProcess(tmp_path, {"disk": {"path": str(tmp_path / "disk")}}).start()
     worker = WorkerProcess(srv.url)
-    scheduler = LMCacheMPSchedulerAdapter(srv.url, zmq.Context.instance(), "tiny", 1, 0, BLOCK)
+    scheduler = LMCacheMPSchedulerAdapter(srv.url, zmq.Context.instance(), "tiny", 1, 0, BLOCK,
+                                          **scheduler_kw)
     try:
-        toks = tokens(4, seed=70)
+        toks = tokens(4, seed=seed)
         worker("fill", blocks=blocks(0, 4), seed=3)
         assert worker("store", req="s", keys=toks, blocks=blocks(0, 4))["finished"]
-        freeze(srv.proc.pid)
-        try:
-            scheduler.maybe_submit_lookup_request("aborted", toks)
-            released = scheduler.end_session("aborted")
-            assert not released.query()
-        finally:
-            os.kill(srv.proc.pid, signal.SIGCONT)
-        assert released.result(10).released == 4
-        assert server_stats(scheduler).locks_held == 0
+        yield srv, scheduler, toks
     finally:
         scheduler.close()
         worker.close()
         srv.kill()
+
+
+@contextlib.contextmanager
+def server_stopped(srv: ServerProcess) -> Iterator[None]:
+    """The server stopped (SIGSTOP) for the block: what is sent meanwhile waits in its socket."""
+    freeze(srv.proc.pid)
+    try:
+        yield
+    finally:
+        os.kill(srv.proc.pid, signal.SIGCONT)
+
+
+def test_end_session_during_a_lookup_leaves_no_locks(tmp_path):
+    # The adapter holds the release back until the lookup has landed.
+    with tiered_prompt(tmp_path, 70) as (srv, scheduler, toks):
+        with server_stopped(srv):
+            scheduler.maybe_submit_lookup_request("aborted", toks)
+            released = scheduler.end_session("aborted")
+            assert not released.query()
+        assert released.result(10).released == 4
+        assert server_stats(scheduler).locks_held == 0
 
 
 def test_a_lookup_past_its_timeout_still_keeps_the_release_behind_it(tmp_path):
@@ -235,18 +248,10 @@ def test_a_lookup_past_its_timeout_still_keeps_the_release_behind_it(tmp_path):
     lookup is still queued on the server: a release sent then would overtake it on a tiered
     server (lookups run on its workers) and the lookup's locks would stay until their TTL. The
     release goes out once the server has answered, whether the result was cleaned up or not."""
-    srv = ServerProcess(tmp_path, {"disk": {"path": str(tmp_path / "disk")}}).start()
-    worker = WorkerProcess(srv.url)
-    scheduler = LMCacheMPSchedulerAdapter(srv.url, zmq.Context.instance(), "tiny", 1, 0, BLOCK,
-                                          lookup_timeout_s=0.2)
-    try:
-        toks = tokens(4, seed=71)
-        worker("fill", blocks=blocks(0, 4), seed=3)
-        assert worker("store", req="s", keys=toks, blocks=blocks(0, 4))["finished"]
+    with tiered_prompt(tmp_path, 71, lookup_timeout_s=0.2) as (srv, scheduler, toks):
         for trial in range(3):
             request_id = f"late-{trial}"
-            freeze(srv.proc.pid)
-            try:
+            with server_stopped(srv):
                 scheduler.maybe_submit_lookup_request(request_id, toks)
                 released = scheduler.end_session(request_id) if trial < 2 else None
                 time.sleep(0.4)  # past the scheduler's timeout, the server still frozen
@@ -255,51 +260,27 @@ def test_a_lookup_past_its_timeout_still_keeps_the_release_behind_it(tmp_path):
                     scheduler.cleanup_lookup_result(request_id)
                     released = scheduler.end_session(request_id)
                 assert not released.query()
-            finally:
-                os.kill(srv.proc.pid, signal.SIGCONT)
             # Given up (trial 2): its locks were freed behind it at once, before the end.
             assert released.result(10).released == (4 if trial < 2 else 0)
             assert server_stats(scheduler).locks_held == 0
         assert not scheduler._unanswered and not scheduler._given_up
-    finally:
-        scheduler.close()
-        worker.close()
-        srv.kill()
 
 
 def test_a_given_up_lookup_never_frees_a_newer_lookups_locks(tmp_path):
     """A lookup given up at ``lookup_timeout_s`` frees its locks once it lands, unless the id was
     looked up again meanwhile (a preempted request resumed): that free would release the new
     lookup's locks, and its hit could be evicted before its load."""
-    srv = ServerProcess(tmp_path, {"disk": {"path": str(tmp_path / "disk")}}).start()
-    worker = WorkerProcess(srv.url)
-    scheduler = LMCacheMPSchedulerAdapter(srv.url, zmq.Context.instance(), "tiny", 1, 0, BLOCK,
-                                          lookup_timeout_s=0.2)
-    try:
-        toks = tokens(4, seed=72)
-        worker("fill", blocks=blocks(0, 4), seed=3)
-        assert worker("store", req="s", keys=toks, blocks=blocks(0, 4))["finished"]
-        freeze(srv.proc.pid)
-        try:
+    with tiered_prompt(tmp_path, 72, lookup_timeout_s=0.2) as (srv, scheduler, toks):
+        with server_stopped(srv):
             scheduler.maybe_submit_lookup_request("r", toks)
             time.sleep(0.4)
             assert scheduler.check_lookup_result("r") == 0  # given up
             scheduler.cleanup_lookup_result("r")
             scheduler.maybe_submit_lookup_request("r", toks)  # resumed: looked up again
-        finally:
-            os.kill(srv.proc.pid, signal.SIGCONT)
-        deadline = time.monotonic() + 10
-        while (hit := scheduler.check_lookup_result("r")) is None:
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
-        assert hit == 4 * CHUNK
+        assert wait_lookup(scheduler, "r", toks) == 4 * CHUNK  # (the submit is a no-op now)
         time.sleep(0.5)  # the old lookup landed long ago: a free behind it would be in by now
         assert server_stats(scheduler).locks_held == 4  # the new lookup's, for its load
         assert scheduler.end_session("r").result(10).released == 4
-    finally:
-        scheduler.close()
-        worker.close()
-        srv.kill()
 
 
 def test_worker_registers_again_after_a_server_restart(tmp_path):
