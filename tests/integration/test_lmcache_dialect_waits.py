@@ -366,3 +366,44 @@ def test_a_lookup_whose_session_ends_while_it_runs_leaves_no_locks(tiered_kv_ser
     finally:
         release.set()
         sock.close(0)
+
+
+@pytest.mark.parametrize("fixture", ["kv_server", "tiered_kv_server"])
+def test_two_lookups_each_get_their_own_count_asked_in_the_opposite_order(fixture: str,
+                                                                          request) -> None:
+    """Two lookups that finish with different hit counts (1 and 3 chunks of the same stored
+    prompt), their statuses asked in the opposite order (by query, then by wait): each gets its
+    own count, once. Answering every lookup with the count of the latest one to finish (a
+    result kept per server, not per request id) passed every other test."""
+    srv, _, descs = request.getfixturevalue(fixture)
+    sock = dealer(srv.url)
+    uid = iter(range(100, 1000))
+
+    def ask(op: int, *payloads: Any) -> list[Any]:
+        u = next(uid)
+        reply = call(sock, [enc(u), enc(op), *map(enc, payloads)])
+        assert reply is not None and reply[:2] == [enc(u), enc(op)], reply
+        return [msgspec.msgpack.decode(f) for f in reply[2:]]
+
+    def status(op: int, request_id: str) -> int:
+        deadline = time.monotonic() + 10
+        while (got := ask(op, request_id) if op == 9 else ask(op, request_id, 5.0)) == []:
+            assert time.monotonic() < deadline, f"{request_id} still running"
+        return got[0]
+
+    try:
+        assert ask(1, 7, descs, "tiny", 1, "vllm", {}, []) == []
+        assert ask(6, key("s", end=192, worker_id=0), 7, [list(range(12))], b"") == [[b"", True]]
+        for op in (9, 10):  # query_prefetch_status, then wait_prefetch_status
+            short, long = f"short{op}", f"long{op}"
+            assert ask(8, key(short, end=64), 1) == []  # finishes first, 1 chunk
+            assert ask(8, key(long, end=192), 1) == []  # finishes last, 3 chunks
+            assert status(op, long) == 3
+            assert status(op, short) == 1
+            assert ask(9, short) == [0] and ask(9, long) == [0]  # handed over once
+            for request_id in (short, long):
+                assert ask(12, key(request_id, end=192), 1) == []
+                assert ask(13, request_id) == []
+        assert srv.engine.stats()["locks_held"] == 0
+    finally:
+        sock.close(0)
