@@ -7,6 +7,8 @@ For hash mode (vLLM block hashes) and token mode (prompt token ids), 1k and 16k 
   "wait" blocks on the socket between polls (the client's ``wait``: a scheduler that has other work
   sees the reply as soon as it is in), "spin" polls in a busy loop (on 2 cores the spinning thread
   takes a core from the zmq I/O threads and the server, so it is the pessimistic figure);
+  "after end" is the "wait" lookup of a request that follows the previous one's ``end_session``
+  (vLLM's order: one request ends, the next is looked up), beside the same echo;
 - 64 lookups in flight: submit 64, poll them all until all answered (waiting between sweeps);
   lookups/s vs 64 echo frames sent, then 64 received;
 - ``check_lookup_result`` on a pending lookup (the server stopped with SIGSTOP).
@@ -94,7 +96,8 @@ def run(args: argparse.Namespace, server_url: str, echo_url: str) -> None:
     print(f"load average {os.getloadavg()[0]:.2f} (1 min), p50 of {args.iters}; "
           f"echo = DEALER->ROUTER round trip of a frame of the lookup request's size\n")
     print(f"{'case':24s} {'echo us':>8s} {'wait us':>8s} {'ratio':>6s} {'spin us':>8s} {'ratio':>6s}"
-          f"   {'echo/s x64':>10s} {'lookups/s x64':>13s} {'ratio':>6s}")
+          f" {'after end':>9s} {'ratio':>6s}   {'echo/s x64':>10s} {'lookups/s x64':>13s}"
+          f" {'ratio':>6s}")
     for n_tokens in args.tokens:
         prompt = list(range(7, 7 + n_tokens))
         prev = b"seed"
@@ -123,15 +126,20 @@ def run(args: argparse.Namespace, server_url: str, echo_url: str) -> None:
             def lookup_spin(keys=keys) -> None:
                 lookup_once(scheduler, "adapter", keys)
 
+            def lookup_after_end(keys=keys) -> None:
+                lookup_once(scheduler, "adapter", keys, wait=True, end=True)
+
             echo_us, lookup_us = interleaved(echo_once, lookup, args.iters)
             echo2_us, spin_us = interleaved(echo_once, lookup_spin, args.iters)
+            echo3_us, after_end_us = interleaved(echo_once, lookup_after_end, args.iters)
             echo_rate, lookup_rate = (
                 INFLIGHT / (statistics.median(samples) * 1e-6) for samples in interleaved_samples(
                     lambda frames=frames: echo_many(echo, frames),
                     lambda keys=keys: lookup_many(scheduler, keys), max(10, args.iters // 40)))
             print(f"{mode + ' mode, ' + str(n_tokens) + ' tokens':24s} {echo_us:8.1f} "
                   f"{lookup_us:8.1f} {lookup_us / echo_us:5.2f}x {spin_us:8.1f} "
-                  f"{spin_us / echo2_us:5.2f}x   {echo_rate:10.0f} "
+                  f"{spin_us / echo2_us:5.2f}x {after_end_us:9.1f} {after_end_us / echo3_us:5.2f}x"
+                  f"   {echo_rate:10.0f} "
                   f"{lookup_rate:13.0f} {lookup_rate / echo_rate:5.2f}x")
     print("targets: lookup <= 1.5x the echo; 64 in flight >= 0.5x the echo's rate")
 
@@ -171,12 +179,17 @@ def run(args: argparse.Namespace, server_url: str, echo_url: str) -> None:
     scheduler.close()
 
 
-def lookup_once(scheduler, request_id: str, keys, wait: bool = False) -> int:
+def lookup_once(scheduler, request_id: str, keys, wait: bool = False, end: bool = False) -> int:
+    """One lookup, polled to its answer; then forgotten, or with ``end`` its session ended (the
+    release goes out now, so the next lookup follows it)."""
     scheduler.maybe_submit_lookup_request(request_id, keys)
     while (result := scheduler.check_lookup_result(request_id)) is None:
         if wait:  # block on the socket (receiving on this thread) until the reply is in
             scheduler.mq_client.wait(scheduler._lookups[request_id], 1.0)
-    scheduler.cleanup_lookup_result(request_id)
+    if end:
+        scheduler.end_session(request_id)
+    else:
+        scheduler.cleanup_lookup_result(request_id)
     return result
 
 

@@ -114,12 +114,15 @@ class MessageQueueClient(TypedRequests):
         scheduler adapter's ``check_lookup_result`` does), so the I/O thread is not woken to watch
         the socket for it: no thread hop, no GIL ping-pong with a polling scheduler (it cost
         ~80 us a lookup). The I/O thread still fails the future at its deadline, and still takes
-        the reply when it watches the socket for another request."""
+        the reply when it watches the socket for another request; a thread waiting in the
+        future's ``result`` receives on its own thread (``wait``)."""
         return self._submit(op, payloads, timeout_s, waited_on=False, polled=polled)[1]
 
     def _submit(self, op: RequestType, payloads: Sequence[Any], timeout_s: float | None,
                 waited_on: bool, polled: bool = False) -> tuple[int, MessagingFuture[Any]]:
         future: MessagingFuture[Any] = MessagingFuture(f"{op.value} to {self.server_url}")
+        if polled:  # no thread watches for its reply: whoever waits on it receives it
+            future.driver = self.wait
         uid = next(self._uids)
         try:
             frames = encode_request(uid, op, payloads)

@@ -4,6 +4,10 @@ A small thread-safe future with the seed's ``query()``; a timed-out wait raises
 ``LMCacheTimeoutError``. Lighter than ``concurrent.futures.Future`` on the paths a scheduler polls:
 ``query()`` is one attribute read (no lock; 0.1 us against 0.5 us), and settling one costs no
 condition variable unless a thread is actually waiting in ``result`` (5 us -> ~1 us per request).
+
+A future may carry a ``driver``: what a thread waiting in ``result``/``exception`` runs instead of
+sleeping on an event. The transport client gives one to the futures of ``polled`` requests, whose
+replies no background thread watches for: a waiter then receives them itself.
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ _PENDING, _DONE, _FAILED = 0, 1, 2
 #: Guards every future's state change against waiters and callbacks being added. Held for a few
 #: attribute writes only, never while a callback runs or a thread waits.
 _LOCK = threading.Lock()
+#: A driven wait "without timeout" (the request's own deadline settles the future before it).
+_FOREVER_S = 365 * 86400.0
 
 
 class MessagingFuture(Generic[T]):
     """The eventual reply of one request: a result, or the error the server or transport reported."""
 
-    __slots__ = ("_callbacks", "_event", "_state", "_value", "description")
+    __slots__ = ("_callbacks", "_event", "_state", "_value", "description", "driver")
 
     def __init__(self, description: str = "request") -> None:
         self._state = _PENDING
@@ -35,6 +41,9 @@ class MessagingFuture(Generic[T]):
         self._event: threading.Event | None = None  # made only when a thread waits
         self._callbacks: list[Callable[[MessagingFuture[T]], object]] | None = None
         self.description = description
+        #: ``driver(future, timeout_s) -> done``: waits by doing the work that settles the future
+        #: (receiving its reply on the waiting thread); None: sleep until another thread settles it.
+        self.driver: Callable[[MessagingFuture[T], float], bool] | None = None
 
     def query(self) -> bool:
         """True once the reply (or an error) is in; never blocks."""
@@ -60,6 +69,8 @@ class MessagingFuture(Generic[T]):
     def _wait(self, timeout: float | None) -> bool:
         if timeout is not None and timeout <= 0:
             return False
+        if self.driver is not None:
+            return self.driver(self, _FOREVER_S if timeout is None else timeout)
         with _LOCK:
             if self._state != _PENDING:
                 return True

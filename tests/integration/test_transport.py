@@ -17,6 +17,7 @@ from lmcache_core.errors import (
 from lmcache_core.protocol import RequestType, ops
 from lmcache_core.protocol import messages as m
 from lmcache_core.transport import MessageQueueClient, MessageQueueServer, Route
+from tests.harness import wait_until
 
 
 def _ping(_p, _c):
@@ -249,9 +250,30 @@ def test_a_watched_polled_request_is_settled_without_polling(server, release, mo
             instance_id=1, chunk_hashes=[b"x"], block_ids=[0]), timeout_s=100.0, polled=True)
         client.watch(store)
         release.set()
-        assert store.result(3) == m.StoreReply(stored=1)  # no poll: the I/O thread took it
+        # no poll and no waiter receiving (result() would receive on this thread): the I/O thread
+        wait_until(store.query, 3.0)
+        assert store.result(0) == m.StoreReply(stored=1)
         client.watch(store)  # done already: nothing to do
         assert client.in_flight == 0
+
+
+def test_a_polled_request_waited_on_is_received_by_its_waiter(server, release, monkeypatch):
+    """A polled request's future (a release the scheduler adapter sends) is taken by whoever waits
+    on it: ``result`` receives on the waiting thread, without the I/O thread watching the socket
+    (its own look is pushed an hour away here, so only the waiter can settle it)."""
+    from lmcache_core.transport import client as client_module
+
+    monkeypatch.setattr(client_module, "_IDLE_WAKE_S", 3600.0)
+    with MessageQueueClient(server.bound_url) as client:
+        client.wait_until_reachable(2)
+        ping = client.submit(ops.PING, m.PingRequest(), timeout_s=3600.0, polled=True)
+        assert ping.result(5).chunk_size == 16
+        store = client.submit(ops.STORE, m.StoreRequest(
+            instance_id=1, chunk_hashes=[b"x"], block_ids=[0]), timeout_s=3600.0, polled=True)
+        with pytest.raises(LMCacheTimeoutError):
+            store.result(0.05)  # held by ``release``: the driven wait still ends at its timeout
+        release.set()
+        assert store.exception(5) is None and client.in_flight == 0
 
 
 def test_future_semantics():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -42,7 +43,9 @@ class LMCacheMPSchedulerAdapter:
                  connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
                  lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S,
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
-                 min_hit_tokens: int = 0) -> None:
+                 min_hit_tokens: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: what ``lookup_timeout_s`` is measured on (tests pass a fake one)."""
+        self._clock = clock
         self._conn = _Connection(server_url, context, model_name, world_size, kv_rank,
                                  vllm_block_size, connect_timeout_s, request_timeout_s,
                                  "lmcache-scheduler")
@@ -53,7 +56,7 @@ class LMCacheMPSchedulerAdapter:
         self.min_hit_tokens = min_hit_tokens
         self.declined_lookups = 0
         self._lookups: dict[str, MessagingFuture[m.LookupReply]] = {}
-        # The scheduler's own deadline per lookup (perf_counter), apart from the server's answer:
+        # The scheduler's own deadline per lookup (on ``clock``), apart from the server's answer:
         # past it the scheduler is told 0 (it recomputes), but the lookup stays in flight until
         # the server answers (the request timeout bounds that), so a release is sent behind it.
         self._give_up_at: dict[str, float] = {}
@@ -79,7 +82,7 @@ class LMCacheMPSchedulerAdapter:
                                   chunk_hashes=hashes, lock=True)
         # polled: check_lookup_result takes the reply on the scheduler's thread (no I/O thread hop)
         self._lookups[request_id] = self.mq_client.submit(ops.LOOKUP, request, polled=True)
-        self._give_up_at[request_id] = time.perf_counter() + self.lookup_timeout_s
+        self._give_up_at[request_id] = self._clock() + self.lookup_timeout_s
 
     def check_lookup_result(self, request_id: str, num_computed_tokens: int = 0) -> int | None:
         """Matched tokens once the answer is in (chunks every rank holds x chunk size), else None.
@@ -98,7 +101,7 @@ class LMCacheMPSchedulerAdapter:
             self._last_poll = now
             self.mq_client.poll_replies()  # take arrived replies now, without a thread hop
             if not future.query():
-                if now < self._give_up_at.get(request_id, math.inf):
+                if self._clock() < self._give_up_at.get(request_id, math.inf):
                     return None
                 return self._give_up(request_id, future)
         try:
@@ -178,7 +181,10 @@ class LMCacheMPSchedulerAdapter:
             lookup.add_done_callback(lambda _f: _chain(self._release(op, request_id, None), released))
             self.mq_client.watch(lookup)  # nobody may poll it any more: take its reply at once
             return released
-        future = self.mq_client.submit(op, m.LookupIdRequest(lookup_id=request_id))
+        # polled: the scheduler's next poll takes the reply. Watched by the I/O thread, the reply
+        # woke it while the next request's lookup was in flight: two thread hops on 2 cores made
+        # that lookup 4.4x a bare echo instead of 1.5x (scripts/bench_scheduler_lookup.py).
+        future = self.mq_client.submit(op, m.LookupIdRequest(lookup_id=request_id), polled=True)
         future.add_done_callback(lambda f: _log_failure(f, f"{op.type.value} for {request_id}"))
         return future
 
