@@ -1,8 +1,35 @@
-"""Shared fixtures: skipping GPU tests without CUDA."""
+"""The suite's one harness: factory fixtures for the real processes tests run beside them, one
+``wait_until`` and one fake clock (both in ``tests/harness.py``), the ``perf`` marker, and GPU
+tests skipped without CUDA.
+
+Factories (arq's ``tests/conftest.py`` is the model): ``make_server(overrides, name=...)`` starts an
+``lmcache serve`` in the test's temp dir, ``make_worker(url, **shape)`` a stand-in vLLM worker
+process, ``make_redis(cluster=False)`` a ``redis-server``; whatever a test made is stopped after it,
+however it ended, so tests hold no try/finally of their own for that.
+
+``perf`` tests measure real latency (bounds generous, but still about speed): they are deselected
+by default (``-m "not perf"`` in pyproject.toml's addopts) and run with ``-m perf`` or
+``LMCACHE_PERF=1``. Speed figures proper are ``scripts/bench_*.py``.
+"""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
 import pytest
+
+from tests.harness import FakeClock, wait_until
+from tests.integration.servers import RedisServer, ServerProcess, WorkerProcess, redis_binary
+
+__all__ = ["FakeClock", "wait_until"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("LMCACHE_PERF") == "1" and config.option.markexpr == "not perf":
+        config.option.markexpr = ""  # LMCACHE_PERF=1: the perf tests run too
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -16,3 +43,76 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is False)")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+@pytest.fixture
+def fake_clock() -> FakeClock:
+    """A clock that stands still until ``fake_clock.advance(s)``: pass it as ``clock=``."""
+    return FakeClock()
+
+
+@pytest.fixture
+def make_server(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
+    """``make_server(overrides=None, name="srv", start=True)``: an ``lmcache serve`` on an ipc://
+    socket in the test's temp dir (``ServerProcess``), killed after the test if still running."""
+    made: list[ServerProcess] = []
+
+    def make(overrides: dict[str, Any] | None = None, *, name: str = "srv",
+             start: bool = True) -> ServerProcess:
+        server = ServerProcess(tmp_path, overrides, name=name)
+        made.append(server)
+        return server.start() if start else server
+
+    yield make
+    for server in reversed(made):
+        server.kill()
+
+
+@pytest.fixture
+def make_worker() -> Iterator[Callable[..., WorkerProcess]]:
+    """``make_worker(url, rank=0, world_size=1, ...)``: a ``kv_worker.py`` process registered with
+    the server at ``url`` (``WorkerProcess``), closed after the test."""
+    made: list[WorkerProcess] = []
+
+    def make(url: str, **shape: Any) -> WorkerProcess:
+        worker = WorkerProcess(url, **shape)
+        made.append(worker)
+        return worker
+
+    yield make
+    for worker in reversed(made):
+        worker.close()
+
+
+@pytest.fixture
+def make_redis(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]:
+    """``make_redis(cluster=False)``: a started ``redis-server`` (``RedisServer``), killed after the
+    test; the test is skipped where no redis-server is installed."""
+    made: list[RedisServer] = []
+
+    def make(cluster: bool = False) -> RedisServer:
+        server = RedisServer(redis_binary(), tmp_path, cluster=cluster)
+        made.append(server)
+        return server.start()
+
+    yield make
+    for server in reversed(made):
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One ``redis-server`` for a whole test module (``redis_up`` hands it to each test empty)."""
+    server = RedisServer(redis_binary(), tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_up(redis_server: RedisServer) -> RedisServer:
+    """The module's Redis, running (restarted if a test stopped it) and empty."""
+    if not redis_server.running():
+        redis_server.start()
+    with redis_server.client() as c:
+        c.flushall()
+    return redis_server

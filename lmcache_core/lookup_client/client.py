@@ -38,7 +38,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -81,8 +81,12 @@ class LMCacheAsyncLookupClient(LookupClientInterface):
     """Non-blocking lookups from the scheduler to the workers' ``LMCacheAsyncLookupServer``s."""
 
     def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheMetadata, *,
-                 context: zmq.Context[Any] | None = None) -> None:
+                 context: zmq.Context[Any] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: what lookup deadlines (``lookup_timeout_ms``) are measured on (tests pass a
+        fake one); the thread's own pacing and callers' waits use real time."""
         self.config = config
+        self._clock = clock
         self.metadata = metadata
         self.timeout_s = config.lookup_timeout_ms / 1000.0
         self.token_database = TokenDatabase(config.chunk_size)
@@ -136,7 +140,7 @@ class LMCacheAsyncLookupClient(LookupClientInterface):
             # closed, or its thread ended (no answer would be read): 0 at once, nothing pinned
             started = bool(hashes) and not self._closed and not self._closing.is_set()
             if started:
-                wake = table.start(lookup_id, seq, time.monotonic() + self.timeout_s)
+                wake = table.start(lookup_id, seq, self._clock() + self.timeout_s)
             else:  # nothing to look up (no complete chunk), or closed: 0 at once
                 table.finish(lookup_id, 0, seq, pinned=False)
                 wake = False
@@ -166,14 +170,13 @@ class LMCacheAsyncLookupClient(LookupClientInterface):
             running = self._table.state(lookup_id)
             if isinstance(running, int):
                 return running
-            now = time.monotonic()
-            expired = now >= running.deadline
+            expired = self._clock() >= running.deadline
             if expired:
                 abandoned = self._table.time_out(lookup_id, running)
         if expired:
             self._send_cleanups(lookup_id, abandoned)
             return 0
-        self._attended_at = now
+        self._attended_at = time.monotonic()
         if not self._drain():
             return None
         with self._lock:
@@ -194,10 +197,9 @@ class LMCacheAsyncLookupClient(LookupClientInterface):
             return None
         while self._drain() >= _RECV_BATCH:
             pass
-        now = time.monotonic()
-        self._expire(now)
+        self._expire(self._clock())
         timeout_ms = self._poll_timeout_ms()
-        unattended_s = now - self._attended_at
+        unattended_s = time.monotonic() - self._attended_at
         watch = unattended_s >= _ATTENDED_S
         if not watch:
             look_ms = int((_ATTENDED_S - unattended_s) * 1000) + 1
@@ -285,10 +287,11 @@ class LMCacheAsyncLookupClient(LookupClientInterface):
                 running = self._table.state(lookup_id)
                 if isinstance(running, int):
                     return running
-                now = time.monotonic()
-                if now >= running.deadline or now >= end:
+                to_deadline = running.deadline - self._clock()
+                to_end = end - time.monotonic()
+                if to_deadline <= 0 or to_end <= 0:
                     return None
-                wait_ms = int((min(running.deadline, end) - now) * 1000) + 1
+                wait_ms = int(min(to_deadline, to_end) * 1000) + 1
             if not self._sockets.pull_open:  # the thread failed and closed the socket: wait on
                 mine.wait(wait_ms, socket=False)  # the waker (close, answers) and the deadline
                 continue
@@ -331,7 +334,7 @@ class LMCacheAsyncLookupClient(LookupClientInterface):
             head = self._table.first_deadline()
         if head is None:
             return -1
-        return max(0, int((head - time.monotonic()) * 1000) + 1)
+        return max(0, int((head - self._clock()) * 1000) + 1)
 
     def _drain(self) -> int:
         """Read up to ``_RECV_BATCH`` answers and record them; returns how many were read.

@@ -1,19 +1,26 @@
-"""Start real ``lmcache serve`` processes for tests, and stop them."""
+"""The real processes tests run beside them: ``lmcache serve``, a stand-in vLLM worker
+(``kv_worker.py``) and ``redis-server``. Tests get them from the factory fixtures in
+``tests/conftest.py`` (``make_server``, ``make_worker``, ``make_redis``), which stop them afterwards."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
-import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+import redis
 import yaml
 
 from lmcache_core.errors import LMCacheError
 from lmcache_core.transport.client import MessageQueueClient
+from tests.harness import wait_until
 
 TINY = {
     "model": {"name": "tiny", "num_layers": 2, "num_kv_heads": 4, "head_dim": 32, "dtype": "float16"},
@@ -38,7 +45,7 @@ class ServerProcess:
         self.log_path = tmp / f"{name}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, timeout_s: float = 20.0) -> ServerProcess:
+    def start(self, timeout_s: float = 60.0) -> ServerProcess:
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "lmcache_cli", "serve", "-c", str(self.config_path)],
@@ -47,18 +54,19 @@ class ServerProcess:
         return self
 
     def wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
         with MessageQueueClient(self.url, connect_timeout_s=0.5) as client:
-            while time.monotonic() < deadline:
-                assert self.proc is not None
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.log()}")
-                try:
-                    client.wait_until_reachable(0.5)
-                    return
-                except LMCacheError:
-                    continue
-        raise RuntimeError(f"server did not answer within {timeout_s}s:\n{self.log()}")
+            wait_until(lambda: self._answers(client), timeout_s,
+                       lambda: f"the server did not answer:\n{self.log()}")
+
+    def _answers(self, client: MessageQueueClient) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.log()}")
+        try:
+            client.wait_until_reachable(0.5)
+        except LMCacheError:
+            return False
+        return True
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -112,7 +120,7 @@ class WorkerProcess:
         script = Path(__file__).with_name("kv_worker.py")
         self.proc = subprocess.Popen([sys.executable, str(script), json.dumps(spec)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.hello = self._read(30)
+        self.hello = self._read(60)
         if not self.hello.get("ready"):
             raise RuntimeError(f"worker failed to start: {self.hello}")
 
@@ -156,11 +164,111 @@ class WorkerProcess:
             os.unlink(f"/dev/shm/{self.hello['shm_name']}")
 
 
+def process_state(pid: int) -> str:
+    """The state letter of ``/proc/<pid>/stat`` (R, S, T (stopped), Z (zombie), ...)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
 def freeze(pid: int) -> None:
     """SIGSTOP and wait until the process really is stopped (kill() returns before that)."""
     os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 5
-    stat = Path(f"/proc/{pid}/stat")
-    while stat.read_text().rsplit(")", 1)[1].split()[0] != "T":
-        assert time.monotonic() < deadline, "the server did not stop"
-        time.sleep(0.001)
+    wait_until(lambda: process_state(pid) == "T", 5, f"process {pid} did not stop")
+
+
+@contextlib.contextmanager
+def frozen(pid: int) -> Iterator[None]:
+    """``freeze`` the process for the body, then SIGCONT it, however the body ends."""
+    freeze(pid)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+# ---------------------------------------------------------------- redis-server
+
+
+def _free_port(cluster: bool = False) -> int:
+    """A free loopback port; for a cluster node also its bus port (port + 10000, so <= 65535)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if not cluster:
+            return port
+        if port + 10000 <= 65535 and _bindable(port + 10000):
+            return port
+    raise RuntimeError("no free port pair for a redis cluster node")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+class RedisServer:
+    """One ``redis-server`` child on 127.0.0.1, a free port, a temp dir, no persistence;
+    ``stop``/``start`` restart it on the same port (data lost)."""
+
+    def __init__(self, binary: str, workdir: Path, cluster: bool = False) -> None:
+        self.binary = binary
+        self.workdir = workdir
+        self.cluster = cluster
+        self.port = _free_port(cluster)
+        self.url = f"redis{'+cluster' if cluster else ''}://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> RedisServer:
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "no", "--dir", str(self.workdir), "--protected-mode", "no"]
+        if self.cluster:  # a one-node cluster holding every slot
+            args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+        log = self.workdir / f"redis-{self.port}.log"
+        with log.open("ab") as out:
+            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+        client = redis.Redis(port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5)
+
+        def answers() -> bool:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited:\n{log.read_text(errors='replace')[-2000:]}")
+            try:
+                return bool(client.ping())
+            except redis.exceptions.ConnectionError:
+                return False
+
+        wait_until(answers, 10, lambda: f"redis-server did not start:\n"
+                                        f"{log.read_text(errors='replace')[-2000:]}")
+        if self.cluster:
+            client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+            wait_until(lambda: b"cluster_state:ok" in client.execute_command("CLUSTER", "INFO"),
+                       10, "the cluster never became ok")
+        client.close()
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, socket_timeout=2)
+
+
+def redis_binary() -> str:
+    """The ``redis-server`` binary; the test is skipped without one (failed when ``CI`` is set)."""
+    binary = shutil.which("redis-server") or ("/usr/bin/redis-server"
+                                              if os.path.exists("/usr/bin/redis-server") else None)
+    if binary is None:
+        message = "redis-server is not installed (scripts/setup --dev installs it)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return binary

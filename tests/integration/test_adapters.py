@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
 import time
@@ -19,6 +20,7 @@ from lmcache_core.integration.vllm.vllm_multi_process_adapter import (
     get_lmcache_chunk_size,
 )
 from lmcache_core.protocol import messages as m
+from tests.harness import wait_until
 from tests.integration.servers import ServerProcess, WorkerProcess, freeze
 
 CHUNK, BLOCK = 64, 16
@@ -42,12 +44,19 @@ def blocks(first_chunk: int, n_chunks: int) -> list[int]:
     return list(range(first_chunk * PER_CHUNK, (first_chunk + n_chunks) * PER_CHUNK))
 
 
-def wait_lookup(adapter: LMCacheMPSchedulerAdapter, request_id: str, keys: list) -> int:
+def wait_lookup(adapter: LMCacheMPSchedulerAdapter, request_id: str, keys: list,
+                num_computed_tokens: int = 0) -> int:
     adapter.maybe_submit_lookup_request(request_id, keys)
-    deadline = time.monotonic() + 10
-    while (result := adapter.check_lookup_result(request_id)) is None:
-        assert time.monotonic() < deadline, "lookup never finished"
-        time.sleep(0.001)
+    return wait_result(adapter, request_id, num_computed_tokens)
+
+
+def wait_result(adapter: LMCacheMPSchedulerAdapter, request_id: str,
+                num_computed_tokens: int = 0) -> int:
+    """Poll ``check_lookup_result`` until it answers (an answer stays put until cleaned up)."""
+    wait_until(lambda: adapter.check_lookup_result(request_id, num_computed_tokens) is not None,
+               what=f"lookup {request_id} never finished")
+    result = adapter.check_lookup_result(request_id, num_computed_tokens)
+    assert result is not None
     return result
 
 
@@ -133,10 +142,8 @@ def test_get_finished_waits_for_both_store_and_engine(server, ranks):
         early = worker("get_finished", engine_finished=["g1"])
         assert early["stores_none"] and early["retrieves_none"], early
     # the engine finished g1 before its store completed: it is reported later, without naming it again
-    deadline = time.monotonic() + 10
-    while not (late := worker("get_finished", engine_finished=[]))["stores"]:
-        assert time.monotonic() < deadline
-    assert late["stores"] == ["g1"]
+    late = wait_until(lambda: worker("get_finished", engine_finished=[])["stores"])
+    assert late == ["g1"]
     # a store that completed before the engine finished its request waits for the engine
     worker("submit_store", req="g2", keys=toks, blocks=blocks(0, 1))
     worker("await_stores", req="g2")
@@ -146,13 +153,15 @@ def test_get_finished_waits_for_both_store_and_engine(server, ranks):
 
 
 def test_pending_lookup_never_blocks(server, scheduler):
+    """A pending lookup answers None at once. The bound only catches a poll that waits (a 10 ms
+    backoff per call would take 10 s here): 1000 polls take ~20 ms, 100x under it. Its speed is
+    measured by scripts/bench_scheduler_lookup.py (``check_lookup_result`` on a pending lookup)."""
     with server_stopped(server):
         scheduler.maybe_submit_lookup_request("p", tokens(2, seed=50))
         start = time.perf_counter()
         for _ in range(1000):
             assert scheduler.check_lookup_result("p") is None
-        per_call = (time.perf_counter() - start) / 1000
-    assert per_call < 200e-6
+        assert time.perf_counter() - start < 2.0
     scheduler.end_session("p").result(5)
 
 
@@ -164,7 +173,7 @@ def test_constructor_errors(server, tmp_path):
     with pytest.raises(ServerUnreachableError, match=r"nobody\.sock"):
         LMCacheMPSchedulerAdapter(url, zmq.Context.instance(), "tiny", 1, 0, BLOCK,
                                   connect_timeout_s=0.5)
-    assert time.monotonic() - start < 3
+    assert time.monotonic() - start < 5  # 10x the connect timeout: it gave up there
 
 
 def test_killing_a_worker_hangs_nobody(server, scheduler):
@@ -187,10 +196,9 @@ def test_killing_a_worker_hangs_nobody(server, scheduler):
         finally:
             one_rank.close()
         assert time.monotonic() - start < 10
-        deadline = time.monotonic() + 10  # the server notices the dead process and unmaps it
-        while server_stats(scheduler).registered_instances >= before:
-            assert time.monotonic() < deadline, "dead worker was never reaped"
-            time.sleep(0.1)
+        # the server notices the dead process and unmaps it
+        wait_until(lambda: server_stats(scheduler).registered_instances < before,
+                   what="dead worker was never reaped")
         assert not os.path.exists(f"/dev/shm/{victim.hello['shm_name']}")  # unlinked for it
     finally:
         survivor.close()
@@ -203,7 +211,7 @@ def server_stats(adapter: LMCacheMPSchedulerAdapter) -> m.ServerStats:
 
 
 @contextlib.contextmanager
-def tiered_prompt(tmp_path, seed: int, **scheduler_kw: float) -> Iterator[tuple[Any, Any, list]]:
+def tiered_prompt(tmp_path, seed: int, **scheduler_kw: Any) -> Iterator[tuple[Any, Any, list]]:
     """A server with a disk tier (its lookups run on its worker pool, so a message sent right
     behind one could overtake it), a 4-chunk prompt stored there, and a scheduler adapter:
     ``(server, scheduler, prompt)``."""
@@ -243,18 +251,19 @@ def test_end_session_during_a_lookup_leaves_no_locks(tmp_path):
         assert server_stats(scheduler).locks_held == 0
 
 
-def test_a_lookup_past_its_timeout_still_keeps_the_release_behind_it(tmp_path):
+def test_a_lookup_past_its_timeout_still_keeps_the_release_behind_it(tmp_path, fake_clock):
     """The scheduler stops waiting at ``lookup_timeout_s`` (it is told 0 and recomputes), but the
     lookup is still queued on the server: a release sent then would overtake it on a tiered
     server (lookups run on its workers) and the lookup's locks would stay until their TTL. The
     release goes out once the server has answered, whether the result was cleaned up or not."""
-    with tiered_prompt(tmp_path, 71, lookup_timeout_s=0.2) as (srv, scheduler, toks):
+    with tiered_prompt(tmp_path, 71, lookup_timeout_s=0.2, clock=fake_clock) as (srv, scheduler,
+                                                                                toks):
         for trial in range(3):
             request_id = f"late-{trial}"
             with server_stopped(srv):
                 scheduler.maybe_submit_lookup_request(request_id, toks)
                 released = scheduler.end_session(request_id) if trial < 2 else None
-                time.sleep(0.4)  # past the scheduler's timeout, the server still frozen
+                fake_clock.advance(0.4)  # past the scheduler's timeout, the server still frozen
                 if released is None:  # the scheduler gave up, cleaned up, then ended it
                     assert scheduler.check_lookup_result(request_id) == 0
                     scheduler.cleanup_lookup_result(request_id)
@@ -266,19 +275,22 @@ def test_a_lookup_past_its_timeout_still_keeps_the_release_behind_it(tmp_path):
         assert not scheduler._unanswered and not scheduler._given_up
 
 
-def test_a_given_up_lookup_never_frees_a_newer_lookups_locks(tmp_path):
+def test_a_given_up_lookup_never_frees_a_newer_lookups_locks(tmp_path, fake_clock):
     """A lookup given up at ``lookup_timeout_s`` frees its locks once it lands, unless the id was
     looked up again meanwhile (a preempted request resumed): that free would release the new
     lookup's locks, and its hit could be evicted before its load."""
-    with tiered_prompt(tmp_path, 72, lookup_timeout_s=0.2) as (srv, scheduler, toks):
+    with tiered_prompt(tmp_path, 72, lookup_timeout_s=0.2, clock=fake_clock) as (srv, scheduler,
+                                                                                toks):
         with server_stopped(srv):
             scheduler.maybe_submit_lookup_request("r", toks)
-            time.sleep(0.4)
+            fake_clock.advance(0.4)
             assert scheduler.check_lookup_result("r") == 0  # given up
             scheduler.cleanup_lookup_result("r")
             scheduler.maybe_submit_lookup_request("r", toks)  # resumed: looked up again
         assert wait_lookup(scheduler, "r", toks) == 4 * CHUNK  # (the submit is a no-op now)
-        time.sleep(0.5)  # the old lookup landed long ago: a free behind it would be in by now
+        # The old lookup landed long ago: a free behind it would be in by now. (Kept sleep: it
+        # waits for something that must not happen, so a slow machine can only hide the bug.)
+        time.sleep(0.5)
         assert server_stats(scheduler).locks_held == 4  # the new lookup's, for its load
         assert scheduler.end_session("r").result(10).released == 4
 
@@ -292,10 +304,10 @@ def test_worker_registers_again_after_a_server_restart(tmp_path):
         assert not worker("store", req="before", keys=toks, blocks=blocks(0, 2))["failed"]
         srv.stop()
         srv.start()  # same url, an empty server that has never heard of the worker
-        deadline = time.monotonic() + 15
-        while worker("store", req=f"after{time.monotonic()}", keys=toks, blocks=blocks(0, 2))["failed"]:
-            assert time.monotonic() < deadline, "the worker never registered again"
-            time.sleep(0.2)
+        attempts = itertools.count()
+        wait_until(lambda: not worker("store", req=f"after{next(attempts)}", keys=toks,
+                                      blocks=blocks(0, 2))["failed"],
+                   15, "the worker never registered again")
         scheduler = LMCacheMPSchedulerAdapter(srv.url, zmq.Context.instance(), "tiny", 1, 0, BLOCK)
         try:
             assert wait_lookup(scheduler, "r", toks) == 2 * CHUNK
@@ -346,15 +358,17 @@ def test_many_lookups_in_flight_polled_out_of_order(server, ranks, scheduler, fr
         if frozen:
             os.kill(pid, signal.SIGCONT)
     answered: dict[str, int] = {}
-    deadline = time.monotonic() + 10
-    while len(answered) < len(order):
-        assert time.monotonic() < deadline, f"{len(order) - len(answered)} lookups never finished"
+
+    def sweep() -> bool:  # a scheduler's poll of some of its waiting requests, in any order
         rng.shuffle(order)
         for rid in order[: rng.randint(1, len(order))]:
             result = scheduler.check_lookup_result(rid)
             if result is not None:
                 assert result == expected[rid], (rid, result, expected[rid])
                 assert answered.setdefault(rid, result) == result
+        return len(answered) == len(order)
+
+    wait_until(sweep, what=lambda: f"{len(order) - len(answered)} lookups never finished")
     for rid in reversed(order):  # answers stay put until cleaned up
         assert scheduler.check_lookup_result(rid) == expected[rid]
         scheduler.end_session(rid).result(5)
@@ -386,9 +400,12 @@ def test_a_retrieve_past_its_deadline_reports_exactly_the_unloaded_chunks(tmp_pa
         loaded = n - len(errors) // PER_CHUNK
         assert 1 <= loaded < n and errors == blocks(n + loaded, n - loaded)
         # reported within one chunk copy (the one in progress) past the deadline, plus overheads
+        # (here: bounded at 10x that, so a busy machine passes; the lateness is what it prints)
         print(f"retrieve answered {elapsed_ms - deadline_ms:.1f} ms past its deadline")
-        assert elapsed_ms < deadline_ms + delay_ms + 500
-        time.sleep(2 * delay_ms / 1000)  # a late copy would have landed by now
+        assert elapsed_ms < 10 * (deadline_ms + delay_ms)
+        # A late copy would have landed by now. (Kept sleep: what it checks is that nothing
+        # lands, so a slow machine can only make it miss a late copy, never fail wrongly.)
+        time.sleep(2 * delay_ms / 1000)
         got = [worker("digest", blocks=blocks(n + i, 1))["digest"] for i in range(n)]
         assert got[:loaded] == want[:loaded] and got[loaded:] == [zero] * (n - loaded)
         stats = server_stats(scheduler)
@@ -421,17 +438,12 @@ def test_min_hit_tokens_declines_short_loads_and_releases_their_locks(server, ra
         short = toks[:2 * CHUNK]  # 2 chunks: under 3 chunks' worth
         assert wait_lookup(scheduler, "mh-short", short) == 0
         # 4 chunks hit, but the engine has 2 already: a 2-chunk load is declined too
-        scheduler.maybe_submit_lookup_request("mh-partial", toks)
-        deadline = time.monotonic() + 10
-        while (got := scheduler.check_lookup_result("mh-partial", 2 * CHUNK)) is None:
-            assert time.monotonic() < deadline
-            time.sleep(0.001)
-        assert got == 0 and scheduler.check_lookup_result("mh-partial", 0) == 0  # stays declined
+        assert wait_lookup(scheduler, "mh-partial", toks, 2 * CHUNK) == 0
+        assert scheduler.check_lookup_result("mh-partial", 0) == 0  # stays declined
         assert scheduler.declined_lookups == 2
-        deadline = time.monotonic() + 10
-        while server_stats(scheduler).locks_held:  # the releases are sent, not waited for
-            assert time.monotonic() < deadline, "declined lookups kept their locks"
-            time.sleep(0.01)
+        # the releases are sent, not waited for
+        wait_until(lambda: not server_stats(scheduler).locks_held,
+                   what="declined lookups kept their locks")
         assert wait_lookup(scheduler, "mh-full", toks) == 4 * CHUNK  # a 4-chunk load: kept
         assert server_stats(scheduler).locks_held == 4 * 2  # 4 chunks x 2 ranks
         for request_id in ("mh-short", "mh-partial", "mh-full"):
@@ -450,12 +462,7 @@ def test_different_cache_salts_never_share_chunks(ranks, scheduler):
     scheduler.maybe_submit_lookup_request("sa", toks, cache_salt="a")
     scheduler.maybe_submit_lookup_request("sb", toks, cache_salt="b")
     scheduler.maybe_submit_lookup_request("s0", toks)
-    deadline = time.monotonic() + 10
-    results: dict[str, int | None] = {}
-    while any(results.get(r) is None for r in ("sa", "sb", "s0")):
-        assert time.monotonic() < deadline, "lookups never finished"
-        results = {r: scheduler.check_lookup_result(r) for r in ("sa", "sb", "s0")}
-        time.sleep(0.001)
+    results = {r: wait_result(scheduler, r) for r in ("sa", "sb", "s0")}
     assert results == {"sa": 3 * CHUNK, "sb": 0, "s0": 0}
     for worker in ranks:
         want = worker("digest", blocks=blocks(0, 3))["digest"]

@@ -5,13 +5,13 @@ model's heads (``check_model``), so a tier that mixed up head ranges fails."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
 from lmcache_core.protocol import messages as m
 from lmcache_core.transport.client import MessageQueueClient
+from tests.harness import wait_until
 from tests.integration.cross_tp import (
     CHUNK,
     HEADS,
@@ -21,8 +21,7 @@ from tests.integration.cross_tp import (
     tokens,
 )
 from tests.integration.cross_tp import lookup as shared_lookup
-from tests.integration.servers import ServerProcess, WorkerProcess
-from tests.integration.test_tiers import RedisServer, _redis_binary
+from tests.integration.servers import RedisServer, ServerProcess, WorkerProcess, redis_binary
 
 MODEL = "xtier"
 POOL = {"server": {"pool_size": "16MiB", "slab_size": "1MiB"}}
@@ -67,13 +66,6 @@ def clear(url: str) -> None:
     assert stats(url).chunks == 0
 
 
-def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.02)
-
-
 # ---------------------------------------------------------------- disk
 
 
@@ -110,7 +102,7 @@ class TestDisk:
         store(made[stored_by], toks, seed, n_chunks)
         pieces = n_chunks * stored_by
         written = before.disk_written_chunks + pieces
-        wait_for(lambda: stats(server.url).disk_written_chunks == written)
+        wait_until(lambda: stats(server.url).disk_written_chunks == written)
         clear(server.url)  # memory forgets; only the disk holds the pieces now
 
         request_id = f"disk{stored_by}{read_by}"
@@ -132,7 +124,7 @@ Shared = tuple[ServerProcess, ServerProcess, dict[int, list[WorkerProcess]],
 @pytest.fixture(scope="class")
 def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shared]:
     tmp = tmp_path_factory.mktemp("xtp_redis")
-    redis_server = RedisServer(_redis_binary(), tmp).start()
+    redis_server = RedisServer(redis_binary(), tmp).start()
     remote = {"url": redis_server.url, "timeout_ms": 500, "retry_interval_s": 0.2}
     server_a = ServerProcess(tmp, {**POOL, "remote": remote}, name="a")
     server_b = ServerProcess(tmp, {**POOL, "remote": remote}, name="b")
@@ -150,7 +142,7 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shared]:
 
 def flushed_to_redis(url: str, written_before: int, pieces: int) -> None:
     """Wait until the server's write-behind put ``pieces`` more pieces in Redis."""
-    wait_for(lambda: stats(url).remote_written_chunks >= written_before + pieces)
+    wait_until(lambda: stats(url).remote_written_chunks >= written_before + pieces)
 
 
 @pytest.mark.redis

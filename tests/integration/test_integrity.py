@@ -28,13 +28,8 @@ from lmcache_core.storage import integrity, record
 from lmcache_core.storage.disk import file_name
 from lmcache_core.storage.remote_keys import redis_key
 from lmcache_core.transport.client import MessageQueueClient
-from tests.integration.servers import TINY, ServerProcess, WorkerProcess
-from tests.integration.test_tiers import (  # noqa: F401  (fixtures: a real redis-server)
-    RedisServer,
-    redis_server,
-    redis_up,
-    wait_for,
-)
+from tests.harness import wait_until
+from tests.integration.servers import TINY, RedisServer, ServerProcess, WorkerProcess
 
 CHUNK = 64  # tokens: 4 blocks of 16 in the tiny model
 TINY_LAYOUT = layout_key("float16", 2, 4, 32, False)  # the tiny model at TP=1
@@ -157,7 +152,7 @@ def test_a_store_failing_between_two_chunk_copies_leaves_nothing_visible(
 
 @pytest.mark.redis
 def test_corrupt_disk_files_and_redis_values_are_dropped_not_loaded(
-        redis_up: RedisServer, tmp_path: Path) -> None:  # noqa: F811
+        redis_up: RedisServer, tmp_path: Path) -> None:
     disk_dir = tmp_path / "disk"
     srv = ServerProcess(tmp_path, {
         "remote": {"url": redis_up.url, "timeout_ms": 200, "retry_interval_s": 0.2},
@@ -169,8 +164,8 @@ def test_corrupt_disk_files_and_redis_values_are_dropped_not_loaded(
         want = worker("digest", blocks=blocks(0, 2))["digest"]
         assert worker("store", req="s", keys=toks, blocks=blocks(0, 4))["finished"]
         with MessageQueueClient(srv.url) as client, redis_up.client() as redis_client:
-            wait_for(lambda: stats(client).remote_written_chunks == 4
-                     and stats(client).disk_chunks == 4)
+            wait_until(lambda: stats(client).remote_written_chunks == 4
+                       and stats(client).disk_chunks == 4)
             bad = piece_key(toks, 2)
             # Chunk 2's payload changes by one byte on disk and in Redis, behind the server's back
             # (headers intact: only the store-time checksum, payload_xxh3, can tell).

@@ -27,9 +27,9 @@ from lmcache_core.protocol import messages as m
 from lmcache_core.server.app import CacheServer
 from lmcache_core.server.http import HttpListener
 from lmcache_core.transport.client import MessageQueueClient
-from tests.integration.servers import TINY, ServerProcess, WorkerProcess
+from tests.harness import wait_until
+from tests.integration.servers import TINY, RedisServer, ServerProcess, WorkerProcess
 from tests.integration.test_supervision import FaultyServer
-from tests.integration.test_tiers import RedisServer, _redis_binary
 
 CHUNK = 64  # tokens: 4 blocks of 16
 CHUNK_BYTES = 2 * 2 * CHUNK * 4 * 32 * 2  # K/V x layers x tokens x heads x dim x fp16 = 64 KiB
@@ -59,13 +59,6 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 
 def delta(after: Samples, before: Samples, name: str, **labels: str) -> float:
     return value(after, name, **labels) - value(before, name, **labels)
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.02)
 
 
 def tokens(n_chunks: int, seed: int) -> list[int]:
@@ -166,7 +159,7 @@ def test_a_killed_worker_is_reaped_in_the_metrics(tmp_path: Path) -> None:
         assert value(first, "lmcache_model_quota_bytes", model="tiny") == 2**20  # server.quotas
         assert value(first, "lmcache_model_quota_bytes", model="big") == 2 * 2**20
         worker.kill()  # the housekeeper reaps a worker whose process is gone within a second
-        wait_for(lambda: value(scrape(base), "lmcache_reaped_workers_total") == 1)
+        wait_until(lambda: value(scrape(base), "lmcache_reaped_workers_total") == 1)
         after = scrape(base)
         assert value(after, "lmcache_registered_models") == 0
         assert ("lmcache_registered_workers", frozenset({("model", "tiny")})) not in after
@@ -178,8 +171,9 @@ def test_a_killed_worker_is_reaped_in_the_metrics(tmp_path: Path) -> None:
 
 
 @pytest.mark.redis
-def test_a_redis_outage_shows_in_the_metrics_and_readyz(tmp_path: Path) -> None:
-    redis_server = RedisServer(_redis_binary(), tmp_path).start()
+def test_a_redis_outage_shows_in_the_metrics_and_readyz(
+        tmp_path: Path, make_redis: Callable[..., RedisServer]) -> None:
+    redis_server = make_redis()
     remote = {"url": redis_server.url, "timeout_ms": 200, "retry_interval_s": 0.2}
     srv = ServerProcess(tmp_path, {"remote": remote}).start()
     worker = WorkerProcess(srv.url)
@@ -193,12 +187,12 @@ def test_a_redis_outage_shows_in_the_metrics_and_readyz(tmp_path: Path) -> None:
         toks = tokens(2, seed=4)
         worker("fill", blocks=blocks(0, 2), seed=1)
         assert worker("store", req="s", keys=toks, blocks=blocks(0, 2))["finished"]
-        wait_for(lambda: value(scrape(base), "lmcache_tier_written_chunks_total", tier="remote") == 2)
+        wait_until(lambda: value(scrape(base), "lmcache_tier_written_chunks_total", tier="remote") == 2)
 
         redis_server.stop()
         with MessageQueueClient(srv.url) as client:
             assert lookup(client, tokens(1, seed=5)) == 0  # a miss asks Redis, which is gone
-        wait_for(lambda: value(scrape(base), "lmcache_remote_up") == 0)
+        wait_until(lambda: value(scrape(base), "lmcache_remote_up") == 0)
         down = scrape(base)
         assert delta(down, up, "lmcache_remote_outages_total") == 1
         assert delta(down, up, "lmcache_tier_errors_total", tier="remote") >= 1
@@ -207,12 +201,11 @@ def test_a_redis_outage_shows_in_the_metrics_and_readyz(tmp_path: Path) -> None:
         assert json.loads(body)["status"] == "degraded" and json.loads(body)["degraded"] == ["remote"]
 
         redis_server.start()  # probed every 0.2 s
-        wait_for(lambda: value(scrape(base), "lmcache_remote_up") == 1)
+        wait_until(lambda: value(scrape(base), "lmcache_remote_up") == 1)
         assert json.loads(get(base + "/readyz")[2])["degraded"] == []
     finally:
         worker.close()
         srv.kill()
-        redis_server.stop()
 
 
 # ---------------------------------------------------------------- probes
@@ -351,7 +344,7 @@ def test_off_serves_no_http_and_sigterm_stops_a_server_with_http(tmp_path: Path)
 
         scraper = threading.Thread(target=keep_scraping)
         scraper.start()
-        time.sleep(0.2)
+        wait_until(lambda: on_scrapes, what="no scrape answered before the SIGTERM")
         assert on.proc is not None
         os.kill(on.proc.pid, signal.SIGTERM)
         assert on.proc.wait(10) == 0
@@ -428,7 +421,7 @@ def test_kv_events_show_in_the_metrics_and_server_info(tmp_path: Path) -> None:
         assert value(scrape(base), "lmcache_kv_events_batches_total") == 0
         worker("fill", blocks=blocks(0, 1), seed=3)
         assert worker("store", req="e", keys=tokens(1, seed=4), blocks=blocks(0, 1))["finished"]
-        wait_for(lambda: value(scrape(base), "lmcache_kv_events_batches_total") >= 1)
+        wait_until(lambda: value(scrape(base), "lmcache_kv_events_batches_total") >= 1)
         samples = scrape(base)
         with MessageQueueClient(srv.url) as client:
             stats = client.server_info().stats

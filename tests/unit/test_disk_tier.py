@@ -6,8 +6,6 @@ from __future__ import annotations
 import os
 import struct
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +18,7 @@ from lmcache_core.keys import ChunkKey, layout_key, opaque_layout, rank_heads, w
 from lmcache_core.storage import disk as disk_module
 from lmcache_core.storage import integrity, record
 from lmcache_core.storage.disk import SUFFIX, TMP_PREFIX, DiskTier, file_name
+from tests.harness import wait_until
 
 if TYPE_CHECKING:
     from lmcache_core.engine import CacheEngine
@@ -431,16 +430,16 @@ def test_eviction_spills_to_disk_ahead(tmp_path: Path) -> None:
         # holds, so exactly the two coldest pieces are saved.
         at_risk = tiers.spill_ahead_bytes - engine.pool.bytes_free
         assert at_risk == SLOT and -(-at_risk // NBYTES) == 2
-        _wait(lambda: disk.contains(key(0)) and disk.contains(key(1)))
-        _wait(lambda: not tiers.spill_candidates(8))  # the writer is done, nothing more is due
+        wait_until(lambda: disk.contains(key(0)) and disk.contains(key(1)))
+        wait_until(lambda: not tiers.spill_candidates(8))  # the writer is done, nothing more is due
         assert [k.chunk_hash[0] for k in disk.lru_keys()] == [0, 1]  # warmer pieces are not
         assert disk.stats()["disk_written_chunks"] == 2
         store(engine, [key(7)])  # the pool is full: 2 slots' bytes at risk, three pieces
-        _wait(lambda: not tiers.spill_candidates(8))
+        wait_until(lambda: not tiers.spill_candidates(8))
         assert sorted(k.chunk_hash[0] for k in disk.lru_keys()) == [0, 1, 2]
         for i in range(8, 12):  # each store evicts the coldest piece, saved ahead of it
             store(engine, [key(i)])
-            _wait(lambda: not tiers.spill_candidates(8))
+            wait_until(lambda: not tiers.spill_candidates(8))
             assert sorted(k.chunk_hash[0] for k in disk.lru_keys()) == list(range(i - 4))
         assert engine.stats()["evictions"] == 4
         assert engine.stats()["disk_evicted_unsaved"] == 0
@@ -472,13 +471,6 @@ def test_no_tier_means_no_tier_work(tmp_path: Path) -> None:
     assert "disk_chunks" not in engine.stats()
 
 
-def _wait(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
 def _resave_between(disk: DiskTier, k: ChunkKey, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """Make the tier's next unlink race a re-save of ``k`` (the writer thread, saving the key again
     once it is unindexed): the re-save runs on a thread and gets a moment to land first."""
@@ -497,9 +489,7 @@ def _resave_between(disk: DiskTier, k: ChunkKey, monkeypatch: pytest.MonkeyPatch
 
 
 def _wait_saved(saved: list[bool]) -> None:
-    deadline = time.monotonic() + 5
-    while not saved and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: saved)
     assert saved == [True]
 
 

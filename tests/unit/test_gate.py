@@ -20,6 +20,7 @@ from lmcache_core.protocol import RequestType
 from lmcache_core.protocol import messages as m
 from lmcache_core.transport import MessageQueueClient, MessageQueueServer, Route
 from lmcache_core.transport.gate import Gate
+from tests.harness import wait_until
 
 
 class Flag:
@@ -66,8 +67,7 @@ def test_gate_thread_stops_within_its_bounded_idle_wait() -> None:
     thread = threading.Thread(target=gate.run)
     thread.start()
     gate.park("x", Flag(done=True), 1.0)
-    time.sleep(0.05)
-    assert len(gate) == 0
+    wait_until(lambda: len(gate) == 0)
     gate.stop()
     thread.join(2.0)
     assert not thread.is_alive()
@@ -127,7 +127,7 @@ def test_a_store_whose_event_never_completes_is_answered_with_a_timeout(served: 
         started = time.monotonic()
         with pytest.raises(ServerError, match="did not complete in time; nothing was copied"):
             _store(client, 99).result(5)
-        assert 0.4 < time.monotonic() - started < 3.0
+        assert 0.4 < time.monotonic() - started < 5.0  # at its 0.5 s deadline (10x)
     assert handled == []  # the handler never ran: no copy was queued
 
 

@@ -23,6 +23,7 @@ from lmcache_core.lookup_client import (
     LMCacheMetadata,
 )
 from lmcache_core.storage.pool import MemoryPool
+from tests.harness import wait_until
 
 CHUNK = 4
 TOKENS = list(range(CHUNK * 5))
@@ -71,7 +72,8 @@ def runtime_dir() -> Iterator[str]:
 
 class Setup:
     def __init__(self, runtime_dir: str, engines: dict[int, ScriptedEngine], world_size: int,
-                 timeout_ms: int = 5000, **meta: Any) -> None:
+                 timeout_ms: int = 5000, clock: Callable[[], float] = time.monotonic,
+                 **meta: Any) -> None:
         self.meta = dict(model_name="m", world_size=world_size, engine_id="u", runtime_dir=runtime_dir,
                          **meta)
         self.engines = engines
@@ -79,7 +81,7 @@ class Setup:
                         for w, e in engines.items()}
         self.client = LMCacheAsyncLookupClient(
             LMCacheEngineConfig(chunk_size=CHUNK, lookup_timeout_ms=timeout_ms),
-            LMCacheMetadata(**self.meta))
+            LMCacheMetadata(**self.meta), clock=clock)
 
     def close(self) -> None:
         self.client.close()
@@ -99,13 +101,6 @@ def setup(runtime_dir: str) -> Iterator[Callable[..., Setup]]:
     for s in made:
         s.close()
     assert os.listdir(runtime_dir) == []  # every socket file removed
-
-
-def until(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.005)
 
 
 def test_min_over_workers_with_offsets_and_request_configs(setup):
@@ -136,12 +131,12 @@ def test_an_engine_error_is_answered_with_zero_at_once(setup):
 def test_answers_from_another_thread_and_the_seed_send_response(setup):
     s = setup({0: ScriptedEngine(16, hold=True)}, world_size=1)
     s.client.lookup(TOKENS, "x")
-    until(lambda: len(s.engines[0].held) == 1)
+    wait_until(lambda: len(s.engines[0].held) == 1)
     lookup_id, on_result = s.engines[0].held.pop()
     threading.Thread(target=on_result, args=(lookup_id, 12)).start()
     assert s.client.wait_for_result("x", 5) == 12
     s.client.lookup(TOKENS, "y")
-    until(lambda: len(s.engines[0].held) == 1)
+    wait_until(lambda: len(s.engines[0].held) == 1)
     s.servers[0].send_response_to_scheduler("y", 4)  # the seed's API, from this thread
     assert s.client.wait_for_result("y", 5) == 4
 
@@ -151,38 +146,44 @@ def test_timeout_reports_zero_and_a_late_answer_is_cleaned_up(setup):
     s = setup({0: fast, 1: slow}, timeout_ms=200)
     s.client.lookup(TOKENS, "t")
     assert s.client.lookup_cache("t") is None
-    until(lambda: "t" in fast.pinned and len(slow.held) == 1)
-    until(lambda: s.client.lookup_cache("t") is not None, 2.0)
+    wait_until(lambda: "t" in fast.pinned and len(slow.held) == 1)
+    wait_until(lambda: s.client.lookup_cache("t") is not None, 2.0)
     assert s.client.lookup_cache("t") == 0  # and stays 0 until cleared
-    until(lambda: fast.cleanups == ["t"])  # what answered in time is released at the timeout
+    wait_until(lambda: fast.cleanups == ["t"])  # what answered in time is released at the timeout
     _, on_result = slow.held.pop()
     on_result("t", 16)  # the late answer
-    until(lambda: slow.cleanups == ["t"])
+    wait_until(lambda: slow.cleanups == ["t"])
     assert s.client.stats()["late_answers"] == 1 and s.client.stats()["timeouts"] == 1
     s.client.clear_lookup_status("t")
     assert s.client.lookup_cache("t") == -1
 
 
-def test_lookup_cache_applies_the_timeout_itself_without_waiting(setup):
-    s = setup({0: ScriptedEngine(16, hold=True)}, world_size=1, timeout_ms=50)
+def test_lookup_cache_applies_the_timeout_itself_without_waiting(setup, fake_clock):
+    # The thread waits the whole timeout (a minute, in real time) before it looks again: a 0 now
+    # comes from lookup_cache itself, reading the clock, not from the thread.
+    s = setup({0: ScriptedEngine(16, hold=True)}, world_size=1, timeout_ms=60_000,
+              clock=fake_clock)
     s.client.lookup(TOKENS, "p")
-    time.sleep(0.06)
-    start = time.perf_counter()
-    result = s.client.lookup_cache("p")
-    assert result == 0 and time.perf_counter() - start < 0.05
+    wait_until(lambda: len(s.engines[0].held) == 1)
+    assert s.client.lookup_cache("p") is None
+    fake_clock.advance(59.9)
+    assert s.client.lookup_cache("p") is None
+    fake_clock.advance(0.2)
+    assert s.client.lookup_cache("p") == 0
+    assert s.client.stats()["timeouts"] == 1
 
 
 def test_asking_again_replaces_the_attempt_and_its_stale_cleanup_is_ignored(setup):
     engine = ScriptedEngine(16, hold=True)
     s = setup({0: engine}, world_size=1)
     s.client.lookup(TOKENS, "r")
-    until(lambda: len(engine.held) == 1)
+    wait_until(lambda: len(engine.held) == 1)
     s.client.lookup(TOKENS, "r")  # a second attempt under the same id
-    until(lambda: len(engine.held) == 2)
+    wait_until(lambda: len(engine.held) == 2)
     first, second = engine.held
     first[1]("r", 16)  # the first attempt's answer: late, so the client sends its cleanup...
-    until(lambda: s.client.stats()["late_answers"] == 1)
-    until(lambda: s.servers[0].stats()["stale_cleanups"] == 1)  # ...which the server ignores
+    wait_until(lambda: s.client.stats()["late_answers"] == 1)
+    wait_until(lambda: s.servers[0].stats()["stale_cleanups"] == 1)  # ...which the server ignores
     assert engine.cleanups == [] and s.client.lookup_cache("r") is None
     second[1]("r", 8)
     assert s.client.wait_for_result("r", 5) == 8
@@ -195,7 +196,7 @@ def test_cancel_after_the_answer_releases_and_clear_does_not(setup):
     assert s.client.wait_for_result("keep", 5) == 0 and s.client.wait_for_result("drop", 5) == 0
     s.client.clear_lookup_status("keep")  # used: the retrieve releases the pins
     s.client.cancel_lookup("drop")  # min is 0, but worker 0 pinned 16 tokens: clean up both
-    until(lambda: s.engines[0].cleanups == ["drop"] and s.engines[1].cleanups == ["drop"])
+    wait_until(lambda: s.engines[0].cleanups == ["drop"] and s.engines[1].cleanups == ["drop"])
     assert "keep" in s.engines[0].pinned
 
 
@@ -326,7 +327,7 @@ def test_engine_with_a_disk_tier_loads_the_prefix_off_the_callers_thread(tmp_pat
 def test_a_waiter_is_woken_when_another_thread_receives_its_answer(setup):
     s = setup({0: ScriptedEngine(16, hold=True)}, world_size=1)
     s.client.lookup(TOKENS, "w")
-    until(lambda: len(s.engines[0].held) == 1)
+    wait_until(lambda: len(s.engines[0].held) == 1)
     results: list[int | None] = []
     waiter = threading.Thread(target=lambda: results.append(s.client.wait_for_result("w", 5)))
     waiter.start()
@@ -354,7 +355,7 @@ def test_a_dead_client_thread_is_logged_and_lookups_still_end_at_their_deadline(
 
     s.client._poll_timeout_ms = broken  # the thread's next round raises
     s.client.lookup(TOKENS, "d")
-    until(lambda: "I/O thread lmcache-lookup-client failed" in caplog.text)
+    wait_until(lambda: "I/O thread lmcache-lookup-client failed" in caplog.text)
     start = time.monotonic()
     assert s.client.wait_for_result("d", 5) == 0  # at the lookup's deadline, not the wait's
     assert time.monotonic() - start < 2.0
@@ -380,8 +381,8 @@ def test_answers_that_cannot_be_delivered_release_their_pins_and_cost_few_lines(
         for i in range(40):
             push.send(encode(LookupRequestMsg(lookup_id=f"x{i}", seq=1, reply_to="a" * 115 + ".sock",
                                               hashes=[b"h" * 32], offsets=[CHUNK])))
-        until(lambda: server.stats()["dropped_responses"] == 40)
-    until(lambda: len(engine.cleanups) == 40)
+        wait_until(lambda: server.stats()["dropped_responses"] == 40)
+    wait_until(lambda: len(engine.cleanups) == 40)
     assert not engine.pinned  # every pin released
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING
                 and "cannot answer" in r.getMessage()]
@@ -425,7 +426,7 @@ def test_malformed_messages_and_failing_cleanups_cost_few_lines(setup, caplog) -
         for i in range(40):
             push.send(b"junk")
             push.send(encode(LookupCleanupMsg(lookup_id=f"c{i}", seq=1)))
-        until(lambda: server.stats()["malformed"] == 40 and len(engine.cleanups) == 40)
+        wait_until(lambda: server.stats()["malformed"] == 40 and len(engine.cleanups) == 40)
     malformed = [r for r in caplog.records if "malformed message" in r.getMessage()]
     failed = [r for r in caplog.records if "cleanup of" in r.getMessage()]
     assert len(malformed) == 20 and len(failed) == 20

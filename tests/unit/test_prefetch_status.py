@@ -4,9 +4,9 @@ result or by their timeout, whichever comes first (never blocking the caller).""
 from __future__ import annotations
 
 import threading
-import time
 
 from lmcache_core.server.prefetch_status import DEFERRED, PrefetchResults
+from tests.harness import wait_until
 
 
 class Replies:
@@ -47,20 +47,23 @@ def test_a_parked_wait_gets_the_result_when_it_comes() -> None:
     r.set("a", 4)
     assert first.got == [4] and second.got == [0]  # handed over once, to the oldest wait
     assert r.parked == 0 and r.take("a") == 0
-    time.sleep(0.3)  # past the waits' (clamped) deadline
-    assert first.got == [4] and second.got == [0]  # the timer never answers them again
+    # the timer passes the waits' (clamped) deadline and, finding them answered, ends: it never
+    # answers them again
+    wait_until(lambda: r._timer is None, what="the timer thread never ended")
+    assert first.got == [4] and second.got == [0]
 
 
-def test_a_parked_wait_times_out_with_none_and_the_result_stays() -> None:
-    r = PrefetchResults()
+def test_a_parked_wait_times_out_with_none_and_the_result_stays(fake_clock) -> None:
+    r = PrefetchResults(clock=fake_clock)
     r.pending("a")
     reply, longer = Replies(), Replies()
-    started = time.monotonic()
     assert r.wait("a", 0.2, reply) is DEFERRED
     assert r.wait("a", 2.0, longer) is DEFERRED
-    assert reply.event.wait(2)
-    took = time.monotonic() - started
-    assert reply.got == [None] and 0.15 <= took < 1.0, took
+    fake_clock.advance(0.19)
+    assert not reply.event.wait(0.3)  # the timer keeps looking at the clock: not due yet
+    fake_clock.advance(0.02)
+    assert reply.event.wait(10)
+    assert reply.got == [None]
     assert longer.got == [] and r.parked == 1
     r.set("a", 1)
     assert longer.got == [1] and r.take("a") == 0
@@ -71,9 +74,8 @@ def test_an_earlier_deadline_wakes_the_timer() -> None:
     r.pending("a")
     slow, fast = Replies(), Replies()
     assert r.wait("a", 30.0, slow) is DEFERRED
-    started = time.monotonic()
     assert r.wait("a", 0.1, fast) is DEFERRED
-    assert fast.event.wait(2) and time.monotonic() - started < 1.0
+    assert fast.event.wait(10)  # woken for it: not at the slow wait's 30 s
     r.set("a", 0)
     assert slow.got == [0]
 

@@ -12,9 +12,7 @@ import secrets
 import signal
 import socket
 import subprocess
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -33,6 +31,8 @@ from lmcache_core.kv.tensors import contiguous_stride
 from lmcache_core.protocol import messages as m
 from lmcache_core.server.registry import KVRegistry
 from lmcache_core.server.segments import process_gone, sweep_stale_segments
+from tests.harness import wait_until
+from tests.integration.servers import process_state
 
 NOBODY = 65534
 SHAPE = [2, 8, 16, 4, 32]  # flash_attn, float16: 64 KiB per layer
@@ -52,12 +52,9 @@ def exited_pid() -> int:
     return child.pid
 
 
-def wait_state(pid: int, state: str, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    stat = Path(f"/proc/{pid}/stat")
-    while stat.read_text().rsplit(")", 1)[1].split()[0] != state:
-        assert time.monotonic() < deadline, f"process {pid} never reached state {state}"
-        time.sleep(0.001)
+def wait_state(pid: int, state: str, timeout_s: float = 10.0) -> None:
+    wait_until(lambda: process_state(pid) == state, timeout_s,
+               f"process {pid} never reached state {state}")
 
 
 @pytest.fixture

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import threading
-import time
 
 from lmcache_core.storage.writer import BackgroundWriter
 from lmcache_core.supervision import Supervisor
+from tests.harness import wait_until
 
 
 def _supervisor() -> tuple[Supervisor, list[str]]:
@@ -77,8 +77,6 @@ def test_a_writer_thread_that_dies_is_reported_and_a_bad_batch_is_not():
                                                     probe_interval_s=0.01)
     dying.start(supervisor)
     assert supervisor.wait_failed(5)
-    deadline = time.monotonic() + 5  # on_failure runs just after the failure is recorded
-    while not reasons and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: reasons)  # on_failure runs just after the failure is recorded
     assert reasons == ["thread dying-writer died: AssertionError: unreachable"]
     dying.stop(1)

@@ -80,7 +80,7 @@ def test_stop_gives_up_at_its_deadline() -> None:
     w.submit(range(3))
     start = time.monotonic()
     assert not w.stop(0.2, grace_s=0.1)  # the write is still stuck
-    assert 0.2 <= time.monotonic() - start < 1.5
+    assert 0.2 <= time.monotonic() - start < 3.0  # 10x the 0.3 s it should take
     release.set()
 
 

@@ -7,7 +7,6 @@ recomputes it and generates exactly the tokens of an engine without the connecto
 from __future__ import annotations
 
 import random
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +15,8 @@ import pytest
 from lmcache_core.keys import chain_hashes
 from lmcache_core.protocol import messages as m
 from lmcache_core.transport.client import MessageQueueClient
-from tests.integration.servers import ServerProcess
-from tests.integration.test_tiers import RedisServer, _redis_binary
+from tests.harness import wait_until
+from tests.integration.servers import RedisServer, ServerProcess, redis_binary
 from tests.vllm.test_engine import EXTRA, _run_engine
 from tests.vllm.tiny_model import CHUNK, SERVER, TINY_LLAMA, tiny_llama
 
@@ -47,7 +46,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp: Path = tmp_path_factory.mktemp("vllm-integrity")
     model = str(tiny_llama())
     baseline = _run_engine(tmp, "baseline", {"model": model, "steps": [_gen("A")]})
-    redis_server = RedisServer(_redis_binary(), tmp).start()
+    redis_server = RedisServer(redis_binary(), tmp).start()
     disk = tmp / "disk"
     config = {**SERVER, "disk": {"path": str(disk), "max_size": "256MiB", "write_through": True},
               "remote": {"url": redis_server.url, "timeout_ms": 200, "retry_interval_s": 0.2}}
@@ -58,11 +57,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         stored = _run_engine(tmp, "store", {**common, "steps": [_gen("A")]})
         bad = chain_hashes(PROMPT, CHUNK)[1].hex()  # the second chunk (the connector hashes tokens)
         with MessageQueueClient(server.url) as client, redis_server.client() as redis_client:
-            deadline = time.monotonic() + 30
-            while not (_stats(client).disk_written_chunks >= 3
-                       and _stats(client).remote_written_chunks >= 3):
-                assert time.monotonic() < deadline, "the tiers were never written"
-                time.sleep(0.05)
+            wait_until(lambda: (_stats(client).disk_written_chunks >= 3
+                                and _stats(client).remote_written_chunks >= 3),
+                       30, "the tiers were never written")
             files = [p for p in disk.iterdir() if p.name.startswith(f"{bad}.")]
             rkeys = redis_client.keys(f"*:{bad}")
             assert len(files) == 1 and len(rkeys) == 1, (files, rkeys)

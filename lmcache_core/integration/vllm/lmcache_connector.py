@@ -124,7 +124,8 @@ class LMCacheConnector(ConnectorSchedulerSide, ConnectorWorkerSide):
         self._context: zmq.Context[Any] = zmq.Context.instance()
         timeouts = self._config.timeouts
         self._url = self._config.server.url
-        common = dict(connect_timeout_s=timeouts.connect_s, request_timeout_s=timeouts.request_s)
+        common: dict[str, Any] = dict(connect_timeout_s=timeouts.connect_s,
+                                      request_timeout_s=timeouts.request_s)
         self._scheduler: LMCacheMPSchedulerAdapter | None = None
         self._worker: LMCacheMPWorkerAdapter | None = None
         deadline = extra.get("load_deadline_ms")  # None: the server's timeouts.load_ms
