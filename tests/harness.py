@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -43,6 +43,17 @@ def wait_until(predicate: Callable[[], T], timeout_s: float = DEFAULT_TIMEOUT_S,
             raise AssertionError(f"{message}: not met within {timeout_s:g} s")
         time.sleep(pause)
         pause = min(pause * 2, _MAX_PAUSE_S)
+
+
+def lookup_result(adapter: Any, request_id: str, num_computed_tokens: int = 0,
+                  timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
+    """Poll a scheduler adapter's ``check_lookup_result`` until it answers, as vLLM's scheduler
+    does (an answer stays put until cleaned up, so asking once more returns it)."""
+    wait_until(lambda: adapter.check_lookup_result(request_id, num_computed_tokens) is not None,
+               timeout_s, f"lookup {request_id} never finished")
+    result = adapter.check_lookup_result(request_id, num_computed_tokens)
+    assert isinstance(result, int)
+    return result
 
 
 class FakeClock:

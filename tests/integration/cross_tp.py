@@ -5,7 +5,6 @@ and ``check_model``: every rank holds its slice of one seeded cache of all heads
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 
 import zmq
@@ -13,6 +12,7 @@ import zmq
 from lmcache_core.integration.vllm.vllm_multi_process_adapter import LMCacheMPSchedulerAdapter
 from lmcache_core.protocol import messages as m
 from lmcache_core.transport.client import MessageQueueClient
+from tests.harness import lookup_result
 from tests.integration.servers import WorkerProcess
 
 CHUNK, BLOCK = 64, 16
@@ -55,11 +55,7 @@ def lookup(url: str, world_size: int, request_id: str, toks: list[int], model: s
     try:
         # token ids instead of vLLM block hashes (the adapter takes either)
         adapter.maybe_submit_lookup_request(request_id, toks)  # type: ignore[arg-type]
-        deadline = time.monotonic() + 10
-        while (result := adapter.check_lookup_result(request_id)) is None:
-            assert time.monotonic() < deadline, "lookup never finished"
-            time.sleep(0.001)
-        return result
+        return lookup_result(adapter, request_id)
     finally:
         adapter.close()
 

@@ -18,9 +18,10 @@ obeys JSON-line commands on stdin, answering one JSON line each on stdout:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
-import time
+from pathlib import Path
 
 import torch
 from blake3 import blake3
@@ -30,6 +31,9 @@ from lmcache_core.integration.vllm.vllm_multi_process_adapter import (
     LoadStoreOp,
 )
 from lmcache_core.kv.share import allocate_shared_kv_caches, release_shared_kv_caches
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo's tests
+from tests.harness import wait_until
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -150,12 +154,14 @@ def keys(raw: list) -> list:
 
 def wait(adapter: LMCacheMPWorkerAdapter, reqs: list[str], kind: str) -> dict:
     pending = set(reqs)
-    deadline = time.monotonic() + 20
-    while pending and time.monotonic() < deadline:
+
+    def finished() -> bool:
         stores, retrieves = adapter.get_finished(set(reqs) if kind == "store" else set())
-        pending -= (stores or set()) if kind == "store" else (retrieves or set())
-        if pending:
-            time.sleep(0.002)
+        pending.difference_update((stores or set()) if kind == "store" else (retrieves or set()))
+        return not pending
+
+    with contextlib.suppress(AssertionError):  # not within 20 s: answered as not finished
+        wait_until(finished, 20)
     failures = adapter.failed_stores if kind == "store" else adapter.failed_retrieves
     return {"finished": not pending, "failed": {r: failures.get(r) for r in reqs if r in failures},
             "load_errors": sorted(adapter.get_block_ids_with_load_errors())}

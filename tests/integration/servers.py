@@ -50,7 +50,11 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "lmcache_cli", "serve", "-c", str(self.config_path)],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"})
-        self.wait_ready(timeout_s)
+        try:
+            self.wait_ready(timeout_s)
+        except BaseException:
+            self.kill()  # a server that never answered must not outlive the test
+            raise
         return self
 
     def wait_ready(self, timeout_s: float) -> None:

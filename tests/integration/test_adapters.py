@@ -20,7 +20,7 @@ from lmcache_core.integration.vllm.vllm_multi_process_adapter import (
     get_lmcache_chunk_size,
 )
 from lmcache_core.protocol import messages as m
-from tests.harness import wait_until
+from tests.harness import lookup_result, wait_until
 from tests.integration.servers import ServerProcess, WorkerProcess, freeze
 
 CHUNK, BLOCK = 64, 16
@@ -47,17 +47,7 @@ def blocks(first_chunk: int, n_chunks: int) -> list[int]:
 def wait_lookup(adapter: LMCacheMPSchedulerAdapter, request_id: str, keys: list,
                 num_computed_tokens: int = 0) -> int:
     adapter.maybe_submit_lookup_request(request_id, keys)
-    return wait_result(adapter, request_id, num_computed_tokens)
-
-
-def wait_result(adapter: LMCacheMPSchedulerAdapter, request_id: str,
-                num_computed_tokens: int = 0) -> int:
-    """Poll ``check_lookup_result`` until it answers (an answer stays put until cleaned up)."""
-    wait_until(lambda: adapter.check_lookup_result(request_id, num_computed_tokens) is not None,
-               what=f"lookup {request_id} never finished")
-    result = adapter.check_lookup_result(request_id, num_computed_tokens)
-    assert result is not None
-    return result
+    return lookup_result(adapter, request_id, num_computed_tokens)
 
 
 @pytest.fixture(scope="module")
@@ -462,7 +452,7 @@ def test_different_cache_salts_never_share_chunks(ranks, scheduler):
     scheduler.maybe_submit_lookup_request("sa", toks, cache_salt="a")
     scheduler.maybe_submit_lookup_request("sb", toks, cache_salt="b")
     scheduler.maybe_submit_lookup_request("s0", toks)
-    results = {r: wait_result(scheduler, r) for r in ("sa", "sb", "s0")}
+    results = {r: lookup_result(scheduler, r) for r in ("sa", "sb", "s0")}
     assert results == {"sa": 3 * CHUNK, "sb": 0, "s0": 0}
     for worker in ranks:
         want = worker("digest", blocks=blocks(0, 3))["digest"]

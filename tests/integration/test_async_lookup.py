@@ -12,6 +12,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import msgspec
 import pytest
@@ -19,6 +20,7 @@ import zmq
 
 from lmcache_core.lookup_client import LMCacheAsyncLookupClient, LMCacheEngineConfig, LMCacheMetadata
 from lmcache_core.lookup_client.messages import LookupCleanupMsg, LookupRequestMsg, encode
+from tests.harness import wait_until
 from tests.integration.lookup_worker import GATE_PREFIX, MODEL, LookupWorker
 
 CHUNK = 16
@@ -74,9 +76,10 @@ def make_client(cluster: Cluster) -> Iterator[Callable[..., LMCacheAsyncLookupCl
     cluster.ensure()
     made: list[LMCacheAsyncLookupClient] = []
 
-    def make(timeout_ms: int = 10_000) -> LMCacheAsyncLookupClient:
+    def make(timeout_ms: int = 10_000, **kw: Any) -> LMCacheAsyncLookupClient:
         client = LMCacheAsyncLookupClient(
-            LMCacheEngineConfig(chunk_size=CHUNK, lookup_timeout_ms=timeout_ms), cluster.metadata())
+            LMCacheEngineConfig(chunk_size=CHUNK, lookup_timeout_ms=timeout_ms), cluster.metadata(),
+            **kw)
         made.append(client)
         return client
 
@@ -96,14 +99,6 @@ def hit_tokens(client: LMCacheAsyncLookupClient, cluster: Cluster, lookup_id: st
     return result
 
 
-def wait_until(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.01)
-
-
 def test_reports_the_minimum_over_workers_and_pins_each_workers_hits(cluster, make_client):
     client = make_client()
     assert client.lookup_cache("a") == -1
@@ -112,10 +107,12 @@ def test_reports_the_minimum_over_workers_and_pins_each_workers_hits(cluster, ma
     assert client.lookup_cache("a") == EXPECTED
     assert [cluster[r]("locks", "a") for r in (0, 1)] == list(HELD)  # held for the retrieve
 
+    # Microseconds, not a 10 ms backoff: the bound (1 ms a call, ~300x what it takes) only
+    # catches a poll that waits (100 s here); scripts/bench_async_lookup.py measures the speed.
     start = time.perf_counter()
     for _ in range(10_000):
         client.lookup_cache("a")
-    assert (time.perf_counter() - start) / 10_000 < 100e-6  # microseconds, not a 10 ms backoff
+    assert time.perf_counter() - start < 10
 
     client.cancel_lookup("a")  # the request went away after its lookup: release the pins
     assert client.lookup_cache("a") == -1
@@ -200,24 +197,23 @@ def test_garbage_on_both_sockets_is_dropped_and_the_threads_keep_running(cluster
     client.cancel_lookup("after-garbage")
 
 
-def test_a_dead_worker_times_out_to_zero_and_the_live_worker_releases_its_pins(cluster, make_client):
+def test_a_dead_worker_times_out_to_zero_and_the_live_worker_releases_its_pins(
+        cluster, make_client, fake_clock):
     timeout_ms = 400
-    client = make_client(timeout_ms=timeout_ms)
+    client = make_client(timeout_ms=timeout_ms, clock=fake_clock)
     client.lookup(TOKENS, "warm")  # both connections up before the kill
     hit_tokens(client, cluster, "warm")
     client.cancel_lookup("warm")
     before = cluster[0]("stats")
     cluster[1].kill()
 
-    start = time.monotonic()
     client.lookup(TOKENS, "dead")
-    result = None
-    while result is None:  # poll as the scheduler does; lookup_cache itself never waits
-        result = client.lookup_cache("dead")
-        time.sleep(0.002)
-    elapsed = time.monotonic() - start
-    assert result == 0
-    assert timeout_ms / 1000 - 0.01 <= elapsed < timeout_ms / 1000 + 0.5
+    wait_until(lambda: cluster[0]("locks", "dead") == HELD[0])  # the live worker answered
+    assert client.lookup_cache("dead") is None  # (the scheduler polls: it never waits)
+    fake_clock.advance(timeout_ms / 1000 - 0.01)
+    assert client.lookup_cache("dead") is None  # still within its timeout
+    fake_clock.advance(0.02)
+    assert client.lookup_cache("dead") == 0  # past it: a miss, and cancelled
     assert client.stats()["timeouts"] == 1
 
     def released() -> bool:

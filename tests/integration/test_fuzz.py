@@ -48,6 +48,7 @@ from lmcache_core.protocol import messages as m
 from lmcache_core.protocol.codec import Limits, encode, encode_request
 from lmcache_core.protocol.lmcache_wire import dialect_op
 from lmcache_core.transport.client import MessageQueueClient
+from tests.harness import wait_until
 from tests.integration.fuzz_frames import (
     Case,
     FuzzLimits,
@@ -460,17 +461,23 @@ def round_trip_ok(worker: WorkerProcess, deadline_s: float = 10.0) -> str | None
     toks = [7 + i for i in range(2 * 64)]
     worker("fill", blocks=blocks, seed=5)
     want = worker("digest", blocks=blocks)["digest"]
-    why = "never tried"
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        stored = worker("store", req=f"s{time.monotonic()}", keys=toks, blocks=blocks)
+    why = ["never tried"]
+    attempts = itertools.count()
+
+    def copied() -> bool:
+        n = next(attempts)
+        stored = worker("store", req=f"s{n}", keys=toks, blocks=blocks)
         worker("zero", blocks=back)
-        got = worker("retrieve", req=f"r{time.monotonic()}", keys=toks, blocks=back)
+        got = worker("retrieve", req=f"r{n}", keys=toks, blocks=back)
         if stored["finished"] and not stored["failed"] and got["finished"] and not got["failed"]:
-            return None if worker("digest", blocks=back)["digest"] == want else "retrieved bytes differ"
-        why = f"store {stored}, retrieve {got}"
-        time.sleep(0.5)
-    return why
+            why[0] = "" if worker("digest", blocks=back)["digest"] == want else "retrieved bytes differ"
+            return True
+        why[0] = f"store {stored}, retrieve {got}"
+        return False
+
+    with contextlib.suppress(AssertionError):  # not within deadline_s: why[0] says why
+        wait_until(copied, deadline_s)
+    return why[0] or None
 
 
 @pytest.mark.timeout(RUN_BUDGET_S + 120)
@@ -614,17 +621,31 @@ WORST = worst_cases(DEFAULT_LIMITS)
 
 @pytest.mark.parametrize("case", WORST, ids=[c.kind for c in WORST])
 def test_ping_beside_one_bad_request(live_server: LiveServer, case: Case) -> None:
+    """Pings beside the worst requests are answered within PING_BOUND_S (1 s: beside a 16 MiB
+    request on a busy 2-core machine the worst ping took 0.5 s; a loop that decoded the request
+    itself, or waited on it, stalls for its whole handling or never answers)."""
+    ping_beside_within(live_server, case, PING_BOUND_S)
+
+
+@pytest.mark.perf
+@pytest.mark.parametrize("case", WORST, ids=[c.kind for c in WORST])
+def test_ping_beside_one_bad_request_is_fast(live_server: LiveServer, case: Case) -> None:
+    """The same, bounded at BESIDE_BOUND_S (50 ms): real latency, for a quiet machine (perf)."""
+    ping_beside_within(live_server, case, BESIDE_BOUND_S)
+
+
+def ping_beside_within(live_server: LiveServer, case: Case, bound_s: float) -> None:
     server = live_server.get()
     first = ping_beside(server, case, DEFAULT_LIMITS)
     tries = [first]
-    if first.worst_ping_s > BESIDE_BOUND_S:  # one retry: this machine is shared and has 2 cores
+    if first.worst_ping_s > bound_s:  # one retry: this machine is shared and has 2 cores
         tries.append(ping_beside(server, case, DEFAULT_LIMITS))
     print(f"{case.kind}: " + " | retry: ".join(t.describe() for t in tries))
     last = tries[-1]
     assert server.proc is not None and server.proc.poll() is None, (
         f"the server exited:\n{server.log()[-3000:]}")
-    assert last.worst_ping_s <= BESIDE_BOUND_S, (
-        f"{case.describe()}: a ping beside it took > {BESIDE_BOUND_S * 1000:.0f} ms: "
+    assert last.worst_ping_s <= bound_s, (
+        f"{case.describe()}: a ping beside it took > {bound_s * 1000:.0f} ms: "
         + " | retry: ".join(t.describe() for t in tries))
     if case.size <= DEFAULT_LIMITS.hard_cap and not case.lmcache:
         assert last.reply_s is not None, f"{case.describe()}: no reply within {REPLY_TIMEOUT_S} s"
@@ -714,7 +735,9 @@ def test_regression(live_server: LiveServer, foreign_segment: ForeignSegment,
     result = ping_beside(server, case, DEFAULT_LIMITS)
     print(f"{regression.name}: {result.describe()}")
     if regression.touches_foreign_shm:
-        time.sleep(2.5)  # the housekeeper runs every second: give it time to reap (and unlink)
+        # The housekeeper runs every second: give it time to reap (and unlink). Kept sleep: what
+        # is checked after it must not have happened; a slow machine can only hide it.
+        time.sleep(2.5)
     if case.frames[1] == encode(RequestType.REGISTER_KV_CACHE.value):
         unregister_quietly(server, case)
     assert server.proc is not None and server.proc.poll() is None, (

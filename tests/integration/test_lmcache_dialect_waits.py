@@ -92,7 +92,7 @@ def test_wait_prefetch_status_waits_without_blocking_anyone(slow_lookups) -> Non
         # A wait that times out: None ([uid, op]) at about its timeout.
         started = time.monotonic()
         assert call(waiter, [enc(3), enc(10), enc("w"), enc(0.5)]) == [enc(3), enc(10)]
-        assert 0.4 <= time.monotonic() - started < 2.0
+        assert 0.4 <= time.monotonic() - started < 5.0  # 10x the timeout
         # A wait parked on the running lookup: a ping from another client, and one from the
         # waiting client itself, are answered at once.
         waiter.send_multipart([enc(4), enc("wait_prefetch_status"), enc("w"), enc(30.0)])

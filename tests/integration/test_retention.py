@@ -183,6 +183,8 @@ def test_expired_pieces_are_evicted_first(client, worker) -> None:
     expiring = tokens(4, 9)
     store(worker, old)  # the least recently used
     store(worker, expiring, ttl_s=0.3)
+    # Kept sleep: the TTL runs on the server's own clock, in its process; sleeping past it makes
+    # it expire however busy the machine (a sleep is never shorter than asked).
     time.sleep(0.5)
     others = flood_until_evicting(client, worker, 8)
     assert held(client, expiring) < 4
@@ -192,7 +194,7 @@ def test_expired_pieces_are_evicted_first(client, worker) -> None:
 def test_a_pin_with_a_ttl_ends(client, worker) -> None:
     prompt = tokens(2, 10)
     store(worker, prompt, pin=True, ttl_s=0.3)
-    time.sleep(0.5)
+    time.sleep(0.5)  # past the TTL on the server's clock (kept, as above)
     flood(worker, 10)
     assert held(client, prompt) == 0
 

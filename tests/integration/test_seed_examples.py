@@ -14,7 +14,6 @@ import os
 import shutil
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 import zmq
 from blake3 import blake3
 
+from tests.harness import wait_until
 from tests.integration.servers import ServerProcess
 
 # ---------------------------------------------------------------------- async lookup seed
@@ -118,10 +118,10 @@ class LookupWorker:
 
 
 def poll(check: Callable[[], int | None], timeout_s: float = 10.0) -> int:
-    deadline = time.monotonic() + timeout_s
-    while (result := check()) is None:
-        assert time.monotonic() < deadline, "no answer in time"
-        time.sleep(0.001)
+    """Call ``check`` until it answers (its answer stays put until cleared)."""
+    wait_until(lambda: check() is not None, timeout_s, "no answer in time")
+    result = check()
+    assert result is not None
     return result
 
 
@@ -157,10 +157,8 @@ def test_async_lookup_seed_example(runtime_dir: str) -> None:
             assert worker("locks") == HELD  # pinned for the retrieve
             client.cancel_lookup("req-0")
             assert client.lookup_cache("req-0") == -1
-            deadline = time.monotonic() + 10
-            while worker("locks"):  # the cancel reached the worker, which released its pins
-                assert time.monotonic() < deadline, "the cancel never released the pins"
-                time.sleep(0.01)
+            # the cancel reached the worker, which released its pins
+            wait_until(lambda: not worker("locks"), what="the cancel never released the pins")
 
             # ---- the seed's example, client side
             client.lookup(token_ids, lookup_id="req-123")
@@ -243,13 +241,11 @@ def server() -> Iterator[ServerProcess]:
 
 
 def wait_finished(worker_adapter: Any, request_id: str, kind: str) -> None:
-    deadline = time.monotonic() + 10
-    while True:
+    def finished() -> bool:
         stores, retrieves = worker_adapter.get_finished({request_id})
-        if request_id in ((stores if kind == "store" else retrieves) or set()):
-            return
-        assert time.monotonic() < deadline, f"the {kind} of {request_id} never finished"
-        time.sleep(0.002)
+        return request_id in ((stores if kind == "store" else retrieves) or set())
+
+    wait_until(finished, what=f"the {kind} of {request_id} never finished")
 
 
 def test_mp_adapter_seed_example(server: ServerProcess) -> None:

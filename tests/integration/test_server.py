@@ -16,6 +16,7 @@ from lmcache_core.errors import RequestTooLargeError
 from lmcache_core.keys import chain_hashes
 from lmcache_core.protocol import messages as m
 from lmcache_core.transport.client import MessageQueueClient
+from tests.harness import wait_until
 from tests.integration.servers import ServerProcess, WorkerProcess
 
 CHUNK = 64  # tokens; 4 blocks of 16
@@ -75,10 +76,8 @@ def test_store_lookup_retrieve_byte_exact(server, client):
         assert stats.registered_instances == 1
     finally:
         worker.close()
-    deadline = time.monotonic() + 5
-    while info(client).stats.registered_instances and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert info(client).stats.registered_instances == 0  # shutdown unregistered (and unmapped)
+    # shutdown unregistered (and unmapped)
+    wait_until(lambda: info(client).stats.registered_instances == 0)
 
 
 def test_two_ranks_count_a_chunk_only_when_both_stored(server, client):
@@ -204,15 +203,17 @@ def test_pool_pages_populated_in_the_background_by_default(tmp_path, prefault):
     srv = ServerProcess(tmp_path, overrides).start()
     try:
         with MessageQueueClient(srv.url) as c:
-            deadline = time.monotonic() + 20
-            reply = info(c)
-            while prefault and reply.pool_populate != "done" and time.monotonic() < deadline:
-                time.sleep(0.05)
+            def populated() -> m.ServerInfoReply | None:
                 reply = info(c)
+                return reply if reply.pool_populate == "done" else None
+
+            reply = wait_until(populated, 60) if prefault else info(c)
             if prefault:
                 assert reply.pool_populate == "done" and reply.pool_populated_bytes == reply.pool_bytes
                 assert reply.pool_populate_s is not None and reply.rss_bytes >= reply.pool_bytes
-                time.sleep(1.2)  # lmcache serve checks its threads every second
+                # lmcache serve checks its threads every second (kept sleep: it waits for an exit
+                # that must not happen; a slow machine can only hide it)
+                time.sleep(1.2)
                 assert c.wait_until_reachable(2).pid == reply.pid and srv.proc.poll() is None
             else:
                 assert (reply.pool_populate, reply.pool_populated_bytes) == ("pending", 0)

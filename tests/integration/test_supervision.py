@@ -13,6 +13,7 @@ import pytest
 from lmcache_core.errors import LMCacheError
 from lmcache_core.protocol import messages as m
 from lmcache_core.transport.client import MessageQueueClient
+from tests.harness import wait_until
 from tests.integration.servers import ServerProcess
 
 FAULTY = Path(__file__).with_name("faulty_server.py")
@@ -23,7 +24,7 @@ class FaultyServer(ServerProcess):
         super().__init__(tmp, {"server": {"workers": 1}})
         self.fault = fault
 
-    def start(self, timeout_s: float = 20.0) -> FaultyServer:
+    def start(self, timeout_s: float = 60.0) -> FaultyServer:
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
             [sys.executable, str(FAULTY), self.fault, "serve", "-c", str(self.config_path)],
@@ -50,11 +51,8 @@ def _poke(url: str, payload: m.PingRequest | m.UnregisterKVCacheRequest) -> None
         client.request(payload)
 
 
-def _wait_for_socket(path: str, timeout_s: float = 20) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not os.path.exists(path):
-        assert time.monotonic() < deadline, "the server never bound its socket"
-        time.sleep(0.02)
+def _wait_for_socket(path: str, timeout_s: float = 60) -> None:
+    wait_until(lambda: os.path.exists(path), timeout_s, "the server never bound its socket")
 
 
 def test_a_dead_transport_loop_ends_the_process(tmp_path):
@@ -62,25 +60,26 @@ def test_a_dead_transport_loop_ends_the_process(tmp_path):
     _wait_for_socket(server.url[len("ipc://"):])
     sent = time.monotonic()
     _poke(server.url, m.PingRequest())  # no answer: the loop died on it
-    code, _ = server.exit_code_within(5)
+    code, _ = server.exit_code_within(20)
     elapsed = time.monotonic() - sent
     log = server.log()
     assert code == 1, log
     assert "thread lmcache-server-loop died" in log and "InjectedFault" in log
-    assert elapsed < 1 + 1.5, f"exited {elapsed:.2f}s after the loop died (request timeout 1s)"
+    # ~2 s (the request timeout, then the exit); bounded at 10x: it exits by itself, soon
+    assert elapsed < 20, f"exited {elapsed:.2f}s after the loop died (request timeout 1s)"
 
 
 def test_a_dead_copy_worker_ends_the_process(tmp_path):
     server = FaultyServer(tmp_path, "worker").start()
     sent = time.monotonic()
     _poke(server.url, m.UnregisterKVCacheRequest(instance_id=1))
-    code, _ = server.exit_code_within(5)
+    code, _ = server.exit_code_within(20)
     assert code == 1 and "thread lmcache-server-worker-0 died" in server.log()
-    assert time.monotonic() - sent < 2.5
+    assert time.monotonic() - sent < 20  # ~2 s: the request timeout, then the exit (10x)
 
 
 def test_a_dead_housekeeper_ends_the_process(tmp_path):
     server = FaultyServer(tmp_path, "housekeeper").start()
-    code, waited = server.exit_code_within(5)  # housekeeping runs every second
+    code, waited = server.exit_code_within(20)  # housekeeping runs every second
     assert code == 1 and "thread lmcache-housekeeping died" in server.log()
-    assert waited < 2.5
+    assert waited < 20  # ~1-2 s (10x)

@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import urllib.request
 from typing import Any
 
@@ -19,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lmcache_core.integration.vllm.vllm_multi_process_adapter import LMCacheMPSchedulerAdapter
 from lmcache_core.keys import tenant_tag
+from tests.harness import lookup_result, wait_until
 from tests.integration.cross_tp import BLOCK, CHUNK, HEADS, PER_CHUNK, blocks, server_info, tokens
 from tests.integration.servers import ServerProcess, WorkerProcess
 
@@ -30,10 +30,7 @@ def lookup(url: str, request_id: str, toks: list[int], salt: str) -> int:
     adapter = LMCacheMPSchedulerAdapter(url, zmq.Context.instance(), "m", 1, 0, BLOCK)
     try:
         adapter.maybe_submit_lookup_request(request_id, toks, salt)  # type: ignore[arg-type]
-        deadline = time.monotonic() + 10
-        while (result := adapter.check_lookup_result(request_id)) is None:
-            assert time.monotonic() < deadline, "lookup never finished"
-            time.sleep(0.001)
+        result = lookup_result(adapter, request_id)
         adapter.free_lookup_locks(request_id).result(5)  # locked pieces would not be evicted
         return result
     finally:
@@ -64,10 +61,8 @@ def test_a_tenant_at_its_quota_evicts_only_its_own_chunks(tmp_path):
                                               "tenant_quotas": {"ops": {"salt": "small",
                                                                         "size": 3 * PIECE}}}}
                         ).start()
-    deadline = time.monotonic() + 10  # the ready panel (printed once the server answers)
-    while "tenants     ops 384.0 KiB (server.tenant_quotas" not in srv.log():
-        assert time.monotonic() < deadline, srv.log()
-        time.sleep(0.05)
+    # the ready panel (printed once the server answers)
+    wait_until(lambda: "tenants     ops 384.0 KiB (server.tenant_quotas" in srv.log(), what=srv.log)
     worker = WorkerProcess(srv.url, model="m", heads=HEADS, num_blocks=96)
     # (salt, seed, first chunk, chunks): each prompt's tokens and the blocks it is stored from
     big, small1, big2, small2, small3 = (("big", 71, 0, 4), ("small", 72, 4, 3), ("big", 73, 7, 2),

