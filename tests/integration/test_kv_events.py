@@ -16,7 +16,6 @@ from lmcache_core.keys import chain_hashes
 from lmcache_core.protocol import messages as m
 from lmcache_core.server.events import END_SEQ, wire_hash
 from lmcache_core.transport.client import MessageQueueClient
-from tests.integration.servers import ServerProcess, WorkerProcess
 from tests.unit.test_kv_events import V32, V32BlockRemoved, V32BlockStored
 
 CHUNK = 64  # tokens (4 blocks of 16); one chunk of the tiny model is 64 KiB
@@ -116,74 +115,68 @@ def ctx():
     context.destroy(linger=0)
 
 
-def test_subscriber_sees_stores_evictions_disk_and_loads_in_order_and_replays(tmp_path, ctx):
+def test_subscriber_sees_stores_evictions_disk_and_loads_in_order_and_replays(
+        tmp_path, ctx, make_server, make_worker):
     events_url = f"ipc://{tmp_path}/events.sock"
-    server = ServerProcess(tmp_path, {
+    server = make_server({
         "server": {"pool_size": f"{POOL_CHUNKS * 64}KiB", "events_url": events_url, **no_http()},
-        "disk": {"path": str(tmp_path / "disk"), "write_through": True}}).start()
-    worker = WorkerProcess(server.url)
+        "disk": {"path": str(tmp_path / "disk"), "write_through": True}})
+    worker = make_worker(server.url)
     sub = Subscriber(ctx, events_url, events_url + ".replay")
-    try:
-        assert server.proc is not None
-        assert {f"{tmp_path}/events.sock", f"{tmp_path}/events.sock.replay"} <= listening(
-            server.proc.pid)
-        # PUB drops what is sent before the subscription reaches it: store one-chunk prompts until
-        # one's batch arrives; from then on nothing is missed.
-        warm: list[int] = []
-        for seed in range(100, 140):
-            assert worker("store", req=f"w{seed}", keys=tokens(1, seed), blocks=[0, 1, 2, 3])["finished"]
-            warm += wire(tokens(1, seed))
-            if sub.receive(0.3):
-                break
-        assert sub.live, "the subscriber never got a batch"
-        sub.receive_until(lambda seen: ("stored", "memory", warm[-1]) in seen)
-        first = len(sub.live)
+    assert server.proc is not None
+    assert {f"{tmp_path}/events.sock", f"{tmp_path}/events.sock.replay"} <= listening(
+        server.proc.pid)
+    # PUB drops what is sent before the subscription reaches it: store one-chunk prompts until
+    # one's batch arrives; from then on nothing is missed.
+    warm: list[int] = []
+    for seed in range(100, 140):
+        assert worker("store", req=f"w{seed}", keys=tokens(1, seed), blocks=[0, 1, 2, 3])["finished"]
+        warm += wire(tokens(1, seed))
+        if sub.receive(0.3):
+            break
+    assert sub.live, "the subscriber never got a batch"
+    sub.receive_until(lambda seen: ("stored", "memory", warm[-1]) in seen)
+    first = len(sub.live)
 
-        a, b = tokens(POOL_CHUNKS, 1), tokens(POOL_CHUNKS, 2)
-        ha, hb = wire(a), wire(b)
-        expected = (
-            [("removed", "memory", h) for h in warm[-POOL_CHUNKS:]]  # A's store evicts the warm-up
-            + [("stored", "memory", h) for h in ha]  # chunks (oldest first), then A, prefix order
-            + [("removed", "memory", h) for h in reversed(ha)]  # B's store evicts A, tail first
-            + [("stored", "memory", h) for h in hb]
-            + [("removed", "memory", h) for h in reversed(hb)]  # the lookup's load evicts B...
-            + [("stored", "memory", h) for h in ha])  # ...and brings A back from disk
+    a, b = tokens(POOL_CHUNKS, 1), tokens(POOL_CHUNKS, 2)
+    ha, hb = wire(a), wire(b)
+    expected = (
+        [("removed", "memory", h) for h in warm[-POOL_CHUNKS:]]  # A's store evicts the warm-up
+        + [("stored", "memory", h) for h in ha]  # chunks (oldest first), then A, prefix order
+        + [("removed", "memory", h) for h in reversed(ha)]  # B's store evicts A, tail first
+        + [("stored", "memory", h) for h in hb]
+        + [("removed", "memory", h) for h in reversed(hb)]  # the lookup's load evicts B...
+        + [("stored", "memory", h) for h in ha])  # ...and brings A back from disk
 
-        def memory() -> list[Event]:
-            return [e for e in flatten(sub.live[first:]) if e[1] == "memory"]
+    def memory() -> list[Event]:
+        return [e for e in flatten(sub.live[first:]) if e[1] == "memory"]
 
-        def on_disk(hashes: list[int]) -> Callable[[list[Event]], bool]:
-            return lambda seen: {("stored", "disk", h) for h in hashes} <= set(seen)
+    def on_disk(hashes: list[int]) -> Callable[[list[Event]], bool]:
+        return lambda seen: {("stored", "disk", h) for h in hashes} <= set(seen)
 
-        assert worker("store", req="a", keys=a, blocks=list(range(16)))["finished"]
-        sub.receive_until(on_disk(ha))  # written behind before B's store evicts A from memory
-        assert worker("store", req="b", keys=b, blocks=list(range(16, 32)))["finished"]
-        sub.receive_until(on_disk(hb))
-        with MessageQueueClient(server.url) as client:
-            assert client.request(m.LookupRequest(
-                model_name="tiny", world_size=1, lookup_id="q", chunk_hashes=chain_hashes(a, CHUNK),
-                lock=False)).hit_chunks == POOL_CHUNKS
-        sub.receive_until(lambda _: len(memory()) >= len(expected))
-        assert memory() == expected
-        seqs = [seq for _, seq, _ in sub.live]
-        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # consecutive, nothing lost live
-        assert all(topic.startswith(b"kv@") and topic.endswith(b"@tiny") for topic, _, _ in sub.live)
+    assert worker("store", req="a", keys=a, blocks=list(range(16)))["finished"]
+    sub.receive_until(on_disk(ha))  # written behind before B's store evicts A from memory
+    assert worker("store", req="b", keys=b, blocks=list(range(16, 32)))["finished"]
+    sub.receive_until(on_disk(hb))
+    with MessageQueueClient(server.url) as client:
+        assert client.request(m.LookupRequest(
+            model_name="tiny", world_size=1, lookup_id="q", chunk_hashes=chain_hashes(a, CHUNK),
+            lock=False)).hit_chunks == POOL_CHUNKS
+    sub.receive_until(lambda _: len(memory()) >= len(expected))
+    assert memory() == expected
+    seqs = [seq for _, seq, _ in sub.live]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # consecutive, nothing lost live
+    assert all(topic.startswith(b"kv@") and topic.endswith(b"@tiny") for topic, _, _ in sub.live)
 
-        # A router that joined late (or saw a gap) asks for everything kept from seq 0.
-        replayed = sub.replay(0)
-        assert [seq for _, seq, _ in replayed[:seqs[-1] + 1]] == list(range(seqs[-1] + 1))
-        assert replayed[seqs[0]:seqs[-1] + 1] == sub.live  # the same bytes as went out live
-        assert ("stored", "memory", warm[0]) in set(flatten(replayed[:1]))  # the first store
-        assert sub.replay(10**9) == []  # nothing from there: the end marker alone
-    finally:
-        worker.close()
-        server.stop()
+    # A router that joined late (or saw a gap) asks for everything kept from seq 0.
+    replayed = sub.replay(0)
+    assert [seq for _, seq, _ in replayed[:seqs[-1] + 1]] == list(range(seqs[-1] + 1))
+    assert replayed[seqs[0]:seqs[-1] + 1] == sub.live  # the same bytes as went out live
+    assert ("stored", "memory", warm[0]) in set(flatten(replayed[:1]))  # the first store
+    assert sub.replay(10**9) == []  # nothing from there: the end marker alone
 
 
-def test_server_without_events_url_listens_on_nothing_more(tmp_path):
-    server = ServerProcess(tmp_path, {"server": no_http()}, name="plain").start()
-    try:
-        assert server.proc is not None
-        assert listening(server.proc.pid) == {f"{tmp_path}/plain.sock"}
-    finally:
-        server.stop()
+def test_server_without_events_url_listens_on_nothing_more(tmp_path, make_server):
+    server = make_server({"server": no_http()}, name="plain")
+    assert server.proc is not None
+    assert listening(server.proc.pid) == {f"{tmp_path}/plain.sock"}
