@@ -4,7 +4,7 @@
   structs, mutated) in batches from raw DEALER sockets; after every batch a real ping must answer within
   1 s. A real worker is registered, and a third of the requests use what the server knows (its instance
   id, its segment, block ids in range), so stores, retrieves and registrations reach the copy code.
-  Every request under zmq's hard cap must get a reply (README: "every request gets one") and none an
+  Every request under zmq's hard cap must get a reply (docs/protocol.md: "every request gets one") and none an
   INTERNAL error; the server's RSS may not grow by more than ``RSS_GROWTH_BOUND`` after warm-up; no
   traceback in its log; afterwards the worker's store and retrieve still copy every byte exactly. A
   failing batch is saved and replayed case by case on a fresh server to name the frame that did it.
@@ -46,7 +46,7 @@ from lmcache_core.errors import LMCacheError
 from lmcache_core.protocol import RequestType, decode_request
 from lmcache_core.protocol import messages as m
 from lmcache_core.protocol.codec import Limits, encode, encode_request
-from lmcache_core.protocol.lmcache_wire import dialect_op
+from lmcache_core.protocol.lmcache_wire import dialect_op, is_failure_op
 from lmcache_core.transport.client import MessageQueueClient
 from tests.harness import wait_until
 from tests.integration.fuzz_frames import (
@@ -144,7 +144,7 @@ class Peer:
 
     def send(self, case: Case) -> None:
         self.sock.send_multipart(case.frames)
-        self.outstanding += not case.lmcache  # LMCache's dialect may answer with silence
+        self.outstanding += case.expects_reply  # every frame but a stream's credit
         if len(self.by_uid) > 4 * BATCH:
             self.by_uid.clear()
         self.by_uid[case.frames[0]] = case
@@ -157,15 +157,29 @@ class Peer:
             case = self.by_uid.get(frames[0]) if frames else None
             # Whose reply this is comes from its echoed op frame, not from the uid: uids repeat, and
             # a reply of ours taken for LMCache's (sent later with the same uid) was never counted.
-            dialect = len(frames) > 1 and dialect_op(frames[1]) is not None
+            dialect = lmcache_reply(frames)
             if case is not None and case.lmcache != dialect:
                 case = None
-            self.outstanding -= not dialect
+            self.outstanding -= 1
             out.append((frames, case))
         return out
 
     def close(self) -> None:
         self.sock.close(0)
+
+
+def lmcache_reply(frames: list[bytes]) -> bool:
+    """Whether a reply is LMCache's dialect: its op echoed, or a failure naming another op."""
+    return len(frames) > 1 and (dialect_op(frames[1]) is not None or is_failure_op(frames[1]))
+
+
+def classify_any(frames: list[bytes]) -> tuple[str, str]:
+    """``classify``, and ``lmcache:reply`` / ``lmcache:failure`` for LMCache's replies."""
+    if not lmcache_reply(frames):
+        return classify(frames)
+    if is_failure_op(frames[1]):
+        return "lmcache:failure", msgspec.msgpack.decode(frames[1])
+    return "lmcache:reply", ""
 
 
 def send_over_cap(context: zmq.Context[Any], url: str, case: Case) -> None:
@@ -232,8 +246,7 @@ class FuzzReport:
     problems: list[str] = field(default_factory=list)
 
     def note_reply(self, frames: list[bytes], case: Case | None, gap_s: float) -> None:
-        dialect = len(frames) > 1 and dialect_op(frames[1]) is not None
-        outcome, message = ("lmcache:reply", "") if dialect else classify(frames)
+        outcome, message = classify_any(frames)
         self.outcomes[outcome] += 1
         label = case.describe() if case is not None else f"(uid frame {frames[0][:40]!r})"
         if len(message) > self.longest_message[0]:
@@ -590,7 +603,7 @@ def ping_beside(server: ServerProcess, case: Case, limits: FuzzLimits) -> Beside
     assert server.proc is not None
     context: zmq.Context[Any] = zmq.Context.instance()
     bad, pinger = Peer(context, server.url), Peer(context, server.url)
-    expect_reply = case.size <= limits.hard_cap and not case.lmcache
+    expect_reply = case.size <= limits.hard_cap and case.expects_reply
     try:
         assert raw_ping(pinger, PING_BOUND_S) is not None, "the server did not answer before the case"
         rss_before = rss_bytes(server.proc.pid)
@@ -608,7 +621,7 @@ def ping_beside(server: ServerProcess, case: Case, limits: FuzzLimits) -> Beside
             if got:
                 reply = (got[0][0], time.perf_counter() - start)
         pings.append(raw_ping(pinger, PING_BOUND_S))
-        outcome, message = classify(reply[0]) if reply else ("no reply", "")
+        outcome, message = classify_any(reply[0]) if reply else ("no reply", "")
         return Beside(pings, reply[1] if reply else None, outcome, message,
                       rss_bytes(server.proc.pid) - rss_before)
     finally:
@@ -647,13 +660,88 @@ def ping_beside_within(live_server: LiveServer, case: Case, bound_s: float) -> N
     assert last.worst_ping_s <= bound_s, (
         f"{case.describe()}: a ping beside it took > {bound_s * 1000:.0f} ms: "
         + " | retry: ".join(t.describe() for t in tries))
-    if case.size <= DEFAULT_LIMITS.hard_cap and not case.lmcache:
+    if case.size <= DEFAULT_LIMITS.hard_cap and case.expects_reply:
         assert last.reply_s is not None, f"{case.describe()}: no reply within {REPLY_TIMEOUT_S} s"
         assert not last.outcome.startswith(("malformed", "error:internal")), (case.describe(), last.outcome,
                                                                              last.message[:300])
     assert len(last.message) <= MESSAGE_BOUND, f"{len(last.message)}-character error message"
     # the message buffer, the decoded payload and a reply: a few times the request, never more
     assert last.rss_growth <= 4 * DEFAULT_LIMITS.max_request_bytes, last.describe()
+
+
+def trusted_echo(sent: tuple[bytes, ...], reply: list[bytes]) -> str | None:
+    """Why ``reply`` echoes what the server could not trust of ``sent`` (None: it does not). A
+    uid goes back only as the msgpack int sent, an op only as the msgpack str or int sent (or
+    LMCache's failure naming another op); a nil stands in for either otherwise."""
+    nil = encode(None)
+
+    def one(frame: bytes, kind: type | tuple[type, ...]) -> bool:
+        with contextlib.suppress(Exception):
+            value = msgspec.msgpack.decode(frame)
+            return isinstance(value, kind) and not isinstance(value, bool)
+        return False
+
+    uid, op = reply[0], reply[1] if len(reply) > 1 else b""
+    if uid != nil and not (uid == sent[0] and one(uid, int)):
+        return f"uid frame {uid[:40]!r}"
+    if op != nil and not is_failure_op(op) and not (
+            len(sent) > 1 and op == sent[1] and one(op, (str, int))):
+        return f"op frame {op[:40]!r}"
+    return None
+
+
+ECHO_KINDS = ("garbage", "unknown_op", "bad_uid", "frame_count", "lying_frame", "deep_frame")
+
+
+def test_every_frame_is_answered_at_once_echoing_nothing_untrusted(live_server: LiveServer) -> None:
+    """Hostile frames of the kinds that reach the head decoder (random frames, unknown ops, bad
+    uids, wrong frame counts), one in flight per socket so each reply is its request's: each is
+    answered (except a stream's credit) within the reply timeout, and its reply carries nothing
+    of a frame the server could not read (random frames in the op's place were echoed whole,
+    ahead of a nil uid)."""
+    server = live_server.get()
+    cases = [c for c in generate_cases(default_seed(), 4000, DEFAULT_LIMITS)
+             if c.kind.endswith(ECHO_KINDS) and c.size <= DEFAULT_LIMITS.hard_cap]
+    assert len(cases) > 500
+    context: zmq.Context[Any] = zmq.Context.instance()
+    idle = [Peer(context, server.url) for _ in range(16)]
+    live: dict[Any, tuple[Peer, Case, float]] = {}
+    problems: list[str] = []
+    todo = iter(cases)
+    try:
+        while (case := next(todo, None)) is not None or live:
+            while case is not None and idle:
+                peer = idle.pop()
+                peer.sock.send_multipart(case.frames)
+                if case.expects_reply:
+                    live[peer.sock] = (peer, case, time.monotonic())
+                else:
+                    idle.append(peer)
+                case = next(todo, None) if idle else case
+            if case is not None:
+                todo = itertools.chain([case], todo)
+            poller = zmq.Poller()
+            for sock in live:
+                poller.register(sock, zmq.POLLIN)
+            ready = dict(poller.poll(100))
+            for sock in list(live):
+                peer, sent, started = live[sock]
+                if sock in ready:
+                    why = trusted_echo(sent.frames, sock.recv_multipart())
+                    if why is not None and len(problems) < 10:
+                        problems.append(f"{sent.describe()}: its reply echoes its {why}")
+                elif time.monotonic() - started < REPLY_TIMEOUT_S:
+                    continue
+                else:
+                    problems.append(f"{sent.describe()}: no reply within {REPLY_TIMEOUT_S} s")
+                    peer.close()
+                    peer = Peer(context, server.url)
+                del live[sock]
+                idle.append(peer)
+    finally:
+        for peer in idle + [p for p, _, _ in live.values()]:
+            peer.close()
+    assert not problems, "\n".join(problems)
 
 
 # ---------------------------------------------------------------- regressions
