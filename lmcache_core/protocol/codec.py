@@ -146,11 +146,24 @@ def _decode_op(op_frame: bytes) -> RequestType:
 
 
 def rejection_frames(frames: Sequence[bytes], exc: LMCacheError) -> list[bytes]:
-    """The reply to a request that could not be parsed: its uid and op frames echoed when they
-    are short enough to be real ones (else a nil in their place), then the error."""
-    uid = frames[0] if frames and len(frames[0]) <= MAX_UID_FRAME else _NIL
-    op = frames[1] if len(frames) > 1 and len(frames[1]) <= MAX_OP_FRAME else _NIL
+    """The reply to a request that could not be parsed: its uid frame echoed only when it holds
+    one msgpack int, its op frame only when it holds one short msgpack str or int (an op name or
+    id, known or not), a nil in the place of either otherwise, then the error. Nothing else of a
+    frame the server could not read goes back (random bytes in the op's place were echoed whole)."""
+    uid = frames[0] if frames and _holds(frames[0], MAX_UID_FRAME, int) else _NIL
+    op = frames[1] if len(frames) > 1 and _holds(frames[1], MAX_OP_FRAME, (str, int)) else _NIL
     return encode_reply(uid, op, error_reply(exc))
+
+
+def _holds(frame: bytes, max_bytes: int, kind: type | tuple[type, ...]) -> bool:
+    """Whether ``frame`` is one msgpack value of ``kind`` (bool is no int), at most ``max_bytes``."""
+    if not frame or len(frame) > max_bytes:
+        return False
+    try:
+        value = _decode_any(frame)
+    except Exception:  # whatever the bytes were
+        return False
+    return isinstance(value, kind) and not isinstance(value, bool)
 
 
 def encode_reply(uid_frame: bytes, op_frame: bytes, reply: Reply) -> list[bytes]:

@@ -8,8 +8,10 @@ strings, so :func:`dialect_op` tells the two apart from the op frame alone.
 
 The structs mirror LMCache's payloads field by field (maps keyed by field name; unknown fields
 ignored, as LMCache's decoder does) and are bounded like ours in :mod:`messages`: every int and
-length. :func:`decode_call` raises :class:`DialectError` for anything malformed; LMCache's own
-server answers such a request with silence, and so does ours (the client's timeout decides).
+length. :func:`decode_call` raises :class:`DialectError` for anything malformed or unserved;
+LMCache's own server answers such a request with silence (its client waits out its timeout);
+ours answers at once with what LMCache's client takes as a failure (:func:`failure_frames`).
+The one frame its protocol defines no reply to is a stream's credit (``STREAM_CONTROL``).
 
 The translation: a key's ``token_ids[0:end]`` become blake3 chain hashes (LMCache's chain, ours
 too), the chunks ``[start, end)`` of it are the ones named, and ``(world_size, worker_id)`` is our
@@ -43,6 +45,19 @@ LEGACY_IDS: dict[int, str] = {
 #: Names LMCache sends only as strings.
 STRING_ONLY = frozenset({"cb_reorder_plan", "subscribe_kv_events", "server_module_call"})
 OP_NAMES = frozenset(LEGACY_IDS.values()) | STRING_ONLY
+#: LMCache's engine-driven transfer (the worker gathers KV into CPU chunks itself; its reply
+#: advertises the whole pool as one shared segment, or the data travels pickled): not served.
+ENGINE_DRIVEN = frozenset({
+    "register_kv_cache_engine_driven_context", "unregister_kv_cache_engine_driven_context",
+    "prepare_store", "commit_store", "prepare_retrieve", "commit_retrieve"})
+#: The one frame LMCache's protocol defines no reply to: a stream's credit or its cancel
+#: (``[uid, b"", b"ack" | b"cancel"]``, an empty op frame; its ``mq.py``). Its op name here.
+STREAM_CONTROL = "stream_control"
+#: What a failure reply's op frame starts with (see :func:`failure_frames`).
+FAILURE_PREFIX = "lmcache serve: "
+ENGINE_DRIVEN_REFUSAL = (
+    "LMCache's engine-driven transfer is not served (it hands every client the whole pool, or "
+    "pickles the KV); start vLLM with LMCACHE_MP_TRANSFER_MODE=lmcache_driven")
 #: The longest op frame either form takes (a msgpack str of the longest name).
 MAX_OP_FRAME = 48
 #: LMCache's request ids, model names and salts are short; these bounds are far above real ones.
@@ -64,7 +79,7 @@ Small = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 
 
 class DialectError(Exception):
-    """A malformed LMCache frame or one this server does not serve: answered with silence."""
+    """A malformed LMCache frame or one this server does not serve: answered as a failure."""
 
 
 class IPCCacheServerKey(msgspec.Struct, kw_only=True):
@@ -192,6 +207,17 @@ def dialect_op(op_frame: bytes) -> str | None:
     return op if isinstance(op, str) and op in OP_NAMES else None
 
 
+def frames_op(frames: Sequence[bytes]) -> str | None:
+    """LMCache's op name when ``frames`` (``[uid, op, payloads...]``) are an LMCache request whose
+    reply can be addressed (its uid a msgpack int), or a stream's credit frame
+    (``STREAM_CONTROL``); else None (ours, or frames our codec answers with a typed error)."""
+    if len(frames) < 2 or not plausible_uid(frames[0]):
+        return None
+    if frames[1] == b"" and len(frames) == 3 and frames[2] in (b"ack", b"cancel"):
+        return STREAM_CONTROL
+    return dialect_op(frames[1])
+
+
 def plausible_uid(frame: bytes) -> bool:
     """Whether ``frame`` holds a msgpack int, as a request's uid frame must (at most 9 bytes)."""
     if len(frame) > 9:
@@ -225,6 +251,36 @@ def reply_frames(call: Call, result: Any) -> list[bytes]:
     if result is None:
         return [call.uid_frame, call.op_frame]
     return [call.uid_frame, call.op_frame, _encoder.encode(result)]
+
+
+def failure_frames(uid_frame: bytes, op_frame: bytes, op: str, why: str) -> list[bytes]:
+    """What LMCache's client takes as a failure of ``op``, sent at once (its own server sends
+    nothing, and its client waits out its 300 s timeout).
+
+    A store or retrieve: ``(b"", False)``, in-band as LMCache's server answers the failures it
+    expects (the request recomputes). A lookup: its ack (a status asked for it is then that of
+    an unknown request, 0 hits); a prefetch status: 0 hits (vLLM's scheduler raises on any
+    other failure of those). Any other op: a reply naming another op, ``FAILURE_PREFIX + why``,
+    which LMCache's client raises at once as ``ValueError("Response operation '...' does not
+    match request '<op>'")`` (its ``mq.py: process_inbound``): the message reaches the caller."""
+    if op in ("store", "retrieve"):
+        return [uid_frame, op_frame, _encoder.encode((b"", False))]
+    if op == "lookup":
+        return [uid_frame, op_frame]
+    if op in ("query_prefetch_status", "wait_prefetch_status"):
+        return [uid_frame, op_frame, _encoder.encode(0)]
+    return [uid_frame, _encoder.encode(FAILURE_PREFIX + clip(why, MAX_MESSAGE_CHARS))]
+
+
+def is_failure_op(op_frame: bytes) -> bool:
+    """Whether a reply's op frame is a failure's (:func:`failure_frames`)."""
+    if len(op_frame) > 4 * MAX_MESSAGE_CHARS:
+        return False
+    try:
+        op = _decode_any(op_frame)
+    except Exception:  # not msgpack: not one of ours
+        return False
+    return isinstance(op, str) and op.startswith(FAILURE_PREFIX)
 
 
 # ---------------------------------------------------------------- key translation

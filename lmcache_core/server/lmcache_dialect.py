@@ -6,12 +6,15 @@ The transport hands every request whose op frame is LMCache's (an int 1-33 or on
 same engine, tiers and copies as our own dialect. What LMCache's server does differently, and what
 this one chose, is listed in the README ("LMCache's own clients").
 
-Failures: a malformed or unserved request is answered with silence, as LMCache's server does (its
-client's timeout decides); a store or retrieve that fails in a way LMCache reports in-band (an
-unknown instance, too few block ids, a chunk missing) is answered ``(b"", False)`` at once, so the
-client recomputes instead of waiting. A key naming more chunks than one request may
-(``Limits.max_keys_per_request``, as for our own requests) is refused before it is hashed: a
-lookup with silence, a store or retrieve in-band.
+Failures: every request is answered at once, a malformed, unserved, refused or failed one with
+what LMCache's client takes as a failure (``lmcache_wire.failure_frames``: a store or retrieve
+``(b"", False)``, a lookup its ack and 0 hits, any other op a reply naming another op, which its
+client raises as a ``ValueError`` carrying our message), where LMCache's own server sends
+nothing and its client waits out a 300 s timeout. The one frame left unanswered is a stream's
+credit, to which LMCache's protocol defines no reply. LMCache's engine-driven ops are refused
+with a message naming ``LMCACHE_MP_TRANSFER_MODE=lmcache_driven`` (also logged once per client).
+A key naming more chunks than one request may (``Limits.max_keys_per_request``, as for our own
+requests) is refused before it is hashed.
 
 Lookups: LMCache's LOOKUP acknowledges at once and its hit count is handed over once, by
 ``query_prefetch_status`` or ``wait_prefetch_status`` (``prefetch_status.PrefetchResults``). With
@@ -48,6 +51,8 @@ INLINE_LOOKUP_BYTES = 256 << 10
 Task = Callable[[], list[bytes] | None]
 #: ``post([identity, *reply])``: sends a reply later, from any thread (the transport's ``post``).
 Post = Callable[[list[bytes]], None]
+#: Clients told in the log that the engine-driven path is not served; forgotten beyond this many.
+_MAX_TOLD = 4096
 
 
 class LMCacheDialect:
@@ -62,6 +67,7 @@ class LMCacheDialect:
         # Bad frames and failures are the client's to cause at any rate: a few lines each.
         self._rejections = LogBudget(logger=logger)
         self._failures = LogBudget(logger=logger)
+        self._told: set[bytes] = set()  # clients warned that engine-driven transfer is unserved
 
     # ------------------------------------------------------------------ entry point
 
@@ -70,21 +76,27 @@ class LMCacheDialect:
         self.post = post
 
     @staticmethod
-    def owns(op_frame: bytes) -> str | None:
-        """LMCache's op name when this request is LMCache's; None for ours."""
-        return w.dialect_op(op_frame)
+    def owns(frames: list[bytes]) -> str | None:
+        """LMCache's op name when this request is LMCache's; None for ours (and for frames whose
+        uid could not address a reply: our codec answers them with a typed error)."""
+        return w.frames_op(frames)
 
     def serve(self, op: str, frames: list[bytes], client: bytes) -> list[bytes] | Task | None:
-        """The reply frames of an inline op, None for silence, or a task for a worker thread."""
+        """The reply frames of an inline op, None for no reply now, or a task for a worker
+        thread. Every request gets one reply, at once or later, except a stream's credit."""
+        if op == w.STREAM_CONTROL:  # no stream is served (get_experimental offers none)
+            return None
+        if op in w.ENGINE_DRIVEN:
+            return self._engine_driven(op, frames, client)
         if op == "lookup" and sum(map(len, frames)) > INLINE_LOOKUP_BYTES:
             # Decoding and hashing a long prompt takes the loop thread ~40 ms per MiB of token
             # ids: a worker does it.
             return lambda: self._long_lookup(frames, client)
         call = self._decode(op, frames)
-        if call is None:
-            return None
-        if self._over_limit(call):  # refused unhashed: store and retrieve in-band, as they fail
-            return w.reply_frames(call, _FAILED) if op in ("store", "retrieve") else None
+        if isinstance(call, list):
+            return call
+        if self._over_limit(call):  # refused unhashed
+            return self._failure(call.uid_frame, call.op_frame, op, "too many chunks")
         if op == "lookup":  # its result is kept only while this marker is (``end_session``)
             self.results.pending(call.args[0].request_id)
         if op == "lookup" and self.handlers.engine.has_tiers:
@@ -102,37 +114,61 @@ class LMCacheDialect:
             return lambda: self._answer(call, client)
         return self._answer(call, client)
 
-    def _decode(self, op: str, frames: list[bytes]) -> w.Call | None:
+    def _decode(self, op: str, frames: list[bytes]) -> w.Call | list[bytes]:
+        """The typed call, or the failure that answers frames that are not one."""
         try:
             return w.decode_call(frames, op)
         except w.DialectError as exc:
             self._reject(op, exc)
-            return None
+            return self._failure(frames[0], frames[1], op, str(exc))
+
+    def _failure(self, uid_frame: bytes, op_frame: bytes, op: str, why: str) -> list[bytes]:
+        return w.failure_frames(uid_frame, op_frame, op, f"{op} not served: {why}")
+
+    def _engine_driven(self, op: str, frames: list[bytes], client: bytes) -> list[bytes]:
+        """LMCache's engine-driven ops, refused at once with a message saying what to set (vLLM's
+        start then fails in a second, naming it); logged once per client too."""
+        if client not in self._told:
+            if len(self._told) >= _MAX_TOLD:
+                self._told.clear()
+            self._told.add(client)
+            logger.warning("an LMCache client (%s) sent %s: %s", client.hex(), op,
+                           w.ENGINE_DRIVEN_REFUSAL)
+        return w.failure_frames(frames[0], frames[1], op, w.ENGINE_DRIVEN_REFUSAL)
 
     def _long_lookup(self, frames: list[bytes], client: bytes) -> list[bytes] | None:
         """A long prompt's lookup, on a worker thread: decoded, hashed and answered there; its
         ack goes once its result is in (a status asked after the ack finds it)."""
         call = self._decode("lookup", frames)
-        if call is None or self._over_limit(call):
-            return None
+        if isinstance(call, list):
+            return call
+        if self._over_limit(call):
+            return self._failure(call.uid_frame, call.op_frame, "lookup", "too many chunks")
         self.results.pending(call.args[0].request_id)
         self._answer(call, client)
         return w.reply_frames(call, None)
 
-    def dropped(self, op: str, frames: list[bytes], client: bytes) -> None:
-        """A task of ours was not run (the copy threads' queue was full): a lookup acknowledged
-        already ends with no hits (its client recomputes) instead of staying "running" until the
-        client's own timeout. A long one, not acknowledged yet, is acknowledged now, undecoded
-        (that is the loop thread's work it was sent away from): its status is then unknown, 0."""
-        if op != "lookup":
-            return
-        if sum(map(len, frames)) > INLINE_LOOKUP_BYTES:
-            if self.post is not None and len(frames) >= 2 and w.plausible_uid(frames[0]):
-                self.post([client, *frames[:2]])  # the ack: its uid and op frames
-            return
+    def refuse(self, op: str, frames: list[bytes], client: bytes, why: str) -> list[bytes]:
+        """The reply to a request the transport will not serve (e.g. too large): LMCache's
+        failure of its op, at once."""
+        self._rejections.log(logging.INFO, "LMCache %s refused: %s", op, why)
+        return self._failure(frames[0], frames[1], op, why)
+
+    def dropped(self, op: str, frames: list[bytes], client: bytes) -> list[bytes] | None:
+        """The reply to a request whose task (from ``serve``) will not run: the copy threads'
+        queue was full. A lookup acknowledged already (a tiered server's, ``post`` set) ends
+        with no hits, so its client recomputes instead of seeing it "running" until its own
+        timeout, and needs no other reply; anything else is refused (a long lookup, not
+        acknowledged yet, is acknowledged undecoded: decoding it is the loop thread's work it
+        was sent away from, and its status is then unknown, 0)."""
+        acked = op == "lookup" and self.handlers.engine.has_tiers and self.post is not None \
+            and sum(map(len, frames)) <= INLINE_LOOKUP_BYTES
+        if not acked:
+            return self.refuse(op, frames, client, "the copy threads' queue is full")
         call = self._decode(op, frames)
-        if call is not None:
+        if not isinstance(call, list):
             self.results.set(call.args[0].request_id, 0)
+        return None
 
     def _answer(self, call: w.Call, client: bytes) -> list[bytes] | None:
         try:
@@ -143,11 +179,13 @@ class LMCacheDialect:
             return None if result is DEFERRED else w.reply_frames(call, result)
         except (w.DialectError, LMCacheError) as exc:
             self._reject(call.op, exc)
-        except Exception:  # a bug, but one any client may trigger at will: rationed
+            why = str(exc)
+        except Exception as exc:  # a bug, but one any client may trigger at will: rationed
             self._failures.log(logging.ERROR, "LMCache %s failed", call.op, exc_info=True)
+            why = f"{type(exc).__name__}: {exc}"
         if call.op == "lookup":  # the prefetch job ends with no hits, as LMCache's would
             self.results.set(call.args[0].request_id, 0)
-        return None
+        return self._failure(call.uid_frame, call.op_frame, call.op, why)
 
     def _over_limit(self, call: w.Call) -> bool:
         """Whether the call's key names more chunks than one request may
@@ -165,8 +203,7 @@ class LMCacheDialect:
         return True
 
     def _reject(self, op: str, exc: Exception) -> None:
-        self._rejections.log(logging.INFO, "LMCache %s request not answered: %s", op,
-                             clip(str(exc)))
+        self._rejections.log(logging.INFO, "LMCache %s request failed: %s", op, clip(str(exc)))
 
     # ------------------------------------------------------------------ control ops
 

@@ -30,22 +30,25 @@ class Route(NamedTuple):
 
 
 class Dialect(Protocol):
-    """A second wire on the same socket (LMCache's own clients): it claims a request by its op
-    frame, then answers it (reply frames, or None: no reply now) or hands back a task for a worker
-    thread (``dropped`` if that task is not run after all). It never raises; its replies bypass
-    our codec. ``attach(post)`` at the server's start gives it ``post([identity, *reply])``: a
-    reply sent later, from any thread."""
+    """A second wire on the same socket (LMCache's own clients): it claims a request by its
+    frames, then answers it (reply frames, or None: no reply now) or hands back a task for a
+    worker thread. It never raises; its replies bypass our codec. ``attach(post)`` at the
+    server's start gives it ``post([identity, *reply])``: a reply sent later, from any thread."""
 
     def attach(self, post: Callable[[list[bytes]], None]) -> None: ...
 
-    def owns(self, op_frame: bytes) -> str | None: ...
+    def owns(self, frames: list[bytes]) -> str | None: ...
 
     def serve(self, op: str, frames: list[bytes],
               client: bytes) -> list[bytes] | Callable[[], list[bytes] | None] | None: ...
 
-    def dropped(self, op: str, frames: list[bytes], client: bytes) -> None:
+    def refuse(self, op: str, frames: list[bytes], client: bytes, why: str) -> list[bytes]:
+        """The reply to ``frames`` that the server will not serve (``why``: e.g. too large)."""
+
+    def dropped(self, op: str, frames: list[bytes], client: bytes) -> list[bytes] | None:
         """A task ``serve`` handed back for ``frames`` (from ``client``) will not run (the workers'
-        queue was full): settle whatever it had started (e.g. a lookup already acknowledged)."""
+        queue was full): settle whatever it had started (e.g. a lookup already acknowledged)
+        and return the reply still owed, if any."""
 
 
 class Task(NamedTuple):

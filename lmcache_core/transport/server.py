@@ -11,7 +11,7 @@ a ``gate`` (store and retrieve on GPU hosts: the worker's CUDA event) has its re
 thread polls them all, and a request past its deadline is answered without its handler running. With
 an ``on_disconnect`` observer, a ``PeerWatch`` reports the identities of clients whose connection
 closed. A ``dialect`` (LMCache 0.5.6's own clients) claims the requests whose op frame is its own
-before our codec reads them, and answers them in its own form (silence for a bad one, as LMCache's
+before our codec reads them, and answers them in its own form (a failure its client raises for a bad one,
 server).
 
 The loop and the workers are spawned through a ``Supervisor``: if one of them dies, the server
@@ -247,7 +247,7 @@ class MessageQueueServer:
 
     def _route(self, identity: bytes, frames: list[bytes]) -> None:
         if self.dialect is not None and len(frames) >= 2 and not self._stopping.is_set():
-            op = self.dialect.owns(frames[1])
+            op = self.dialect.owns(frames)
             if op is not None:
                 self._serve_dialect(identity, op, frames)
                 return
@@ -282,24 +282,25 @@ class MessageQueueServer:
             self._jobs.put(Job(identity, head, route))
 
     def _serve_dialect(self, identity: bytes, op: str, frames: list[bytes]) -> None:
-        """A request of the other dialect: answered now, never (its error behaviour: too large or
-        too many queued are not served either), or later on a worker."""
+        """A request of the other dialect: answered now (a refusal in its own form when too
+        large or too many are queued), or later on a worker (or not at all, where its
+        protocol defines no reply)."""
+        dialect = self.dialect
+        assert dialect is not None
         size = sum(len(f) for f in frames)
         if size > self.limits.max_request_bytes:
-            self._rejections.log(logging.INFO, "dropped a %d-byte %s request", size, op)
+            self._send([identity, *dialect.refuse(op, frames, identity, f"a {size}-byte request; "
+                                                  f"at most {self.limits.max_request_bytes}")])
             return
         start = time.perf_counter()
-        dialect = self.dialect
-        out = dialect.serve(op, frames, identity) if dialect is not None else None
+        out = dialect.serve(op, frames, identity)
         if callable(out):
-            assert dialect is not None  # only a dialect hands back a task
             if self._in_flight and self._queued_bytes + size > self._max_queued_bytes:
-                self._rejections.log(logging.INFO, "dropped a %s request: %d long requests "
+                self._rejections.log(logging.INFO, "refused a %s request: %d long requests "
                                      "are queued", op, self._in_flight)
-                try:  # it settles what the task had started (never raises; if it did: logged)
-                    dialect.dropped(op, frames, identity)
-                except Exception:
-                    self._failures.log(logging.ERROR, "dialect.dropped raised", exc_info=True)
+                late = dialect.dropped(op, frames, identity)
+                if late is not None:
+                    self._send([identity, *late])
                 return
             self._in_flight += 1
             self._queued_bytes += size

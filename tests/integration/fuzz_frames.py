@@ -25,7 +25,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 from lmcache_core.protocol.codec import encode, encode_request
-from lmcache_core.protocol.lmcache_wire import dialect_op
+from lmcache_core.protocol.lmcache_wire import STREAM_CONTROL, frames_op
 from lmcache_core.protocol.ops import OPS, RequestType
 
 #: 5000 nested one-element arrays around a nil: this op frame killed the server loop (RecursionError).
@@ -33,8 +33,8 @@ DEEP_ARRAY = b"\x91" * 5000 + b"\xc0"
 #: the same depth as one-entry maps ``{"a": {"a": ...}}``.
 DEEP_MAP = b"\x81\xa1a" * 5000 + b"\xc0"
 HUGE_INTS = (2**63 - 1, 2**64 - 1, -(2**63), -1, -(2**31), 2**31, 2**32, 2**62, 1_500_000)
-#: LMCache 0.5.6's own op names (its clients send these or integers 1-33: its dialect, whose error
-#: behaviour is silence; see ``Case.lmcache``).
+#: LMCache 0.5.6's own op names (its clients send these or integers 1-33: its dialect, answered in
+#: its own form; see ``Case.lmcache``).
 LEGACY_NAMES = ("ping", "store", "retrieve", "lookup", "register_kv_cache", "end_session", "clear")
 #: msgpack headers that announce far more than follows (str32, bin32, array32, map32, ext32).
 LYING_HEADERS = (b"\xdb\xff\xff\xff\xff", b"\xc6\xff\xff\xff\xff", b"\xdd\xff\xff\xff\xff",
@@ -74,9 +74,14 @@ class Case:
 
     @property
     def lmcache(self) -> bool:
-        """LMCache's dialect (its op frame): a reply is not owed (its server answers bad requests
-        with silence), and one that comes is LMCache's, not ours."""
-        return len(self.frames) >= 2 and dialect_op(self.frames[1]) is not None
+        """LMCache's dialect (its op frame, a uid a reply can carry): its reply is LMCache's, not
+        ours (for a bad request, the failure LMCache's client raises)."""
+        return frames_op(self.frames) is not None
+
+    @property
+    def expects_reply(self) -> bool:
+        """Every frame is answered, except a stream's credit (LMCache's protocol defines none)."""
+        return frames_op(self.frames) != STREAM_CONTROL
 
     def describe(self, limit: int = 160) -> str:
         """The kind, frame sizes and the first bytes of each frame (for failure reports)."""
@@ -203,11 +208,18 @@ class ValidRequest(NamedTuple):
 
 def request_strategy(op: RequestType) -> st.SearchStrategy[ValidRequest]:
     """Valid requests of ``op``: its struct's fields drawn, then built into the real struct (so
-    msgspec checks the strategy honoured every bound)."""
+    msgspec checks the strategy honoured every bound; draws its own checks refuse are left out)."""
     cls = OPS[op].request
     info = mi.type_info(cls)
     assert isinstance(info, mi.StructType)
-    return struct_strategy(info).map(lambda d: ValidRequest(op, msgspec.convert(d, cls)))
+
+    def build(fields: dict[str, Any]) -> ValidRequest | None:
+        try:
+            return ValidRequest(op, msgspec.convert(fields, cls))
+        except msgspec.ValidationError:  # a check beyond the fields' bounds (a __post_init__)
+            return None
+
+    return struct_strategy(info).map(build).filter(lambda r: r is not None)  # type: ignore[return-value]
 
 
 def valid_corpus(seed: int, per_op: int) -> list[ValidRequest]:

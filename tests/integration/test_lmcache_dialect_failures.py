@@ -1,5 +1,7 @@
-"""LMCache 0.5.6's wire on a real in-process server: what a client can make go wrong costs a few
-log lines, never one per request."""
+"""LMCache 0.5.6's wire on a real in-process server: every request is answered at once (a bad or
+unserved one with what LMCache's client takes as a failure), except a stream's credit, to which
+its protocol defines no reply; what a client can make go wrong costs a few log lines, never one
+per request."""
 
 from __future__ import annotations
 
@@ -21,6 +23,14 @@ enc = msgspec.msgpack.encode
 DIALECT_LOGGER = "lmcache_core.server.lmcache_dialect"
 
 
+def failure(reply: list[bytes]) -> bool:
+    """Whether ``reply`` is a failure LMCache's client raises: ``[uid, op]`` naming another op,
+    ours (its ``process_inbound``: ``ValueError("Response operation ... does not match")``)."""
+    from lmcache_core.protocol import lmcache_wire as w
+
+    return len(reply) == 2 and w.is_failure_op(reply[1])
+
+
 def _dialect_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
     return [r for r in caplog.records if r.name == DIALECT_LOGGER]
 
@@ -37,7 +47,10 @@ def test_bad_hnd_registers_are_bad_frames_and_cost_few_lines(kv_server,  # noqa:
         for uid in range(60):
             sock.send_multipart([enc(uid), enc(1), enc(7), enc([layer]), enc("tiny"), enc(1),
                                  enc("vllm"), enc({"kv_layout": "HND"}), enc([])])
-        assert not sock.poll(300)  # silence, as for any bad frame
+        for uid in range(60):  # each answered as a failure, its client raises at once
+            assert sock.poll(5000)
+            reply = sock.recv_multipart()
+            assert reply[0] == enc(uid) and failure(reply), reply
         assert call(sock, [enc(99), enc(24)]) == [enc(99), enc(24), enc("OK")]
     finally:
         sock.close(0)
@@ -59,7 +72,11 @@ def test_unexpected_failures_are_logged_rationed(kv_server, caplog,  # noqa: F81
     try:
         for uid in range(60):
             sock.send_multipart([enc(uid), enc(24)])
-        assert not sock.poll(300)
+        for uid in range(60):
+            assert sock.poll(5000)
+            reply = sock.recv_multipart()
+            assert reply[0] == enc(uid) and failure(reply), reply
+            assert "RuntimeError" in msgspec.msgpack.decode(reply[1])
         assert call(sock, [enc(99), enc(21)]) == [enc(99), enc(21), enc(64)]  # still serving
     finally:
         sock.close(0)
@@ -70,7 +87,8 @@ def test_unexpected_failures_are_logged_rationed(kv_server, caplog,  # noqa: F81
 def test_keys_over_the_request_limit_are_refused_before_hashing(kv_server,  # noqa: F811
                                                                monkeypatch) -> None:
     """TINY allows 1000 keys (chunks) per request: a key whose tokens up to ``end`` make more is
-    refused unhashed (a lookup with silence, a store or retrieve in-band), not chain-hashed
+    refused unhashed (a lookup acknowledged with 0 hits, a store or retrieve in-band, any other
+    op as a failure), not chain-hashed
     on the loop thread (a 4 MiB frame of token ids took ~0.2 s there, stalling every client)."""
     from lmcache_core.protocol import lmcache_wire
 
@@ -88,16 +106,16 @@ def test_keys_over_the_request_limit_are_refused_before_hashing(kv_server,  # no
     try:
         assert call(sock, [enc(1), enc(1), enc(7), enc(descs), enc("tiny"), enc(1), enc("vllm"),
                            enc({}), enc([])]) == [enc(1), enc(1)]
-        assert call(sock, [enc(2), enc(8), enc({**key("big"), **over}), enc(1)],
-                    timeout_ms=500) is None
+        assert call(sock, [enc(2), enc(8), enc({**key("big"), **over}), enc(1)]) == \
+            [enc(2), enc(8)]
         assert call(sock, [enc(3), enc(9), enc("big")]) == [enc(3), enc(9), enc(0)]
         stored = {**key("s", worker_id=0), **over}
         assert call(sock, [enc(4), enc(6), enc(stored), enc(7), enc([list(range(8))]),
                            enc(b"")]) == [enc(4), enc(6), enc([b"", False])]
         assert call(sock, [enc(5), enc(7), enc(stored), enc(7), enc([list(range(8))]), enc(b""),
                            enc(0)]) == [enc(5), enc(7), enc([b"", False])]
-        assert call(sock, [enc(6), enc(12), enc({**key("big"), **over}), enc(1)],
-                    timeout_ms=500) is None  # free_lookup_locks hashes its key too
+        reply = call(sock, [enc(6), enc(12), enc({**key("big"), **over}), enc(1)])
+        assert reply is not None and failure(reply)  # free_lookup_locks hashes its key too
         assert hashed == []
         # At the limit: served.
         at = {"token_ids": list(range(1000 * 64)), "end": 1000 * 64}
@@ -137,3 +155,87 @@ def test_a_long_prompts_lookup_is_decoded_and_hashed_off_the_loop_thread(kv_serv
     finally:
         sock.close(0)
     assert len(threads) == 2 and "worker" in threads[0] and threads[1].endswith("-loop"), threads
+
+
+ENGINE_DRIVEN = [(14, [{"instance_id": 7}]), (15, [7]), (16, [key("e", worker_id=0), 7]),
+                 (17, [key("e", worker_id=0), 7, b""]), (18, [key("e", worker_id=0), 7]),
+                 (19, [key("e", worker_id=0), 7]),
+                 ("register_kv_cache_engine_driven_context", [{"instance_id": 7}])]
+
+
+@pytest.mark.parametrize(("op", "payloads"), ENGINE_DRIVEN, ids=[str(o) for o, _ in ENGINE_DRIVEN])
+def test_engine_driven_ops_fail_at_once_naming_the_variable(kv_server, caplog,  # noqa: F811
+                                                            op: Any, payloads: list[Any]) -> None:
+    """LMCache's engine-driven path is not served: each of its ops is answered at once with a
+    failure its client raises, naming what to set; the server logs it once per client."""
+    srv, _, _ = kv_server
+    caplog.set_level(logging.INFO, logger=DIALECT_LOGGER)
+    sock = dealer(srv.url)
+    try:
+        for uid in (1, 2):
+            reply = call(sock, [enc(uid), enc(op), *map(enc, payloads)])
+            assert reply is not None and reply[0] == enc(uid) and failure(reply), reply
+            assert "LMCACHE_MP_TRANSFER_MODE=lmcache_driven" in msgspec.msgpack.decode(reply[1])
+    finally:
+        sock.close(0)
+    told = [r for r in _dialect_records(caplog) if "LMCACHE_MP_TRANSFER_MODE=lmcache_driven"
+            in r.getMessage()]
+    assert len(told) == 1 and told[0].levelno == logging.WARNING
+
+
+#: (frames after the uid, what answers them): every LMCache op and name this server does not
+#: serve, and malformed requests of served ones, each with LMCache's own failure of that op.
+UNANSWERABLE = [
+    ([enc(11), enc("r")], "failure"),  # the retired legacy id
+    ([enc(29), enc([]), enc({})], "failure"),  # p2p_lookup_and_lock
+    ([enc(3), enc(7), enc([]), enc("m"), enc(1), enc("vllm"), enc({}), enc([])], "failure"),
+    ([enc(25), enc(1)], "failure"),  # cb_register_rope
+    ([enc("subscribe_kv_events"), enc(7), enc("m"), enc(0), enc(16)], "failure"),
+    ([enc("server_module_call"), enc({"method": "x", "payload": b""})], "failure"),
+    ([enc(22)], "failure"),  # ping without its payload
+    ([enc(24), enc(1)], "failure"),  # noop with one
+    ([enc(1), enc(7), b"\xc1", enc("m"), enc(1), enc("vllm"), enc({}), enc([])], "failure"),
+    ([enc(13), enc(5)], "failure"),  # end_session of an int
+    ([enc(8), enc({"model_name": "tiny"}), enc(1)], "ack"),  # lookup: its status is then 0
+    ([enc(8), enc(key("z", num_kv_readers=0)), enc(1)], "ack"),
+    ([enc(9), enc(5)], "zero"),  # query_prefetch_status
+    ([enc(10), enc("r"), enc(-1.0)], "zero"),
+    ([enc(6), enc(key("s", worker_id=0)), enc(7), enc("blocks"), enc(b"")], "not ok"),
+    ([enc(7), enc(key("s", worker_id=0)), enc(7), enc([[0]]), enc(b"")], "not ok"),
+]
+
+
+@pytest.mark.parametrize(("frames", "answer"), UNANSWERABLE,
+                         ids=[f"{i}-{a}" for i, (_, a) in enumerate(UNANSWERABLE)])
+def test_every_lmcache_request_is_answered_at_once(kv_server, frames: list[bytes],  # noqa: F811
+                                                   answer: str) -> None:
+    srv, _, _ = kv_server
+    sock = dealer(srv.url)
+    try:
+        reply = call(sock, [enc(5), *frames])
+        assert reply is not None, "no reply"
+        assert reply[0] == enc(5)
+        expected = {"ack": [enc(5), frames[0]], "zero": [enc(5), frames[0], enc(0)],
+                    "not ok": [enc(5), frames[0], enc([b"", False])]}
+        assert failure(reply) if answer == "failure" else reply == expected[answer], reply
+        if frames[0] == enc(8) and answer == "ack":
+            assert call(sock, [enc(6), enc(9), enc("z")]) == [enc(6), enc(9), enc(0)]
+    finally:
+        sock.close(0)
+
+
+def test_a_streams_credit_is_not_answered(kv_server) -> None:  # noqa: F811
+    """``[uid, b"", b"ack" | b"cancel"]``: the one frame LMCache's protocol defines no reply to
+    (no stream is served: get_experimental offers none). An empty op frame with anything else
+    is no LMCache frame: our typed error answers it."""
+    srv, _, _ = kv_server
+    sock = dealer(srv.url)
+    try:
+        sock.send_multipart([enc(1), b"", b"ack"])
+        sock.send_multipart([enc(2), b"", b"cancel"])
+        assert call(sock, [enc(3), enc(24)]) == [enc(3), enc(24), enc("OK")]
+        assert not sock.poll(100)
+        reply = call(sock, [enc(4), b"", b"more"])
+        assert reply is not None and reply[:2] == [enc(4), enc(None)] and b"errorreply" in reply[2]
+    finally:
+        sock.close(0)

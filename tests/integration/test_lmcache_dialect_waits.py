@@ -49,7 +49,7 @@ def dealer(url: str) -> zmq.Socket:
 def server_config(tmp: str, **extra: Any) -> Any:
     overrides = {f"{s}.{k}": v for s in ("model", "server", "timeouts") for k, v in TINY[s].items()}
     overrides.update({"chunk_size": 64, "server.url": f"ipc://{tmp}/w.sock",
-                      "server.http_url": None, **extra})
+                      "server.http_url": "off", **extra})
     return load_config(overrides=overrides)
 
 
