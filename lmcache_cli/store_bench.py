@@ -179,14 +179,14 @@ def _specs(cfg: LMCacheConfig, devices: list[int | None], chunk_size: int, block
 
 
 def _check_fits(specs: list[WorkerSpec], info: Any) -> None:
-    """Each worker stores one piece per chunk (its share of the heads): a piece must fit in one of
-    the server's slabs, and one round of every worker's pieces in its pool (an estimate: the
-    pool's byte budget over the piece size, before any slab's rounding)."""
+    """Each worker stores one piece per chunk (its share of the heads): a piece must fit in the
+    server's pool, and one round of every worker's pieces too (an estimate: the pool's byte
+    budget over the piece size, before any unit's rounding)."""
     spec = specs[0]
-    if spec.chunk_bytes > info.slab_bytes:
+    if spec.chunk_bytes > info.pool_bytes:
         fail(f"a chunk of this model is {spec.chunk_bytes} bytes per worker but the server at "
-             f"{info.url} holds pieces of at most {info.slab_bytes} bytes (its slab size): split "
-             f"the heads over more workers (--gpus, --cpu-workers) or raise its server.slab_size",
+             f"{info.url} holds pieces of at most {info.pool_bytes} bytes (its pool size): split "
+             f"the heads over more workers (--gpus, --cpu-workers) or raise its server.pool_size",
              EXIT_USAGE)
     need = spec.chunks * len(specs)
     capacity = info.pool_bytes // spec.chunk_bytes

@@ -144,7 +144,7 @@ class CacheCore:
         if not self.pool.fits(nbytes):
             raise IncompatibleError(
                 f"a chunk piece of {nbytes} bytes does not fit the pool's "
-                f"{self.pool.max_alloc_bytes}-byte slabs (raise server.slab_size)")
+                f"{self.pool.max_alloc_bytes} bytes (raise server.pool_size)")
         plan = StorePlan(nbytes, [], retention=retention, tenant=tenant)
         with self.mutex:
             now = self.clock()
@@ -230,7 +230,10 @@ class CacheCore:
         if handle is None:
             now = self.clock()
             order = eviction_order(self.index, self.retention, now)
-            self._evict(eviction.victims_for(self.index, self.pool, order, now, nbytes, wanted))
+            room = eviction.victims_for(self.index, self.pool, order, now, nbytes, wanted)
+            self._evict(room.victims)
+            if room.first_unit is not None:  # an extent: in the window emptied for it
+                return self.pool.allocate_at(nbytes, room.first_unit)
             handle = self.pool.allocate(nbytes)
         return handle
 

@@ -1,11 +1,25 @@
 """The eviction policy: which resident pieces go to make room, across every model, in the order
 ``retention.eviction_order`` gives (LRU unless requests asked for TTLs, pins or priorities).
 
-The pool is one byte budget cut into slabs, each of one size class (``storage.pool``). Room for a
-piece of class C is a free slot in a C slab or a free slab. So, walking that order past pieces
-that are locked, being read or pinned: a victim of class C frees one C slot; a victim of
-another class frees room only if its whole slab can go, so its slab's pieces are taken together
-(or the slab is skipped when one of them is held). Quotas (per model, per ``cache_salt`` tenant)
+The pool is one byte budget cut into small units (``storage.pool``: 2 MiB by default). A piece up
+to a unit takes a slot of a slab (a unit of its size class); a larger one an extent of consecutive
+units. Walking that order past pieces that are locked, being read or pinned:
+
+* room for a slot (``slot_victims``): a victim of the same class frees one slot; any other victim
+  frees room only if its whole unit can go, so its unit's pieces are taken together (or the unit
+  is skipped when one of them is held); a victim that is an extent goes whole.
+* room for an extent of k units (``extent_victims``): the first victim that may go anchors a
+  window of k consecutive units overlapping it whose occupants may all go, the one that evicts the
+  fewest bytes (an extent of exactly k units: itself, at once); the engine then places the piece
+  in that window (``MemoryPool.allocate_at``).
+
+The bound: making room for one piece of ``N`` bytes evicts at most one same-class piece (``N``
+bytes), or one unit's pieces (``slab_bytes``), or, for an extent, the pieces inside its window of
+``ceil(N / unit)`` units (under ``N + slab_bytes``); plus, in either case, the part sticking out
+of it of the at most two whole pieces it cuts (extents reaching past the window's ends; the victim
+itself when it is an extent larger than the room asked for). A held piece blocks only the units it
+sits in. Work per store: one pass of the order up to the first unit or window that may go, and
+``O(k + anchor's units)`` unit checks per anchor. Quotas (per model, per ``cache_salt`` tenant)
 evict the model's or tenant's own oldest pieces first (``over_quotas``). Not thread-safe: the
 engine calls it under its lock.
 """
@@ -13,6 +27,7 @@ engine calls it under its lock.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from lmcache_core.engine.index import Piece, PieceIndex
 from lmcache_core.engine.retention import free_to_go
@@ -20,16 +35,33 @@ from lmcache_core.engine.writing import Writing
 from lmcache_core.storage.pool import MemoryPool
 
 
+@dataclass(slots=True)
+class Room:
+    """What to evict for a store's room, and for an extent the first unit of the window it
+    emptied (the piece goes there: ``MemoryPool.allocate_at``); None for slots."""
+
+    victims: list[Piece] = field(default_factory=list)
+    first_unit: int | None = None
+
+
 def victims_for(index: PieceIndex, pool: MemoryPool, order: Iterable[Piece], now: float,
-                nbytes: int, count: int) -> list[Piece]:
-    """Pieces whose eviction makes room for ``count`` allocations of ``nbytes``, taken in
-    ``order`` (``retention.eviction_order``); as many as one pass finds: fewer when too much is
-    held (locked, being read, pinned)."""
+                nbytes: int, count: int) -> Room:
+    """What to evict to make room for ``count`` allocations of ``nbytes`` (slots: as many as one
+    pass of ``order`` finds; an extent: one, its window), taken in ``order``
+    (``retention.eviction_order``); fewer when too much is held (locked, being read, pinned)."""
+    if pool.size_class(nbytes) <= pool.slab_bytes:
+        return Room(slot_victims(index, pool, order, now, nbytes, count))
+    return extent_victims(index, pool, order, now, pool.units_for(nbytes))
+
+
+def slot_victims(index: PieceIndex, pool: MemoryPool, order: Iterable[Piece], now: float,
+                 nbytes: int, count: int) -> list[Piece]:
+    """Pieces whose eviction makes room for ``count`` slots of ``nbytes``' class."""
     size_class = pool.size_class(nbytes)
     per_slab = pool.slab_bytes // size_class
     chosen: list[Piece] = []
     taken: set[int] = set()  # handles already chosen
-    seen_slabs: set[int] = set()
+    seen_units: set[int] = set()
     room = 0
     by_handle = index.by_handle
     for piece in order:
@@ -37,18 +69,23 @@ def victims_for(index: PieceIndex, pool: MemoryPool, order: Iterable[Piece], now
             break
         if piece.handle in taken or not free_to_go(piece, now):
             continue
-        if pool.class_of(piece.handle) == size_class:
+        units, piece_class = pool.placement(piece.handle)
+        if piece_class == size_class:
             chosen.append(piece)
             taken.add(piece.handle)
             room += 1
             continue
-        slab = pool.slab_of(piece.handle)
-        if slab in seen_slabs:
+        if units.start in seen_units:
             continue
-        seen_slabs.add(slab)
-        members = [by_handle.get(handle) for handle in pool.slab_handles(slab)]
+        seen_units.update(units)
+        if len(units) > 1:  # an extent: it alone holds its units
+            chosen.append(piece)
+            taken.add(piece.handle)
+            room += per_slab * len(units)
+            continue
+        members = [by_handle.get(handle) for handle in pool.slab_handles(units.start)]
         if any(member is None or not free_to_go(member, now) for member in members):
-            continue  # a piece being written (not indexed yet) or held: the slab stays
+            continue  # a piece being written (not indexed yet) or held: the unit stays
         for member in members:
             assert member is not None
             if member.handle not in taken:
@@ -56,6 +93,90 @@ def victims_for(index: PieceIndex, pool: MemoryPool, order: Iterable[Piece], now
                 taken.add(member.handle)
         room += per_slab
     return chosen
+
+
+#: A unit's state for a window: None when held (it cannot be emptied), else its occupants that
+#: would go: ``(handle, bytes)`` pairs (none: the unit is free).
+_Unit = list[tuple[int, int]] | None
+
+
+def extent_victims(index: PieceIndex, pool: MemoryPool, order: Iterable[Piece], now: float,
+                   units: int) -> Room:
+    """Room for one extent of ``units`` consecutive units: the cheapest window that may go among
+    those overlapping the first victim that anchors one (see the module's note)."""
+    tried: set[int] = set()  # anchors' first units already tried
+    for piece in order:
+        if not free_to_go(piece, now):
+            continue
+        anchor, piece_class = pool.placement(piece.handle)
+        if anchor.start in tried:
+            continue
+        tried.add(anchor.start)
+        if len(anchor) == units and piece_class > pool.slab_bytes:
+            return Room([piece], anchor.start)  # the same size: exactly its own units
+        window = _cheapest_window(index, pool, now, anchor, units)
+        if window is not None:
+            return window
+    return Room()
+
+
+def _cheapest_window(index: PieceIndex, pool: MemoryPool, now: float, anchor: range,
+                     units: int) -> Room | None:
+    """Among the windows of ``units`` units overlapping ``anchor``, the one whose occupants may
+    all go and hold the fewest bytes (the lowest among equals); None when each has a held one."""
+    lo = max(0, anchor.start - units + 1)
+    hi = min(pool.num_slabs - units, anchor.stop - 1)  # the last window start
+    if lo > hi:
+        return None
+    span = range(lo, hi + units)
+    states = dict(zip(span, (_unit_state(index, handles, now)
+                             for handles in pool.occupants(span)), strict=True))
+    best: tuple[int, int] | None = None  # (bytes, start)
+    held = 0  # held units in the window
+    refs: dict[int, int] = {}  # occupant handle -> units of the window it is in
+    cost = 0
+    for unit in range(lo, hi + units):  # slide: ``unit`` enters, ``unit - units`` leaves
+        cost, held = _enter(states[unit], refs, cost, held, +1)
+        if unit - units >= lo:
+            cost, held = _enter(states[unit - units], refs, cost, held, -1)
+        start = unit - units + 1
+        if start >= lo and not held and (best is None or cost < best[0]):
+            best = (cost, start)
+    if best is None:
+        return None
+    start = best[1]
+    victims: dict[int, Piece] = {}
+    for unit in range(start, start + units):
+        for handle, _ in states[unit] or ():
+            victims[handle] = index.by_handle[handle]
+    return Room(list(victims.values()), start)
+
+
+def _enter(state: _Unit, refs: dict[int, int], cost: int, held: int,
+           step: int) -> tuple[int, int]:
+    """A unit enters (``step`` 1) or leaves (-1) the sliding window: its occupants' bytes count
+    once however many of the window's units they sit in."""
+    if state is None:
+        return cost, held + step
+    for handle, nbytes in state:
+        before = refs.get(handle, 0)
+        refs[handle] = before + step
+        if before == 0:
+            cost += nbytes
+        elif before + step == 0:
+            del refs[handle]
+            cost -= nbytes
+    return cost, held
+
+
+def _unit_state(index: PieceIndex, handles: list[int], now: float) -> _Unit:
+    occupants: list[tuple[int, int]] = []
+    for handle in handles:
+        piece = index.by_handle.get(handle)
+        if piece is None or not free_to_go(piece, now):
+            return None  # being written (not indexed yet) or held
+        occupants.append((handle, piece.nbytes))
+    return occupants
 
 
 #: Which pieces a quota bounds (one model's, one tenant's).

@@ -112,7 +112,7 @@ class CacheHandlers:
                                       head_hi=registration.heads[1])
 
     def open_mapping(self, request: m.RegisterKVCacheRequest) -> MappedKVCache:
-        """Map a worker's tensors; check its chunk pieces fit the pool's slabs and its heads
+        """Map a worker's tensors; check its chunk pieces fit the pool and its heads
         divide among its world size."""
         mapped = MappedKVCache.open(request.layers, request.layout, request.block_size,
                                     self.config.chunk_size, owner_pid=request.pid,
@@ -121,8 +121,7 @@ class CacheHandlers:
             if not self.engine.pool.fits(mapped.chunk_bytes):
                 raise IncompatibleError(
                     f"a chunk of this KV cache is {mapped.chunk_bytes} bytes per rank but the "
-                    f"pool's slabs hold {self.engine.pool.max_alloc_bytes} (raise "
-                    "server.slab_size, or server.pool_size)")
+                    f"pool holds {self.engine.pool.max_alloc_bytes} (raise server.pool_size)")
             try:
                 rank_heads(mapped.fingerprint(request.world_size), request.world_size,
                            request.kv_rank)

@@ -321,14 +321,15 @@ def test_store_bench_bad_usage_exit_2(args: list[str], expected: str, cfg: str) 
     assert expected in result.one_error_line()
 
 
-def test_store_bench_piece_larger_than_the_server_slab_exit_2(server: ServerProcess) -> None:
-    """llama8b's chunk of the server's 64 tokens is 8 MiB for one worker; the server's slabs are
-    1 MiB. Split over 8 workers, 1 MiB each, the pieces fit a slab but 16 chunks x 8 workers do
-    not fit the 8 MiB pool."""
+def test_store_bench_more_than_the_server_pool_exit_2(server: ServerProcess) -> None:
+    """llama8b's chunk of the server's 64 tokens is 8 MiB for one worker: one fits the 8 MiB pool
+    (an extent of its 1 MiB units), 16 do not. Split over 8 workers, 1 MiB each, 16 chunks x 8
+    workers do not fit either."""
     llama = ("store-bench", "-c", str(ROOT / "configs/llama8b.yaml"), "--url", server.url)
     result = cli(*llama, "--gpus", "cpu")
     assert result.code == 2
-    assert "holds pieces of at most 1048576 bytes (its slab size)" in result.one_error_line()
+    assert ("1 worker(s) x 16 chunks = 16 chunks of 8388608 bytes, but the server's pool "
+            "(8388608 bytes) holds about 1: lower --chunks") in result.one_error_line()
     split = cli(*llama, "--gpus", "cpu", "--cpu-workers", "8")
     assert split.code == 2
     assert ("8 worker(s) x 16 chunks = 128 chunks of 1048576 bytes, but the server's pool "

@@ -46,7 +46,7 @@ def test_json_is_one_snapshot_of_a_server_that_stored_and_looked_up(server: Serv
     assert snap["counters"]["stored_chunks"] >= 2 and snap["counters"]["stored_bytes"] >= 2 * CHUNK_BYTES
     pool = snap["pool"]
     assert pool["pieces"] >= 2 and 0 < pool["use"] <= 1
-    assert pool["bytes"] == 8 * 2**20 and (pool["slab_bytes"], pool["slabs"]) == (8 * 2**20, 1)
+    assert pool["bytes"] == 8 * 2**20 and (pool["slab_bytes"], pool["slabs"]) == (2 * 2**20, 4)
     assert 2 * CHUNK_BYTES <= pool["used_bytes"] <= pool["allocated_bytes"] <= pool["bytes"]
     [model] = snap["models"]
     assert (model["model"], model["registered"]) == ("tiny", 1)

@@ -421,15 +421,17 @@ def test_finish_retrieve_twice_does_nothing() -> None:
     assert engine.clear() == (1, 1)
 
 
-def test_store_refuses_chunks_larger_than_a_slab() -> None:
+def test_store_refuses_chunks_larger_than_the_pool() -> None:
     engine = make()
-    slab = engine.pool.slab_bytes  # SLOT rounded up to the pool's 64-byte classes
-    with pytest.raises(IncompatibleError, match=rf"{slab + 1}.*{slab}"):
-        engine.begin_store([key(0, 0)], slab + 1)
+    whole = engine.pool.nbytes  # 32 units of SLOT rounded up to the pool's 64-byte classes
+    with pytest.raises(IncompatibleError, match=rf"{whole + 1}.*{whole}.*server.pool_size"):
+        engine.begin_store([key(0, 0)], whole + 1)
     with pytest.raises(IncompatibleError):
         engine.begin_store([key(0, 0)], 0)
     assert engine.pool.num_allocated == 0
-    assert store(engine, [key(0, 0)], nbytes=slab).stored == 1  # a whole slab fits
+    assert store(engine, [key(1, 0)], nbytes=3 * SLOT).stored == 1  # 96 bytes: an extent of 2 units
+    assert store(engine, [key(0, 0)], nbytes=whole).stored == 1  # the whole pool: evicts it
+    assert engine.stats()["evictions"] == 1 and engine.pool.free_slabs == 0
 
 
 # ---------------------------------------------------------------- admin

@@ -1,4 +1,5 @@
-"""MemoryPool: a slab allocator over one preallocated buffer; populate, pinning fallback."""
+"""MemoryPool: slabs and extents of small units over one preallocated buffer; populate, pinning
+fallback."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def test_buffer_and_figures() -> None:
     assert pool.tensor.shape == (768,) and pool.tensor.dtype == torch.uint8
     assert (pool.nbytes, pool.slab_bytes, pool.num_slabs, pool.free_slabs) == (768, 256, 3, 3)
     assert (pool.num_allocated, pool.bytes_allocated, pool.bytes_free) == (0, 0, 768)
-    assert pool.max_alloc_bytes == 256 and pool.class_stats() == {}
+    assert pool.max_alloc_bytes == 768 and pool.class_stats() == {}  # an extent of every unit
     assert not pool.pinned and pool.pinned_bytes == 0
 
 
@@ -33,13 +34,13 @@ def test_size_classes_round_to_align() -> None:
     assert ALIGN == 64
     assert [pool.size_class(n) for n in (1, 63, 64, 65, 1000, 1024)] == [64, 64, 64, 128, 1024,
                                                                            1024]
-    for bad in (0, -1, 1025):
+    for bad in (0, -1, 4097):
         assert not pool.fits(bad) and not pool.can_allocate(bad)
         with pytest.raises(ValueError):
             pool.size_class(bad)
         with pytest.raises(ValueError):
             pool.allocate(bad)
-    assert pool.fits(1024) and pool.can_allocate(1)
+    assert pool.fits(1024) and pool.fits(4096) and pool.can_allocate(1)
 
 
 def test_every_handle_is_aligned_and_lowest_first() -> None:
@@ -158,11 +159,10 @@ def test_slots_behaves_like_the_equal_slot_pool(slot_bytes: int, cls: int) -> No
 
 
 def test_auto_slab_bytes() -> None:
-    assert auto_slab_bytes(1000) == 960  # a small pool: one slab, rounded down to ALIGN
-    assert auto_slab_bytes(100 * MIB) == 100 * MIB
-    assert auto_slab_bytes(1 << 30) == 128 * MIB
-    assert auto_slab_bytes(4 << 30) == 256 * MIB
-    assert auto_slab_bytes((64 << 30) + 1000) == ((64 << 30) + 1000) // 16 // 64 * 64
+    assert auto_slab_bytes(1000) == 960  # a small pool: one unit, rounded down to ALIGN
+    assert auto_slab_bytes(MIB + 100) == MIB + 64
+    for nbytes in (2 * MIB, 100 * MIB, 1 << 30, 4 << 30, (64 << 30) + 1000):
+        assert auto_slab_bytes(nbytes) == 2 * MIB  # a huge page, whatever the pool
     pool = MemoryPool(1000, pin=False)
     assert (pool.slab_bytes, pool.num_slabs, pool.nbytes) == (960, 1, 960)
 
@@ -202,8 +202,113 @@ def test_large_pool_starts_at_once() -> None:
     start = time.perf_counter()
     pool = MemoryPool(4 << 30, pin=False)
     elapsed = time.perf_counter() - start
-    assert (pool.num_slabs, pool.slab_bytes) == (16, 256 * MIB)
+    assert (pool.num_slabs, pool.slab_bytes) == (2048, 2 * MIB)
     assert elapsed < 0.5
+
+
+# ---- extents: an allocation over one unit takes consecutive units, one contiguous view
+
+
+def test_a_large_allocation_is_an_extent_of_consecutive_units() -> None:
+    pool = MemoryPool(8 * 1024, slab_bytes=1024, pin=False)
+    small = pool.allocate(100)  # unit 0: a slab of class 128
+    big = pool.allocate(3 * 1024 + 1)  # 3073 bytes: class 3136, four units
+    assert (small, big) == (0, 1024)
+    assert pool.class_of(big) == 3136 and pool.units_of(big) == range(1, 5)
+    assert pool.units_for(3 * 1024 + 1) == 4 and pool.units_for(1024) == 1
+    assert [pool.slab_handles(u) for u in range(6)] == [[0], [big]] * 1 + [[big]] * 3 + [[]]
+    assert [pool.slab_class(u) for u in (0, 1, 4, 5)] == [128, 3136, 3136, 0]
+    assert pool.free_slabs == 3 and pool.bytes_taken == 5 * 1024
+    assert pool.class_stats() == {128: (1, 1), 3136: (4, 1)}
+    view = pool.view(big)
+    assert view.shape == (3136,) and view.data_ptr() == pool.tensor.data_ptr() + 1024
+    assert pool.view(big, 3073).shape == (3073,)
+    with pytest.raises(ValueError, match="exceeds"):
+        pool.view(big, 3137)
+    for inside in (big + 64, 2048, 4096):
+        assert not pool.is_allocated(inside)
+    assert not pool.can_allocate(4 * 1024) and pool.can_allocate(3 * 1024)
+    assert pool.allocate(4 * 1024) is None  # three free units left, at the end
+    pool.free(big)
+    assert pool.free_slabs == 7 and pool.units_of(small) == range(0, 1)
+    assert pool.allocate(7 * 1024) == 1024  # the freed units merged with the tail
+    with pytest.raises(ValueError, match="not allocated"):
+        pool.free(big + 1024)
+
+
+def test_extents_take_the_shortest_run_that_holds_them() -> None:
+    pool = MemoryPool(10 * 1024, slab_bytes=1024, pin=False)
+    a, b, c, d = (pool.allocate(n * 1024) for n in (3, 1, 2, 4))  # units 0-2, 3, 4-5, 6-9
+    assert (a, b, c, d) == (0, 3072, 4096, 6144)
+    pool.free(a)  # a run of 3
+    pool.free(c)  # a run of 2
+    assert pool.allocate(1536) == 4096  # two units: the run of two, not the longer one
+    assert pool.allocate(1025) == 0  # two units again: the run of three is the only one left
+    assert pool.free_slabs == 1 and pool.allocate(1024) == 2048  # the last free unit
+
+
+def test_allocate_at_places_an_extent_in_a_given_window() -> None:
+    pool = MemoryPool(8 * 1024, slab_bytes=1024, pin=False)
+    assert pool.allocate_at(2048, 5) == 5 * 1024 and pool.units_of(5 * 1024) == range(5, 7)
+    assert pool.allocate_at(2048, 6) is None  # unit 6 is taken
+    assert pool.allocate_at(2048, 7) is None  # past the end
+    assert pool.allocate_at(3072, 1) == 1024
+    assert pool.free_slabs == 3 and pool.allocate(2048) is None  # units 0, 4 and 7 apart
+    with pytest.raises(ValueError, match="slot"):
+        pool.allocate_at(1024, 0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_slots_and_extents_match_a_model_of_units(seed: int) -> None:
+    rng = random.Random(seed)
+    unit, n = 1024, 16
+    pool = MemoryPool(unit * n, slab_bytes=unit, pin=False)
+    sizes = [64, 300, 1024, 1025, 2048, 3000, 5 * 1024]
+    live: dict[int, int] = {}  # handle -> class
+    for _ in range(2000):
+        size = _free_one_or_pick_a_size(rng, pool, live, sizes)
+        if size is not None:
+            cls = -(-size // 64) * 64
+            taken = _units_in_use(live, unit)
+            if cls <= unit:
+                slab_room = any(live[h] == cls and sum(1 for g in live if g // unit == h // unit
+                                                       ) < unit // cls for h in live)
+                room = slab_room or len(taken) < n
+            else:
+                need = -(-cls // unit)
+                room = any(all(u not in taken for u in range(s, s + need))
+                           for s in range(n - need + 1))
+            assert pool.can_allocate(size) == room
+            handle = pool.allocate(size)
+            assert (handle is not None) == room
+            if handle is None:
+                continue
+            assert handle % 64 == 0 and handle not in live
+            live[handle] = cls
+        spans = sorted((h, h + c) for h, c in live.items())
+        assert all(a_end <= b for (_, a_end), (b, _) in itertools.pairwise(spans))
+        assert pool.bytes_allocated == sum(live.values())
+        assert pool.free_slabs == n - len(_units_in_use(live, unit))
+        for h, c in live.items():
+            assert pool.units_of(h) == range(h // unit, (h + max(c, 1) - 1) // unit + 1)
+    for handle in list(live):
+        pool.free(handle)
+    assert pool.free_slabs == n and pool.allocate(n * unit) == 0
+
+
+def _free_one_or_pick_a_size(rng: random.Random, pool: MemoryPool, live: dict[int, int],
+                             sizes: list[int]) -> int | None:
+    """A random step of a churn: free a live allocation (None), or the size to allocate next."""
+    if live and rng.random() < 0.45:
+        handle = rng.choice(list(live))
+        pool.free(handle)
+        del live[handle]
+        return None
+    return rng.choice(sizes)
+
+
+def _units_in_use(live: dict[int, int], unit: int) -> set[int]:
+    return {u for h, c in live.items() for u in range(h // unit, (h + c - 1) // unit + 1)}
 
 
 # ---- randomized allocate/free against a simple model
@@ -217,12 +322,8 @@ def test_random_allocate_free_matches_a_model(seed: int) -> None:
     sizes = [1, 60, 64, 100, 700, 1365, 2049, 4096]
     live: dict[int, int] = {}  # handle -> class
     for _ in range(3000):
-        if live and rng.random() < 0.45:
-            handle = rng.choice(list(live))
-            pool.free(handle)
-            del live[handle]
-        else:
-            n = rng.choice(sizes)
+        n = _free_one_or_pick_a_size(rng, pool, live, sizes)
+        if n is not None:
             cls = -(-n // 64) * 64
             expected = pool.can_allocate(n)
             handle = pool.allocate(n)
