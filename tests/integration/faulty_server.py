@@ -1,13 +1,16 @@
 """``lmcache serve`` with one fault injected into a long-lived thread, for supervision tests.
 
 Usage: ``python faulty_server.py FAULT serve -c CONFIG``. FAULT names the thread to break:
-``loop`` (the transport loop raises on its first request), ``housekeeper`` (reaping raises) or
-``worker`` (a copy worker dies, as on a BaseException no handler boundary catches).
+``loop`` (the transport loop raises on its first request), ``housekeeper`` (reaping raises, once
+the file named by ``LMCACHE_TEST_FAULT_TRIGGER`` exists: a test lets the server come up first,
+however long that takes on a busy machine) or ``worker`` (a copy worker dies, as on a
+BaseException no handler boundary catches).
 The rest of the command line is the ``lmcache`` command, run as the real CLI runs it.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from typing import Any
@@ -29,7 +32,15 @@ def main() -> None:
     if fault == "loop":
         MessageQueueServer._receive = _raise  # type: ignore[method-assign]
     elif fault == "housekeeper":
-        KVRegistry.reap = _raise  # type: ignore[method-assign]
+        reap = KVRegistry.reap
+        trigger = os.environ.get("LMCACHE_TEST_FAULT_TRIGGER", "")
+
+        def reap_or_die(self: KVRegistry, *args: Any, **kwargs: Any) -> Any:
+            if not trigger or os.path.exists(trigger):
+                _raise()
+            return reap(self, *args, **kwargs)
+
+        KVRegistry.reap = reap_or_die  # type: ignore[method-assign]
     elif fault == "worker":
         answer = MessageQueueServer._answer
 

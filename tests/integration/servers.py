@@ -45,7 +45,7 @@ class ServerProcess:
         self.log_path = tmp / f"{name}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, timeout_s: float = 60.0) -> ServerProcess:
+    def start(self, timeout_s: float = 120.0) -> ServerProcess:
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "lmcache_cli", "serve", "-c", str(self.config_path)],
@@ -124,7 +124,7 @@ class WorkerProcess:
         script = Path(__file__).with_name("kv_worker.py")
         self.proc = subprocess.Popen([sys.executable, str(script), json.dumps(spec)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.hello = self._read(60)
+        self.hello = self._read(120)
         if not self.hello.get("ready"):
             raise RuntimeError(f"worker failed to start: {self.hello}")
 

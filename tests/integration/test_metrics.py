@@ -290,9 +290,10 @@ def test_healthz_is_503_with_the_reason_once_a_thread_died(short_tmp: Path) -> N
 
 
 def test_a_real_server_whose_thread_dies_fails_healthz_or_exits(tmp_path: Path) -> None:
-    server = FaultyServer(tmp_path, "housekeeper").start()  # dies at the first tick (1 s)
+    server = FaultyServer(tmp_path, "housekeeper").start()
     try:
         base = server.http_url()
+        server.trigger()  # dies at the next tick (1 s)
         seen: list[int | str] = []
         while server.proc is not None and server.proc.poll() is None:
             try:

@@ -20,16 +20,23 @@ FAULTY = Path(__file__).with_name("faulty_server.py")
 
 
 class FaultyServer(ServerProcess):
+    """``faulty_server.py``: ``trigger()`` arms the housekeeper's fault (it dies at the next tick),
+    so the server can come up first however long that takes."""
+
     def __init__(self, tmp: Path, fault: str) -> None:
         super().__init__(tmp, {"server": {"workers": 1}})
         self.fault = fault
+        self.trigger_path = tmp / f"{fault}.trigger"
 
-    def start(self, timeout_s: float = 60.0) -> FaultyServer:
+    def trigger(self) -> None:
+        self.trigger_path.touch()
+
+    def start(self, timeout_s: float = 120.0) -> FaultyServer:
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
             [sys.executable, str(FAULTY), self.fault, "serve", "-c", str(self.config_path)],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"},
-            cwd=Path(__file__).parents[2])
+            stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2],
+            env={**os.environ, "COLUMNS": "200", "LMCACHE_TEST_FAULT_TRIGGER": str(self.trigger_path)})
         if self.fault != "loop":  # the loop dies on its first request: a readiness ping included
             self.wait_ready(timeout_s)
         return self
@@ -51,7 +58,7 @@ def _poke(url: str, payload: m.PingRequest | m.UnregisterKVCacheRequest) -> None
         client.request(payload)
 
 
-def _wait_for_socket(path: str, timeout_s: float = 60) -> None:
+def _wait_for_socket(path: str, timeout_s: float = 120) -> None:
     wait_until(lambda: os.path.exists(path), timeout_s, "the server never bound its socket")
 
 
@@ -80,6 +87,7 @@ def test_a_dead_copy_worker_ends_the_process(tmp_path):
 
 def test_a_dead_housekeeper_ends_the_process(tmp_path):
     server = FaultyServer(tmp_path, "housekeeper").start()
+    server.trigger()
     code, waited = server.exit_code_within(20)  # housekeeping runs every second
     assert code == 1 and "thread lmcache-housekeeping died" in server.log()
-    assert waited < 20  # ~1-2 s (10x)
+    assert waited < 20  # ~1-2 s: the next tick, then the exit (10x)
