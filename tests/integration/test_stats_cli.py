@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -27,20 +27,18 @@ def server() -> Iterator[ServerProcess]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def test_json_is_one_snapshot_of_a_server_that_stored_and_looked_up(server: ServerProcess) -> None:
-    worker = WorkerProcess(server.url)
-    try:
-        toks = list(range(2 * CHUNK))
-        worker("fill", blocks=list(range(8)), seed=1)
-        assert worker("store", req="s", keys=toks, blocks=list(range(8)))["finished"]
-        result = cli("stats", "--url", server.url, "--json", importtime=True)
-        assert result.code == 0, result.err
-        assert_no_torch(result)
-        lines = result.out.splitlines()
-        assert len(lines) == 1
-        snap = result.json()
-    finally:
-        worker.close()
+def test_json_is_one_snapshot_of_a_server_that_stored_and_looked_up(
+        server: ServerProcess, make_worker: Callable[..., WorkerProcess]) -> None:
+    worker = make_worker(server.url)
+    toks = list(range(2 * CHUNK))
+    worker("fill", blocks=list(range(8)), seed=1)
+    assert worker("store", req="s", keys=toks, blocks=list(range(8)))["finished"]
+    result = cli("stats", "--url", server.url, "--json", importtime=True)
+    assert result.code == 0, result.err
+    assert_no_torch(result)
+    lines = result.out.splitlines()
+    assert len(lines) == 1
+    snap = result.json()
     assert snap["url"] == server.url and snap["http_url"] == server.http_url()
     assert snap["workers"]["registered"] == 1
     assert snap["counters"]["stored_chunks"] >= 2 and snap["counters"]["stored_bytes"] >= 2 * CHUNK_BYTES
@@ -101,17 +99,15 @@ def test_no_server_is_exit_1_and_bad_usage_exit_2(tmp_path: Path) -> None:
     assert helped.code == 0 and "Example" in helped.out
 
 
-def test_tenants_pins_and_integrity_are_shown(server: ServerProcess) -> None:
-    worker = WorkerProcess(server.url)
-    try:
-        toks = list(range(5000, 5000 + 2 * CHUNK))
-        worker("fill", blocks=list(range(8)), seed=3)
-        assert worker("store", req="t", keys=toks, blocks=list(range(8)), salt="acme",
-                      pin=True)["finished"]
-        snap = cli("stats", "--url", server.url, "--json").json()
-        view = cli("stats", "--url", server.url, "--count", "1")
-    finally:
-        worker.close()
+def test_tenants_pins_and_integrity_are_shown(
+        server: ServerProcess, make_worker: Callable[..., WorkerProcess]) -> None:
+    worker = make_worker(server.url)
+    toks = list(range(5000, 5000 + 2 * CHUNK))
+    worker("fill", blocks=list(range(8)), seed=3)
+    assert worker("store", req="t", keys=toks, blocks=list(range(8)), salt="acme",
+                  pin=True)["finished"]
+    snap = cli("stats", "--url", server.url, "--json").json()
+    view = cli("stats", "--url", server.url, "--count", "1")
     from lmcache_core.keys import tenant_tag
 
     [tenant] = [t for t in snap["tenants"] if t["tenant"] == tenant_tag("acme")]
