@@ -8,13 +8,12 @@
 #                          Debian's) is never installed into. `. .venv/bin/activate` then puts the
 #                          `lmcache` command on your PATH.
 #
-# choose_python sets PY (an interpreter path) and VENV_MADE (1 when it made .venv just now).
+# choose_python sets PY, the interpreter's path.
 # Run from the checkout's root.
 
 LOCAL_VENV=.venv
 
 choose_python() {
-  VENV_MADE=0
   if [ -n "${PYTHON:-}" ]; then
     PY=$PYTHON
   elif command -v python3 >/dev/null 2>&1 &&
@@ -49,7 +48,6 @@ make_local_venv() {
       exit 1
     }
   fi
-  VENV_MADE=1
 }
 
 venv_from() {  # make .venv with a working pip, or leave none behind
