@@ -1,6 +1,8 @@
 """``lmcache inspect-chunks``: the chunk pieces a server holds (a piece: KV heads ``lo-hi`` of one
-chunk of one model in one layout), each model's share of the pool, each cache_salt tenant's (when
-there are any), and a footer of pool use and hit rate.
+chunk of one model in one layout) in memory and on disk (from the disk tier's index, with a tier
+column), each tier's total (for Redis, a count of keys by pattern: SCAN within a time budget, never
+KEYS, said when cut short), each model's share of the pool, each cache_salt tenant's (when there
+are any), and a footer of pool use and hit rate.
 
 One LIST_CHUNKS and one SERVER_INFO request; never imports torch.
 """
@@ -13,17 +15,20 @@ from typing import Annotated, Any
 import typer
 
 from lmcache_cli.common import (
+    EXIT_USAGE,
     ConfigOption,
     JsonOption,
     UrlOption,
     config_from,
     connect,
     console,
+    fail,
     human_age,
     human_bytes,
     print_json,
     tenant_table,
 )
+from lmcache_core.protocol.messages import MAX_COUNT_BUDGET_MS, MAX_MATCH_CHARS, MAX_MATCH_STARS
 
 
 class SortOrder(str, Enum):
@@ -31,6 +36,12 @@ class SortOrder(str, Enum):
     hits = "hits"
     size = "size"
     key = "key"
+
+
+class Tier(str, Enum):
+    memory = "memory"
+    disk = "disk"
+    remote = "remote"
 
 
 def inspect_chunks(
@@ -43,20 +54,38 @@ def inspect_chunks(
         "--sort", "-s", help="age: newest first; hits, size: most first; key: by model, layout, "
         "hash, heads.",
         case_sensitive=False)] = SortOrder.age,
+    tiers: Annotated[list[Tier] | None, typer.Option(
+        "--tier", help="Tiers to list (repeat for several; default: all the server has): "
+        "memory, disk (its index), remote (Redis keys are counted, not listed).",
+        case_sensitive=False, show_default=False)] = None,
+    redis_match: Annotated[str | None, typer.Option(
+        "--redis-match", metavar="GLOB", help="Redis keys to count, after the server's key prefix "
+        "(<prefix>:v2:), as MODEL:LAYOUT:HEAD_LO-HEAD_HI:HASH_HEX, e.g. 'tiny:float16:2x4x32:*' "
+        "(default: "
+        f"--model's keys, else all; at most {MAX_MATCH_CHARS} characters and "
+        f"{MAX_MATCH_STARS} '*').", show_default=False)] = None,
+    redis_budget_ms: Annotated[int, typer.Option(
+        "--redis-budget-ms", min=1, max=MAX_COUNT_BUDGET_MS,
+        help="How long the Redis count may take; past it the count is cut short (and says so)."
+    )] = 250,
     as_json: JsonOption = False,
 ) -> None:
-    """List the chunk pieces the server holds: hash, model, layout, heads, tier, size, locks,
-    hits, age, retention (pinned, TTL left, priority); then each model's share of the pool.
+    """List the chunk pieces the server holds in memory and on disk: hash, model, layout, heads,
+    tier, size, locks, hits, age, retention (pinned, TTL left, priority); each tier's total
+    (Redis: keys counted by SCAN within --redis-budget-ms); then each model's share of the pool.
 
     Example: [cyan]lmcache inspect-chunks --sort hits --limit 20 --model meta-llama/Llama-3.1-8B[/]
+
+    Example: [cyan]lmcache inspect-chunks --tier disk --tier remote --redis-match 'tiny:*'[/]
     """
     cfg = config_from(config, {"server.url": url})
-    from lmcache_core.protocol import messages as m
+    request = _request(model, limit, sort, tiers, redis_match, redis_budget_ms)
 
     with connect(cfg) as (client, _ping):
-        listing = client.request(m.ListChunksRequest(model_name=model, limit=limit,
-                                                     sort=sort.value))
+        listing = client.request(request)
         info = client.server_info()
+    import msgspec
+
     stats = info.stats
     looked_up = stats.lookup_hit_chunks + stats.lookup_miss_chunks
     summary: dict[str, Any] = {
@@ -78,10 +107,9 @@ def inspect_chunks(
         "evictions": stats.evictions,
         "pinned_pieces": stats.pinned_pieces,
         "pinned_bytes": stats.pinned_bytes,
+        "tiers": [msgspec.structs.asdict(total) for total in listing.tiers],
     }
     if as_json:
-        import msgspec
-
         print_json({"url": info.url, "model": model, "sort": sort.value, "limit": limit,
                     "chunks": [msgspec.structs.asdict(c) for c in listing.chunks],
                     "models": [msgspec.structs.asdict(row) for row in _models(info, model)],
@@ -89,6 +117,23 @@ def inspect_chunks(
                     "summary": summary})
         return
     _render(listing.chunks, info, summary, model)
+
+
+def _request(model: str | None, limit: int, sort: SortOrder, tiers: list[Tier] | None,
+             redis_match: str | None, budget_ms: int) -> Any:
+    """The LIST_CHUNKS request (every tier unless --tier says which); exit 2 for a Redis pattern
+    the server would refuse."""
+    from lmcache_core.protocol import messages as m
+
+    if redis_match is not None and not 0 < len(redis_match) <= MAX_MATCH_CHARS:
+        fail(f"--redis-match must be 1 to {MAX_MATCH_CHARS} characters, got {len(redis_match)}",
+             EXIT_USAGE)
+    names: list[Any] = [t.value for t in Tier if not tiers or t in tiers]  # m.TierName values
+    try:
+        return m.ListChunksRequest(model_name=model, limit=limit, sort=sort.value, tiers=names,
+                                   remote_match=redis_match, remote_budget_ms=budget_ms)
+    except ValueError as exc:
+        fail(f"--redis-match: {exc}".replace("remote_match ", ""), EXIT_USAGE)
 
 
 def _models(info: Any, model: str | None) -> list[Any]:
@@ -116,7 +161,12 @@ def _render(chunks: list[Any], info: Any, summary: dict[str, Any], model: str | 
     if chunks:
         console.print(table)
     else:
-        console.print(f"[dim]{title}: no chunks[/]", highlight=False)
+        where = " or ".join(t["tier"] for t in summary["tiers"] if t["tier"] != "remote")
+        console.print(f"[dim]{title}: no chunks{' in ' + where if where else ''}[/]",
+                      highlight=False)
+    if summary["tiers"]:
+        console.print("tiers: " + " · ".join(_tier_total(t) for t in summary["tiers"]),
+                      highlight=False)
     _render_models(_models(info, model), info.pool_bytes)
     tenants = tenant_table([msgspec.structs.asdict(row) for row in info.tenants], info.pool_bytes,
                            title="tenants (cache_salt)")  # never a salt: labels and tags
@@ -133,6 +183,23 @@ def _render(chunks: list[Any], info: Any, summary: dict[str, Any], model: str | 
         f"{s['lookup_hit_chunks'] + s['lookup_miss_chunks']} chunks looked up) · "
         f"{s['locks_held']} locked · {s['pinned_pieces']} pinned "
         f"({human_bytes(s['pinned_bytes'])})", highlight=False)
+
+
+def _tier_total(total: dict[str, Any]) -> str:
+    """``memory 4 piece(s), 64.0 KiB``; for Redis ``Redis 12 key(s) (lmcache:v2:*)``, with
+    ``at least`` and why when the count was cut short or failed."""
+    from rich.markup import escape
+
+    if total["tier"] != "remote":
+        return f"{total['tier']} {total['pieces']} piece(s), {human_bytes(total['nbytes'] or 0)}"
+    text = f"Redis {'' if total['complete'] else 'at least '}{total['pieces']} key(s)"
+    if total["pattern"]:
+        text += f" ({escape(total['pattern'])})"
+    if total["error"]:
+        return text + f" [yellow]not counted to the end: {escape(total['error'])}[/]"
+    if not total["complete"]:
+        return text + " [yellow]count cut short at its budget (--redis-budget-ms)[/]"
+    return text
 
 
 def _retention(c: Any) -> tuple[str, str, str]:

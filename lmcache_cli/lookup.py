@@ -1,14 +1,19 @@
-"""``lmcache lookup``: how much of each prompt's prefix the server holds, without locking anything.
+"""``lmcache lookup``: how much of each prompt's prefix the server holds, in memory, on disk and in
+Redis, without loading or locking anything.
 
 The prompts' token ids are hashed into chunk keys exactly as the adapters do (blake3 prefix chain at
-the server's chunk size), and each prompt is sent as one LOOKUP with ``lock=False``, so a lookup from
-the shell never leaves locks behind. Never imports torch.
+the server's chunk size), and each prompt is sent as one PEEK: the server counts the prefix its
+tiers hold together and says which tier each chunk is in, and loads, locks and touches nothing, so
+a look from the shell leaves the cache as it was. The keys' layout fingerprint is ``--layout``'s,
+else the config's model shape (``model.num_layers``, ``num_kv_heads``, ``head_dim``, ``dtype``,
+``use_mla``), which the server tries beside the layouts of its registered workers and resident
+pieces: after a restart nothing is registered or resident, yet the disk and Redis hold that
+layout. Never imports torch.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -42,6 +47,11 @@ TokensOption = Annotated[str, typer.Option(
 ModelOption = Annotated[str | None, typer.Option(
     "--model", "-m", help="Model name of the keys (default: the tokens file's, else the config's "
     "model.name).", show_default=False)]
+LayoutOption = Annotated[str | None, typer.Option(
+    "--layout", "-l", metavar="FINGERPRINT",
+    help="Count only in this KV layout fingerprint: DTYPE:LAYERSxHEADSxHEAD_DIM (HEADS: KV heads of "
+    "all ranks), or DTYPE:LAYERSxmlaSIZE for MLA, e.g. bfloat16:32x8x128 (default: the config's "
+    "model shape, tried beside the layouts the server's workers registered).", show_default=False)]
 WorldSizeOption = Annotated[int | None, typer.Option(
     "--world-size", "-w", min=1, help="Tensor-parallel ranks that must all hold a chunk "
     "(default: the tokens file's, else the config's world_size).", show_default=False)]
@@ -129,41 +139,79 @@ def lookup(
     url: UrlOption = None,
     model: ModelOption = None,
     world_size: WorldSizeOption = None,
+    layout: LayoutOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Look up how many leading chunks of each prompt the server holds (never locks them).
+    """Look up how many leading chunks of each prompt the server holds, and how many of them are
+    in memory, on disk and in Redis (it loads and locks nothing).
 
     Keys name a model and a world size: from --model / --world-size, else from the tokens file
-    (store-bench --tokens-out writes the ones it stored under), else from the config.
+    (store-bench --tokens-out writes the ones it stored under), else from the config; and a
+    layout: --layout's, else the config's model shape.
 
     Example: [cyan]lmcache lookup --tokens prompts.json -c configs/llama8b.yaml[/]
+
+    Example: [cyan]lmcache lookup -t prompts.json --layout float16:2x4x32 --json[/]
     """
     prompts, cfg = prompts_and_config(tokens, config, url, model, world_size)
+    request_layout, hint = layouts_to_send(cfg, layout)
     from lmcache_core.keys import chain_hashes
     from lmcache_core.protocol import messages as m
+    from lmcache_core.protocol import ops
 
     rows: list[dict[str, Any]] = []
+    tiers: list[str] = []
     with connect(cfg) as (client, ping):
         chunk_size = ping.chunk_size
         for i, prompt in enumerate(prompts):
             hashes = chain_hashes(prompt, chunk_size)
-            hit, elapsed_ms = 0, None
+            reply, elapsed_ms = None, None
             if hashes:
-                request = m.LookupRequest(model_name=cfg.model.name, world_size=cfg.world_size,
-                                          lookup_id=f"lmcache-cli-lookup-{os.getpid()}-{i}",
-                                          chunk_hashes=hashes, lock=False)
+                request = m.PeekRequest(model_name=cfg.model.name, world_size=cfg.world_size,
+                                        chunk_hashes=hashes, layout=request_layout,
+                                        hint_layout=hint)
                 start = time.perf_counter()
-                reply = client.request(request)
+                reply = client.call(ops.PEEK, request)
                 elapsed_ms = (time.perf_counter() - start) * 1e3
-                hit = reply.hit_chunks
-            rows.append({"prompt": i, "tokens": len(prompt), "full_chunks": len(hashes),
-                         "hit_chunks": hit, "hit_tokens": hit * chunk_size,
-                         "lookup_ms": None if elapsed_ms is None else round(elapsed_ms, 3)})
+                tiers = reply.tiers
+            rows.append(_row(i, prompt, len(hashes), chunk_size, reply, elapsed_ms))
     if as_json:
         print_json({"url": cfg.server.url, "model": cfg.model.name, "world_size": cfg.world_size,
-                    "chunk_size": chunk_size, "prompts": rows})
+                    "chunk_size": chunk_size, "layout": request_layout or hint, "tiers": tiers,
+                    "prompts": rows})
         return
-    _render(rows, cfg.server.url, cfg.model.name, cfg.world_size, chunk_size)
+    _render(rows, cfg.server.url, cfg.model.name, cfg.world_size, chunk_size, tiers)
+
+
+def layouts_to_send(cfg: Any, layout: str | None) -> tuple[str | None, str | None]:
+    """``(layout, hint_layout)`` of the requests: --layout's (checked: exit 2 for one that is no
+    fingerprint) as the only layout, else the config's model shape as a hint."""
+    from lmcache_core.keys import layout_heads, layout_key
+
+    if layout is not None:
+        try:
+            layout_heads(layout)
+        except ValueError:
+            fail(f"--layout {layout[:80]!r} is not a KV layout fingerprint: DTYPE:LAYERSxHEADSxHEAD_DIM "
+                 "or DTYPE:LAYERSxmlaSIZE, e.g. bfloat16:32x8x128", EXIT_USAGE)
+        return layout, None
+    shape = cfg.model
+    return None, layout_key(shape.dtype, shape.num_layers, shape.num_kv_heads, shape.head_dim,
+                            shape.use_mla)
+
+
+def _row(i: int, prompt: list[int], full: int, chunk_size: int, reply: Any,
+         elapsed_ms: float | None) -> dict[str, Any]:
+    """One prompt's result (a PeekReply, or None for a prompt without a full chunk)."""
+    hit = reply.hit_chunks if reply is not None else 0
+    return {"prompt": i, "tokens": len(prompt), "full_chunks": full, "hit_chunks": hit,
+            "hit_tokens": hit * chunk_size,
+            "memory_chunks": reply.memory_chunks if reply is not None else 0,
+            "disk_chunks": reply.disk_chunks if reply is not None else 0,
+            "remote_chunks": reply.remote_chunks if reply is not None else 0,
+            "remote": reply.remote if reply is not None else "",
+            "layout": reply.layout if reply is not None else None,
+            "lookup_ms": None if elapsed_ms is None else round(elapsed_ms, 3)}
 
 
 def prompts_and_config(tokens: str, config: Any, url: str | None, model: str | None,
@@ -180,21 +228,41 @@ def prompts_and_config(tokens: str, config: Any, url: str | None, model: str | N
     return prompts, cfg
 
 
+#: What a prompt's Redis state means, under the table (PeekReply.remote).
+_REMOTE_NOTES = {
+    "down": "Redis is down: its chunks were not counted",
+    "timeout": "Redis did not answer within the lookup budget: its chunks were not counted",
+    "cut": "the prefix needs more Redis probes than one lookup makes: it may go on past the count",
+}
+
+
 def _render(rows: list[dict[str, Any]], url: str, model: str, world_size: int,
-            chunk_size: int) -> None:
+            chunk_size: int, tiers: list[str]) -> None:
     from rich.markup import escape
     from rich.table import Table
 
+    layouts = sorted({row["layout"] for row in rows if row["layout"]})
     table = Table(title=escape(f"lookup on {url}: model {model}, world size {world_size}, "
-                               f"chunk size {chunk_size}"), title_justify="left")
-    for name in ("prompt", "tokens", "full chunks", "hit chunks", "hit tokens", "hit", "lookup"):
+                               f"chunk size {chunk_size}, layout {', '.join(layouts) or '-'}"),
+                  title_justify="left")
+    tier_columns = [("memory_chunks", "in memory")] + [
+        (field, name) for tier, field, name in (("disk", "disk_chunks", "on disk"),
+                                                ("remote", "remote_chunks", "in Redis"))
+        if tier in tiers]
+    for name in ("prompt", "tokens", "full chunks", "hit chunks",
+                 *(name for _, name in tier_columns), "hit tokens", "hit", "lookup"):
         table.add_column(name, justify="left" if name == "prompt" else "right")
     for row in rows:
         full, hit = row["full_chunks"], row["hit_chunks"]
         share = f"{100 * hit / full:.0f}%" if full else "-"
         style = "green" if full and hit == full else ("yellow" if hit else "")
         table.add_row(str(row["prompt"]), str(row["tokens"]), str(full), str(hit),
+                      *(str(row[field]) for field, _ in tier_columns),
                       str(row["hit_tokens"]), share,
                       "-" if row["lookup_ms"] is None else f"{row['lookup_ms']:.2f} ms",
                       style=style)
     console.print(table)
+    for state, note in _REMOTE_NOTES.items():
+        hit_by = [str(row["prompt"]) for row in rows if row["remote"] == state]
+        if hit_by:
+            console.print(f"[yellow]prompt {', '.join(hit_by)}: {note}[/]", highlight=False)

@@ -10,6 +10,9 @@ methods and ``loading`` (``uncovered``, ``reserve``, ``relookup``, ``coldest``; 
   longest prefix of chunks that can be covered gets pool room (evicting as a store would), is read
   in (disk on the caller's thread, Redis on the remote tier's threads at the same time) and
   checksummed, then committed; a final locked re-lookup counts and locks what is resident.
+* **peek** (``peek``, ``lmcache lookup``): the same finding, counted and nothing more: no pool
+  room, no load, no lock, no LRU move, no lookup counted. Each chunk of the prefix is counted in
+  the slowest tier it needs (memory, disk, Redis), so an operator sees what survived a restart.
 * **write-behind** (``stored``): a committed store is queued for Redis, and for disk
   (``write_through``) or the disk writer is told to keep the coldest pieces saved. Never blocks.
 * **eviction** (``evicted``): a piece evicted before the disk writer saved it is counted.
@@ -26,6 +29,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from lmcache_core.engine import loading
@@ -48,6 +52,23 @@ Item = tuple[ChunkKey, int, int]
 PROBE_BUDGET = 8192
 #: Spill ahead of eviction: the disk writer keeps this share of the pool's bytes saved.
 SPILL_AHEAD_SHARE = 4
+
+
+@dataclass(slots=True)
+class TierCounts:
+    """What ``TieredStorage.peek`` found: the leading chunks the tiers hold together, each counted
+    once, in the slowest tier it needs. ``remote``: "" (no Redis tier, or none needed), "asked",
+    "down" (not asked: the tier is down), "timeout" (no answer in time), "cut" (the prefix needs
+    more than ``PROBE_BUDGET`` probes: it may go on past what was counted)."""
+
+    memory: int = 0
+    disk: int = 0
+    remote_chunks: int = 0
+    remote: str = ""
+
+    @property
+    def hits(self) -> int:
+        return self.memory + self.disk + self.remote_chunks
 
 
 class TieredStorage:
@@ -210,6 +231,87 @@ class TieredStorage:
         loaded = self.core.commit_loaded(items, [n for n, _ in got], [s for _, s in got])
         if loaded and not from_disk:
             self._to_disk(loaded)
+
+    # ------------------------------------------------------------------ peek
+
+    def peek(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
+             chunk_hashes: Sequence[bytes], timeout_s: float = 1.0) -> TierCounts:
+        """How many leading chunks memory, disk and Redis cover together for ``ranges``, and in
+        which tier each is (``TierCounts``); Redis is asked at most once (one pipelined STRLEN),
+        for at most about ``timeout_s``. Loads, locks, touches and counts nothing."""
+        deadline = time.monotonic() + timeout_s
+        counts = TierCounts()
+        plan, counts.remote = self._peek_plan(
+            model_name, layout, chunk_hashes,
+            loading.uncovered(self.core, model_name, layout, ranges, chunk_hashes))
+        probes = list(dict.fromkeys(key for _, _, keys in plan for key in keys))
+        in_redis: dict[ChunkKey, int] = {}
+        if probes:
+            counts.remote, in_redis = self._peek_remote(probes, deadline)
+        for wanted, on_disk, keys in plan:
+            if not wanted:
+                counts.memory += 1
+            elif not keys:  # the disk covers what memory does not
+                counts.disk += 1
+            else:
+                available = dict(on_disk)
+                for key in keys:
+                    if key in in_redis:
+                        available.setdefault((key.head_lo, key.head_hi),
+                                             (key, in_redis[key], False))
+                if pick_pieces(available, wanted) is None:
+                    break
+                counts.remote_chunks += 1
+        return counts
+
+    def _peek_plan(self, model_name: str, layout: str, hashes: Sequence[bytes],
+                   wanted: list[list[HeadRange]]
+                   ) -> tuple[list[tuple[list[HeadRange], dict[HeadRange, Load], list[ChunkKey]]],
+                              str]:
+        """Per leading chunk: the ranges memory lacks, the disk's pieces of it, and the Redis keys
+        to probe when the disk does not cover those ranges (none: it does); it stops at the first
+        chunk no tier can hold. With the Redis state so far ("down", "cut" or "")."""
+        disk, remote = self.disk, self.remote
+        ask_redis = remote is not None and not remote.down
+        state = "down" if remote is not None and remote.down else ""
+        budget = PROBE_BUDGET
+        plan: list[tuple[list[HeadRange], dict[HeadRange, Load], list[ChunkKey]]] = []
+        for chunk_hash, ranges in zip(hashes, wanted, strict=True):
+            on_disk: dict[HeadRange, Load] = {}
+            probes: list[ChunkKey] = []
+            if ranges and disk is not None:
+                on_disk = {(key.head_lo, key.head_hi): (key, nbytes, True)
+                           for key, nbytes in disk.pieces_of(model_name, layout, chunk_hash)}
+            if ranges and pick_pieces(on_disk, ranges) is None:
+                if not ask_redis:
+                    break
+                probes = [ChunkKey(model_name, layout, lo, hi, chunk_hash)
+                          for heads in ranges for lo, hi in candidate_ranges(layout, heads)
+                          if (lo, hi) not in on_disk]
+                budget -= len(probes)
+                if budget < 0:
+                    return plan, "cut"
+            plan.append((ranges, on_disk, probes))
+        return plan, state
+
+    def _peek_remote(self, keys: list[ChunkKey], deadline: float) -> tuple[str, dict[ChunkKey, int]]:
+        """The Redis state and the payload bytes of the ``keys`` Redis holds, loadable into the
+        pool; a peek that waits past its deadline is not counted as a lookup timeout."""
+        remote = self.remote
+        assert remote is not None
+        try:
+            future = remote.run(remote.lengths, keys, deadline)
+            found = future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            return "timeout", {}
+        except RuntimeError:  # the tier is shutting down
+            return "down", {}
+        if found is None:
+            return ("down" if remote.down else "timeout"), {}
+        fits = self.core.pool.fits
+        sizes = {key: length - record.header_bytes(key)
+                 for key, length in zip(keys, found, strict=False) if length}
+        return "asked", {key: nbytes for key, nbytes in sizes.items() if fits(nbytes)}
 
     # ------------------------------------------------------------------ engine hooks
 

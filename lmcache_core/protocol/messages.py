@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from lmcache_core.keys import layout_heads
 from lmcache_core.protocol.figures import ModelStats as ModelStats
 from lmcache_core.protocol.figures import ServerStats as ServerStats
 from lmcache_core.protocol.figures import TenantStats as TenantStats
@@ -206,10 +207,58 @@ class ClearRequest(Message):
     force: bool = False
 
 
+class PeekRequest(Message):
+    """How many leading chunks memory, disk and Redis hold together for ``world_size`` ranks, and
+    which tier each is in: counts only. Nothing is loaded, locked, LRU-touched or counted as a
+    lookup (``lmcache lookup``: an operator's look leaves the cache as it was)."""
+
+    model_name: Name
+    world_size: WorldSize
+    chunk_hashes: ChunkHashes
+    # Only this layout (as LookupRequest.layout); None: the registered workers' layouts, else the
+    # layouts resident for the model, and ``hint_layout`` beside them (the CLI's config's model
+    # shape: after a restart nothing is registered or resident, yet the disk holds that layout).
+    layout: LayoutName | None = None
+    hint_layout: LayoutName | None = None
+
+    def __post_init__(self) -> None:
+        for name in (self.layout, self.hint_layout):
+            if name is not None:
+                layout_heads(name)  # ValueError (a typed ProtocolError on the wire) at once
+
+    def num_keys(self) -> int:
+        return len(self.chunk_hashes) * self.world_size
+
+
+#: The tiers a listing may name: "memory" (the pool), "disk" (its index: no I/O), "remote" (a count
+#: of Redis keys by pattern; Redis is never listed key by key).
+TierName = Literal["memory", "disk", "remote"]
+#: A Redis key pattern (``ListChunksRequest.remote_match``) is short and has few ``*``: matching a
+#: glob of many ``*`` can cost a Redis before 7.0.9 exponential time (CVE-2022-36021).
+MAX_MATCH_CHARS = 200
+MAX_MATCH_STARS = 4
+#: How long a Redis count may take at most (the CLI's request timeout is longer).
+MAX_COUNT_BUDGET_MS = 5000
+RemoteMatch = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_MATCH_CHARS)]
+
+
 class ListChunksRequest(Message):
     model_name: Name | None = None
     limit: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)] = 100
     sort: Literal["age", "hits", "size", "key"] = "age"
+    # The tiers to list (memory only by default, as before tiers were listed) and, for Redis, the
+    # pattern counted after the server's key prefix (default: the model's keys, or all of them)
+    # and the time the count may take (SCAN in steps, never KEYS; past it the count is cut short).
+    tiers: Annotated[list[TierName], msgspec.Meta(min_length=1, max_length=3)] = msgspec.field(
+        default_factory=lambda: ["memory"])
+    remote_match: RemoteMatch | None = None
+    remote_budget_ms: Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT_BUDGET_MS)] = 250
+
+    def __post_init__(self) -> None:
+        match = self.remote_match
+        if match is not None and match.count("*") > MAX_MATCH_STARS:
+            raise ValueError(f"remote_match may hold at most {MAX_MATCH_STARS} '*', got "
+                             f"{match.count('*')}")
 
 
 # ---------------------------------------------------------------- replies
@@ -325,6 +374,36 @@ class ChunkInfo(msgspec.Struct, kw_only=True):
     priority: int = 0
 
 
+class TierTotal(msgspec.Struct, kw_only=True):
+    """One tier's part of a listing: its pieces (of the model asked for) and their bytes. For
+    Redis, the keys matching ``pattern`` counted by SCAN within the budget: ``complete`` False
+    when the count was cut short (a lower bound) or failed (``error``); SCAN may return a key
+    twice while Redis rehashes, so the count is about, not exact."""
+
+    tier: str
+    pieces: int
+    nbytes: int | None = None  # None: not known (Redis keys are counted, not sized)
+    complete: bool = True
+    pattern: str = ""
+    error: str = ""
+
+
 class ChunkListReply(Reply):
     chunks: list[ChunkInfo]
-    total: int
+    total: int  # pieces matching in the listed tiers (memory, disk), of which ``chunks`` is a part
+    tiers: list[TierTotal] = msgspec.field(default_factory=list)
+
+
+class PeekReply(Reply):
+    """The leading chunks the tiers hold together (``hit_chunks``), each counted once, in the
+    slowest tier it needs: memory, then disk, then Redis. ``remote``: "" (no Redis tier, or not
+    needed), "asked", "down" (not asked: the tier is down), "timeout" (no answer within the
+    lookup budget), "cut" (the prefix probes too many keys at once: it may go on further)."""
+
+    layout: str  # the layout counted in ("" when none fits the world size)
+    hit_chunks: int
+    memory_chunks: int = 0
+    disk_chunks: int = 0
+    remote_chunks: int = 0
+    remote: str = ""
+    tiers: list[str] = msgspec.field(default_factory=list)  # lower tiers configured

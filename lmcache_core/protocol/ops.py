@@ -30,6 +30,7 @@ class RequestType(str, Enum):
     LIST_CHUNKS = "lmc.list_chunks"
     PIN = "lmc.pin"
     UNPIN = "lmc.unpin"
+    PEEK = "lmc.peek"
 
 
 class OpSpec(NamedTuple):
@@ -74,11 +75,12 @@ SERVER_INFO = Op(RequestType.SERVER_INFO, m.NoArgs, m.ServerInfoReply)
 LIST_CHUNKS = Op(RequestType.LIST_CHUNKS, m.ListChunksRequest, m.ChunkListReply)
 PIN = Op(RequestType.PIN, pm.PinRequest, pm.PinReply)
 UNPIN = Op(RequestType.UNPIN, pm.PinRequest, pm.UnpinReply)
+PEEK = Op(RequestType.PEEK, m.PeekRequest, m.PeekReply)
 
 #: Every op, by its ``RequestType`` (the one table: the server's routes and the codec read it).
 TYPED: dict[RequestType, Op[Any, Any]] = {op.type: op for op in (
     PING, GET_CHUNK_SIZE, REGISTER_KV_CACHE, UNREGISTER_KV_CACHE, STORE, RETRIEVE, LOOKUP,
-    FREE_LOOKUP_LOCKS, END_SESSION, CLEAR, SERVER_INFO, LIST_CHUNKS, PIN, UNPIN)}
+    FREE_LOOKUP_LOCKS, END_SESSION, CLEAR, SERVER_INFO, LIST_CHUNKS, PIN, UNPIN, PEEK)}
 
 OPS: dict[RequestType, OpSpec] = {t: OpSpec(op.request, op.reply) for t, op in TYPED.items()}
 

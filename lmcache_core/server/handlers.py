@@ -11,13 +11,15 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TYPE_CHECKING, Any
 
 from lmcache_core import __version__
 from lmcache_core.config import LMCacheConfig
-from lmcache_core.engine import CacheEngine, Retention, RetrievePlan, StorePlan
+from lmcache_core.engine import MEMORY_TIER, CacheEngine, Retention, RetrievePlan, StorePlan
+from lmcache_core.engine.tiered import TierCounts
 from lmcache_core.errors import CopiesStalledError, IncompatibleError, ProtocolError
-from lmcache_core.keys import ChunkKey, is_mla, rank_heads
+from lmcache_core.keys import ChunkKey, HeadRange, is_mla, rank_heads
 from lmcache_core.kv.cuda_events import open_ipc_event
 from lmcache_core.kv.mapped import MappedKVCache
 from lmcache_core.protocol import messages as m
@@ -28,6 +30,9 @@ from lmcache_core.server.registry import KVRegistry, Registration
 from lmcache_core.storage.checksum_stream import ChecksumLanes
 from lmcache_core.storage.pool import process_rss_bytes
 from lmcache_core.transport.server import Route, ServerCounters
+
+if TYPE_CHECKING:
+    from lmcache_core.storage.remote import RemoteTier
 
 #: Copy threads added per GPU with registered KV caches (a store waiting for that GPU's forward
 #: pass, and a retrieve beside it).
@@ -80,7 +85,9 @@ class CacheHandlers:
             RequestType.END_SESSION: Route(self.end_session),
             RequestType.CLEAR: Route(self.clear),
             RequestType.SERVER_INFO: Route(self.server_info),
-            RequestType.LIST_CHUNKS: Route(self.list_chunks),
+            # With tiers, a listing reads the disk index and SCANs Redis (within its budget).
+            RequestType.LIST_CHUNKS: Route(self.list_chunks, blocking=self.engine.has_tiers),
+            RequestType.PEEK: Route(self.peek, blocking=self.engine.has_tiers),
             RequestType.PIN: Route(pins.pin),
             RequestType.UNPIN: Route(pins.unpin),
         }
@@ -347,6 +354,42 @@ class CacheHandlers:
             self.engine.set_lock_readers(request.lookup_id, readers, shared)
         return m.LookupReply(hit_chunks=hits)
 
+    def peek(self, request: m.PeekRequest, _client: bytes) -> m.PeekReply:
+        """The leading chunks every tier holds together for the request's ranks, and where each
+        is (``TieredStorage.peek``): in the best of the candidate layouts (its own; else the
+        registered workers', else the resident ones, and ``hint_layout`` beside them). Nothing
+        is loaded, locked, touched or counted; Redis is asked once per layout, in the budget."""
+        tiers = self.engine.tiers
+        names = [name for name in ("disk", "remote") if getattr(self.config, name) is not None]
+        best: tuple[tuple[int, int, bool], m.PeekReply] | None = None
+        deadline = time.monotonic() + self.tier_budget_s
+        for layout, ranges in self._peek_targets(request):
+            if tiers is None:
+                counts = TierCounts(memory=self.engine.held(
+                    request.model_name, layout, ranges, request.chunk_hashes))
+            else:
+                counts = tiers.peek(request.model_name, layout, ranges, request.chunk_hashes,
+                                    max(0.0, deadline - time.monotonic()))
+            reply = m.PeekReply(layout=layout, hit_chunks=counts.hits, memory_chunks=counts.memory,
+                                disk_chunks=counts.disk, remote_chunks=counts.remote_chunks,
+                                remote=counts.remote, tiers=names)
+            rank = (counts.hits, counts.memory, layout == request.hint_layout)
+            if best is None or rank > best[0]:
+                best = (rank, reply)
+        return best[1] if best is not None else m.PeekReply(layout="", hit_chunks=0, tiers=names)
+
+    def _peek_targets(self, request: m.PeekRequest) -> list[tuple[str, tuple[HeadRange, ...]]]:
+        """The layouts a peek counts in, each with its ranks' head ranges (layouts whose heads do
+        not divide among the world size are left out: they never hold a hit for it)."""
+        model, world = request.model_name, request.world_size
+        if request.layout is not None:
+            return self.layouts.candidates(model, world, request.layout)
+        targets = self.layouts.candidates(model, world, None)
+        hint = request.hint_layout
+        if hint is not None and all(layout != hint for layout, _ in targets):
+            targets += self.layouts.candidates(model, world, hint)
+        return targets
+
     @property
     def tier_budget_s(self) -> float:
         """How long a lookup may spend on disk and Redis: 80 % of the lookup timeout, so the
@@ -395,5 +438,72 @@ class CacheHandlers:
         return {**self.engine.stats(), **(self.events_stats() if self.events_stats else {})}
 
     def list_chunks(self, request: m.ListChunksRequest, _client: bytes) -> m.ChunkListReply:
-        rows, total = self.engine.list_chunks(request.model_name, request.limit, request.sort)
-        return m.ChunkListReply(chunks=rows, total=total)
+        """Up to ``limit`` pieces of the listed tiers (memory, and the disk's index) in the
+        request's order, how many match in all, and each tier's total: for Redis a count of keys
+        by pattern within ``remote_budget_ms`` (``RemoteTier.count_keys``; Redis is never listed)."""
+        model, limit, sort = request.model_name, request.limit, request.sort
+        rows: list[m.ChunkInfo] = []
+        totals: list[m.TierTotal] = []
+        if "memory" in request.tiers:
+            memory_rows, pieces = self.engine.list_chunks(model, limit, sort)
+            rows += memory_rows
+            totals.append(m.TierTotal(tier=MEMORY_TIER, pieces=pieces, nbytes=sum(
+                row.bytes_used for row in self.engine.model_stats()
+                if model is None or row.model_name == model)))
+        disk = self.engine.disk
+        if disk is not None and "disk" in request.tiers:
+            found = disk.listing(model)
+            totals.append(m.TierTotal(tier=disk.name, pieces=len(found),
+                                      nbytes=sum(nbytes for _, nbytes, _ in found)))
+            rows += _disk_rows(found, limit, sort)
+        remote = self.engine.remote
+        if remote is not None and "remote" in request.tiers:
+            totals.append(self._count_remote(remote, request))
+        rows.sort(key=LISTING_ORDER[sort])  # memory's rows are in this order: a merge
+        listed = sum(t.pieces for t in totals if t.tier != "remote")
+        return m.ChunkListReply(chunks=rows[:limit], total=listed, tiers=totals)
+
+    def _count_remote(self, remote: RemoteTier, request: m.ListChunksRequest) -> m.TierTotal:
+        """Redis's keys matching the request's pattern (default: the model's keys, or all), counted
+        on the tier's own thread for at most the request's budget."""
+        from lmcache_core.storage.remote import glob_escape  # (imports redis: here, it is in)
+
+        match = request.remote_match
+        if match is None:
+            match = "*" if request.model_name is None else glob_escape(request.model_name) + ":*"
+        budget_s = request.remote_budget_ms / 1000
+        deadline = time.monotonic() + budget_s
+        try:
+            # A SCAN step is checked against the deadline before it starts; one that hangs is
+            # bounded by the tier's socket timeout, which the wait here allows for.
+            count = remote.run(remote.count_keys, match, deadline).result(
+                timeout=budget_s + remote.timeout_s)
+        except FutureTimeout:
+            return m.TierTotal(tier=remote.name, pieces=0, complete=False,
+                               error=f"Redis did not answer within {budget_s + remote.timeout_s:.1f}s")
+        except RuntimeError:  # the tier is shutting down
+            return m.TierTotal(tier=remote.name, pieces=0, complete=False, error="stopping")
+        return m.TierTotal(tier=remote.name, pieces=count.keys, complete=count.complete,
+                           pattern=count.pattern, error=count.error)
+
+
+#: A listing's order over the rows of every tier (``CacheEngine.list_chunks``'s, on ChunkInfo):
+#: ``age`` newest first, ``hits`` and ``size`` most first, ``key`` so a chunk's pieces sit together.
+LISTING_ORDER: dict[str, Callable[[m.ChunkInfo], Any]] = {
+    "age": lambda c: c.age_s,
+    "hits": lambda c: (-c.hits, c.age_s),
+    "size": lambda c: (-c.nbytes, c.age_s),
+    "key": lambda c: (c.model_name, c.layout, c.chunk_hash, c.head_lo, c.tier),
+}
+
+
+def _disk_rows(found: list[tuple[ChunkKey, int, float]], limit: int, sort: str) -> list[m.ChunkInfo]:
+    """The first ``limit`` disk pieces in ``sort``'s order, as listing rows (no locks or hits: a
+    piece on disk has neither until it is loaded)."""
+    now = time.time()
+    rows = [m.ChunkInfo(chunk_hash=key.chunk_hash, model_name=key.model_name, layout=key.layout,
+                        head_lo=key.head_lo, head_hi=key.head_hi, tier="disk", nbytes=nbytes,
+                        locks=0, hits=0, age_s=max(0.0, now - written))
+            for key, nbytes, written in found]
+    rows.sort(key=LISTING_ORDER[sort])
+    return rows[:limit]

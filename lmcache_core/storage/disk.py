@@ -178,6 +178,14 @@ class DiskTier:
     def bytes_used(self) -> int:
         return self._bytes
 
+    def listing(self, model_name: str | None = None) -> list[tuple[ChunkKey, int, float]]:
+        """The indexed pieces (of ``model_name`` if given) as ``(key, payload nbytes, written at
+        (wall clock))``, most recently used first: for ``inspect-chunks``, from the index alone
+        (no I/O; one pass under this tier's lock, which guards only dict work)."""
+        with self._mutex:
+            return [(key, meta.nbytes, meta.mtime) for key, meta in reversed(self._index.items())
+                    if model_name is None or key.model_name == model_name]
+
     def lru_keys(self) -> list[ChunkKey]:
         """The indexed keys, least recently used first."""
         with self._mutex:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -26,15 +27,18 @@ _HEAD_READ = 4096  # one read covers any usual header (48 bytes + hash + model n
 
 
 class DiskFile:
-    """One indexed chunk file: its name, header length, payload bytes and file size."""
+    """One indexed chunk file: its name, header length, payload bytes, file size, and when it was
+    written (wall clock; at a re-index, its mtime: when it was last written or read)."""
 
-    __slots__ = ("header_len", "name", "nbytes", "size")
+    __slots__ = ("header_len", "mtime", "name", "nbytes", "size")
 
-    def __init__(self, name: str, header_len: int, nbytes: int, size: int) -> None:
+    def __init__(self, name: str, header_len: int, nbytes: int, size: int,
+                 mtime: float | None = None) -> None:
         self.name = name
         self.header_len = header_len
         self.nbytes = nbytes
         self.size = size
+        self.mtime = time.time() if mtime is None else mtime
 
 
 def file_name(key: ChunkKey) -> str:
@@ -60,7 +64,7 @@ def scan(path: Path, on_bad: Callable[[str, record.RecordError], None]
             continue
         try:
             stat = dirent.stat(follow_symlinks=False)
-            key, meta = read_meta(path, name, stat.st_size)
+            key, meta = read_meta(path, name, stat.st_size, stat.st_mtime)
         except record.RecordError as exc:
             on_bad(name, exc)
             unlink(path / name)
@@ -72,9 +76,10 @@ def scan(path: Path, on_bad: Callable[[str, record.RecordError], None]
     return found
 
 
-def read_meta(path: Path, name: str, size: int) -> tuple[ChunkKey, DiskFile]:
-    """The key file ``name`` (``size`` bytes) holds, and its ``DiskFile``, from its header;
-    RecordError if the header is bad or does not match the file's size or name."""
+def read_meta(path: Path, name: str, size: int,
+              mtime: float | None = None) -> tuple[ChunkKey, DiskFile]:
+    """The key file ``name`` (``size`` bytes, modified at ``mtime``) holds, and its ``DiskFile``,
+    from its header; RecordError if the header is bad or does not match the file's size or name."""
     with open(path / name, "rb") as f:
         head = f.read(_HEAD_READ)
         length, _ = record.fixed_lengths(head)
@@ -86,7 +91,7 @@ def read_meta(path: Path, name: str, size: int) -> tuple[ChunkKey, DiskFile]:
             f"file is {size} bytes, its header says {header.length + header.nbytes} (truncated?)")
     if file_name(header.key) != name:
         raise record.RecordError(f"file name does not match the key it holds ({header.key.short()})")
-    return header.key, DiskFile(name, header.length, header.nbytes, size)
+    return header.key, DiskFile(name, header.length, header.nbytes, size, mtime)
 
 
 def read_payload(path: Path, meta: DiskFile, key: ChunkKey, out: memoryview) -> int:

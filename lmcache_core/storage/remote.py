@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import redis
 
@@ -60,6 +61,25 @@ T = TypeVar("T")
 
 MAX_BATCH_BYTES = 8 * 2**20  # per pipelined GET/SET batch: big pipelines of big values are slower
 MAX_BATCH_KEYS = 64
+#: Keys one SCAN step looks at (``count_keys``): a step costs Redis well under a millisecond, so
+#: it never holds other clients up, and the deadline is checked that often.
+SCAN_STEP = 1000
+_GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
+
+
+class KeyCount(NamedTuple):
+    """``RemoteTier.count_keys``: the pattern counted, the keys found, whether the count ran to
+    its end, and why it stopped early if it failed ("" otherwise)."""
+
+    pattern: str
+    keys: int
+    complete: bool
+    error: str = ""
+
+
+def glob_escape(text: str) -> str:
+    """``text`` as a Redis glob matching only itself (``*``, ``?``, ``[``, ``]``, ``\\`` escaped)."""
+    return _GLOB_SPECIAL.sub(r"\\\1", text)
 
 
 @dataclass(slots=True)
@@ -245,6 +265,40 @@ class RemoteTier:
             if self.events is not None:
                 self.events.removed((key,), REMOTE)
             return 0, 0
+
+    def count_keys(self, match: str, deadline: float,
+                   clock: Callable[[], float] = time.monotonic) -> KeyCount:
+        """How many keys match ``<prefix>:v2:`` + ``match`` (a Redis glob), by SCAN in steps of
+        ``SCAN_STEP`` keys (on a cluster, on every primary in turn), never a blocking KEYS:
+        between steps the count stops once ``clock()`` passes ``deadline`` (then ``complete`` is
+        False: a lower bound). SCAN may return a key twice while Redis rehashes: about, not exact."""
+        pattern = glob_escape(self.key_prefix) + match
+        if self._down:
+            return KeyCount(pattern, 0, False, "the remote tier is down")
+        count = 0
+        try:
+            for node in self._scan_nodes():
+                cursor = 0
+                while True:
+                    if clock() >= deadline:
+                        return KeyCount(pattern, count, False)
+                    cursor, keys = node.scan(cursor=cursor, match=pattern, count=SCAN_STEP)
+                    count += len(keys)
+                    if not int(cursor):
+                        break
+        except _FAULTS as exc:
+            self._fault("count", exc)
+            return KeyCount(pattern, count, False, _reason(exc))
+        self._ok()
+        return KeyCount(pattern, count, True)
+
+    def _scan_nodes(self) -> list[Any]:
+        """Clients to SCAN: the one client, or one per primary of a cluster (a cluster's SCAN
+        walks one node's keys)."""
+        client = self.client()
+        if not self.cluster:
+            return [client]
+        return [client.get_redis_connection(node) for node in client.get_primaries()]
 
     def count_lookup_timeout(self) -> None:
         self.n.add(remote_lookup_timeouts=1)

@@ -43,6 +43,8 @@ SAMPLES: dict[RequestType, m.Message] = {
     RequestType.PIN: pm.PinRequest(model_name="m", world_size=2, chunk_hashes=[b"a" * 32],
                                   ttl_s=60.0),
     RequestType.UNPIN: pm.PinRequest(model_name="m", world_size=2, chunk_hashes=[b"a" * 32]),
+    RequestType.PEEK: m.PeekRequest(model_name="m", world_size=2, chunk_hashes=[b"a" * 32],
+                                    hint_layout="bfloat16:32x8x128"),
 }
 
 
