@@ -100,11 +100,11 @@ def serve(
 
 
 def _pool_line(server: CacheServer) -> str:
-    """The pool's byte budget and its slabs; a slab is also the largest piece a worker may store."""
+    """The pool's byte budget and its allocation units (slabs: what a new piece size costs
+    others at most, beyond its own bytes)."""
     pool = server.pool
     slabs = f"{pool.num_slabs} slab{'s' if pool.num_slabs != 1 else ''}"
-    return (f"{human_bytes(pool.nbytes)} = {slabs} of {human_bytes(pool.slab_bytes)} "
-            f"(the largest piece a worker may store)")
+    return f"{human_bytes(pool.nbytes)} = {slabs} of {human_bytes(pool.slab_bytes)}"
 
 
 def _quotas(quotas: dict[str, int]) -> str:

@@ -86,10 +86,11 @@ class ServerConfig(_Section):
     # a pin past it is refused (a store's pieces are then stored unpinned and counted in
     # store_pin_refused; PIN answers the error pin_limit). None: a quarter of the pool.
     max_pinned: int | str | None = None
-    # The pool is one byte budget for every model and TP size, cut into slabs of this size, each
-    # holding chunk pieces of one size class (none: 1/16 of the pool, at least 128 MiB, at most the
-    # pool). The largest piece a worker may store is one slab: a registration whose chunks are
-    # bigger is refused.
+    # The pool is one byte budget for every model and TP size, cut into allocation units ("slabs")
+    # of this size (none: 2 MiB, a huge page; the pool if it is smaller). A piece up to a unit
+    # shares units of its size class, a larger one takes consecutive units; a store of a new piece
+    # size evicts about its bytes plus one unit. The largest piece is the whole pool: a
+    # registration whose chunks are bigger is refused.
     slab_size: int | str | None = None
     # Optional per-model memory quotas: {model name: size}; a model at its quota evicts its own
     # oldest pieces first (or skips the store when all are held). Models not named share the rest.

@@ -203,7 +203,7 @@ def test_large_pool_starts_at_once() -> None:
     pool = MemoryPool(4 << 30, pin=False)
     elapsed = time.perf_counter() - start
     assert (pool.num_slabs, pool.slab_bytes) == (2048, 2 * MIB)
-    assert elapsed < 0.5
+    assert elapsed < 5  # ~0.04 s here: a bound on a hang (a busy machine), not a speed target
 
 
 # ---- extents: an allocation over one unit takes consecutive units, one contiguous view
