@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from lmcache_cli.config_flags import config_flags
 from lmcache_cli.main import app
 from lmcache_core import __version__
 from lmcache_core.config import leaf_keys
+from tests.harness import wait_until
 from tests.integration.servers import TINY, ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -484,13 +484,13 @@ def test_serve_runs_with_flags_and_exits_0_on_sigterm(workdir: Path, cfg: str) -
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
         env={**os.environ, "COLUMNS": "200"})
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
+        def answers() -> bool:
             if cli("ping", "--url", url, "--timeout", "0.5").code == 0:
-                break
+                return True
             assert proc.poll() is None, proc.communicate()[0]
-        else:
-            pytest.fail("the server did not answer")
+            return False
+
+        wait_until(answers, 120, "the server did not answer")
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=20)
         assert proc.returncode == 0, out
