@@ -86,7 +86,7 @@ def inspect_chunks(
         info = client.server_info()
     import msgspec
 
-    stats = info.stats
+    stats = info.stats.engine
     looked_up = stats.lookup_hit_chunks + stats.lookup_miss_chunks
     summary: dict[str, Any] = {
         "shown": len(listing.chunks),

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
     from lmcache_core.protocol.messages import ServerInfoReply
 
-#: (rate name, ServerStats counter) of every per-second rate shown and printed.
+#: (rate name, counter by its flat name: ``stats.flat_all``) of every per-second rate shown and printed.
 RATES = (
     ("requests", "requests"), ("errors", "errors"), ("lookups", "lookups"),
     ("lookup_hit_chunks", "lookup_hit_chunks"), ("lookup_miss_chunks", "lookup_miss_chunks"),
@@ -109,46 +109,49 @@ def _watch(sample: Any, interval: float, refreshes: int | None) -> None:
 def snapshot(info: ServerInfoReply, previous: ServerInfoReply | None = None) -> dict[str, Any]:
     """Everything the view shows, as plain data: counters, derived ratios, and (given the reply
     before) per-second rates over the server's uptime between the two."""
-    import msgspec
+    from lmcache_core.stats import flat_all
 
-    s = info.stats
-    looked_up = s.lookup_hit_chunks + s.lookup_miss_chunks
+    s, e = info.stats, info.stats.engine
+    looked_up = e.lookup_hit_chunks + e.lookup_miss_chunks
     out: dict[str, Any] = {
         "url": info.url, "version": info.version, "pid": info.pid, "uptime_s": round(info.uptime_s, 3),
         "http_url": info.http_url, "chunk_size": info.chunk_size,
-        "hit_ratio": round(s.lookup_hit_chunks / looked_up, 4) if looked_up else None,
-        "pool": {"bytes": info.pool_bytes, "used_bytes": s.bytes_used,
-                 "allocated_bytes": s.pool_bytes_allocated, "slab_bytes": info.slab_bytes,
-                 "slabs": s.pool_slabs, "free_slabs": s.pool_slabs_free, "pieces": s.chunks,
-                 "lookup_locks": s.locks_held,
-                 "use": round(s.pool_bytes_allocated / info.pool_bytes, 4) if info.pool_bytes else 0.0},
+        "hit_ratio": round(e.lookup_hit_chunks / looked_up, 4) if looked_up else None,
+        "pool": {"bytes": info.pool_bytes, "used_bytes": e.bytes_used,
+                 "allocated_bytes": e.pool_bytes_allocated, "slab_bytes": info.slab_bytes,
+                 "slabs": e.pool_slabs, "free_slabs": e.pool_slabs_free, "pieces": e.chunks,
+                 "lookup_locks": e.locks_held,
+                 "use": round(e.pool_bytes_allocated / info.pool_bytes, 4) if info.pool_bytes else 0.0},
         "models": [{"model": row.model_name, "pieces": row.pieces, "bytes_used": row.bytes_used,
                     "layouts": list(row.layouts), "quota_bytes": row.quota_bytes,
                     "registered": row.registered} for row in info.models],
         "tenants": [{"tenant": row.tenant, "name": row.name, "pieces": row.pieces,
                      "bytes_used": row.bytes_used, "quota_bytes": row.quota_bytes}
                     for row in info.tenants],
-        "pins": {"pieces": s.pinned_pieces, "bytes": s.pinned_bytes,
-                 "refused": s.store_pin_refused},
-        "integrity": {"failures": s.integrity_failures,
-                      "verified_chunks": s.integrity_verified_chunks},
-        "workers": {"registered": s.registered_instances, "reaped": s.reaped_instances},
+        "pins": {"pieces": e.pinned_pieces, "bytes": e.pinned_bytes,
+                 "refused": e.store_pin_refused},
+        "integrity": {"failures": e.integrity_failures,
+                      "verified_chunks": e.integrity_verified_chunks},
+        "workers": {"registered": s.workers.registered_instances,
+                    "reaped": s.workers.reaped_instances},
         "tiers": {},
-        "counters": msgspec.structs.asdict(s),
+        "counters": flat_all(s),  # every figure of every section, by its flat name
         "interval_s": None, "rates": None, "interval_hit_ratio": None,
     }
-    if "disk" in info.tiers:
-        out["tiers"]["disk"] = {"chunks": s.disk_chunks, "bytes": s.disk_bytes,
-                                "queued": s.disk_queued, "dropped_writes": s.disk_write_dropped,
-                                "corrupt": s.disk_corrupt, "errors": s.disk_errors}
-    if "remote" in info.tiers:
-        out["tiers"]["remote"] = {"up": not s.remote_down, "queued": s.remote_queued,
-                                  "dropped_writes": s.remote_write_dropped,
-                                  "failed_writes": s.remote_write_failed, "errors": s.remote_errors,
-                                  "outages": s.remote_outages}
+    if s.disk is not None:
+        d = s.disk
+        out["tiers"]["disk"] = {"chunks": d.chunks, "bytes": d.bytes, "queued": d.queued,
+                                "dropped_writes": d.write_dropped, "corrupt": d.corrupt,
+                                "errors": d.errors}
+    if s.remote is not None:
+        r = s.remote
+        out["tiers"]["remote"] = {"up": bool(r.up), "queued": r.queued,
+                                  "dropped_writes": r.write_dropped,
+                                  "failed_writes": r.write_failed, "errors": r.errors,
+                                  "outages": r.outages}
     elapsed = info.uptime_s - previous.uptime_s if previous is not None else 0.0
     if previous is not None and previous.pid == info.pid and elapsed > 0:
-        old, new = msgspec.structs.asdict(previous.stats), out["counters"]
+        old, new = flat_all(previous.stats), out["counters"]
         out["interval_s"] = round(elapsed, 3)
         out["rates"] = {f"{name}_per_s": round(max(0, new[field] - old[field]) / elapsed, 3)
                         for name, field in RATES}

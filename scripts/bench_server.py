@@ -360,7 +360,7 @@ def integrity_rows(args, ctx, verify_url: str, plain, caches, raw, src_blocks: l
             samples[name].append(wait_retrieve(sched, work, f"i{name[-2:]}{r}", toks, dst_blocks))
     check_equal(caches, src_blocks, dst_blocks)
     gbs = {name: nbytes / statistics.median(values[1:]) / 1e9 for name, values in samples.items()}
-    verified = worker_v.mq_client.server_info().stats
+    verified = worker_v.mq_client.server_info().stats.engine
     print(f"\nintegrity (xxh3-64 per piece), {args.chunks} x 32 MiB chunks (median of {args.rounds}):")
     report("  raw torch gather (index_select)", gbs["gather"], "GB/s")
     report("  raw gather + xxh3 of each chunk", gbs["gather + xxh3"], "GB/s", floor=gbs["gather"])

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from lmcache_core.engine.async_lookup import AsyncLookups
@@ -21,7 +20,8 @@ from lmcache_core.engine.verify import IntegrityGuard
 from lmcache_core.errors import PinLimitError, ProtocolError
 from lmcache_core.events import KVEventSink
 from lmcache_core.keys import ChunkKey, HeadRange, tenant_tag
-from lmcache_core.protocol.messages import ChunkInfo, ModelStats, TenantStats
+from lmcache_core.protocol.messages import ChunkInfo
+from lmcache_core.stats import EngineStats, ModelStats, TenantStats, flat
 from lmcache_core.storage.pool import MemoryPool
 
 if TYPE_CHECKING:
@@ -182,16 +182,21 @@ class CacheEngine(CacheCore):
                 self.locks.purge(self.index.lru)
         return removed, kept
 
-    def stats(self) -> dict[str, int]:
-        """The engine's share of ``ServerStats``: ``ServerStats(**engine.stats(), ...)``."""
+    def snapshot(self) -> EngineStats:
+        """The engine's section of SERVER_INFO: its counters and its gauges, read at one moment."""
         pool = self.pool
         with self.mutex:
-            out = asdict(self.counters)
-            out.update(chunks=len(self.index), bytes_used=self.index.nbytes,
-                       pool_bytes_allocated=pool.bytes_allocated, pool_slabs=pool.num_slabs,
-                       pool_slabs_free=pool.free_slabs, locks_held=self.locks.held_count(),
-                       pinned_pieces=len(self.retention.pinned),
-                       pinned_bytes=self.retention.pinned_bytes)
+            return self.counters.copy(
+                lookup_hit_tokens=self.counters.lookup_hit_chunks * self.chunk_size,
+                chunks=len(self.index), bytes_used=self.index.nbytes,
+                pool_capacity_bytes=pool.nbytes, pool_bytes_allocated=pool.bytes_allocated,
+                pool_slabs=pool.num_slabs, pool_slabs_free=pool.free_slabs,
+                pool_pinned_bytes=pool.pinned_bytes, locks_held=self.locks.held_count(),
+                pinned_pieces=len(self.retention.pinned), pinned_bytes=self.retention.pinned_bytes)
+
+    def stats(self) -> dict[str, int]:
+        """The engine's figures and its tiers' by their flat names (``stats.flat``)."""
+        out = flat(self.snapshot())
         if self.tiers is not None:
             out.update(self.tiers.stats())
         return out

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from lmcache_core.engine.retention import PLAIN, Retention
 from lmcache_core.keys import ChunkKey, HeadRange
+from lmcache_core.stats import EngineStats
 
 if TYPE_CHECKING:
     import torch
@@ -21,28 +22,9 @@ if TYPE_CHECKING:
 Source = tuple["torch.Tensor", int, int]
 
 
-@dataclass(slots=True)
-class Counters:
-    """The monotonically growing counters ``stats()`` reports (names as in ``ServerStats``)."""
-
-    lookups: int = 0
-    lookup_hit_chunks: int = 0
-    lookup_miss_chunks: int = 0
-    stores: int = 0
-    stored_chunks: int = 0
-    stored_bytes: int = 0
-    store_skipped_full: int = 0
-    store_skipped_quota: int = 0
-    store_pin_refused: int = 0
-    retrieves: int = 0
-    retrieved_chunks: int = 0
-    retrieved_bytes: int = 0
-    retrieve_missing: int = 0
-    retrieve_late_chunks: int = 0
-    evictions: int = 0
-    locks_expired: int = 0
-    integrity_failures: int = 0  # pool pieces whose bytes no longer matched their checksum
-    integrity_verified_chunks: int = 0  # pieces checked against their checksum and intact
+#: The engine's figures (``stats.EngineStats``): its counters, added to in place under the engine's
+#: lock, and the gauges ``CacheEngine.snapshot`` fills in when they are read.
+Counters = EngineStats
 
 
 @dataclass(slots=True, eq=False)

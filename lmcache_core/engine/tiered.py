@@ -36,6 +36,7 @@ from lmcache_core.engine import loading
 from lmcache_core.engine.core import CacheCore
 from lmcache_core.engine.verify import IntegrityGuard
 from lmcache_core.keys import ChunkKey, HeadRange, candidate_ranges
+from lmcache_core.stats import flat
 from lmcache_core.storage import record
 
 if TYPE_CHECKING:
@@ -351,12 +352,11 @@ class TieredStorage:
         return loading.coldest(self.core, limit, self.spill_ahead_bytes, disk.contains)
 
     def stats(self) -> dict[str, int]:
-        """The tiers' counters (names as in ``ServerStats``)."""
+        """The tiers' figures by their flat names (``stats.flat``: ``disk_*``, ``remote_*``)."""
         out: dict[str, int] = {}
-        if self.disk is not None:
-            out.update(self.disk.stats())
-        if self.remote is not None:
-            out.update(self.remote.stats())
+        for tier in (self.disk, self.remote):
+            if tier is not None:
+                out.update(flat(tier.stats()))
         return out
 
 

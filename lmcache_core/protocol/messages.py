@@ -12,9 +12,9 @@ from typing import Annotated, Literal
 import msgspec
 
 from lmcache_core.keys import layout_heads
-from lmcache_core.protocol.figures import ModelStats as ModelStats
-from lmcache_core.protocol.figures import ServerStats as ServerStats
-from lmcache_core.protocol.figures import TenantStats as TenantStats
+from lmcache_core.stats import ModelStats as ModelStats
+from lmcache_core.stats import ServerStats as ServerStats
+from lmcache_core.stats import TenantStats as TenantStats
 
 # Every integer and length on the wire is bounded here, in the types, so msgspec refuses an
 # out-of-range value while decoding (before any handler runs) and no single request can make the

@@ -75,7 +75,7 @@ class CacheServer:
             observe=self.metrics.observe if self.metrics is not None else None)
         self.handlers = CacheHandlers(config, self.engine, KVRegistry(
             lambda request: self.handlers.open_mapping(request), config.server.reap_timeout_s),
-            self.transport.counters, config.server.url)
+            self.transport.stats, config.server.url)
         self.registry = self.handlers.registry
         self.transport.routes = self.handlers.routes()
         self.transport.dialect = LMCacheDialect(self.handlers, self.transport.limits)  # LMCache's clients
@@ -89,10 +89,8 @@ class CacheServer:
         self._ready = threading.Event()  # started, and not stopping
         self.http: HttpListener | None = None
         if self.metrics is not None:
-            self.metrics.watch(ServerCollector(
-                self.engine, self.registry, self.transport, config.chunk_size,
-                disk=self.disk is not None, remote=self.remote is not None,
-                events=self.handlers.events_stats))
+            self.metrics.watch(ServerCollector(self.handlers.server_stats, self.engine,
+                                               self.registry))
 
     @property
     def url(self) -> str:

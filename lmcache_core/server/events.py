@@ -46,6 +46,7 @@ import zmq
 
 from lmcache_core.errors import BindError
 from lmcache_core.keys import ChunkKey
+from lmcache_core.stats import EventStats
 from lmcache_core.transport.ipc_files import claim
 
 if TYPE_CHECKING:
@@ -212,9 +213,7 @@ class KVEventPublisher:
         self._stopping = threading.Event()
         self._logged_dropped = 0
         self._last_drop_log = 0.0
-        self.batches = 0
-        self.replays = 0
-        self.bad_replays = 0
+        self.n = EventStats()  # its section of SERVER_INFO (only the publisher's thread adds)
 
     @classmethod
     def from_config(cls, config: LMCacheConfig,
@@ -262,11 +261,9 @@ class KVEventPublisher:
         if thread.is_alive():
             logger.warning("the KV event publisher did not stop within %.1fs", timeout_s)
 
-    def stats(self) -> dict[str, int]:
-        """Counters for operators: batches published, reported keys dropped, replays answered."""
-        return {"events_batches": self.batches, "events_dropped": self.pending.dropped,
-                "events_pending": len(self.pending), "events_replays": self.replays,
-                "events_bad_replays": self.bad_replays}
+    def stats(self) -> EventStats:
+        """Its section of SERVER_INFO, read now (``pending`` counts what it dropped)."""
+        return self.n.copy(dropped=self.pending.dropped, pending=len(self.pending))
 
     def _bind(self, kind: int, url: str, key: str) -> tuple[zmq.Socket[Any], str]:
         sock = self._context.socket(kind)
@@ -327,7 +324,7 @@ class KVEventPublisher:
         seq = self._seq
         self._seq += 1
         self._ring.append((seq, topic, payload))
-        self.batches += 1
+        self.n.batches += 1
         if self._pub is not None:
             # A PUB socket never blocks: a subscriber past the high-water mark loses messages (it
             # sees the gap in seq and replays).
@@ -363,9 +360,9 @@ class KVEventPublisher:
             envelope, body = frames[:2], frames[2:]
         start = int.from_bytes(body[0], "big") if len(body) == 1 and len(body[0]) == 8 else None
         if start is None:
-            self.bad_replays += 1
+            self.n.bad_replays += 1
         else:
-            self.replays += 1
+            self.n.replays += 1
             for seq, topic, payload in self._ring:
                 if seq >= start:
                     self._reply(replay, envelope, topic, seq.to_bytes(8, "big"), payload)

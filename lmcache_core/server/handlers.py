@@ -27,9 +27,10 @@ from lmcache_core.protocol.ops import RequestType
 from lmcache_core.server.layouts import LayoutResolver
 from lmcache_core.server.pins import PinHandlers
 from lmcache_core.server.registry import KVRegistry, Registration
+from lmcache_core.stats import EventStats, ServerStats, TransportStats, WorkerStats
 from lmcache_core.storage.checksum_stream import ChecksumLanes
 from lmcache_core.storage.pool import process_rss_bytes
-from lmcache_core.transport.server import Route, ServerCounters
+from lmcache_core.transport.server import Route
 
 if TYPE_CHECKING:
     from lmcache_core.storage.remote import RemoteTier
@@ -53,12 +54,12 @@ class CacheHandlers:
     """The op handlers of one server, sharing its engine, registry and config."""
 
     def __init__(self, config: LMCacheConfig, engine: CacheEngine, registry: KVRegistry,
-                 counters: ServerCounters, url: str) -> None:
+                 transport_stats: Callable[[], TransportStats], url: str) -> None:
         self.config = config
         self.engine = engine
         self.registry = registry
         self.layouts = LayoutResolver(engine, registry)
-        self.counters = counters
+        self.transport_stats = transport_stats  # the socket loop's section of SERVER_INFO
         self.url = url
         self.http_url: str | None = None  # set when the server's HTTP listener is bound
         self.started = time.monotonic()
@@ -66,7 +67,7 @@ class CacheHandlers:
         self.add_copy_threads: Callable[[int], int] | None = None
         #: Told why, when the GPU did not finish a request's copies in time (the server stops).
         self.on_copies_stalled: Callable[[str], None] | None = None
-        self.events_stats: Callable[[], dict[str, int]] | None = None  # KV events' counters
+        self.events_stats: Callable[[], EventStats] | None = None  # the KV-event publisher's
         self.checksum_lanes = ChecksumLanes()  # stores hash their pieces there while copying
 
     def routes(self) -> dict[RequestType, Route]:
@@ -409,11 +410,6 @@ class CacheHandlers:
         return m.ClearReply(removed=removed, kept_locked=kept)
 
     def server_info(self, _request: m.NoArgs, _client: bytes) -> m.ServerInfoReply:
-        stats: dict[str, Any] = self._stats()
-        stats.update(registered_instances=len(self.registry), reaped_instances=self.registry.reaped,
-                     requests=self.counters.requests, errors=self.counters.errors)
-        stats.update(gpu_instances=self.registry.gpu_instances(),
-                     pool_pinned_bytes=self.engine.pool.pinned_bytes)
         pool = self.engine.pool
         registered = self.registry.models()
         models = self.engine.model_stats()
@@ -426,16 +422,27 @@ class CacheHandlers:
             version=__version__, url=self.url, pid=os.getpid(), chunk_size=self.config.chunk_size,
             uptime_s=time.monotonic() - self.started, pool_bytes=self.engine.pool.nbytes,
             slab_bytes=self.engine.pool.slab_bytes, eviction=self.config.server.eviction,
-            stats=m.ServerStats(**stats), http_url=self.http_url, models=models,
+            stats=self.server_stats(), http_url=self.http_url, models=models,
             tenants=self.engine.tenant_stats(),
             tiers=[name for name in ("disk", "remote") if getattr(self.config, name) is not None],
             pool_populate=pool.populate_state, pool_populated_bytes=pool.populated_bytes,
             pool_populate_s=pool.populate_s, pool_huge_pages=pool.huge_pages,
             rss_bytes=process_rss_bytes())
 
-    def _stats(self) -> dict[str, int]:
-        """The engine's counters, and the KV-event publisher's (``events_*``) when there is one."""
-        return {**self.engine.stats(), **(self.events_stats() if self.events_stats else {})}
+    def server_stats(self) -> ServerStats:
+        """Every component's section, read now: SERVER_INFO's ``stats``, and what ``/metrics``
+        exports (``server.metrics``). A section is None where its component is not configured."""
+        disk, remote, events = self.engine.disk, self.engine.remote, self.events_stats
+        registry = self.registry
+        return ServerStats(
+            engine=self.engine.snapshot(), transport=self.transport_stats(),
+            workers=WorkerStats(registered_instances=len(registry),
+                                registered_models=len(registry.models()),
+                                gpu_instances=registry.gpu_instances(),
+                                reaped_instances=registry.reaped),
+            disk=disk.stats() if disk is not None else None,
+            remote=remote.stats() if remote is not None else None,
+            events=events() if events is not None else None)
 
     def list_chunks(self, request: m.ListChunksRequest, _client: bytes) -> m.ChunkListReply:
         """Up to ``limit`` pieces of the listed tiers (memory, and the disk's index) in the

@@ -37,14 +37,13 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from pathlib import Path
 
 from lmcache_core.errors import ConfigError
 from lmcache_core.events import DISK, KVEventSink
 from lmcache_core.keys import ChunkKey
+from lmcache_core.stats import DiskStats
 from lmcache_core.storage import record
-from lmcache_core.storage.counters import Counters
 from lmcache_core.storage.disk_files import SUFFIX as SUFFIX
 from lmcache_core.storage.disk_files import TMP_PREFIX as TMP_PREFIX
 from lmcache_core.storage.disk_files import DiskFile, read_payload, scan, unlink, write_file
@@ -67,19 +66,6 @@ Source = Callable[[ChunkKey], AbstractContextManager[tuple[memoryview, int] | No
 ColdKeys = Callable[[int], list[ChunkKey]]
 
 
-@dataclass(slots=True)
-class DiskCounters(Counters):
-    """What the disk tier reports in ``ServerStats`` (names as there)."""
-
-    disk_loaded_chunks: int = 0
-    disk_written_chunks: int = 0
-    disk_write_dropped: int = 0
-    disk_evicted_unsaved: int = 0
-    disk_corrupt: int = 0
-    disk_deleted: int = 0
-    disk_errors: int = 0
-
-
 class DiskTier:
     """Chunk files under ``path``, at most ``max_bytes`` of them (file sizes), LRU-deleted."""
 
@@ -98,7 +84,7 @@ class DiskTier:
             raise ConfigError(f"disk.path: {self.path} is not writable")
         self.max_bytes = max_bytes
         self.write_through = write_through
-        self.n = DiskCounters()
+        self.n = DiskStats()  # its section of SERVER_INFO
         self._mutex = threading.Lock()
         self._index: OrderedDict[ChunkKey, DiskFile] = OrderedDict()  # front = least recently used
         # The pieces of each chunk in ``_index`` (insertion-ordered sets), changed with it.
@@ -122,7 +108,7 @@ class DiskTier:
         def on_bad(name: str, exc: record.RecordError) -> None:  # counted, logged, then deleted
             nonlocal bad
             bad += 1
-            self.n.add(disk_corrupt=1)
+            self.n.add(corrupt=1)
             if bad <= _MAX_LOGGED_AT_START:
                 logger.warning("disk tier: dropping %s: %s", self.path / name, exc)
 
@@ -225,7 +211,7 @@ class DiskTier:
             return 0, 0
         with contextlib.suppress(OSError):
             os.utime(path)  # so a restart's re-index keeps the LRU order
-        self.n.add(disk_loaded_chunks=1)
+        self.n.add(loaded_chunks=1)
         return meta.nbytes, payload_xxh3
 
     def _forget(self, key: ChunkKey, meta: DiskFile, delete: bool = False) -> bool:
@@ -246,7 +232,7 @@ class DiskTier:
 
     def _drop_bad(self, key: ChunkKey, meta: DiskFile, why: str) -> None:
         if self._forget(key, meta, delete=True):
-            self.n.add(disk_corrupt=1)
+            self.n.add(corrupt=1)
             logger.warning("disk tier: dropped %s (%s): %s", self.path / meta.name, key.short(), why)
 
     # ------------------------------------------------------------------ write
@@ -283,7 +269,7 @@ class DiskTier:
             self._chunks.setdefault(key.chunk, {})[key] = None
             if self.events is not None:
                 self.events.stored((key,), DISK)
-        self.n.add(disk_written_chunks=1)
+        self.n.add(written_chunks=1)
         if self._failing:
             self._failing = False
             logger.info("disk tier: writing to %s again", self.path)
@@ -307,10 +293,10 @@ class DiskTier:
     def _delete(self, victims: Iterable[DiskFile]) -> None:
         for meta in victims:
             unlink(self.path / meta.name)
-            self.n.add(disk_deleted=1)
+            self.n.add(deleted=1)
 
     def _io_error(self, what: str, exc: OSError) -> None:
-        self.n.add(disk_errors=1)
+        self.n.add(errors=1)
         if not self._failing:
             self._failing = True
             logger.warning("disk tier: %s: %s (further errors are only counted until it works)",
@@ -333,7 +319,7 @@ class DiskTier:
         index = self._index
         dropped = self._writer.submit(key for key in keys if key not in index)
         if dropped:
-            self.n.add(disk_write_dropped=dropped)
+            self.n.add(write_dropped=dropped)
         return dropped
 
     def notify(self) -> None:
@@ -342,7 +328,7 @@ class DiskTier:
         self._writer.request_idle()
 
     def count_evicted_unsaved(self) -> None:
-        self.n.add(disk_evicted_unsaved=1)
+        self.n.add(evicted_unsaved=1)
 
     def start(self, supervisor: Supervisor | None = None) -> None:
         """Start the writer thread (watched by ``supervisor``: a writer that dies fails the server)."""
@@ -375,9 +361,7 @@ class DiskTier:
             if found is not None:
                 self.write(key, *found)
 
-    def stats(self) -> dict[str, int]:
-        out = self.n.snapshot()
-        out.update(disk_chunks=len(self._index), disk_bytes=self._bytes,
-                   disk_queued=self._writer.queued)
-        return out
+    def stats(self) -> DiskStats:
+        """Its section of SERVER_INFO, read now."""
+        return self.n.copy(chunks=len(self._index), bytes=self._bytes, queued=self._writer.queued)
 

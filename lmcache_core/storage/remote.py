@@ -35,15 +35,14 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
 import redis
 
 from lmcache_core.events import REMOTE, KVEventSink
 from lmcache_core.keys import ChunkKey
+from lmcache_core.stats import RemoteStats
 from lmcache_core.storage import record
-from lmcache_core.storage.counters import Counters
 from lmcache_core.storage.disk import Source
 from lmcache_core.storage.record import Buffer
 from lmcache_core.storage.remote_client import FAULTS as _FAULTS
@@ -82,20 +81,6 @@ def glob_escape(text: str) -> str:
     return _GLOB_SPECIAL.sub(r"\\\1", text)
 
 
-@dataclass(slots=True)
-class RemoteCounters(Counters):
-    """What the remote tier reports in ``ServerStats`` (names as there)."""
-
-    remote_loaded_chunks: int = 0
-    remote_written_chunks: int = 0
-    remote_write_dropped: int = 0
-    remote_write_failed: int = 0
-    remote_corrupt: int = 0
-    remote_errors: int = 0
-    remote_outages: int = 0
-    remote_lookup_timeouts: int = 0
-
-
 class RemoteTier:
     """A Redis/Valkey client with a write-behind queue and an outage breaker."""
 
@@ -112,7 +97,7 @@ class RemoteTier:
         self.ttl_s = ttl_s
         self.retry_interval_s = retry_interval_s
         self._client_options = dict(client_options or {})
-        self.n = RemoteCounters()
+        self.n = RemoteStats()  # its section of SERVER_INFO
         self._client: Any = None
         self._closed = False
         self._client_lock = threading.Lock()
@@ -160,14 +145,14 @@ class RemoteTier:
         if self._closed:
             return
         with self._state_lock:
-            self.n.add(remote_errors=1)
+            self.n.add(errors=1)
             if self._down:
                 self._failures_in_outage += 1
                 return
             self._down = True
             self._down_since = time.monotonic()
             self._failures_in_outage = 1
-            self.n.add(remote_outages=1)
+            self.n.add(outages=1)
         logger.warning("remote tier %s unavailable (%s: %s); serving from memory and disk, "
                        "retrying every %.1fs", self.display_url, what, _reason(exc),
                        self.retry_interval_s)
@@ -249,7 +234,7 @@ class RemoteTier:
                 if isinstance(value, bytes | bytearray):
                     loaded[i] = self._decode(keys[i], rkeys[i - start], value, outs[i])
             start = end
-        self.n.add(remote_loaded_chunks=sum(1 for n, _ in loaded if n))
+        self.n.add(loaded_chunks=sum(1 for n, _ in loaded if n))
         return loaded
 
     def _decode(self, key: ChunkKey, rkey: bytes, value: bytes | bytearray,
@@ -257,7 +242,7 @@ class RemoteTier:
         try:
             return record.decode_checked_into(value, key, out)
         except record.RecordError as exc:
-            self.n.add(remote_corrupt=1)
+            self.n.add(corrupt=1)
             self._corrupt.log(logging.WARNING, "remote tier: dropped bad value %s: %s",
                               rkey.decode(errors="replace"), exc)
             with contextlib.suppress(*_FAULTS):
@@ -301,7 +286,7 @@ class RemoteTier:
         return [client.get_redis_connection(node) for node in client.get_primaries()]
 
     def count_lookup_timeout(self) -> None:
-        self.n.add(remote_lookup_timeouts=1)
+        self.n.add(lookup_timeouts=1)
 
     # ------------------------------------------------------------------ write side
 
@@ -313,7 +298,7 @@ class RemoteTier:
         """Queue keys to be written behind; a full queue drops (and counts) the rest. Never blocks."""
         dropped = self._writer.submit(keys)
         if dropped:
-            self.n.add(remote_write_dropped=dropped)
+            self.n.add(write_dropped=dropped)
         return dropped
 
     def put(self, key: ChunkKey, payload: memoryview) -> bool:
@@ -377,7 +362,7 @@ class RemoteTier:
                     return None
                 return self._encode(key, *found, index)
         except Exception as exc:  # one bad chunk must not lose the rest of the batch
-            self.n.add(remote_write_failed=1)
+            self.n.add(write_failed=1)
             self._refused.log(logging.WARNING, "remote tier: could not encode %s: %r", key.short(), exc)
             return None
 
@@ -405,10 +390,10 @@ class RemoteTier:
         self._ok()
         failed = sum(1 for r in results if isinstance(r, Exception))
         if failed:  # e.g. Redis is full (maxmemory, noeviction)
-            self.n.add(remote_write_failed=failed)
+            self.n.add(write_failed=failed)
             self._refused.log(logging.WARNING, "remote tier: Redis refused %d write(s): %s", failed,
                               next(r for r in results if isinstance(r, Exception)))
-        self.n.add(remote_written_chunks=len(results) - failed)
+        self.n.add(written_chunks=len(results) - failed)
         if self.events is not None:
             self.events.stored(self._written_keys(values, results), REMOTE)
         return True
@@ -433,10 +418,9 @@ class RemoteTier:
         """The key ``redis_key`` made ``rkey`` of; None for anything else (``remote_keys.key_of``)."""
         return key_of(self.key_prefix, rkey)
 
-    def stats(self) -> dict[str, int]:
-        out = self.n.snapshot()
-        out.update(remote_queued=self._writer.queued, remote_down=int(self._down))
-        return out
+    def stats(self) -> RemoteStats:
+        """Its section of SERVER_INFO, read now."""
+        return self.n.copy(queued=self._writer.queued, up=int(not self._down))
 
 
 def _release(values: list[tuple[bytes, Buffer]]) -> None:

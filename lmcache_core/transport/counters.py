@@ -1,5 +1,5 @@
-"""What a ``MessageQueueServer`` counts and how it rations its log lines: ``ServerCounters``
-(requests, error replies by code) and ``LogBudget`` (a flood of bad frames costs a few lines)."""
+"""``LogBudget``: how a server rations its log lines (a flood of bad frames costs a few lines).
+What it counts is ``stats.TransportStats``."""
 
 from __future__ import annotations
 
@@ -7,21 +7,6 @@ import logging
 import threading
 import time
 from typing import Any
-
-
-class ServerCounters:
-    """Request and error counts, read by the stats handler (plain ints: only the loop thread
-    writes them; workers report their errors with the reply they hand back)."""
-
-    def __init__(self) -> None:
-        self.requests = 0
-        self.errors = 0
-        self.errors_by_code: dict[str, int] = {}  # ErrorReply codes (a small fixed set)
-
-    def error(self, code: str) -> None:
-        """One more error reply, with this code."""
-        self.errors += 1
-        self.errors_by_code[code] = self.errors_by_code.get(code, 0) + 1
 
 
 class LogBudget:

@@ -47,9 +47,10 @@ from lmcache_core.errors import (
 )
 from lmcache_core.protocol.codec import Limits, decode_head, decode_payload, rejection_frames
 from lmcache_core.protocol.ops import RequestType
+from lmcache_core.stats import TransportStats
 from lmcache_core.supervision import Supervisor
 from lmcache_core.transport.answer import reply_error, serve
-from lmcache_core.transport.counters import LogBudget, ServerCounters
+from lmcache_core.transport.counters import LogBudget
 from lmcache_core.transport.gate import Gate
 from lmcache_core.transport.listen import bind_router, remove_ipc_file
 from lmcache_core.transport.peers import PeerWatch
@@ -57,8 +58,7 @@ from lmcache_core.transport.routes import Dialect, GateFn, Handler, Job, Observe
 from lmcache_core.transport.sending import recv_frames, send_frames
 from lmcache_core.transport.waker import Waker
 
-__all__ = ["Dialect", "GateFn", "Handler", "LogBudget", "MessageQueueServer", "Observer", "Route",
-           "ServerCounters"]
+__all__ = ["Dialect", "GateFn", "Handler", "LogBudget", "MessageQueueServer", "Observer", "Route"]
 
 logger = logging.getLogger(__name__)
 _RECV_BATCH = 256
@@ -79,7 +79,7 @@ class MessageQueueServer:
         self.url = url
         self.routes = dict(routes)
         self.limits = limits or Limits()
-        self.counters = ServerCounters()
+        self.counters = TransportStats()  # its section of SERVER_INFO (the loop thread adds)
         self._context = context if context is not None else zmq.Context.instance()
         self._name = name
         self._num_workers = max(1, workers)
@@ -179,6 +179,10 @@ class MessageQueueServer:
     @property
     def in_flight(self) -> int:
         return self._in_flight
+
+    def stats(self) -> TransportStats:
+        """Its section of SERVER_INFO, read now."""
+        return self.counters.copy(in_flight=self._in_flight)
 
     # ------------------------------------------------------------------ loop
 

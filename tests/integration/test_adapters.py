@@ -90,7 +90,7 @@ def test_token_mode_prefixes_and_byte_exact_retrieve(ranks, scheduler):
         assert worker("digest", blocks=blocks(8, 8))["digest"] == want
     for request_id in ("t1", "t2", "t3"):
         scheduler.end_session(request_id).result(5)
-    assert server_stats(scheduler).locks_held == 0
+    assert server_stats(scheduler).engine.locks_held == 0
 
 
 def test_hash_mode_and_a_rank_missing_a_chunk(ranks, scheduler):
@@ -173,7 +173,7 @@ def test_killing_a_worker_hangs_nobody(server, scheduler):
         toks = tokens(2, seed=60)
         victim("fill", blocks=blocks(0, 2), seed=1)
         assert victim("store", req="k", keys=toks, blocks=blocks(0, 2))["finished"]
-        before = server_stats(scheduler).registered_instances
+        before = server_stats(scheduler).workers.registered_instances
         victim.proc.kill()  # not victim.kill(): the server, not the harness, must unlink its memory
         victim.proc.wait(5)
         start = time.monotonic()
@@ -187,7 +187,7 @@ def test_killing_a_worker_hangs_nobody(server, scheduler):
             one_rank.close()
         assert time.monotonic() - start < 10
         # the server notices the dead process and unmaps it
-        wait_until(lambda: server_stats(scheduler).registered_instances < before,
+        wait_until(lambda: server_stats(scheduler).workers.registered_instances < before,
                    what="dead worker was never reaped")
         assert not os.path.exists(f"/dev/shm/{victim.hello['shm_name']}")  # unlinked for it
     finally:
@@ -238,7 +238,7 @@ def test_end_session_during_a_lookup_leaves_no_locks(tmp_path):
             released = scheduler.end_session("aborted")
             assert not released.query()
         assert released.result(10).released == 4
-        assert server_stats(scheduler).locks_held == 0
+        assert server_stats(scheduler).engine.locks_held == 0
 
 
 def test_a_lookup_past_its_timeout_still_keeps_the_release_behind_it(tmp_path, fake_clock):
@@ -261,7 +261,7 @@ def test_a_lookup_past_its_timeout_still_keeps_the_release_behind_it(tmp_path, f
                 assert not released.query()
             # Given up (trial 2): its locks were freed behind it at once, before the end.
             assert released.result(10).released == (4 if trial < 2 else 0)
-            assert server_stats(scheduler).locks_held == 0
+            assert server_stats(scheduler).engine.locks_held == 0
         assert not scheduler._unanswered and not scheduler._given_up
 
 
@@ -281,7 +281,7 @@ def test_a_given_up_lookup_never_frees_a_newer_lookups_locks(tmp_path, fake_cloc
         # The old lookup landed long ago: a free behind it would be in by now. (Kept sleep: it
         # waits for something that must not happen, so a slow machine can only hide the bug.)
         time.sleep(0.5)
-        assert server_stats(scheduler).locks_held == 4  # the new lookup's, for its load
+        assert server_stats(scheduler).engine.locks_held == 4  # the new lookup's, for its load
         assert scheduler.end_session("r").result(10).released == 4
 
 
@@ -362,7 +362,7 @@ def test_many_lookups_in_flight_polled_out_of_order(server, ranks, scheduler, fr
     for rid in reversed(order):  # answers stay put until cleaned up
         assert scheduler.check_lookup_result(rid) == expected[rid]
         scheduler.end_session(rid).result(5)
-    assert server_stats(scheduler).locks_held == 0
+    assert server_stats(scheduler).engine.locks_held == 0
 
 
 def test_a_retrieve_past_its_deadline_reports_exactly_the_unloaded_chunks(tmp_path):
@@ -399,7 +399,7 @@ def test_a_retrieve_past_its_deadline_reports_exactly_the_unloaded_chunks(tmp_pa
         got = [worker("digest", blocks=blocks(n + i, 1))["digest"] for i in range(n)]
         assert got[:loaded] == want[:loaded] and got[loaded:] == [zero] * (n - loaded)
         stats = server_stats(scheduler)
-        assert stats.retrieve_late_chunks == n - loaded and stats.locks_held == 0
+        assert stats.engine.retrieve_late_chunks == n - loaded and stats.engine.locks_held == 0
         # deadline_ms=0 on the request: no deadline, every chunk copied
         worker("zero", blocks=blocks(n, n))
         worker("set_load_deadline", ms=0)
@@ -432,10 +432,10 @@ def test_min_hit_tokens_declines_short_loads_and_releases_their_locks(server, ra
         assert scheduler.check_lookup_result("mh-partial", 0) == 0  # stays declined
         assert scheduler.declined_lookups == 2
         # the releases are sent, not waited for
-        wait_until(lambda: not server_stats(scheduler).locks_held,
+        wait_until(lambda: not server_stats(scheduler).engine.locks_held,
                    what="declined lookups kept their locks")
         assert wait_lookup(scheduler, "mh-full", toks) == 4 * CHUNK  # a 4-chunk load: kept
-        assert server_stats(scheduler).locks_held == 4 * 2  # 4 chunks x 2 ranks
+        assert server_stats(scheduler).engine.locks_held == 4 * 2  # 4 chunks x 2 ranks
         for request_id in ("mh-short", "mh-partial", "mh-full"):
             scheduler.end_session(request_id).result(5)
     finally:

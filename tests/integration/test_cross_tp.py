@@ -119,12 +119,12 @@ def test_mla_pieces_serve_every_tp_size(server):
         assert lookup(server.url, 1, "mla1", toks, model="mla") == 2 * CHUNK
         load_and_check(made[1], "mla1", toks, 41, 2)
         assert lookup(server.url, 2, "mla2", toks, model="mla") == 2 * CHUNK
-        held = server_info(server.url).stats.locks_held
+        held = server_info(server.url).stats.engine.locks_held
         # every rank reads the one piece: the first rank's retrieve leaves the locks to the other
         load_and_check(made[2][:1], "mla2", toks, 41, 2)
-        assert server_info(server.url).stats.locks_held == held
+        assert server_info(server.url).stats.engine.locks_held == held
         load_and_check(made[2][1:], "mla2", toks, 41, 2)
-        assert server_info(server.url).stats.locks_held == held - 2
+        assert server_info(server.url).stats.engine.locks_held == held - 2
     finally:
         for workers in made.values():
             for worker in workers:
@@ -169,7 +169,7 @@ def test_eviction_runs_across_models_of_different_piece_sizes(tmp_path):
         assert lookup(srv.url, 1, "b", toks_b, model="b") == 12 * CHUNK
         assert lookup(srv.url, 1, "a", toks_a, model="a") == 8 * CHUNK  # its tail slab went
         stats = server_info(srv.url).stats
-        assert stats.evictions == 8 and stats.pool_slabs_free == 0
+        assert stats.engine.evictions == 8 and stats.engine.pool_slabs_free == 0
         for worker, request_id, toks, n in ((large, "b", toks_b, 12),
                                             (small, "a", toks_a[:8 * CHUNK], 8)):
             target = list(range(64, 64 + n * PER_CHUNK))

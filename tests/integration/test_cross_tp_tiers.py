@@ -63,7 +63,7 @@ def clear(url: str) -> None:
     with MessageQueueClient(url, connect_timeout_s=2) as client:
         reply = client.request(m.ClearRequest(force=True))
     assert reply.kept_locked == 0
-    assert stats(url).chunks == 0
+    assert stats(url).engine.chunks == 0
 
 
 # ---------------------------------------------------------------- disk
@@ -101,16 +101,16 @@ class TestDisk:
         before = stats(server.url)
         store(made[stored_by], toks, seed, n_chunks)
         pieces = n_chunks * stored_by
-        written = before.disk_written_chunks + pieces
-        wait_until(lambda: stats(server.url).disk_written_chunks == written)
+        written = before.disk.written_chunks + pieces
+        wait_until(lambda: stats(server.url).disk.written_chunks == written)
         clear(server.url)  # memory forgets; only the disk holds the pieces now
 
         request_id = f"disk{stored_by}{read_by}"
         assert lookup(server.url, read_by, request_id, toks) == n_chunks * CHUNK
         after = stats(server.url)
         # Every piece of the other TP size came from disk, once (a wide piece serves several ranks).
-        assert after.disk_loaded_chunks - before.disk_loaded_chunks == pieces
-        assert after.chunks == pieces
+        assert after.disk.loaded_chunks - before.disk.loaded_chunks == pieces
+        assert after.engine.chunks == pieces
         load_and_check(made[read_by], request_id, toks, seed, n_chunks)
 
 
@@ -142,7 +142,7 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shared]:
 
 def flushed_to_redis(url: str, written_before: int, pieces: int) -> None:
     """Wait until the server's write-behind put ``pieces`` more pieces in Redis."""
-    wait_until(lambda: stats(url).remote_written_chunks >= written_before + pieces)
+    wait_until(lambda: stats(url).remote.written_chunks >= written_before + pieces)
 
 
 @pytest.mark.redis
@@ -154,30 +154,30 @@ class TestSharedRedis:
         server_a, server_b, on_a, on_b = shared
         seed, n_chunks = 61, 3
         toks = tokens(n_chunks, seed)
-        written = stats(server_a.url).remote_written_chunks
+        written = stats(server_a.url).remote.written_chunks
         store(on_a[2], toks, seed, n_chunks)
         flushed_to_redis(server_a.url, written, n_chunks * 2)
         for read_by in (1, 4):
             clear(server_b.url)  # each TP size loads from Redis, not from the other's loads
-            loaded = stats(server_b.url).remote_loaded_chunks
+            loaded = stats(server_b.url).remote.loaded_chunks
             request_id = f"redis2{read_by}"
             assert lookup(server_b.url, read_by, request_id, toks) == n_chunks * CHUNK
-            assert stats(server_b.url).remote_loaded_chunks - loaded == n_chunks * 2
+            assert stats(server_b.url).remote.loaded_chunks - loaded == n_chunks * 2
             load_and_check(on_b[read_by], request_id, toks, seed, n_chunks)
-        assert stats(server_b.url).remote_corrupt == 0
+        assert stats(server_b.url).remote.corrupt == 0
 
     def test_redis_pieces_missing_a_ranks_heads_count_nothing(self, shared: Shared) -> None:
         server_a, server_b, on_a, on_b = shared
         seed, n_chunks = 71, 2
         toks = tokens(n_chunks, seed)
-        written = stats(server_a.url).remote_written_chunks
+        written = stats(server_a.url).remote.written_chunks
         store(on_a[2][:1], toks, seed, n_chunks)  # rank 0 of TP=2 only: heads 0-3 of each chunk
         flushed_to_redis(server_a.url, written, n_chunks)
         clear(server_b.url)
-        loaded = stats(server_b.url).remote_loaded_chunks
+        loaded = stats(server_b.url).remote.loaded_chunks
         assert lookup(server_b.url, 1, "missing1", toks) == 0
         assert lookup(server_b.url, 4, "missing4", toks) == 0
-        assert stats(server_b.url).remote_loaded_chunks == loaded  # nothing half-useful came in
+        assert stats(server_b.url).remote.loaded_chunks == loaded  # nothing half-useful came in
 
         store(on_a[2][1:], toks, seed, n_chunks)  # rank 1 too: now every head is in Redis
         flushed_to_redis(server_a.url, written, 2 * n_chunks)

@@ -105,8 +105,8 @@ def test_a_corrupt_pool_piece_is_reported_missing_and_never_served(short_tmp: Pa
             assert worker("digest", blocks=blocks(2, 1))["digest"] == want[2]
             assert worker("digest", blocks=blocks(1, 1))["digest"] != want[1]  # not written
             s = stats(client)
-            assert s.integrity_failures == 1 and s.integrity_verified_chunks == 2
-            assert s.chunks == 2 and s.retrieve_missing == 1
+            assert s.engine.integrity_failures == 1 and s.engine.integrity_verified_chunks == 2
+            assert s.engine.chunks == 2 and s.engine.retrieve_missing == 1
             assert lookup(client, toks, "again", lock=False) == 1  # the chunk is gone
         assert server.http_url is not None
         with urllib.request.urlopen(server.http_url + "/metrics", timeout=5) as response:
@@ -140,7 +140,7 @@ def test_a_store_failing_between_two_chunk_copies_leaves_nothing_visible(
             monkeypatch.setattr(MappedKVCache, "gather", real_gather)
             assert lookup(client, toks, "r", lock=False) == 0  # not even chunk 0
             s = stats(client)
-            assert s.chunks == 0 and s.stored_chunks == 0 and s.pool_bytes_allocated == 0
+            assert s.engine.chunks == 0 and s.engine.stored_chunks == 0 and s.engine.pool_bytes_allocated == 0
             # The same store again succeeds in full.
             assert worker("store", req="s2", keys=toks, blocks=blocks(0, 3))["finished"]
             assert lookup(client, toks, "r2", lock=False) == 3
@@ -164,8 +164,8 @@ def test_corrupt_disk_files_and_redis_values_are_dropped_not_loaded(
         want = worker("digest", blocks=blocks(0, 2))["digest"]
         assert worker("store", req="s", keys=toks, blocks=blocks(0, 4))["finished"]
         with MessageQueueClient(srv.url) as client, redis_up.client() as redis_client:
-            wait_until(lambda: stats(client).remote_written_chunks == 4
-                       and stats(client).disk_chunks == 4)
+            wait_until(lambda: stats(client).remote.written_chunks == 4
+                       and stats(client).disk.chunks == 4)
             bad = piece_key(toks, 2)
             # Chunk 2's payload changes by one byte on disk and in Redis, behind the server's back
             # (headers intact: only the store-time checksum, payload_xxh3, can tell).
@@ -182,11 +182,11 @@ def test_corrupt_disk_files_and_redis_values_are_dropped_not_loaded(
             # Disk first: chunk 2's file fails its check; the lookup stops before it.
             assert lookup(client, toks, "a", lock=False) == 2
             s = stats(client)
-            assert s.disk_corrupt == 1 and not path.exists()
+            assert s.disk.corrupt == 1 and not path.exists()
             # Then Redis: its value fails too, and is deleted there.
             assert lookup(client, toks, "b") == 2
             s = stats(client)
-            assert s.remote_corrupt == 1 and not redis_client.exists(rkey)
+            assert s.remote.corrupt == 1 and not redis_client.exists(rkey)
             # What is served is exactly what was stored.
             worker("zero", blocks=blocks(0, 4))
             result = worker("retrieve", req="b", keys=toks[:2 * CHUNK], blocks=blocks(0, 2))

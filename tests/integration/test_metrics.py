@@ -388,7 +388,8 @@ def test_the_transport_observes_every_served_request_and_counts_errors_by_code(t
     assert [(op, code) for op, _, code in observed] == [(RequestType.PING, ""),
                                                          (RequestType.STORE, "not_registered")]
     assert all(0 < seconds < 1 for _, seconds, _ in observed)
-    assert srv.counters.errors_by_code == {"not_registered": 1, "unknown_op": 1}
+    assert {code: n for code, n in srv.counters.errors_by_code.items() if n} == {
+        "not_registered": 1, "unknown_op": 1}
     assert srv.counters.errors == 2
 
 
@@ -431,4 +432,58 @@ def test_kv_events_show_in_the_metrics_and_server_info(tmp_path: Path) -> None:
         srv.kill()
     assert value(samples, "lmcache_kv_events_dropped_total") == 0
     assert value(samples, "lmcache_kv_events_pending") == 0
-    assert stats.events_batches >= 1 and stats.events_dropped == 0
+    assert stats.events.batches >= 1 and stats.events.dropped == 0
+
+
+# ---------------------------------------------------------------- every figure of the schema
+
+
+@pytest.mark.redis
+def test_every_field_of_every_stats_section_is_in_server_info_lmcache_stats_and_metrics(
+        tmp_path: Path, make_redis: Callable[..., RedisServer]) -> None:
+    """A figure is declared once (``lmcache_core.stats``); this walks the schema, so a field added
+    to any section is checked here with no other edit: SERVER_INFO sends it, ``lmcache stats
+    --json`` prints it by its flat name, ``/metrics`` has its family (and its label's sample)."""
+    from lmcache_core.stats import declared, flat, sections
+    from tests.integration.test_cli import cli
+
+    redis_server = make_redis()
+    srv = ServerProcess(tmp_path, {
+        "disk": {"path": str(tmp_path / "disk"), "max_size": "64MiB", "write_through": True},
+        "remote": {"url": redis_server.url},
+        "server": {"events_url": f"ipc://{tmp_path}/ev.sock"}}).start()
+    worker = WorkerProcess(srv.url)
+    try:
+        worker("fill", blocks=blocks(0, 2), seed=6)
+        assert worker("store", req="w", keys=tokens(2, seed=9), blocks=blocks(0, 2))["finished"]
+        with MessageQueueClient(srv.url) as client:
+            wait_until(lambda: value(scrape(srv.http_url()), "lmcache_tier_written_chunks_total",
+                                     tier="disk") == 2)
+            info = client.server_info()
+        samples = scrape(srv.http_url())
+        printed = cli("stats", "--url", srv.url, "--json")
+        assert printed.code == 0, printed.err
+        counters = printed.json()["counters"]
+    finally:
+        worker.close()
+        srv.kill()
+    assert value(samples, "lmcache_stores_total") == info.stats.engine.stores == 1
+    checked = 0
+    for name, struct in sections():
+        section = getattr(info.stats, name)
+        assert isinstance(section, struct), name  # every component configured: every section sent
+        assert set(flat(section)) <= set(counters), name
+        for figure in declared(struct):
+            checked += 1
+            family = {labels: v for (sample, labels), v in samples.items() if sample == figure.family}
+            assert family, f"stats.{name}.{figure.field}: no {figure.family} in /metrics"
+            field = getattr(section, figure.field)
+            if figure.tier:
+                assert frozenset({("tier", struct.tier)}) in family, figure
+            elif figure.label:
+                assert {frozenset({(figure.label, key)}) for key in field} <= set(family), figure
+            elif figure.total_of:
+                assert sum(family.values()) == field, figure  # the sum of its family's samples
+            else:
+                assert frozenset() in family, figure
+    assert checked == sum(len(declared(struct)) for _, struct in sections()) > 60

@@ -87,12 +87,12 @@ def flood(worker: WorkerProcess, seed: int, rounds: int = 4) -> list[list[int]]:
 def flood_until_evicting(client: MessageQueueClient, worker: WorkerProcess, seed: int,
                          **hints: object) -> list[list[int]]:
     """Store 4 fresh chunks at a time until the server has evicted something."""
-    before = stats(client).evictions
+    before = stats(client).engine.evictions
     prompts = []
     for step in range(2 * POOL_CHUNKS // 4):
         prompts.append(tokens(4, seed * 100 + step))
         store(worker, prompts[-1], **hints)
-        if stats(client).evictions > before:
+        if stats(client).engine.evictions > before:
             return prompts
     raise AssertionError("the flood never evicted")
 
@@ -110,11 +110,11 @@ def test_a_store_pinned_by_its_hint_survives_a_flood(client, worker) -> None:
     digest = worker("digest", blocks=blocks(0, 4))["digest"]
     assert store(worker, pinned, pin=True)["pin_refused"] == 0
     s = stats(client)
-    assert (s.pinned_pieces, s.pinned_bytes) == (4, 4 * 64 * 1024)
+    assert (s.engine.pinned_pieces, s.engine.pinned_bytes) == (4, 4 * 64 * 1024)
     others = flood(worker, 1)
     assert held(client, pinned) == 4
     assert held(client, others[0]) == 0  # the flood evicted everything that was not pinned
-    assert stats(client).evictions >= 2 * FLOOD_CHUNKS
+    assert stats(client).engine.evictions >= 2 * FLOOD_CHUNKS
     # the pinned chunks hold what was stored
     worker("zero", blocks=blocks(8, 4))
     result = worker("retrieve", req="r-pinned", keys=pinned, blocks=blocks(8, 4))
@@ -143,7 +143,7 @@ def test_cli_pin_then_unpin(server, client, worker, tmp_path: Path) -> None:
     done = cli(server, "unpin", tokens_file=tokens_file)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["prompts"][0]["unpinned_pieces"] == 3
-    assert stats(client).pinned_pieces == 0
+    assert stats(client).engine.pinned_pieces == 0
     flood(worker, 3)
     assert held(client, prompt) == 0
 
@@ -154,14 +154,14 @@ def test_pins_are_bounded_by_max_pinned(server, client, worker, tmp_path: Path) 
     over = tokens(2, 5)
     assert store(worker, over, pin=True)["pin_refused"] == 2  # stored, unpinned
     s = stats(client)
-    assert (s.store_pin_refused, s.pinned_pieces) == (2, MAX_PINNED_CHUNKS)
+    assert (s.engine.store_pin_refused, s.engine.pinned_pieces) == (2, MAX_PINNED_CHUNKS)
     assert held(client, over) == 2
     tokens_file = tmp_path / "over.json"
     tokens_file.write_text(json.dumps([over]))
     done = cli(server, "pin", tokens_file=tokens_file)
     assert done.returncode == 1, (done.stdout, done.stderr)
     assert "pin_limit" in done.stderr and "max_pinned" in done.stderr
-    assert stats(client).pinned_pieces == MAX_PINNED_CHUNKS  # nothing more was pinned
+    assert stats(client).engine.pinned_pieces == MAX_PINNED_CHUNKS  # nothing more was pinned
     flood(worker, 4)
     assert held(client, first) == MAX_PINNED_CHUNKS and held(client, over) == 0
 

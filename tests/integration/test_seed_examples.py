@@ -313,7 +313,7 @@ def test_mp_adapter_seed_example(server: ServerProcess) -> None:
         for request_id in ("req-1", "req-2"):
             scheduler_adapter.end_session(request_id).result(5)
         info = scheduler_adapter.mq_client.server_info()
-        assert info.stats.locks_held == 0
+        assert info.stats.engine.locks_held == 0
 
         # batched submits check that there is one op per request id, before sending anything
         for submit in (worker_adapter.batched_submit_store_requests,

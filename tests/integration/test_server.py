@@ -71,13 +71,14 @@ def test_store_lookup_retrieve_byte_exact(server, client):
         assert result["finished"] and not result["failed"]
         assert worker("digest", blocks=blocks(8, 4))["digest"] == stored
         stats = info(client).stats
-        assert stats.chunks == 4 and stats.stored_chunks == 4 and stats.retrieved_chunks == 4
-        assert stats.locks_held == 0  # the retrieve consumed the lookup's locks
-        assert stats.registered_instances == 1
+        engine = stats.engine
+        assert engine.chunks == 4 and engine.stored_chunks == 4 and engine.retrieved_chunks == 4
+        assert stats.engine.locks_held == 0  # the retrieve consumed the lookup's locks
+        assert stats.workers.registered_instances == 1
     finally:
         worker.close()
     # shutdown unregistered (and unmapped)
-    wait_until(lambda: info(client).stats.registered_instances == 0)
+    wait_until(lambda: info(client).stats.workers.registered_instances == 0)
 
 
 def test_two_ranks_count_a_chunk_only_when_both_stored(server, client):
@@ -120,11 +121,11 @@ def test_eviction_never_takes_a_locked_chunk(tmp_path):
             result = worker("store", req="b", keys=b, blocks=blocks(4, 4))
             assert result["finished"] and "pool is full" in result["failed"]["b"]
             assert lookup(client, a) == 4 and lookup(client, b) == 0
-            assert info(client).stats.store_skipped_full == 4
+            assert info(client).stats.engine.store_skipped_full == 4
             client.free_lookup_locks("hold")
             assert not worker("store", req="b2", keys=b, blocks=blocks(4, 4))["failed"]
             assert lookup(client, b) == 4 and lookup(client, a) == 0
-            assert info(client).stats.evictions == 4
+            assert info(client).stats.engine.evictions == 4
     finally:
         worker.close()
         srv.kill()
@@ -183,7 +184,7 @@ def test_bad_input_gets_typed_errors_while_another_client_is_served(server, clie
     assert pings and max(pings) < 2.0
     with pytest.raises(RequestTooLargeError):
         lookup(client, tokens(1001))  # the test config allows 1000 keys per request
-    assert info(client).stats.errors >= len(cases)
+    assert info(client).stats.transport.errors >= len(cases)
 
 
 def test_sigterm_stops_cleanly(tmp_path):

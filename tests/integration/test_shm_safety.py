@@ -87,8 +87,8 @@ def stats(client: MessageQueueClient) -> m.ServerStats:
 def wait_reaped(client: MessageQueueClient, before: m.ServerStats, count: int,
                 timeout_s: float = 10.0) -> None:
     """Wait (bounded) until ``count`` more workers were reaped than in ``before``."""
-    wait_until(lambda: stats(client).reaped_instances
-               >= before.reaped_instances + count,
+    wait_until(lambda: stats(client).workers.reaped_instances
+               >= before.workers.reaped_instances + count,
                timeout_s, f"fewer than {count} worker(s) reaped")
 
 
@@ -129,7 +129,7 @@ def test_foreign_names_and_other_pids_are_refused_and_never_unlinked(
     # so a slow machine can only hide a bug, never fail the test).
     time.sleep(1.5)
     assert exists(foreign) and exists(someone_elses)
-    assert stats(client).registered_instances == before.registered_instances
+    assert stats(client).workers.registered_instances == before.workers.registered_instances
 
 
 @needs_root
@@ -184,9 +184,9 @@ def test_a_zombie_worker_is_reaped_and_its_segment_unlinked(
         worker.proc.send_signal(signal.SIGKILL)  # and not waited for (no poll()): a zombie
         wait_until(lambda: process_state(worker.proc.pid) == "Z")
         # reap_timeout_s is 60: only the zombie check can do it within the wait
-        registered = before.registered_instances
+        registered = before.workers.registered_instances
         wait_until(lambda: not exists(name)
-                   and stats(client).registered_instances <= registered,
+                   and stats(client).workers.registered_instances <= registered,
                    30, "the zombie worker was not reaped")
         assert process_state(worker.proc.pid) == "Z"  # reaped while still a zombie
         assert "process exited" in server.log()
@@ -207,7 +207,7 @@ def test_a_pid_that_does_not_exist_never_stops_reaping(
     assert not exists(ghost) and not exists(worker.hello["shm_name"])
     time.sleep(1.5)  # further housekeeping rounds: the server lives on and answers (kept, as above)
     assert server.proc is not None and server.proc.poll() is None
-    assert stats(client).registered_instances == before.registered_instances
+    assert stats(client).workers.registered_instances == before.workers.registered_instances
 
 
 # ---------------------------------------------------------------- the start-up sweep

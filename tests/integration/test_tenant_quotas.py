@@ -90,7 +90,7 @@ def test_a_tenant_at_its_quota_evicts_only_its_own_chunks(tmp_path):
         # the last store kept the head of its prompt (3 chunks: the quota), skipping 2.
         assert hits == {71: 4 * CHUNK, 72: 0, 73: 2 * CHUNK, 74: 0, 75: 3 * CHUNK}
         info = server_info(srv.url)
-        assert (info.stats.evictions, info.stats.store_skipped_quota) == (6, 2)
+        assert (info.stats.engine.evictions, info.stats.engine.store_skipped_quota) == (6, 2)
         tenants = {row.tenant: row for row in info.tenants}
         small_row, big_row = tenants[tenant_tag("small")], tenants[tenant_tag("big")]
         assert (small_row.name, small_row.pieces, small_row.bytes_used, small_row.quota_bytes) == (

@@ -264,13 +264,13 @@ def test_redis_down_then_back(redis_up: RedisServer, caplog: pytest.LogCaptureFi
             assert e.lookup_tiers("m", LAYOUT, ranges(1), hashes, f"d{i}", timeout_s=0.5) == 1
             assert time.monotonic() - start < 5.0  # 10x the budget (Redis refuses: ~ms)
         store(e, [key(2)])  # queued while down
-        wait_until(lambda: e.stats()["remote_down"] == 1)
+        wait_until(lambda: e.stats()["remote_up"] == 0)
         warnings = [r for r in caplog.records if "unavailable" in r.getMessage()]
         assert len(warnings) == 1  # once per outage, not per request
         assert e.stats()["remote_outages"] == 1 and e.stats()["remote_errors"] >= 1
 
         redis_up.start()  # same port, empty
-        wait_until(lambda: e.stats()["remote_down"] == 0)
+        wait_until(lambda: e.stats()["remote_up"] == 1)
         assert any("reachable again" in r.getMessage() for r in caplog.records)
         wait_until(lambda: e.stats()["remote_written_chunks"] >= 2)  # the queued write went out
         other_tier = tier(redis_up.url)
@@ -370,13 +370,13 @@ def test_two_servers_share_redis_and_disk_survives_restart(
         wa("fill", blocks=blocks(0, 4), seed=7)
         want = wa("digest", blocks=blocks(0, 4))["digest"]
         assert wa("store", req="s", keys=toks, blocks=blocks(0, 4))["finished"]
-        wait_until(lambda: stats(ca).remote_written_chunks == 4 and stats(ca).disk_chunks == 4)
+        wait_until(lambda: stats(ca).remote.written_chunks == 4 and stats(ca).disk.chunks == 4)
         assert lookup(cb, toks, "r", lock=True) == 4
         wb("zero", blocks=blocks(0, 4))
         result = wb("retrieve", req="r", keys=toks, blocks=blocks(0, 4))
         assert result["finished"] and not result["failed"]
         assert wb("digest", blocks=blocks(0, 4))["digest"] == want
-        assert stats(cb).remote_loaded_chunks == 4
+        assert stats(cb).remote.loaded_chunks == 4
 
         # A hung Redis: a lookup waits (bounded) on a worker thread; pings are not delayed.
         # (The ping answered first is the behaviour; the lookup's bound is 10x its budget.)
@@ -392,7 +392,7 @@ def test_two_servers_share_redis_and_disk_survives_restart(
             lookup_s = time.monotonic() - start
             assert pending.result(0).hit_chunks == 0
         assert ping_s < lookup_s
-        wait_until(lambda: not stats(cb).remote_down)
+        wait_until(lambda: stats(cb).remote.up)
 
         # Redis restarts during the run: lookups answer within their timeout meanwhile.
         redis_up.stop()
@@ -402,13 +402,13 @@ def test_two_servers_share_redis_and_disk_survives_restart(
             assert lookup(client, fresh) == 0
             assert lookup(client, toks) == 4  # memory still serves
             assert time.monotonic() - start < 2 * LOOKUP_MS / 1000
-        assert stats(cb).remote_errors >= 1
+        assert stats(cb).remote.errors >= 1
         redis_up.start()
         wa("fill", blocks=blocks(4, 2), seed=8)
         want2 = wa("digest", blocks=blocks(4, 2))["digest"]
         assert wa("store", req="s2", keys=fresh, blocks=blocks(4, 2))["finished"]
-        wait_until(lambda: stats(ca).remote_written_chunks == 6)  # it reconnected by itself
-        wait_until(lambda: not stats(cb).remote_down)  # B's writer probes every 0.2 s
+        wait_until(lambda: stats(ca).remote.written_chunks == 6)  # it reconnected by itself
+        wait_until(lambda: stats(cb).remote.up)  # B's writer probes every 0.2 s
         assert lookup(cb, fresh, "r2", lock=True) == 2
         assert wb("retrieve", req="r2", keys=fresh, blocks=blocks(4, 2))["finished"]
         assert wb("digest", blocks=blocks(4, 2))["digest"] == want2
@@ -430,6 +430,6 @@ def test_two_servers_share_redis_and_disk_survives_restart(
         assert wc("retrieve", req="after", keys=toks[:2 * CHUNK], blocks=blocks(0, 2))["finished"]
         wa_first_two = wc("digest", blocks=blocks(0, 2))["digest"]
         s = stats(ca)
-        assert s.disk_loaded_chunks == 3 and s.disk_corrupt == 1 and not bad.exists()
+        assert s.disk.loaded_chunks == 3 and s.disk.corrupt == 1 and not bad.exists()
     wc("fill", blocks=blocks(0, 4), seed=7)  # the same bytes A stored at first
     assert wc("digest", blocks=blocks(0, 2))["digest"] == wa_first_two

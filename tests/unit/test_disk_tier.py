@@ -194,7 +194,7 @@ def test_write_read_and_file_layout(tmp_path: Path) -> None:
     out = memoryview(bytearray(SLOT))
     assert disk.read_into(k, out) == NBYTES and bytes(out[:NBYTES]) == bytes(payload(3))
     assert disk.read_into(key(4), out) == 0  # a miss
-    assert disk.stats()["disk_loaded_chunks"] == 1 and disk.stats()["disk_written_chunks"] == 1
+    assert disk.stats().loaded_chunks == 1 and disk.stats().written_chunks == 1
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "extend"])
@@ -215,7 +215,7 @@ def test_damaged_file_is_dropped_never_served(tmp_path: Path, damage: str,
     out = memoryview(bytearray(SLOT))
     assert disk.read_into(k, out) == 0
     assert not path.exists() and not disk.contains(k) and disk.bytes_used == 0
-    assert disk.stats()["disk_corrupt"] == 1
+    assert disk.stats().corrupt == 1
     assert "dropped" in caplog.text
 
 
@@ -257,7 +257,7 @@ def test_reindex_after_restart(tmp_path: Path, caplog: pytest.LogCaptureFixture)
     again = DiskTier(tmp_path, 1 << 20)
     assert sorted(k.chunk_hash[0] for k in again.lru_keys()) == [0, 1, 2]
     assert again.lru_keys() == [key(i, model="llama") for i in range(3)]  # LRU order from mtimes
-    assert again.stats()["disk_corrupt"] == 3
+    assert again.stats().corrupt == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [file_name(key(i, model="llama")) for i in range(3)] + ["notes.txt"])
     out = memoryview(bytearray(SLOT))
@@ -322,7 +322,7 @@ def test_v1_files_are_dropped_at_the_scan_never_served(tmp_path: Path,
     renamed = tmp_path / file_name(key(1))  # a v1 record under a v2 name
     renamed.write_bytes(v1_record("m", 1, 0, h, payload(1)))
     disk = DiskTier(tmp_path, 1 << 20)
-    assert len(disk) == 0 and disk.stats()["disk_corrupt"] == 2 and disk.bytes_used == 0
+    assert len(disk) == 0 and disk.stats().corrupt == 2 and disk.bytes_used == 0
     assert not old.exists() and not renamed.exists()
     assert not disk.contains(key(1)) and disk.pieces_of("m", "ranks1", h) == []
     assert disk.read_into(key(1), memoryview(bytearray(SLOT))) == 0
@@ -337,13 +337,13 @@ def test_a_file_holding_another_head_range_is_never_served(tmp_path: Path) -> No
     (tmp_path / file_name(high)).write_bytes((tmp_path / file_name(low)).read_bytes())
     out = memoryview(bytearray(SLOT))
     assert disk.read_into(high, out) == 0
-    assert not disk.contains(high) and disk.stats()["disk_corrupt"] == 1
+    assert not disk.contains(high) and disk.stats().corrupt == 1
     assert disk.pieces_of("m", LAYOUT, low.chunk_hash) == [(low, NBYTES)]
     assert disk.read_into(low, out) == NBYTES and bytes(out[:NBYTES]) == bytes(payload(1))
     # ... and at a restart's scan, a file named for one piece that holds another is dropped.
     (tmp_path / file_name(high)).write_bytes((tmp_path / file_name(low)).read_bytes())
     again = DiskTier(tmp_path, 1 << 20)
-    assert again.lru_keys() == [low] and again.stats()["disk_corrupt"] == 1
+    assert again.lru_keys() == [low] and again.stats().corrupt == 1
     assert not (tmp_path / file_name(high)).exists()
 
 
@@ -357,7 +357,7 @@ def test_size_cap_deletes_least_recently_used(tmp_path: Path) -> None:
     assert [k.chunk_hash[0] for k in disk.lru_keys()] == [2, 0, 3]
     assert not (tmp_path / file_name(key(1))).exists()
     assert disk.bytes_used == 3 * one <= disk.max_bytes
-    assert disk.stats()["disk_deleted"] == 1 and len(files(tmp_path)) == 3
+    assert disk.stats().deleted == 1 and len(files(tmp_path)) == 3
     assert not disk.write(key(9), payload(9, nbytes=4 * one))  # larger than the whole cap
     for age, i in enumerate((2, 0, 3)):  # file times are coarse: make the order explicit
         os.utime(tmp_path / file_name(key(i)), (2000 + age, 2000 + age))
@@ -433,7 +433,7 @@ def test_eviction_spills_to_disk_ahead(tmp_path: Path) -> None:
         wait_until(lambda: disk.contains(key(0)) and disk.contains(key(1)))
         wait_until(lambda: not tiers.spill_candidates(8))  # the writer is done, nothing more is due
         assert [k.chunk_hash[0] for k in disk.lru_keys()] == [0, 1]  # warmer pieces are not
-        assert disk.stats()["disk_written_chunks"] == 2
+        assert disk.stats().written_chunks == 2
         store(engine, [key(7)])  # the pool is full: 2 slots' bytes at risk, three pieces
         wait_until(lambda: not tiers.spill_candidates(8))
         assert sorted(k.chunk_hash[0] for k in disk.lru_keys()) == [0, 1, 2]
@@ -506,7 +506,7 @@ def test_a_resave_racing_the_drop_of_a_bad_file_is_kept(tmp_path: Path,
     saved = _resave_between(disk, k, monkeypatch)
     assert disk.load_into(k, memoryview(bytearray(NBYTES))) == (0, 0)
     _wait_saved(saved)
-    assert disk.contains(k) and path.exists() and disk.stats()["disk_bytes"] == size
+    assert disk.contains(k) and path.exists() and disk.stats().bytes == size
     out = memoryview(bytearray(NBYTES))
     assert disk.load_into(k, out)[0] == NBYTES and out == payload(1)
 

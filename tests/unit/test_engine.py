@@ -11,7 +11,7 @@ import torch
 from lmcache_core.engine import CacheEngine, RetrievePlan
 from lmcache_core.errors import IncompatibleError, ProtocolError
 from lmcache_core.keys import ChunkKey, HeadRange, layout_key, opaque_layout, rank_heads, world_heads
-from lmcache_core.protocol.messages import ServerStats, StoreReply
+from lmcache_core.protocol.messages import StoreReply
 from lmcache_core.storage.pool import MemoryPool
 
 MODEL = "m"
@@ -505,10 +505,10 @@ def test_key_sort_keeps_ranks_of_a_chunk_together() -> None:
     assert [(r.chunk_hash[0], r.head_lo) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
-def test_stats_fill_server_stats() -> None:
+def test_snapshot_fills_the_engine_section() -> None:
     engine = make(num_slots=8)
     store_ranks(engine, range(2))
-    stats = ServerStats(**engine.stats(), requests=1)
+    stats = engine.snapshot()
     assert (stats.chunks, stats.pool_slabs, stats.pool_slabs_free, stats.bytes_used) == (4, 8, 4, 128)
     assert stats.pool_bytes_allocated == 4 * engine.pool.slab_bytes
 

@@ -334,7 +334,7 @@ def test_replay_sends_batches_from_the_seq_on_then_the_end_marker(tmp_path, ctx,
         assert replay(ctx, publisher.replay_url, [b"", (9).to_bytes(8, "big")]) == [
             replies[-1]]  # nothing from there yet: the end marker alone
         assert replay(ctx, publisher.replay_url, [b"", b"\x01"]) == [replies[-1]]  # malformed
-        assert publisher.stats()["events_bad_replays"] == 1
+        assert publisher.stats().bad_replays == 1
     finally:
         publisher.stop(5)
 
@@ -363,7 +363,7 @@ def test_live_subscriber_and_stop_publishes_what_is_pending(tmp_path, ctx):
             if V32.decode(last[2]).events[-1] == V32BlockRemoved([wire_hash(key(7).chunk_hash)],
                                                                  MEMORY):
                 break
-        assert last is not None and int.from_bytes(last[1], "big") == publisher.batches - 1
+        assert last is not None and int.from_bytes(last[1], "big") == publisher.stats().batches - 1
     finally:
         sub.close(0)
         publisher.stop(5)

@@ -92,21 +92,18 @@ def test_no_cuda_no_pinning() -> None:
 
 
 def test_server_info_reports_the_pinned_bytes(cudart: FakeCudart) -> None:
-    from types import SimpleNamespace
-
     from lmcache_core.config import load_config
+    from lmcache_core.engine import CacheEngine
     from lmcache_core.server.handlers import CacheHandlers
     from lmcache_core.server.registry import KVRegistry
-    from lmcache_core.transport.server import ServerCounters
+    from lmcache_core.stats import TransportStats
 
     pool = MemoryPool.slots(5056, 3)
-    engine = SimpleNamespace(pool=pool, stats=lambda: {}, model_stats=lambda: [], quotas={},
-                             tenant_stats=lambda: [])
-    handlers = CacheHandlers(load_config(None), engine, KVRegistry(lambda r: None, 60.0),  # type: ignore[arg-type]
-                             ServerCounters(), "tcp://x")
+    handlers = CacheHandlers(load_config(None), CacheEngine(pool, 16),
+                             KVRegistry(lambda r: None, 60.0), TransportStats, "tcp://x")
     handlers.http_url = None
     info = handlers.server_info(None, b"")  # type: ignore[arg-type]
-    assert info.stats.pool_pinned_bytes == 15168 and info.stats.gpu_instances == 0
+    assert info.stats.engine.pool_pinned_bytes == 15168 and info.stats.workers.gpu_instances == 0
 
 
 def test_the_ready_panel_says_when_pinning_failed(cudart: FakeCudart) -> None:

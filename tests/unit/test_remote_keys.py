@@ -115,5 +115,5 @@ def test_a_value_of_another_piece_or_format_is_refused(tier: RemoteTier) -> None
     assert tier._decode(low, tier.redis_key(low), bytes(old), out) == (0, 0)
     assert client.deleted == [tier.redis_key(high), tier.redis_key(low)]
     assert sink.removed_keys == [([high], REMOTE), ([low], REMOTE)]
-    assert tier.stats()["remote_corrupt"] == 2
+    assert tier.stats().corrupt == 2
     tier._client = None  # nothing to close

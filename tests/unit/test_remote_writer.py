@@ -57,7 +57,7 @@ def test_growing_values_after_a_mid_batch_flush(tier: RemoteTier) -> None:
     for (_, value), (k, payload) in zip(sent, payloads.items(), strict=True):
         out = memoryview(bytearray(len(payload)))
         assert record.decode_into(value, k, out) == len(payload) and out == payload
-    assert tier.stats()["remote_written_chunks"] == 3 and tier.stats()["remote_write_failed"] == 0
+    assert tier.stats().written_chunks == 3 and tier.stats().write_failed == 0
 
 
 def test_a_key_that_cannot_be_encoded_is_counted_and_the_batch_goes_on(tier: RemoteTier) -> None:
@@ -66,14 +66,14 @@ def test_a_key_that_cannot_be_encoded_is_counted_and_the_batch_goes_on(tier: Rem
     sent = serve(tier, payloads)
     tier._write_batch(list(payloads))
     assert [rkey for rkey, _ in sent] == [tier.redis_key(key(1)), tier.redis_key(key(3))]
-    assert tier.stats()["remote_write_failed"] == 1 and tier.stats()["remote_written_chunks"] == 2
+    assert tier.stats().write_failed == 1 and tier.stats().written_chunks == 2
 
 
 def test_evicted_keys_are_skipped_and_the_rest_flushed(tier: RemoteTier) -> None:
     sent = serve(tier, {key(1): b"a" * 100})
     tier._write_batch([key(1), key(2)])  # key(2) left memory before its turn
     assert [rkey for rkey, _ in sent] == [tier.redis_key(key(1))]
-    assert tier.stats()["remote_write_failed"] == 0
+    assert tier.stats().write_failed == 0
 
 
 def test_refused_writes_are_rationed_and_the_dropped_lines_counted(
@@ -87,7 +87,7 @@ def test_refused_writes_are_rationed_and_the_dropped_lines_counted(
         for _ in range(25):
             tier._write_batch(list(payloads))
         lines = [r.getMessage() for r in caplog.records if "Redis refused" in r.getMessage()]
-        assert len(lines) == 20 and tier.stats()["remote_write_failed"] == 25
+        assert len(lines) == 20 and tier.stats().write_failed == 25
         tier._refused._window_start = float("-inf")  # the window has passed
         tier._write_batch(list(payloads))
     assert "(5 similar line(s) suppressed before this one)" in caplog.records[-1].getMessage()

@@ -57,8 +57,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         stored = _run_engine(tmp, "store", {**common, "steps": [_gen("A")]})
         bad = chain_hashes(PROMPT, CHUNK)[1].hex()  # the second chunk (the connector hashes tokens)
         with MessageQueueClient(server.url) as client, redis_server.client() as redis_client:
-            wait_until(lambda: (_stats(client).disk_written_chunks >= 3
-                                and _stats(client).remote_written_chunks >= 3),
+            wait_until(lambda: (_stats(client).disk.written_chunks >= 3
+                                and _stats(client).remote.written_chunks >= 3),
                        30, "the tiers were never written")
             files = [p for p in disk.iterdir() if p.name.startswith(f"{bad}.")]
             rkeys = redis_client.keys(f"*:{bad}")
