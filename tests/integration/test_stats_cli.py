@@ -51,6 +51,11 @@ def test_json_is_one_snapshot_of_a_server_that_stored_and_looked_up(
     assert model["layouts"] == ["float16:2x4x32"] and model["bytes_used"] == pool["used_bytes"]
     assert snap["rates"] is None and snap["interval_s"] is None  # one reply: no rates yet
     assert snap["tiers"] == {}
+    # Every figure of every section by its flat name, those of sections not configured as zeros.
+    from lmcache_core.stats import ServerStats, flat_all
+
+    assert set(snap["counters"]) == set(flat_all(ServerStats()))
+    assert snap["counters"]["disk_written_chunks"] == 0 and snap["counters"]["events_batches"] == 0
 
 
 def test_json_with_count_gives_rates_from_the_second_line(server: ServerProcess) -> None:
