@@ -2,7 +2,7 @@
 
 Each component owns one struct and adds to its fields (``EngineStats``: the engine; ``DiskStats``,
 ``RemoteStats``: the tiers; ``EventStats``: the KV-event publisher; ``TransportStats``: the socket
-loop; ``WorkerStats``: the registry's figures, read when asked); ``ServerStats`` nests them and is
+loop; ``WorkerStats``: the registry); ``ServerStats`` nests them and is
 sent as is in SERVER_INFO. A field's declaration (``counter`` or ``gauge``: its Prometheus name,
 help and labels, in its ``msgspec.Meta``) is all that ``/metrics`` (``server.metrics``), ``lmcache
 stats`` (``flat``) and ``docs/metrics.md`` read: adding a figure is one line in one struct here.
@@ -261,7 +261,7 @@ class TransportStats(Stats):
 
 
 class WorkerStats(Stats):
-    """The registered KV caches (the registry's figures, read when asked)."""
+    """The registered KV caches (``server.registry.KVRegistry.stats``, read when asked)."""
 
     registered_instances: Annotated[int, gauge(
         "KV caches registered (one per worker rank).", total_of="registered_workers")] = 0

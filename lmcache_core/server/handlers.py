@@ -27,7 +27,7 @@ from lmcache_core.protocol.ops import RequestType
 from lmcache_core.server.layouts import LayoutResolver
 from lmcache_core.server.pins import PinHandlers
 from lmcache_core.server.registry import KVRegistry, Registration
-from lmcache_core.stats import EventStats, ServerStats, TransportStats, WorkerStats
+from lmcache_core.stats import EventStats, ServerStats, TransportStats
 from lmcache_core.storage.checksum_stream import ChecksumLanes
 from lmcache_core.storage.pool import process_rss_bytes
 from lmcache_core.transport.server import Route
@@ -433,13 +433,9 @@ class CacheHandlers:
         """Every component's section, read now: SERVER_INFO's ``stats``, and what ``/metrics``
         exports (``server.metrics``). A section is None where its component is not configured."""
         disk, remote, events = self.engine.disk, self.engine.remote, self.events_stats
-        registry = self.registry
         return ServerStats(
             engine=self.engine.snapshot(), transport=self.transport_stats(),
-            workers=WorkerStats(registered_instances=len(registry),
-                                registered_models=len(registry.models()),
-                                gpu_instances=registry.gpu_instances(),
-                                reaped_instances=registry.reaped),
+            workers=self.registry.stats(),
             disk=disk.stats() if disk is not None else None,
             remote=remote.stats() if remote is not None else None,
             events=events() if events is not None else None)

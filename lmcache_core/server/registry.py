@@ -40,6 +40,7 @@ from lmcache_core.server.segments import (
     process_gone,
     unlink_dead_owner_segments,
 )
+from lmcache_core.stats import WorkerStats
 
 logger = logging.getLogger(__name__)
 HOSTNAME = socket.gethostname()
@@ -241,10 +242,14 @@ class KVRegistry:
                 return None
             return registration.mapped.device
 
-    def gpu_instances(self) -> int:
-        """How many registrations are KV caches on a GPU."""
+    def stats(self) -> WorkerStats:
+        """Its section of SERVER_INFO, read at one moment."""
         with self._lock:
-            return sum(1 for r in self._by_id.values() if r.device_uuid)
+            registrations = list(self._by_id.values())
+        return WorkerStats(registered_instances=len(registrations),
+                           registered_models=len({r.model_name for r in registrations}),
+                           gpu_instances=sum(1 for r in registrations if r.device_uuid),
+                           reaped_instances=self.reaped)
 
     def gpu_count(self) -> int:
         """How many distinct GPUs the registered KV caches are on."""
