@@ -2,14 +2,15 @@
 
 Each component owns one struct and adds to its fields (``EngineStats``: the engine; ``DiskStats``,
 ``RemoteStats``: the tiers; ``EventStats``: the KV-event publisher; ``TransportStats``: the socket
-loop; ``WorkerStats``: the registry); ``ServerStats`` nests them and is
-sent as is in SERVER_INFO. A field's declaration (``counter`` or ``gauge``: its Prometheus name,
-help and labels, in its ``msgspec.Meta``) is all that ``/metrics`` (``server.metrics``), ``lmcache
-stats`` (``flat``) and ``docs/metrics.md`` read: adding a figure is one line in one struct here.
+loop; ``WorkerStats``: the registry); ``ServerStats`` nests them and is sent as is in SERVER_INFO.
+A field's declaration (``counter`` or ``gauge``: its Prometheus name, help and labels, in its
+``msgspec.Meta``) is all that ``/metrics`` (``server.metrics``), ``lmcache stats`` (``flat_all``)
+and ``docs/metrics.md`` read: adding a figure is one line in one struct here.
 
 Counters only grow; gauges are read when a snapshot is taken (their owner fills them then). A
 section of ``ServerStats`` is None when its component is not configured (no disk tier, say).
-Imports msgspec alone: the engine and the tiers use this module, the protocol embeds it.
+Imports msgspec and ``errors`` alone: the engine and the tiers use this module, the protocol
+embeds it.
 """
 
 from __future__ import annotations
