@@ -60,6 +60,10 @@ class RequestHead(NamedTuple):
     op: RequestType
     payload_frame: bytes
 
+    @property
+    def size(self) -> int:
+        return len(self.uid_frame) + len(self.op_frame) + len(self.payload_frame)
+
 
 class DecodedRequest(NamedTuple):
     uid_frame: bytes

@@ -1,10 +1,11 @@
-"""LMCache 0.5.6's multi-process wire as a second dialect of our socket: frames in, our requests out.
+"""LMCache 0.5.6's multi-process wire as a second dialect of our socket: frames and payloads.
 
-No I/O here. LMCache's clients send ``[uid, op, payload_1, ..., payload_n]`` where ``op`` is a
+No I/O, no torch. LMCache's clients send ``[uid, op, payload_1, ..., payload_n]`` where ``op`` is a
 msgpack int (its frozen legacy id, 1-33) or a snake_case name, and one msgpack frame per contract
 parameter; a reply is ``[uid, op]`` for a void result or ``[uid, op, result]``, with the request's
 own uid and op bytes echoed (reference ``lmcache-mp-wire.md`` §2-§3). Our own ops are ``lmc.*``
-strings, so :func:`dialect_op` tells the two apart from the op frame alone.
+strings, so :meth:`LMCacheWire.claim` tells the two apart from the frames alone; the server's
+request pipeline then treats either dialect's request alike (``transport.routes.Wire``).
 
 The structs mirror LMCache's payloads field by field (maps keyed by field name; unknown fields
 ignored, as LMCache's decoder does) and are bounded like ours in :mod:`messages`: every int and
@@ -12,10 +13,8 @@ length. :func:`decode_call` raises :class:`DialectError` for anything malformed 
 LMCache's own server answers such a request with silence (its client waits out its timeout);
 ours answers at once with what LMCache's client takes as a failure (:func:`failure_frames`).
 The one frame its protocol defines no reply to is a stream's credit (``STREAM_CONTROL``).
-
-The translation: a key's ``token_ids[0:end]`` become blake3 chain hashes (LMCache's chain, ours
-too), the chunks ``[start, end)`` of it are the ones named, and ``(world_size, worker_id)`` is our
-``(world_size, kv_rank)``.
+What LMCache's requests mean in our terms (keys, block ids, tensors) is the server's
+(``server/lmcache/translate.py``).
 """
 
 from __future__ import annotations
@@ -25,8 +24,13 @@ from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
 
-from lmcache_core.errors import MAX_MESSAGE_CHARS, clip
-from lmcache_core.keys import chain_hashes, salt_prefix, tenant_tag
+from lmcache_core.errors import (
+    MAX_MESSAGE_CHARS,
+    LMCacheError,
+    ProtocolError,
+    RequestTooLargeError,
+    clip,
+)
 from lmcache_core.protocol import messages as m
 
 #: LMCache's frozen legacy op ids (its ``wire.py``); the names are the ops themselves.
@@ -78,7 +82,7 @@ EventHandle = Annotated[bytes, msgspec.Meta(max_length=256)]
 Small = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 
 
-class DialectError(Exception):
+class DialectError(ProtocolError):
     """A malformed LMCache frame or one this server does not serve: answered as a failure."""
 
 
@@ -176,8 +180,6 @@ PAYLOADS: dict[str, tuple[Any, ...]] = {
     "clear": (bool,),
     "report_block_allocation": (InstanceId, Name, Any),
 }
-#: Ops whose work may be long (mapping, copies): served off the server's loop thread.
-BLOCKING = frozenset({"register_kv_cache", "unregister_kv_cache", "store", "retrieve"})
 _decoders = {op: [msgspec.msgpack.Decoder(t, ext_hook=_ext_hook) for t in types]
              for op, types in PAYLOADS.items()}
 
@@ -233,6 +235,8 @@ def decode_call(frames: Sequence[bytes], op: str) -> Call:
     """``[uid, op, payloads...]`` of op ``op`` (from :func:`dialect_op`) into a typed call."""
     if len(frames) < 2 or not plausible_uid(frames[0]):
         raise DialectError("a request is [uid, op, payloads...] with a msgpack int uid")
+    if op in ENGINE_DRIVEN:  # refused whatever its payloads: not read
+        return Call(frames[0], frames[1], op, ())
     decoders = _decoders.get(op)
     if decoders is None:
         raise DialectError(f"LMCache op {op!r} is not served by this server")
@@ -269,7 +273,7 @@ def failure_frames(uid_frame: bytes, op_frame: bytes, op: str, why: str) -> list
         return [uid_frame, op_frame]
     if op in ("query_prefetch_status", "wait_prefetch_status"):
         return [uid_frame, op_frame, _encoder.encode(0)]
-    return [uid_frame, _encoder.encode(FAILURE_PREFIX + clip(why, MAX_MESSAGE_CHARS))]
+    return [uid_frame, _encoder.encode(FAILURE_PREFIX + clip(why, 4 * MAX_MESSAGE_CHARS))]
 
 
 def is_failure_op(op_frame: bytes) -> bool:
@@ -283,109 +287,55 @@ def is_failure_op(op_frame: bytes) -> bool:
     return isinstance(op, str) and op.startswith(FAILURE_PREFIX)
 
 
-# ---------------------------------------------------------------- key translation
 
 
-def check_range(key: IPCCacheServerKey, chunk_size: int) -> None:
-    """LMCache's STORE/RETRIEVE assertions: chunk-aligned ``[start, end)`` within the tokens."""
-    if key.start % chunk_size or key.end % chunk_size or key.start > key.end \
-            or key.end > len(key.token_ids):
-        raise DialectError(f"[{key.start}, {key.end}) is not chunk-aligned ({chunk_size}) "
-                           f"within {len(key.token_ids)} tokens")
+class LMCacheHead(NamedTuple):
+    """An LMCache request claimed by its frames (uid a msgpack int, op one of LMCache's), its
+    payload frames not yet decoded: the server pipeline's head of an LMCache request."""
+
+    uid_frame: bytes
+    op_frame: bytes
+    op: str
+    frames: tuple[bytes, ...]  # all of them, uid and op included (``decode_call`` reads them)
+
+    @property
+    def size(self) -> int:
+        return sum(map(len, self.frames))
 
 
-def key_hashes(key: IPCCacheServerKey, chunk_size: int, *, from_start: bool = True) -> list[bytes]:
-    """The chain hashes of the complete chunks of ``token_ids[0:end]``, those from ``start`` on
-    (or all of them: a lookup ignores ``start``). A ``cache_salt`` seeds the chain as in our own
-    token mode (``keys.salt_prefix``), so tenants with different salts never share chunks, in
-    either dialect; LMCache's server puts the salt in the object key instead."""
-    hashes = chain_hashes(key.token_ids[:key.end], chunk_size, salt_prefix(key.cache_salt))
-    return hashes[key.start // chunk_size:] if from_start else hashes
+class LMCacheWire:
+    """LMCache's dialect as the server pipeline sees a wire (``transport.routes.Wire``): claims
+    its requests, decodes their payloads into a :class:`Call`, encodes results and failures."""
 
+    name = "lmcache"
 
-def lookup_request(key: IPCCacheServerKey, chunk_size: int) -> m.LookupRequest:
-    """A LOOKUP (worker_id None: every rank) as our locking lookup under its request id."""
-    if key.num_kv_readers < 1:
-        raise DialectError("num_kv_readers must be at least 1")
-    return m.LookupRequest(model_name=key.model_name, world_size=key.world_size,
-                           lookup_id=key.request_id,
-                           chunk_hashes=key_hashes(key, chunk_size, from_start=False))
+    def __init__(self, max_request_bytes: int) -> None:
+        self.max_request_bytes = max_request_bytes
 
+    @staticmethod
+    def claim(frames: Sequence[bytes]) -> LMCacheHead | None:
+        """The head of an LMCache request (None: not LMCache's). Never raises: a request too large
+        is claimed all the same, and refused by :meth:`check` in LMCache's own form."""
+        op = frames_op(frames)
+        return None if op is None else LMCacheHead(frames[0], frames[1], op, tuple(frames))
 
-def _flat_blocks(groups: Sequence[Sequence[int]], num_chunks: int, per_chunk: int) -> list[int]:
-    """The block ids of ``num_chunks`` chunks; one KV group only (hybrid models are not served)."""
-    if len(groups) != 1:
-        raise DialectError(f"{len(groups)} KV groups: this server serves one plain group")
-    blocks = list(groups[0])
-    if len(blocks) < num_chunks * per_chunk:
-        raise ValueError("too few block ids")  # LMCache answers this in-band: (event, False)
-    return blocks[:num_chunks * per_chunk]
+    def check(self, head: LMCacheHead) -> None:
+        if head.size > self.max_request_bytes:
+            raise RequestTooLargeError(f"a {head.size}-byte request; at most "
+                                       f"{self.max_request_bytes}")
 
+    @staticmethod
+    def decode(head: LMCacheHead) -> Call:
+        return decode_call(head.frames, head.op)
 
-def store_request(key: IPCCacheServerKey, instance_id: int, groups: Sequence[Sequence[int]],
-                  chunk_size: int, per_chunk: int) -> m.StoreRequest:
-    """A STORE of chunks ``[start, end)`` into our store (``ValueError``: answer ``False``), for
-    its ``cache_salt``'s tenant (``server.tenant_quotas``), as our workers' stores."""
-    check_range(key, chunk_size)
-    hashes = key_hashes(key, chunk_size)
-    return m.StoreRequest(instance_id=instance_id, chunk_hashes=hashes,
-                          block_ids=_flat_blocks(groups, len(hashes), per_chunk),
-                          request_ids=[key.request_id], tenant=tenant_tag(key.cache_salt))
+    @staticmethod
+    def reply(head: LMCacheHead, result: Any) -> list[bytes]:
+        """``[uid, op]`` for None, else ``[uid, op, result]`` (op echoed as sent)."""
+        if result is None:
+            return [head.uid_frame, head.op_frame]
+        return [head.uid_frame, head.op_frame, _encoder.encode(result)]
 
-
-def retrieve_request(key: IPCCacheServerKey, instance_id: int, groups: Sequence[Sequence[int]],
-                     chunk_size: int, per_chunk: int,
-                     skip_tokens: int = 0) -> tuple[m.RetrieveRequest, list[bytes]]:
-    """A RETRIEVE of chunks ``[start, end)``, consuming the locks of its request's LOOKUP, and
-    the hashes of the chunks it leaves out.
-
-    The whole chunks within the first ``skip_tokens`` of the range (blocks vLLM's prefix cache
-    already holds) are left out (their lookup reads are the caller's to count); a chunk only
-    partly within them is written whole."""
-    check_range(key, chunk_size)
-    hashes = key_hashes(key, chunk_size)
-    blocks = _flat_blocks(groups, len(hashes), per_chunk)
-    skip = min(skip_tokens // chunk_size, len(hashes))
-    request = m.RetrieveRequest(instance_id=instance_id, chunk_hashes=hashes[skip:],
-                                block_ids=blocks[skip * per_chunk:],
-                                lookup_id=key.request_id, request_ids=[key.request_id])
-    return request, hashes[:skip]
-
-
-def tensor_descriptor(layer: CpuShmIPCData) -> m.TensorDescriptor:
-    """An LMCache ``cpu_shm`` layer as our shared-memory descriptor (its leading '/' dropped)."""
-    meta = layer.metadata
-    if meta.device_uuid != "cpu":
-        raise DialectError(f"cpu_shm descriptor on device {meta.device_uuid!r}")
-    from lmcache_core.kv.tensors import parse_dtype  # torch only where a KV cache is registered
-    try:
-        itemsize = parse_dtype(meta.dtype).itemsize
-    except Exception as exc:
-        raise DialectError(f"unsupported dtype {meta.dtype!r}: {clip(str(exc))}") from None
-    return m.TensorDescriptor(kind="shm", dtype=meta.dtype, shape=meta.shape, stride=meta.stride,
-                              offset_bytes=meta.storage_offset * itemsize,
-                              segment_nbytes=layer.nbytes, shm_name=layer.shm_name.lstrip("/"))
-
-
-def hnd_as_nhd(desc: m.TensorDescriptor) -> m.TensorDescriptor:
-    """An HND tensor seen as a flash-attn (NHD) view over the same bytes.
-
-    5-D ``[2, NB, NH, BS, HS]`` / ``[NB, 2, NH, BS, HS]``: the head and block-size dims swapped.
-    4-D ``[NB, NH, BS, 2*HS]`` is vLLM's CPU backend (the only vLLM backend on a CPU host): each
-    (block, head) run holds ``BS`` K rows then ``BS`` V rows of ``HS`` (as our own connector reads
-    it, ``integration/vllm/kv_views.py``), so chunks match those our connector stores. ``desc``
-    comes of a decoded ``TensorMetadata``: its shape and stride pair (checked there)."""
-    if len(desc.shape) == 4:
-        nb, h, n, c = desc.shape
-        sb, sh, sn, sc = desc.stride
-        if c % 2 or sc != 1 or sn != c:
-            raise DialectError(f"4-D HND tensor {desc.shape} (stride {desc.stride}) is not vLLM's "
-                               "CPU layout [blocks, heads, block size, 2 * head size], contiguous")
-        d = c // 2
-        return msgspec.structs.replace(desc, shape=[2, nb, n, h, d], stride=[n * d, sb, d, sh, 1])
-    if len(desc.shape) != 5:
-        raise DialectError(f"kv_layout HND with a {len(desc.shape)}-D tensor")
-    shape, stride = list(desc.shape), list(desc.stride)
-    shape[2], shape[3] = shape[3], shape[2]
-    stride[2], stride[3] = stride[3], stride[2]
-    return msgspec.structs.replace(desc, shape=shape, stride=stride)
+    @staticmethod
+    def error(head: LMCacheHead, exc: LMCacheError) -> list[bytes]:
+        """LMCache's failure of ``head.op`` (:func:`failure_frames`), naming ``exc``."""
+        return failure_frames(head.uid_frame, head.op_frame, head.op, f"{head.op}: {exc}")

@@ -34,7 +34,7 @@ from lmcache_core.protocol.codec import Limits
 from lmcache_core.server.events import KVEventPublisher
 from lmcache_core.server.handlers import CacheHandlers
 from lmcache_core.server.http import HttpListener
-from lmcache_core.server.lmcache_dialect import LMCacheDialect
+from lmcache_core.server.lmcache.front import LMCacheFrontEnd
 from lmcache_core.server.metrics import ServerCollector, ServerMetrics
 from lmcache_core.server.registry import KVRegistry
 from lmcache_core.server.segments import sweep_stale_segments
@@ -78,7 +78,9 @@ class CacheServer:
             self.transport.stats, config.server.url)
         self.registry = self.handlers.registry
         self.transport.routes = self.handlers.routes()
-        self.transport.dialect = LMCacheDialect(self.handlers, self.transport.limits)  # LMCache's clients
+        # LMCache's clients: its wire and routes, on the same pipeline as ours.
+        self.lmcache = LMCacheFrontEnd(self.handlers, self.transport.post, self.transport.limits)
+        self.transport.add_wire(self.lmcache.wire, self.lmcache.routes())
         self.handlers.add_copy_threads = self.transport.add_workers  # more per GPU registered
         self.handlers.on_copies_stalled = self.supervisor.fail  # the GPU left copies in flight
         self.handlers.events_stats = self.events.stats if self.events is not None else None

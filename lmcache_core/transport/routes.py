@@ -1,71 +1,108 @@
-"""What a ``MessageQueueServer`` serves: its route table's entries (``Route``: a handler, whether it
-blocks, what it waits for), the hook of a second dialect on the same socket (``Dialect``), and the
-work items its loop queues for the worker threads (``Job``, ``Task``)."""
+"""What a ``MessageQueueServer`` serves: the wires it reads (``Wire``: our codec, LMCache's dialect),
+its route table's entries (``Route``: a handler and how it is served), and the one work item its
+loop queues for the worker threads (``Job``), whichever wire a request came on.
+
+A request goes one way whatever its dialect: a wire claims its frames and reads their head (cheap:
+uid, op, size), the route of its op says how it is served (inline or on a worker, after a gate, its
+ack first, no reply at all), the handler runs on the decoded payload, and the wire encodes the
+result, or the error the one error boundary (``answer.serve``) caught, in its own form.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
-from lmcache_core.protocol import messages as m
-from lmcache_core.protocol.codec import RequestHead
+from lmcache_core.errors import LMCacheError
 from lmcache_core.protocol.ops import RequestType
 from lmcache_core.transport.gate import Waitable
 
-Handler = Callable[[Any, bytes], m.Reply]
+#: ``handler(payload, client_identity) -> result``; ``LATER`` when its reply is sent later (the
+#: handler arranged it, through the server's ``post``).
+Handler = Callable[[Any, bytes], Any]
 #: ``observe(op, seconds, error_code)`` after each request a route served ("" when it succeeded);
-#: a dialect's requests are observed under its op name (a str), their error code always "".
+#: LMCache's requests are observed under their op name (a str).
 Observer = Callable[[RequestType | str, float, str], None]
 #: ``gate(payload) -> (waitable, timeout_s) | None``: what a blocking request must wait for before
 #: its handler runs (e.g. the worker's CUDA event); it then waits in the ``Gate``, not on a worker.
 GateFn = Callable[[Any], tuple[Waitable, float] | None]
+#: ``before(payload, client)``: runs ahead of a route's handler; for an ``ack_first`` request on
+#: the loop thread, before its ack goes (e.g. a lookup's "running" marker, so a status asked after
+#: the ack sees it).
+Before = Callable[[Any, bytes], None]
+#: What a handler returns when its reply is sent later, not by the pipeline.
+LATER = object()
+
+
+class Head(Protocol):
+    """What the pipeline reads of any request before its payload is decoded."""
+
+    @property
+    def op(self) -> RequestType | str: ...
+
+    @property
+    def size(self) -> int: ...
+
+
+class Wire(Protocol):
+    """One dialect's framing: which frames are its own, their payloads, and its replies. Never
+    sees a socket; ``check`` and ``decode`` raise ``LMCacheError`` (its subclasses) only."""
+
+    name: str
+
+    def claim(self, frames: Sequence[bytes]) -> Any:
+        """The head of a request in this wire (None: another wire's frames). The last wire claims
+        everything, raising ``LMCacheError`` for frames it cannot read a head from."""
+
+    def check(self, head: Any) -> None:
+        """Raise ``LMCacheError`` when a claimed request may not be served (too large)."""
+
+    def decode(self, head: Any) -> Any: ...
+
+    def reply(self, head: Any, result: Any) -> list[bytes]: ...
+
+    def error(self, head: Any, exc: LMCacheError) -> list[bytes]: ...
 
 
 class Route(NamedTuple):
-    """How one op is served: ``handler(payload, client_identity) -> Reply``."""
+    """How one op is served: ``handler(payload, client_identity) -> result``.
+
+    ``blocking``: on a worker thread; ``blocking_over``: a request larger than that many bytes
+    is decoded and served on a worker thread too, and answered as any (never acked first);
+    ``gate``: what it waits for first; ``ack_first``: a blocking request's ack (the void reply)
+    is sent as it is admitted, its payload decoded on the loop thread and ``before`` run, and its
+    handler's own reply is not sent (it runs behind the ack: LMCache's prefetching lookup);
+    ``before(payload, client)``: runs ahead of the handler (of the ack, for an acked one);
+    ``silent``: its protocol defines no reply (nothing runs)."""
 
     handler: Handler
     blocking: bool = False
     gate: GateFn | None = None
+    blocking_over: int | None = None
+    ack_first: bool = False
+    before: Before | None = None
+    silent: bool = False
+
+    def oversize(self, size: int) -> bool:
+        return self.blocking_over is not None and size > self.blocking_over
+
+    def blocks(self, size: int) -> bool:
+        return self.blocking or self.oversize(size)
 
 
-class Dialect(Protocol):
-    """A second wire on the same socket (LMCache's own clients): it claims a request by its
-    frames, then answers it (reply frames, or None: no reply now) or hands back a task for a
-    worker thread. It never raises; its replies bypass our codec. ``attach(post)`` at the
-    server's start gives it ``post([identity, *reply])``: a reply sent later, from any thread."""
-
-    def attach(self, post: Callable[[list[bytes]], None]) -> None: ...
-
-    def owns(self, frames: list[bytes]) -> str | None: ...
-
-    def serve(self, op: str, frames: list[bytes],
-              client: bytes) -> list[bytes] | Callable[[], list[bytes] | None] | None: ...
-
-    def refuse(self, op: str, frames: list[bytes], client: bytes, why: str) -> list[bytes]:
-        """The reply to ``frames`` that the server will not serve (``why``: e.g. too large)."""
-
-    def dropped(self, op: str, frames: list[bytes], client: bytes) -> list[bytes] | None:
-        """A task ``serve`` handed back for ``frames`` (from ``client``) will not run (the workers'
-        queue was full): settle whatever it had started (e.g. a lookup already acknowledged)
-        and return the reply still owed, if any."""
-
-
-class Task(NamedTuple):
-    """A dialect's request to serve on a worker thread."""
-
-    identity: bytes
-    run: Callable[[], list[bytes] | None]
-    size: int  # the request's bytes, counted against the workers' queue bound
-    op: str = ""  # the dialect's op name (for ``observe``)
+def silent_route() -> Route:
+    """A frame its protocol answers with nothing (e.g. LMCache's stream credit)."""
+    return Route(lambda _payload, _client: None, silent=True)
 
 
 class Job(NamedTuple):
-    """One of our own requests, served on a worker thread (or parked in the gate first)."""
+    """One request, of either wire, served on a worker thread (or parked in the gate first)."""
 
     identity: bytes
-    head: RequestHead
+    head: Any
     route: Route
-    payload: Any = None  # decoded already (by the gate check)
+    wire: Wire
+    payload: Any = None  # decoded already (by the gate check, or to admit an ack-first request)
     gated: bool = False  # back from the gate: serve it now
     expired: bool = False  # what it waited for did not complete in time: answer a timeout
+    acked: bool = False  # its ack went already: its handler's reply is not sent

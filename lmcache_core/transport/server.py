@@ -1,27 +1,29 @@
 """``MessageQueueServer``: a ROUTER socket, one loop thread, and worker threads for long requests.
 
-The loop thread reads every request's head (frame count, size, uid, op: cheap whatever the bytes
-are). Cheap requests (ping, lookup, info) are then decoded and answered inline; routes marked
-``blocking`` (store, retrieve) are decoded and served on a worker thread, so neither a long copy nor
-a large payload delays a ping. Every request gets exactly one reply: its result, or an
-``ErrorReply`` built at the one error boundary (``_answer``: ``answer.serve``); no exception from
-one request reaches the loop. Workers hand replies back through a deque and an eventfd. A route with
-a ``gate`` (store and retrieve on GPU hosts: the worker's CUDA event) has its request parked in a
-``Gate`` until what it waits for completes, so no worker thread waits for a GPU's forward pass; one
-thread polls them all, and a request past its deadline is answered without its handler running. With
-an ``on_disconnect`` observer, a ``PeerWatch`` reports the identities of clients whose connection
-closed. A ``dialect`` (LMCache 0.5.6's own clients) claims the requests whose op frame is its own
-before our codec reads them, and answers them in its own form (a failure its client raises for a bad one,
-server).
+One request pipeline serves every dialect on the socket: its wires (``routes.Wire``: LMCache 0.5.6's
+first, which claims its own frames, then ours, which claims the rest) read each request's head on
+the loop thread (frame count, size, uid, op: cheap whatever the bytes are); the route of its op
+(``routes.Route``) says how it is served: inline (ping, lookup, info), or decoded and served on a
+worker thread (``blocking``, or ``blocking_over`` a size: store, retrieve, a long prompt's lookup),
+so neither a long copy nor a large payload delays a ping; after a ``gate`` (store and retrieve on
+GPU hosts: the worker's CUDA event; parked in a ``Gate``, so no worker thread waits for a GPU's
+forward pass, and a request past its deadline is answered without its handler running); with its
+ack sent first (``ack_first``: LMCache's prefetching lookup); or with no reply at all (``silent``:
+LMCache's stream credit, whose protocol defines none). Every other request gets exactly one reply,
+its result or its error in its wire's form, built at the one error boundary (``answer``); no
+exception from one request reaches the loop. Workers hand replies back through a deque and an
+eventfd; a handler that answers later (``routes.LATER``) sends through ``post``. With an
+``on_disconnect`` observer, a ``PeerWatch`` reports the identities of clients whose connection
+closed.
 
 The loop and the workers are spawned through a ``Supervisor``: if one of them dies, the server
 fails as a whole (``lmcache serve`` exits so that it is restarted) instead of holding its port and
 answering nothing. Log lines about rejected requests are budgeted: a flood of bad frames costs a
 few lines, not a line each.
 
-The parts with a job of their own live next to it: ``routes`` (the route table's entries, the
-dialect hook's interface, the queued work items), ``answer`` (the error boundary), ``counters``
-(request and error counts, log budgets) and ``listen`` (binding the socket, removing its file).
+The parts with a job of their own live next to it: ``routes`` (wires, routes, the work item),
+``answer`` (the error boundary, our wire), ``counters`` (log budgets) and ``listen`` (binding the
+socket, removing its file).
 """
 
 from __future__ import annotations
@@ -45,20 +47,20 @@ from lmcache_core.errors import (
     UnknownOperationError,
     clip,
 )
-from lmcache_core.protocol.codec import Limits, decode_head, decode_payload, rejection_frames
+from lmcache_core.protocol.codec import Limits
 from lmcache_core.protocol.ops import RequestType
 from lmcache_core.stats import TransportStats
 from lmcache_core.supervision import Supervisor
-from lmcache_core.transport.answer import reply_error, serve
+from lmcache_core.transport.answer import OurWire, refusal, serve
 from lmcache_core.transport.counters import LogBudget
 from lmcache_core.transport.gate import Gate
 from lmcache_core.transport.listen import bind_router, remove_ipc_file
 from lmcache_core.transport.peers import PeerWatch
-from lmcache_core.transport.routes import Dialect, GateFn, Handler, Job, Observer, Route, Task
+from lmcache_core.transport.routes import GateFn, Handler, Job, Observer, Route, Wire
 from lmcache_core.transport.sending import recv_frames, send_frames
 from lmcache_core.transport.waker import Waker
 
-__all__ = ["Dialect", "GateFn", "Handler", "LogBudget", "MessageQueueServer", "Observer", "Route"]
+__all__ = ["GateFn", "Handler", "LogBudget", "MessageQueueServer", "Observer", "Route", "Wire"]
 
 logger = logging.getLogger(__name__)
 _RECV_BATCH = 256
@@ -72,12 +74,12 @@ _QUEUED_REQUESTS_OF_MAX_SIZE = 4
 class MessageQueueServer:
     """Serves ``routes`` on ``url`` (tcp:// or ipc://) until ``stop()``."""
 
-    def __init__(self, url: str, routes: Mapping[RequestType, Route], *,
+    def __init__(self, url: str, routes: Mapping[RequestType | str, Route], *,
                  context: zmq.Context[Any] | None = None, workers: int = 2,
                  limits: Limits | None = None, name: str = "lmcache-server",
                  supervisor: Supervisor | None = None, observe: Observer | None = None) -> None:
         self.url = url
-        self.routes = dict(routes)
+        self.routes: dict[Any, Route] = dict(routes)  # RequestType (ours) or str (LMCache's) keys
         self.limits = limits or Limits()
         self.counters = TransportStats()  # its section of SERVER_INFO (the loop thread adds)
         self._context = context if context is not None else zmq.Context.instance()
@@ -85,8 +87,9 @@ class MessageQueueServer:
         self._num_workers = max(1, workers)
         self._supervisor = supervisor if supervisor is not None else Supervisor()
         self._observe = observe  # e.g. a latency histogram; None costs nothing per request
-        self._jobs: queue.SimpleQueue[Job | Task | None] = queue.SimpleQueue()
-        self.dialect: Dialect | None = None  # e.g. LMCache's own clients (set before start)
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        #: Claimed in order: others first (``add_wire``: LMCache's clients), ours last.
+        self.wires: list[Wire] = [OurWire(self.limits)]
         self._done: deque[tuple[list[bytes], str, int]] = deque()  # (frames, error code, size)
         self._posted: deque[list[bytes]] = deque()  # late replies (``post``), sent by the loop
         self._in_flight = 0
@@ -117,8 +120,6 @@ class MessageQueueServer:
             self._context, self.url, self.limits.max_request_bytes)
         if self.on_disconnect is not None:
             self._peers = PeerWatch(self._socket, self.on_disconnect)
-        if self.dialect is not None:
-            self.dialect.attach(self.post)
         self._thread = self._supervisor.spawn(f"{self._name}-loop", self._run)
         self._workers = [self._supervisor.spawn(f"{self._name}-worker-{i}", self._work)
                          for i in range(self._num_workers)]
@@ -161,6 +162,12 @@ class MessageQueueServer:
                 name = f"{self._name}-worker-{len(self._workers)}"
                 self._workers.append(self._supervisor.spawn(name, self._work))
             return len(self._workers)
+
+    def add_wire(self, wire: Wire, routes: Mapping[str, Route]) -> None:
+        """Serve another dialect on the socket (before ``start``): ``wire`` claims its requests
+        ahead of ours, ``routes`` (keyed by its heads' ops) serve them."""
+        self.wires.insert(len(self.wires) - 1, wire)
+        self.routes.update(routes)
 
     def _cancel_queued(self) -> None:
         """Drop the jobs no worker took before the drain ended (the socket is closed: no one
@@ -240,98 +247,68 @@ class MessageQueueServer:
     def _dispatch(self, identity: bytes, frames: list[bytes]) -> None:
         """Answer or queue one request; whatever happens, it costs this request only."""
         self.counters.requests += 1
+        wire: Wire = self.wires[-1]
+        head: Any = None
         try:
-            self._route(identity, frames)
+            for wire in self.wires:
+                head = wire.claim(frames)
+                if head is not None:
+                    break
+            wire.check(head)
+            self._route(identity, wire, head)
+        except LMCacheError as exc:
+            self.counters.error(exc.code.value)
+            self._rejections.log(logging.INFO, "rejected a request from %s: %s", identity.hex(),
+                                 clip(str(exc)))
+            self._send([identity, *refusal(wire, head, frames, exc)])
         except Exception as exc:  # a bug on this path: answer it, log it, keep serving
             error = ServerError(f"{type(exc).__name__}: {clip(str(exc))}")
             self.counters.error(error.code.value)
             self._failures.log(logging.ERROR, "serving a request from %s failed", identity.hex(),
                                exc_info=True)
-            self._send([identity, *rejection_frames(frames, error)])
+            self._send([identity, *refusal(wire, head, frames, error)])
 
-    def _route(self, identity: bytes, frames: list[bytes]) -> None:
-        if self.dialect is not None and len(frames) >= 2 and not self._stopping.is_set():
-            op = self.dialect.owns(frames)
-            if op is not None:
-                self._serve_dialect(identity, op, frames)
-                return
-        try:
-            head = decode_head(frames, self.limits)
-            route = self.routes.get(head.op)
-            if route is None:
-                raise UnknownOperationError(f"this server does not serve {head.op.value}")
-        except LMCacheError as exc:
-            self.counters.error(exc.code.value)
-            self._rejections.log(logging.INFO, "rejected a request from %s: %s", identity.hex(),
-                                 clip(str(exc)))
-            self._send([identity, *rejection_frames(frames, exc)])
+    def _route(self, identity: bytes, wire: Wire, head: Any) -> None:
+        """Serve a claimed request as its route says (raises ``LMCacheError`` to refuse it)."""
+        route = self.routes.get(head.op)
+        if route is None:
+            raise UnknownOperationError(f"this server does not serve {_op_name(head.op)}")
+        if route.silent:
             return
-        if not route.blocking:
-            frames_out, code = self._answer(Job(identity, head, route))
-            if code:
-                self.counters.error(code)
-            self._send([identity, *frames_out])
-        elif self._stopping.is_set():
-            error = ShuttingDownError("the server is shutting down")
-            self.counters.error(error.code.value)
-            self._send([identity, *reply_error(head, error)])
-        elif self._in_flight and self._queued_bytes + len(head.payload_frame) > self._max_queued_bytes:
-            busy = ServerBusyError(f"{self._in_flight} long requests ({self._queued_bytes} bytes) "
-                                   f"are queued; {head.op.value} was not served")
-            self.counters.error(busy.code.value)
-            self._send([identity, *reply_error(head, busy)])
-        else:
-            self._in_flight += 1
-            self._queued_bytes += len(head.payload_frame)
-            self._jobs.put(Job(identity, head, route))
+        if not route.blocks(head.size):
+            self._reply_now(Job(identity, head, route, wire))
+            return
+        if self._stopping.is_set():
+            raise ShuttingDownError("the server is shutting down")
+        if self._in_flight and self._queued_bytes + head.size > self._max_queued_bytes:
+            raise ServerBusyError(f"{self._in_flight} long requests ({self._queued_bytes} bytes) "
+                                  f"are queued; {_op_name(head.op)} was not served")
+        job = Job(identity, head, route, wire)
+        if route.ack_first and not route.oversize(head.size):  # what ``before`` marks must be
+            # there before the ack: decoded here (not a long one: decoding it is a worker's job)
+            job = job._replace(payload=wire.decode(head), acked=True)
+            if route.before is not None:
+                route.before(job.payload, identity)
+            self._send([identity, *wire.reply(head, None)])
+        self._in_flight += 1
+        self._queued_bytes += head.size
+        self._jobs.put(job)
 
-    def _serve_dialect(self, identity: bytes, op: str, frames: list[bytes]) -> None:
-        """A request of the other dialect: answered now (a refusal in its own form when too
-        large or too many are queued), or later on a worker (or not at all, where its
-        protocol defines no reply)."""
-        dialect = self.dialect
-        assert dialect is not None
-        size = sum(len(f) for f in frames)
-        if size > self.limits.max_request_bytes:
-            self._send([identity, *dialect.refuse(op, frames, identity, f"a {size}-byte request; "
-                                                  f"at most {self.limits.max_request_bytes}")])
-            return
-        start = time.perf_counter()
-        out = dialect.serve(op, frames, identity)
-        if callable(out):
-            if self._in_flight and self._queued_bytes + size > self._max_queued_bytes:
-                self._rejections.log(logging.INFO, "refused a %s request: %d long requests "
-                                     "are queued", op, self._in_flight)
-                late = dialect.dropped(op, frames, identity)
-                if late is not None:
-                    self._send([identity, *late])
-                return
-            self._in_flight += 1
-            self._queued_bytes += size
-            self._jobs.put(Task(identity, out, size, op))
-            return
-        self._observe_dialect(op, start)
-        if out is not None:
-            self._send([identity, *out])
+    def _reply_now(self, job: Job) -> None:
+        frames, code = self._answer(job)
+        if code:
+            self.counters.error(code)
+        if frames is not None:
+            self._send([job.identity, *frames])
 
     def _work(self) -> None:
         """A worker thread: serve queued jobs until a None arrives."""
         while (job := self._jobs.get()) is not None:
-            if isinstance(job, Task):
-                start = time.perf_counter()
-                try:
-                    out = job.run()
-                except Exception:  # a dialect's task never raises; if it did, no reply
-                    self._failures.log(logging.ERROR, "a dialect task raised", exc_info=True)
-                    out = None
-                self._observe_dialect(job.op, start)
-                self._done.append(([job.identity, *out] if out is not None else [], "", job.size))
-                self._waker.wake()
-                continue
             if self._park(job):
                 continue
             frames, code = self._answer(job)
-            self._done.append(([job.identity, *frames], code, len(job.head.payload_frame)))
+            out = [job.identity, *frames] if frames is not None and not job.acked else []
+            self._done.append((out, code, job.head.size))
             self._waker.wake()
 
     def _park(self, job: Job) -> bool:
@@ -342,7 +319,7 @@ class MessageQueueServer:
         if gate is None or job.gated or self._gate_thread is None:
             return False
         try:
-            payload = decode_payload(job.head, self.limits)
+            payload = job.wire.decode(job.head)
             waiting = gate(payload)
             if waiting is None or waiting[0].query():
                 return False
@@ -356,8 +333,8 @@ class MessageQueueServer:
         self._jobs.put(job._replace(gated=True, expired=expired))
 
     def post(self, frames: list[bytes]) -> None:
-        """Send ``[identity, *reply]`` from the loop thread; from any thread, e.g. a dialect's
-        reply to a request it answered later (not counted in flight: a stop does not wait)."""
+        """Send ``[identity, *reply]`` from the loop thread; from any thread, e.g. the reply of a
+        handler that answered ``LATER`` (not counted in flight: a stop does not wait)."""
         self._posted.append(frames)
         self._waker.wake()
 
@@ -370,31 +347,22 @@ class MessageQueueServer:
             self._queued_bytes -= size
             if code:
                 self.counters.error(code)
-            if frames:  # empty: a dialect request answered with silence
+            if frames:  # empty: its reply went already (an ack) or goes later
                 self._send(frames)
 
-    def _answer(self, job: Job) -> tuple[list[bytes], str]:
+    def _answer(self, job: Job) -> tuple[list[bytes] | None, str]:
         """``answer.serve`` (the error boundary), timed for ``observe`` when there is one."""
         observe = self._observe
         if observe is None:
-            return serve(job, self.limits, self._rejections, self._failures)
+            return serve(job, self._rejections, self._failures)
         start = time.perf_counter()
-        frames, code = serve(job, self.limits, self._rejections, self._failures)
+        frames, code = serve(job, self._rejections, self._failures)
         try:
             observe(job.head.op, time.perf_counter() - start, code)
         except Exception:
-            self._failures.log(logging.ERROR, "observing %s raised", job.head.op.value,
+            self._failures.log(logging.ERROR, "observing %s raised", _op_name(job.head.op),
                                exc_info=True)
         return frames, code
-
-    def _observe_dialect(self, op: str, start: float) -> None:
-        """Time a dialect's request served from ``start`` (decode and handler; a reply sent later
-        by ``post`` is not waited for) under its op name."""
-        if self._observe is not None:
-            try:
-                self._observe(op, time.perf_counter() - start, "")
-            except Exception:
-                self._failures.log(logging.ERROR, "observing %s raised", op, exc_info=True)
 
     def _send(self, frames: list[bytes]) -> None:
         assert self._socket is not None
@@ -402,3 +370,7 @@ class MessageQueueServer:
             send_frames(self._socket, frames)
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the client went away; EAGAIN: it stopped reading
             logger.debug("reply to %s dropped: %s", frames[0].hex(), exc)
+
+
+def _op_name(op: RequestType | str) -> str:
+    return op.value if isinstance(op, RequestType) else op

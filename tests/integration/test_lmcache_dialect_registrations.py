@@ -55,7 +55,7 @@ def test_a_heartbeat_re_register_maps_an_instance_the_registry_dropped(kv_server
 
 def test_instances_the_registry_dropped_are_not_kept(kv_server) -> None:  # noqa: F811
     srv, _, descs = kv_server
-    registrations = srv.transport.dialect.registrations
+    registrations = srv.lmcache.registrations
     sock = dealer(srv.url)
     try:
         assert call(sock, [enc(1), *register(7, descs)]) == [enc(1), enc(1)]

@@ -1,4 +1,5 @@
-"""The LMCache 0.5.6 dialect's translation layer (lmcache_core.protocol.lmcache_wire): no sockets."""
+"""The LMCache 0.5.6 dialect's wire (lmcache_core.protocol.lmcache_wire) and its translation into
+our requests (lmcache_core.server.lmcache.translate): no sockets."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from lmcache_core.errors import IncompatibleError
 from lmcache_core.keys import chain_hashes
 from lmcache_core.kv.shm import check_segment_name, parse_lmcache_segment_name
 from lmcache_core.protocol import lmcache_wire as w
+from lmcache_core.server.lmcache import translate as t
 
 enc = msgspec.msgpack.encode
 C = 64
@@ -48,7 +50,7 @@ def test_decode_call_types_every_payload() -> None:
     call = w.decode_call([enc(1), enc(1), enc(7), enc([shm_layer()]), enc("tiny"), enc(1),
                           enc("vllm"), enc({"kv_layout": "NHD"}), enc([])], "register_kv_cache")
     layer = call.args[1][0]
-    desc = w.tensor_descriptor(layer)
+    desc = t.tensor_descriptor(layer)
     assert desc.kind == "shm" and desc.shm_name == "lmcache_kv_123_0" and desc.segment_nbytes == 4096
 
 
@@ -86,21 +88,21 @@ def test_keys_become_our_chain_hashes_and_ranges() -> None:
     k = msgspec.convert(key(start=C, end=3 * C), w.IPCCacheServerKey)
     full = chain_hashes(TOKENS, C)
     assert len(full) == 3  # the partial tail is ignored, as in LMCache
-    req = w.store_request(k, 9, [list(range(12))], C, 4)
+    req = t.store_request(k, 9, [list(range(12))], C, 4)
     assert req.chunk_hashes == full[1:3] and req.block_ids == list(range(8))
-    look = w.lookup_request(msgspec.structs.replace(k, worker_id=None), C)
+    look = t.lookup_request(msgspec.structs.replace(k, worker_id=None), C)
     assert look.chunk_hashes == full and look.lookup_id == "r1"  # a lookup ignores start
-    ret, left_out = w.retrieve_request(k, 9, [list(range(8))], C, 4)
+    ret, left_out = t.retrieve_request(k, 9, [list(range(8))], C, 4)
     assert ret.lookup_id == "r1" and ret.chunk_hashes == full[1:3] and left_out == []
-    skipped, left_out = w.retrieve_request(k, 9, [list(range(8))], C, 4, skip_tokens=C + 5)
+    skipped, left_out = t.retrieve_request(k, 9, [list(range(8))], C, 4, skip_tokens=C + 5)
     assert skipped.chunk_hashes == full[2:3] and skipped.block_ids == [4, 5, 6, 7]
     assert left_out == full[1:2]
     with pytest.raises(ValueError, match="too few"):
-        w.store_request(k, 9, [list(range(7))], C, 4)
+        t.store_request(k, 9, [list(range(7))], C, 4)
     with pytest.raises(w.DialectError):
-        w.check_range(msgspec.structs.replace(k, end=C + 1), C)
+        t.check_range(msgspec.structs.replace(k, end=C + 1), C)
     with pytest.raises(w.DialectError):
-        w.lookup_request(msgspec.structs.replace(k, num_kv_readers=0), C)
+        t.lookup_request(msgspec.structs.replace(k, num_kv_readers=0), C)
 
 
 def test_lmcache_segment_names_are_admitted_for_their_pid_only() -> None:
@@ -114,35 +116,35 @@ def test_lmcache_segment_names_are_admitted_for_their_pid_only() -> None:
 
 
 def test_hnd_tensors_are_viewed_as_nhd() -> None:
-    desc = w.tensor_descriptor(msgspec.convert(msgspec.msgpack.decode(shm_layer().data),
+    desc = t.tensor_descriptor(msgspec.convert(msgspec.msgpack.decode(shm_layer().data),
                                                w.CpuShmIPCData))
     hnd = msgspec.structs.replace(desc, shape=[2, 4, 1, 16, 8], stride=[512, 128, 128, 8, 1])
-    nhd = w.hnd_as_nhd(hnd)
+    nhd = t.hnd_as_nhd(hnd)
     assert nhd.shape == [2, 4, 16, 1, 8] and nhd.stride == [512, 128, 8, 128, 1]
     cpu = msgspec.structs.replace(desc, shape=[4, 1, 16, 16], stride=[256, 256, 16, 1])
-    assert w.hnd_as_nhd(cpu).shape == [2, 4, 16, 1, 8]  # vLLM's CPU backend: K rows, then V rows
-    assert w.hnd_as_nhd(cpu).stride == [128, 256, 8, 256, 1]
+    assert t.hnd_as_nhd(cpu).shape == [2, 4, 16, 1, 8]  # vLLM's CPU backend: K rows, then V rows
+    assert t.hnd_as_nhd(cpu).stride == [128, 256, 8, 256, 1]
     with pytest.raises(w.DialectError):
-        w.hnd_as_nhd(msgspec.structs.replace(desc, shape=[4, 16, 8], stride=[128, 8, 1]))
+        t.hnd_as_nhd(msgspec.structs.replace(desc, shape=[4, 16, 8], stride=[128, 8, 1]))
 
 
 def test_a_cache_salt_seeds_the_chain_as_in_our_token_mode() -> None:
     from lmcache_core.keys import salt_prefix
 
     k = msgspec.convert(key(cache_salt="tenant-a"), w.IPCCacheServerKey)
-    salted = w.key_hashes(k, C)
+    salted = t.key_hashes(k, C)
     assert salted == chain_hashes(TOKENS, C, salt_prefix("tenant-a"))
     assert salted != chain_hashes(TOKENS, C)
-    assert w.key_hashes(msgspec.structs.replace(k, cache_salt=""), C) == chain_hashes(TOKENS, C)
+    assert t.key_hashes(msgspec.structs.replace(k, cache_salt=""), C) == chain_hashes(TOKENS, C)
 
 
 def test_a_salted_store_is_for_its_tenant() -> None:
     from lmcache_core.keys import tenant_tag
 
     k = msgspec.convert(key(cache_salt="tenant-a"), w.IPCCacheServerKey)
-    req = w.store_request(k, 9, [list(range(12))], C, 4)
+    req = t.store_request(k, 9, [list(range(12))], C, 4)
     assert req.tenant == tenant_tag("tenant-a") and req.tenant != ""
-    unsalted = w.store_request(msgspec.structs.replace(k, cache_salt=""), 9, [list(range(12))], C, 4)
+    unsalted = t.store_request(msgspec.structs.replace(k, cache_salt=""), 9, [list(range(12))], C, 4)
     assert unsalted.tenant == ""
     msgspec.convert(msgspec.to_builtins(req), type(req))  # within the field's bounds
 

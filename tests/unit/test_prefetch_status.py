@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from lmcache_core.server.prefetch_status import DEFERRED, PrefetchResults
+from lmcache_core.server.lmcache.prefetch_status import DEFERRED, PrefetchResults
 from tests.harness import wait_until
 
 

@@ -19,6 +19,7 @@ from lmcache_core.kv.shm import parse_lmcache_segment_name
 from lmcache_core.protocol import lmcache_wire as w
 from lmcache_core.protocol import messages as m
 from lmcache_core.server.handlers import CacheHandlers
+from lmcache_core.server.lmcache import translate as t
 from lmcache_core.server.registry import HOSTNAME, Registration
 from lmcache_core.server.segments import process_gone
 
@@ -109,9 +110,9 @@ def registration_request(instance_id: int, layers: list[Any], model_name: str, w
         raise w.DialectError(f"{len(groups)} engine KV groups: one plain group is served")
     if hints.kv_layout not in (None, "NHD", "HND"):
         raise w.DialectError(f"kv_layout {hints.kv_layout!r}: NHD and HND are served")
-    descs = [w.tensor_descriptor(layer) for layer in layers]
+    descs = [t.tensor_descriptor(layer) for layer in layers]
     if hints.kv_layout == "HND":  # vLLM's CPU backend: viewed as NHD, chunks byte-identical
-        descs = [w.hnd_as_nhd(d) for d in descs]
+        descs = [t.hnd_as_nhd(d) for d in descs]
     pid = _owner_pid(descs)
     from lmcache_core.kv.layout import detect_layout, kv_geometry
     layout = detect_layout(descs[0].shape)
