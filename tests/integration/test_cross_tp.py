@@ -71,22 +71,18 @@ def test_a_lookup_does_not_count_a_chunk_missing_a_ranks_heads(server, engines):
     load_and_check(engines[1], "whole1", toks, 99, 2)  # from three pieces of two TP sizes
 
 
-def test_another_dtype_or_shape_under_the_same_model_name_never_loads(server, engines):
+def test_another_dtype_or_shape_under_the_same_model_name_never_loads(server, engines, make_worker):
     """Same model name, same bytes per chunk, another dtype: never served (wrong tokens)."""
     toks = tokens(2, 7)
     store(engines[1], toks, 7, 2)
-    bf16 = WorkerProcess(server.url, model="xtp", heads=HEADS, dtype="bfloat16")
-    reshaped = WorkerProcess(server.url, model="xtp", heads=HEADS // 2, head_dim=64)
-    try:
-        for worker in (bf16, reshaped):
-            worker("fill", blocks=blocks(8, 2), seed=5)
-            before = worker("digest", blocks=blocks(8, 2))["digest"]
-            result = worker("retrieve", req="other", keys=toks, blocks=blocks(8, 2))
-            assert result["load_errors"] == blocks(8, 2)
-            assert worker("digest", blocks=blocks(8, 2))["digest"] == before  # untouched
-    finally:
-        bf16.close()
-        reshaped.close()
+    bf16 = make_worker(server.url, model="xtp", heads=HEADS, dtype="bfloat16")
+    reshaped = make_worker(server.url, model="xtp", heads=HEADS // 2, head_dim=64)
+    for worker in (bf16, reshaped):
+        worker("fill", blocks=blocks(8, 2), seed=5)
+        before = worker("digest", blocks=blocks(8, 2))["digest"]
+        result = worker("retrieve", req="other", keys=toks, blocks=blocks(8, 2))
+        assert result["load_errors"] == blocks(8, 2)
+        assert worker("digest", blocks=blocks(8, 2))["digest"] == before  # untouched
 
 
 def test_two_models_of_different_shapes_and_dtypes_share_one_server(server, engines):
@@ -131,57 +127,47 @@ def test_mla_pieces_serve_every_tp_size(server):
                 worker.close()
 
 
-def test_a_model_quota_bounds_its_share_and_spares_the_others(tmp_path):
+def test_a_model_quota_bounds_its_share_and_spares_the_others(tmp_path, make_server, make_worker):
     piece = 2 * 2 * CHUNK * HEADS * 32 * 2  # layers x K/V x tokens x heads x dim x fp16
-    srv = ServerProcess(tmp_path, {"server": {"pool_size": "4MiB", "slab_size": "1MiB",
-                                              "quotas": {"capped": 3 * piece}}}).start()
-    capped = WorkerProcess(srv.url, model="capped", heads=HEADS)
-    free = WorkerProcess(srv.url, model="free", heads=HEADS)
-    try:
-        store([free], tokens(4, 51), 51, 4)
-        store([capped], tokens(5, 52), 52, 5)  # 5 pieces against a quota of 3
-        models = {row.model_name: row for row in server_info(srv.url).models}
-        assert models["capped"].quota_bytes == 3 * piece
-        assert models["capped"].bytes_used <= 3 * piece
-        assert models["free"].bytes_used == 4 * piece  # untouched by the other's quota
-        assert lookup(srv.url, 1, "f", tokens(4, 51), model="free") == 4 * CHUNK
-    finally:
-        capped.close()
-        free.close()
-        srv.kill()
+    srv = make_server({"server": {"pool_size": "4MiB", "slab_size": "1MiB",
+                                  "quotas": {"capped": 3 * piece}}})
+    capped = make_worker(srv.url, model="capped", heads=HEADS)
+    free = make_worker(srv.url, model="free", heads=HEADS)
+    store([free], tokens(4, 51), 51, 4)
+    store([capped], tokens(5, 52), 52, 5)  # 5 pieces against a quota of 3
+    models = {row.model_name: row for row in server_info(srv.url).models}
+    assert models["capped"].quota_bytes == 3 * piece
+    assert models["capped"].bytes_used <= 3 * piece
+    assert models["free"].bytes_used == 4 * piece  # untouched by the other's quota
+    assert lookup(srv.url, 1, "f", tokens(4, 51), model="free") == 4 * CHUNK
 
 
-def test_eviction_runs_across_models_of_different_piece_sizes(tmp_path):
+def test_eviction_runs_across_models_of_different_piece_sizes(tmp_path, make_server, make_worker):
     """Model a's pieces fill two of four slabs; model b's larger pieces then need three: a's
     least recently used slab goes whole (the tail of its prefix), and what stays of both is
     byte-exact."""
-    srv = ServerProcess(tmp_path, {"server": {"pool_size": "2MiB", "slab_size": "512KiB"}}).start()
-    small = WorkerProcess(srv.url, model="a", heads=4, num_blocks=128)  # 64 KiB pieces
-    large = WorkerProcess(srv.url, model="b", layers=3, heads=8, head_dim=16,
-                          dtype="bfloat16", num_blocks=128)  # 96 KiB pieces
-    try:
-        toks_a, toks_b = tokens(16, 61), tokens(12, 62)
-        small("fill_model", blocks=blocks(0, 16), seed=61)
-        assert small("store", req="a", keys=toks_a, blocks=blocks(0, 16))["finished"]
-        large("fill_model", blocks=blocks(0, 12), seed=62)
-        result = large("store", req="b", keys=toks_b, blocks=blocks(0, 12))
-        assert result["finished"] and not result["failed"], result
-        assert lookup(srv.url, 1, "b", toks_b, model="b") == 12 * CHUNK
-        assert lookup(srv.url, 1, "a", toks_a, model="a") == 8 * CHUNK  # its tail slab went
-        stats = server_info(srv.url).stats
-        assert stats.engine.evictions == 8 and stats.engine.pool_slabs_free == 0
-        for worker, request_id, toks, n in ((large, "b", toks_b, 12),
-                                            (small, "a", toks_a[:8 * CHUNK], 8)):
-            target = list(range(64, 64 + n * PER_CHUNK))
-            worker("zero", blocks=target)
-            result = worker("retrieve", req=request_id, keys=toks, blocks=target)
-            assert result["finished"] and not result["load_errors"], result
-            want = worker("digest", blocks=blocks(0, n))["digest"]
-            assert worker("digest", blocks=target)["digest"] == want
-    finally:
-        small.close()
-        large.close()
-        srv.kill()
+    srv = make_server({"server": {"pool_size": "2MiB", "slab_size": "512KiB"}})
+    small = make_worker(srv.url, model="a", heads=4, num_blocks=128)  # 64 KiB pieces
+    large = make_worker(srv.url, model="b", layers=3, heads=8, head_dim=16,
+                        dtype="bfloat16", num_blocks=128)  # 96 KiB pieces
+    toks_a, toks_b = tokens(16, 61), tokens(12, 62)
+    small("fill_model", blocks=blocks(0, 16), seed=61)
+    assert small("store", req="a", keys=toks_a, blocks=blocks(0, 16))["finished"]
+    large("fill_model", blocks=blocks(0, 12), seed=62)
+    result = large("store", req="b", keys=toks_b, blocks=blocks(0, 12))
+    assert result["finished"] and not result["failed"], result
+    assert lookup(srv.url, 1, "b", toks_b, model="b") == 12 * CHUNK
+    assert lookup(srv.url, 1, "a", toks_a, model="a") == 8 * CHUNK  # its tail slab went
+    stats = server_info(srv.url).stats
+    assert stats.engine.evictions == 8 and stats.engine.pool_slabs_free == 0
+    for worker, request_id, toks, n in ((large, "b", toks_b, 12),
+                                        (small, "a", toks_a[:8 * CHUNK], 8)):
+        target = list(range(64, 64 + n * PER_CHUNK))
+        worker("zero", blocks=target)
+        result = worker("retrieve", req=request_id, keys=toks, blocks=target)
+        assert result["finished"] and not result["load_errors"], result
+        want = worker("digest", blocks=blocks(0, n))["digest"]
+        assert worker("digest", blocks=target)["digest"] == want
 
 
 def test_a_retrieve_with_a_bad_block_id_writes_nothing(server, engines):
