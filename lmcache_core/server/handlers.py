@@ -7,6 +7,7 @@ byte copies run outside the engine's lock, between its ``begin_*`` and ``finish_
 
 from __future__ import annotations
 
+import heapq
 import math
 import os
 import time
@@ -500,13 +501,21 @@ LISTING_ORDER: dict[str, Callable[[m.ChunkInfo], Any]] = {
 }
 
 
+#: The same orders over the disk index's ``(key, nbytes, written)`` (no hits on disk: by age), so
+#: that only the ``limit`` rows shown are made.
+_DISK_ORDER: dict[str, Callable[[tuple[ChunkKey, int, float]], Any]] = {
+    "age": lambda item: -item[2],
+    "hits": lambda item: -item[2],
+    "size": lambda item: (-item[1], -item[2]),
+    "key": lambda item: (item[0].model_name, item[0].layout, item[0].chunk_hash, item[0].head_lo),
+}
+
+
 def _disk_rows(found: list[tuple[ChunkKey, int, float]], limit: int, sort: str) -> list[m.ChunkInfo]:
     """The first ``limit`` disk pieces in ``sort``'s order, as listing rows (no locks or hits: a
     piece on disk has neither until it is loaded)."""
     now = time.time()
-    rows = [m.ChunkInfo(chunk_hash=key.chunk_hash, model_name=key.model_name, layout=key.layout,
+    return [m.ChunkInfo(chunk_hash=key.chunk_hash, model_name=key.model_name, layout=key.layout,
                         head_lo=key.head_lo, head_hi=key.head_hi, tier="disk", nbytes=nbytes,
                         locks=0, hits=0, age_s=max(0.0, now - written))
-            for key, nbytes, written in found]
-    rows.sort(key=LISTING_ORDER[sort])
-    return rows[:limit]
+            for key, nbytes, written in heapq.nsmallest(limit, found, key=_DISK_ORDER[sort])]

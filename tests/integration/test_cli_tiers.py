@@ -143,6 +143,12 @@ def test_after_a_restart_lookup_and_inspect_chunks_report_the_disk(
     assert tier_counts(lookup(cfg, tokens)["prompts"][0]) == (4, 4, 0, 0)
     by_tier = totals(inspect(cfg))
     assert (by_tier["memory"]["pieces"], by_tier["disk"]["pieces"]) == (4, 4)
+    # One listing over both tiers, in the asked order: by key, a chunk's two copies side by side.
+    paired = inspect(cfg, "--sort", "key", "--limit", "4")
+    first_two = sorted(h.hex() for h in hashes)[:2]
+    assert [(c["chunk_hash"], c["tier"]) for c in paired["chunks"]] == [
+        (h, tier) for h in first_two for tier in ("disk", "memory")]
+    assert paired["summary"]["total"] == 8
 
 
 # ---------------------------------------------------------------- Redis, shared by two servers
