@@ -90,6 +90,11 @@ class ServerError(LMCacheError):
     code = ErrorCode.INTERNAL
 
 
+class LifecycleError(ServerError):
+    """A chunk piece was moved in a way its lifecycle does not allow (``engine/lifecycle.py``):
+    a bug in the engine, reported as an internal error."""
+
+
 class BindError(LMCacheError, OSError):
     """The server cannot listen on its url (address in use, bad path, permission)."""
 

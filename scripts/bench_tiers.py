@@ -4,7 +4,7 @@
 - store: chunks committed to an engine with a remote tier, until its writer has SET them all
   (write-behind: blake3 checksum + record header + pipelined SETs) vs redis-py ``SET`` of the same
   bytes, one call per chunk (default client, and with redis-py's own packer as the tier uses);
-- retrieve: a second engine (empty memory) ``lookup_tiers`` of the whole prefix (one pipelined
+- retrieve: a second engine (empty memory) tiered ``lookup`` of the whole prefix (one pipelined
   STRLEN, pipelined GETs, checksum, copy into pool slots), then that plus the copy out of the slots
   (what a retrieve adds) vs redis-py ``GET`` of the same keys, one call per chunk;
 - a lookup that goes to Redis and finds nothing (the STRLEN round trip and the engine around it) vs
@@ -192,7 +192,7 @@ def run(args: argparse.Namespace, url: str) -> None:
         ks = last
         start = time.perf_counter()
         hashes = [k.chunk_hash for k in ks]
-        hits = engine_b.lookup_tiers(MODEL, LAYOUT, RANGES, hashes, "bench", timeout_s=60)
+        hits = engine_b.lookup(MODEL, LAYOUT, RANGES, hashes, "bench", tier_timeout_s=60)
         load_s.append(time.perf_counter() - start)
         assert hits == n, f"{hits} of {n} hit"
         plan = engine_b.begin_retrieve(MODEL, LAYOUT, HEADS, hashes, "bench")
@@ -219,8 +219,8 @@ def run(args: argparse.Namespace, url: str) -> None:
             pipe.exists(rkey)
         pipe.execute()
 
-    tier_lookup = median_us(lambda: engine_b.lookup_tiers(MODEL, LAYOUT, RANGES, hashes, "miss",
-                                                          timeout_s=5), args.lookups)
+    tier_lookup = median_us(lambda: engine_b.lookup(MODEL, LAYOUT, RANGES, hashes, "miss",
+                                                    tier_timeout_s=5), args.lookups)
     raw_lookup = median_us(raw_exists, args.lookups)
     ping = median_us(raw.ping, args.lookups)
     print(f"lookup of {n} chunks that goes to Redis: {tier_lookup:8.1f} us   redis-py pipelined "

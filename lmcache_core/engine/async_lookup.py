@@ -3,7 +3,8 @@
 A worker's ``LMCacheAsyncLookupServer`` calls ``CacheEngine.async_lookup_and_prefetch`` and
 ``cleanup_memory_objs`` from its thread, for the engine's own rank only; the engine hands both to
 the ``AsyncLookups`` it holds. Without lower tiers a lookup answers at once on the caller's thread;
-with them the prefix is brought into memory by ``lookup_tiers`` on a small prefetch thread pool
+with them the prefix is brought into memory by a lookup with a tier budget
+(``TIER_TIMEOUT_S``) on a small prefetch thread pool
 (made on first use), so the caller never waits on tier I/O. ``close`` shuts that pool down.
 
 ``cleanup`` (the request was cancelled or timed out) releases the lookup's locks. A tiered lookup
@@ -32,22 +33,21 @@ from lmcache_core.keys import HeadRange, opaque_layout, rank_heads
 class LookupEngine(Protocol):
     """What the async lookups need of the engine (``cache.CacheEngine`` is one)."""
 
-    chunk_size: int
+    @property
+    def chunk_size(self) -> int: ...
 
     @property
     def has_tiers(self) -> bool: ...
 
     def lookup(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
-               chunk_hashes: Sequence[bytes], lookup_id: str, lock: bool = True) -> int: ...
-
-    def lookup_tiers(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
-                     chunk_hashes: Sequence[bytes], lookup_id: str, lock: bool = True,
-                     timeout_s: float = 1.0) -> int: ...
+               chunk_hashes: Sequence[bytes], lookup_id: str, lock: bool = True, *,
+               tier_timeout_s: float | None = None, readers: int = 1, shared: int = 1) -> int: ...
 
     def free_lookup_locks(self, lookup_id: str) -> int: ...
 
 logger = logging.getLogger(__name__)
 PREFETCH_THREADS = 4
+TIER_TIMEOUT_S = 1.0  # how long a tiered async lookup may spend bringing its prefix in
 
 
 @dataclass(slots=True)
@@ -101,9 +101,11 @@ class AsyncLookups:
         if not engine.has_tiers:
             return answer(engine.lookup(model_name, layout, ranges, hashes, lookup_id, lock=pin))
         if on_result is None:  # nobody to call back: wait here
-            return answer(engine.lookup_tiers(model_name, layout, ranges, hashes, lookup_id, pin))
+            return answer(engine.lookup(model_name, layout, ranges, hashes, lookup_id, pin,
+                                        tier_timeout_s=TIER_TIMEOUT_S))
 
-        lookup = partial(engine.lookup_tiers, model_name, layout, ranges, hashes, lookup_id, pin)
+        lookup = partial(engine.lookup, model_name, layout, ranges, hashes, lookup_id, pin,
+                         tier_timeout_s=TIER_TIMEOUT_S)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the engine is closed: no more tiered async lookups")

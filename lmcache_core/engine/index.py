@@ -11,6 +11,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
+from lmcache_core.engine.lifecycle import State
 from lmcache_core.keys import ChunkKey, HeadRange
 
 ChunkId = tuple[str, str, bytes]  # (model, layout, chunk hash): ``ChunkKey.chunk``
@@ -19,11 +20,12 @@ ChunkId = tuple[str, str, bytes]  # (model, layout, chunk hash): ``ChunkKey.chun
 class Piece:
     """One resident piece: where it lives in the pool and who holds it."""
 
-    __slots__ = ("checksum", "created", "dropped", "expires", "handle", "hits", "key", "locks",
-                 "nbytes", "pinned", "priority", "readers", "tenant")
+    __slots__ = ("checksum", "created", "expires", "handle", "hits", "key", "locks", "nbytes",
+                 "pinned", "priority", "readers", "state", "tenant")
 
     def __init__(self, key: ChunkKey, handle: int, nbytes: int, created: float,
-                 checksum: int = 0, tenant: str = "") -> None:
+                 checksum: int = 0, tenant: str = "", state: State = State.RESIDENT) -> None:
+        self.state = state  # where it is in its lifecycle (``lifecycle``: only ``advance`` moves it)
         self.key = key
         self.handle = handle
         self.nbytes = nbytes
@@ -33,9 +35,6 @@ class Piece:
         self.locks = 0  # (lookup id, head range) pairs holding it for a coming retrieve
         self.readers = 0  # retrieves and tier writers copying out of it right now
         self.hits = 0
-        # Taken out of the index while read (found corrupt): its pool bytes are freed by the
-        # last reader's release (``CacheCore.release_reader``).
-        self.dropped = False
         # Retention asked for by the requests that stored it (``plans.Retention``): evicted
         # after ``expires`` first; never while ``pinned`` (until ``expires``); lower ``priority``
         # before higher, LRU within one.

@@ -1,15 +1,17 @@
-"""``TieredStorage``: the lower tiers (disk, Redis) around the engine's core, through its public
-methods and ``loading`` (``uncovered``, ``reserve``, ``relookup``, ``coldest``; the core's
-``commit_loaded``, ``reading``, ``memory`` and its ``on_stored``/``on_evicted`` hooks).
+"""``TieredStorage``: the lower tiers (disk, Redis) around the engine's store, through the store's
+methods only (``lookup``, ``uncovered``, ``reserve_loads``, ``commit_loaded``, ``memory``,
+``coldest``); ``CacheEngine`` tells it of stores and evictions (``stored``, ``evicted``: the hooks
+it gave the store at construction).
 
-* **lookup** (``CacheEngine.lookup_tiers``): after a memory lookup, for each chunk whose head ranges
-  memory does not cover, the pieces that can cover them are found in the disk index (no I/O) or
-  asked of Redis in one pipelined round trip. Pieces of other tensor-parallel sizes count: a range
-  is covered by any pieces of the same chunk and layout whose head ranges together hold it
-  (``candidate_ranges``: the ranges every TP size dividing the heads would have stored). The
-  longest prefix of chunks that can be covered gets pool room (evicting as a store would), is read
-  in (disk on the caller's thread, Redis on the remote tier's threads at the same time) and
-  checksummed, then committed; a final locked re-lookup counts and locks what is resident.
+* **lookup** (``CacheEngine.lookup`` with a tier budget): after a memory lookup, for each chunk
+  whose head ranges memory does not cover, the pieces that can cover them are found in the disk
+  index (no I/O) or asked of Redis in one pipelined round trip. Pieces of other tensor-parallel
+  sizes count: a range is covered by any pieces of the same chunk and layout whose head ranges
+  together hold it (``candidate_ranges``: the ranges every TP size dividing the heads would have
+  stored). The longest prefix of chunks that can be covered gets pool room (evicting as a store
+  would), is read in (disk on the caller's thread, Redis on the remote tier's threads at the same
+  time) and checksummed, then committed; a final locked re-lookup counts and locks what is
+  resident.
 * **peek** (``peek``, ``lmcache lookup``): the same finding, counted and nothing more: no pool
   room, no load, no lock, no LRU move, no lookup counted. Each chunk of the prefix is counted in
   the slowest tier it needs (memory, disk, Redis), so an operator sees what survived a restart.
@@ -17,7 +19,7 @@ methods and ``loading`` (``uncovered``, ``reserve``, ``relookup``, ``coldest``; 
   (``write_through``) or the disk writer is told to keep the coldest pieces saved. Never blocks.
 * **eviction** (``evicted``): a piece evicted before the disk writer saved it is counted.
 
-Tier I/O never runs under the engine's lock: room is reserved under it, filled outside it, and
+Tier I/O never runs under the store's lock: room is reserved under it, filled outside it, and
 committed under it again. The writers take bytes through ``verify.IntegrityGuard.source``
 (``reading``, which holds a reader count, checked against the piece's checksum: a corrupt piece is
 dropped, never written). A loaded piece keeps the checksum its record carried (verified on read).
@@ -32,8 +34,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-from lmcache_core.engine import loading
-from lmcache_core.engine.core import CacheCore
+from lmcache_core.engine.store import PieceStore
 from lmcache_core.engine.verify import IntegrityGuard
 from lmcache_core.keys import ChunkKey, HeadRange, candidate_ranges
 from lmcache_core.stats import flat
@@ -73,45 +74,45 @@ class TierCounts:
 
 
 class TieredStorage:
-    """One engine's disk and/or remote tier; hooks itself into the core it is given."""
+    """One engine's disk and/or remote tier around its store."""
 
-    def __init__(self, core: CacheCore, disk: DiskTier | None = None,
+    def __init__(self, store: PieceStore, disk: DiskTier | None = None,
                  remote: RemoteTier | None = None, guard: IntegrityGuard | None = None) -> None:
-        self.core = core
+        self._store = store
         self.disk = disk
         self.remote = remote
-        self.spill_ahead_bytes = max(1, core.pool.nbytes // SPILL_AHEAD_SHARE)
-        core.on_stored = self.stored
-        core.on_evicted = self.evicted
+        self.spill_ahead_bytes = max(1, store.pool.nbytes // SPILL_AHEAD_SHARE)
         # The writers take a piece's bytes only once they match its checksum (``verify``).
-        self.guard = guard if guard is not None else IntegrityGuard(core)
+        self.guard = guard if guard is not None else IntegrityGuard(store)
         if disk is not None:
             disk.bind(self.guard.source, self.spill_candidates)
-            disk.events = core.events  # each tier reports its own pieces (KV events)
+            disk.events = store.events  # each tier reports its own pieces (KV events)
         if remote is not None:
             remote.bind(self.guard.source)
-            remote.events = core.events
+            remote.events = store.events
 
     # ------------------------------------------------------------------ lookup
 
     def lookup(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
                chunk_hashes: Sequence[bytes], lookup_id: str, lock: bool = True,
-               timeout_s: float = 1.0) -> int:
-        """``CacheEngine.lookup_tiers``: a memory lookup, then the rest of the prefix from the
-        tiers, for at most about ``timeout_s``. A reported hit is always in memory and locked;
-        a load that misses the deadline lands in memory (unlocked) when it completes."""
-        core = self.core
-        hits = core.lookup(model_name, layout, ranges, chunk_hashes, lookup_id, lock)
+               timeout_s: float = 1.0, readers: int = 1, shared: int = 1) -> int:
+        """``CacheEngine.lookup`` with a tier budget: a memory lookup, then the rest of the
+        prefix from the tiers, for at most about ``timeout_s``. A reported hit is always in memory
+        and locked (``readers``/``shared``: ``PieceStore.lookup``); a load that misses the
+        deadline lands in memory (unlocked) when it completes."""
+        store = self._store
+        hits = store.lookup(model_name, layout, ranges, chunk_hashes, lookup_id, lock, readers,
+                            shared)
         if hits == len(chunk_hashes):
             return hits
         deadline = time.monotonic() + timeout_s
         rest = chunk_hashes[hits:]
-        wanted = loading.uncovered(core, model_name, layout, ranges, rest)
+        wanted = store.uncovered(model_name, layout, ranges, rest)
         loads = self._plan_loads(model_name, layout, rest, wanted, deadline)
         if loads:
             self._load(loads, deadline)
-        return loading.relookup(core, model_name, layout, ranges, chunk_hashes, lookup_id, lock,
-                                hits)
+        return store.lookup(model_name, layout, ranges, chunk_hashes, lookup_id, lock, readers,
+                            shared, earlier_hits=hits)
 
     def _plan_loads(self, model_name: str, layout: str, hashes: Sequence[bytes],
                     wanted: list[list[HeadRange]], deadline: float) -> list[Load]:
@@ -139,7 +140,7 @@ class TieredStorage:
                 break  # the prefix stops here: no need to look further
         in_redis = self._remote_lengths(
             list(dict.fromkeys(key for _, probes in per_chunk for key in probes)), deadline)
-        budget = self.core.pool.nbytes
+        budget = self._store.pool.nbytes
         loads: list[Load] = []
         chosen: set[ChunkKey] = set()
         for ranges, (available, probes) in zip(wanted, per_chunk, strict=False):  # a prefix
@@ -170,7 +171,7 @@ class TieredStorage:
         out: dict[ChunkKey, int] = {}
         for key, length in zip(keys, found or (), strict=False):
             nbytes = length - record.header_bytes(key)
-            if length and self.core.pool.fits(nbytes):
+            if length and self._store.pool.fits(nbytes):
                 out[key] = nbytes
         return out
 
@@ -186,7 +187,7 @@ class TieredStorage:
     def _load(self, loads: list[Load], deadline: float) -> None:
         """Reserve slots for ``loads`` (in order, as far as the pool allows) and fill them."""
         from_disk = {key: disk for key, _, disk in loads}
-        reserved = loading.reserve(self.core, [(key, nbytes) for key, nbytes, _ in loads])
+        reserved = self._store.reserve_loads([(key, nbytes) for key, nbytes, _ in loads])
         disk_items = [item for item in reserved if from_disk[item[0]]]
         remote_items = [item for item in reserved if not from_disk[item[0]]]
         remote, future = self.remote, None
@@ -201,7 +202,7 @@ class TieredStorage:
             self._wait(future, deadline)
 
     def _load_disk(self, items: list[Item], deadline: float) -> None:
-        disk, memory = self.disk, self.core.memory
+        disk, memory = self.disk, self._store.memory
         got = [(0, 0)] * len(items)
         try:
             for i, (key, handle, nbytes) in enumerate(items):
@@ -214,7 +215,7 @@ class TieredStorage:
     def _load_remote(self, items: list[Item], deadline: float) -> None:
         """On the remote tier's thread: GET into the slots, then commit (even after the caller
         stopped waiting: the chunks are then simply warm in memory)."""
-        remote, memory = self.remote, self.core.memory
+        remote, memory = self.remote, self._store.memory
         got = [(0, 0)] * len(items)
         try:
             if remote is not None:
@@ -229,7 +230,7 @@ class TieredStorage:
         """Make the loaded pieces resident with the checksums their records carried (verified by
         the tier: a short, failed or corrupt load frees its room); pieces that came from Redis go
         to disk as a store's would."""
-        loaded = self.core.commit_loaded(items, [n for n, _ in got], [s for _, s in got])
+        loaded = self._store.commit_loaded(items, [n for n, _ in got], [s for _, s in got])
         if loaded and not from_disk:
             self._to_disk(loaded)
 
@@ -244,7 +245,7 @@ class TieredStorage:
         counts = TierCounts()
         plan, counts.remote = self._peek_plan(
             model_name, layout, chunk_hashes,
-            loading.uncovered(self.core, model_name, layout, ranges, chunk_hashes))
+            self._store.uncovered(model_name, layout, ranges, chunk_hashes))
         probes = list(dict.fromkeys(key for _, _, keys in plan for key in keys))
         in_redis: dict[ChunkKey, int] = {}
         if probes:
@@ -309,7 +310,7 @@ class TieredStorage:
             return "down", {}
         if found is None:
             return ("down" if remote.down else "timeout"), {}
-        fits = self.core.pool.fits
+        fits = self._store.pool.fits
         sizes = {key: length - record.header_bytes(key)
                  for key, length in zip(keys, found, strict=False) if length}
         return "asked", {key: nbytes for key, nbytes in sizes.items() if fits(nbytes)}
@@ -342,14 +343,14 @@ class TieredStorage:
     def spill_candidates(self, limit: int) -> list[ChunkKey]:
         """Up to ``limit`` chunks among those next in line for eviction that are not on disk yet.
 
-        "Next in line": in eviction's order (``loading.coldest``), the pieces holding
+        "Next in line": in eviction's order (``PieceStore.coldest``), the pieces holding
         ``spill_ahead_bytes - free pool bytes``, so the writer starts saving once the pool is three
         quarters full and stays ahead of eviction.
         """
         disk = self.disk
         if disk is None:
             return []
-        return loading.coldest(self.core, limit, self.spill_ahead_bytes, disk.contains)
+        return self._store.coldest(limit, self.spill_ahead_bytes, disk.contains)
 
     def stats(self) -> dict[str, int]:
         """The tiers' figures by their flat names (``stats.flat``: ``disk_*``, ``remote_*``)."""

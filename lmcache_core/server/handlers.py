@@ -7,7 +7,6 @@ byte copies run outside the engine's lock, between its ``begin_*`` and ``finish_
 
 from __future__ import annotations
 
-import heapq
 import math
 import os
 import time
@@ -17,7 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 from lmcache_core import __version__
 from lmcache_core.config import LMCacheConfig
-from lmcache_core.engine import MEMORY_TIER, CacheEngine, Retention, RetrievePlan, StorePlan
+from lmcache_core.engine import (
+    MEMORY_TIER,
+    CacheEngine,
+    PieceRow,
+    Retention,
+    RetrievePlan,
+    StorePlan,
+)
 from lmcache_core.engine.tiered import TierCounts
 from lmcache_core.errors import CopiesStalledError, IncompatibleError, ProtocolError
 from lmcache_core.keys import ChunkKey, HeadRange, is_mla, rank_heads
@@ -28,7 +34,7 @@ from lmcache_core.protocol.ops import RequestType
 from lmcache_core.server.layouts import LayoutResolver
 from lmcache_core.server.pins import PinHandlers
 from lmcache_core.server.registry import KVRegistry, Registration
-from lmcache_core.stats import EventStats, ServerStats, TransportStats
+from lmcache_core.stats import EventStats, ServerStats, TransportStats, WorkerStats
 from lmcache_core.storage.checksum_stream import ChecksumLanes
 from lmcache_core.storage.pool import process_rss_bytes
 from lmcache_core.transport.server import Route
@@ -344,16 +350,11 @@ class CacheHandlers:
         if target is None:
             return m.LookupReply(hit_chunks=0)  # no layout whose heads divide by world_size
         layout, ranges = target
-        if self.engine.has_tiers:
-            hits = self.engine.lookup_tiers(request.model_name, layout, ranges,
-                                            request.chunk_hashes, request.lookup_id,
-                                            request.lock, timeout_s=self.tier_budget_s)
-        else:
-            hits = self.engine.lookup(request.model_name, layout, ranges, request.chunk_hashes,
-                                      request.lookup_id, request.lock)
         shared = request.world_size if is_mla(layout) else 1
-        if hits and request.lock and readers * shared > 1:  # before the reply: no read yet
-            self.engine.set_lock_readers(request.lookup_id, readers, shared)
+        hits = self.engine.lookup(request.model_name, layout, ranges, request.chunk_hashes,
+                                  request.lookup_id, request.lock,
+                                  tier_timeout_s=self.tier_budget_s, readers=readers,
+                                  shared=shared)
         return m.LookupReply(hit_chunks=hits)
 
     def peek(self, request: m.PeekRequest, _client: bytes) -> m.PeekReply:
@@ -434,9 +435,13 @@ class CacheHandlers:
         """Every component's section, read now: SERVER_INFO's ``stats``, and what ``/metrics``
         exports (``server.metrics``). A section is None where its component is not configured."""
         disk, remote, events = self.engine.disk, self.engine.remote, self.events_stats
+        registry = self.registry
         return ServerStats(
             engine=self.engine.snapshot(), transport=self.transport_stats(),
-            workers=self.registry.stats(),
+            workers=WorkerStats(registered_instances=len(registry),
+                                registered_models=len(registry.models()),
+                                gpu_instances=registry.gpu_instances(),
+                                reaped_instances=registry.reaped),
             disk=disk.stats() if disk is not None else None,
             remote=remote.stats() if remote is not None else None,
             events=events() if events is not None else None)
@@ -450,7 +455,7 @@ class CacheHandlers:
         totals: list[m.TierTotal] = []
         if "memory" in request.tiers:
             memory_rows, pieces = self.engine.list_chunks(model, limit, sort)
-            rows += memory_rows
+            rows += [_chunk_info(row) for row in memory_rows]
             totals.append(m.TierTotal(tier=MEMORY_TIER, pieces=pieces, nbytes=sum(
                 row.bytes_used for row in self.engine.model_stats()
                 if model is None or row.model_name == model)))
@@ -501,21 +506,21 @@ LISTING_ORDER: dict[str, Callable[[m.ChunkInfo], Any]] = {
 }
 
 
-#: The same orders over the disk index's ``(key, nbytes, written)`` (no hits on disk: by age), so
-#: that only the ``limit`` rows shown are made.
-_DISK_ORDER: dict[str, Callable[[tuple[ChunkKey, int, float]], Any]] = {
-    "age": lambda item: -item[2],
-    "hits": lambda item: -item[2],
-    "size": lambda item: (-item[1], -item[2]),
-    "key": lambda item: (item[0].model_name, item[0].layout, item[0].chunk_hash, item[0].head_lo),
-}
+def _chunk_info(row: PieceRow) -> m.ChunkInfo:
+    """A memory piece as a listing row."""
+    return m.ChunkInfo(chunk_hash=row.chunk_hash, model_name=row.model_name, layout=row.layout,
+                       head_lo=row.head_lo, head_hi=row.head_hi, tier=MEMORY_TIER,
+                       nbytes=row.nbytes, locks=row.locks, hits=row.hits, age_s=row.age_s,
+                       pinned=row.pinned, expires_in_s=row.expires_in_s, priority=row.priority)
 
 
 def _disk_rows(found: list[tuple[ChunkKey, int, float]], limit: int, sort: str) -> list[m.ChunkInfo]:
     """The first ``limit`` disk pieces in ``sort``'s order, as listing rows (no locks or hits: a
     piece on disk has neither until it is loaded)."""
     now = time.time()
-    return [m.ChunkInfo(chunk_hash=key.chunk_hash, model_name=key.model_name, layout=key.layout,
+    rows = [m.ChunkInfo(chunk_hash=key.chunk_hash, model_name=key.model_name, layout=key.layout,
                         head_lo=key.head_lo, head_hi=key.head_hi, tier="disk", nbytes=nbytes,
                         locks=0, hits=0, age_s=max(0.0, now - written))
-            for key, nbytes, written in heapq.nsmallest(limit, found, key=_DISK_ORDER[sort])]
+            for key, nbytes, written in found]
+    rows.sort(key=LISTING_ORDER[sort])
+    return rows[:limit]

@@ -87,5 +87,5 @@ def test_a_stalled_retrieve_keeps_its_pieces_held_and_stops_the_server(served: A
         client.request(m.RetrieveRequest(instance_id=instance_id, chunk_hashes=[key],
                                          block_ids=[4, 5, 6, 7]))
     assert srv.supervisor.failed
-    piece = next(iter(srv.engine.index.lru.values()))
+    piece = next(iter(srv.engine.store.index.lru.values()))
     assert piece.readers == 1  # still read: never evicted, its slot never handed out again

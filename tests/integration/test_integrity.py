@@ -86,14 +86,14 @@ def test_a_corrupt_pool_piece_is_reported_missing_and_never_served(short_tmp: Pa
         want = [worker("digest", blocks=blocks(i, 1))["digest"] for i in range(3)]
         assert worker("store", req="s", keys=toks, blocks=blocks(0, 3))["finished"]
         engine = server.engine
-        pieces: list[Piece] = [p for p in (engine.index.get(piece_key(toks, i)) for i in range(3))
+        pieces: list[Piece] = [p for p in (engine.store.index.get(piece_key(toks, i)) for i in range(3))
                                if p is not None]
         # Checksums were recorded at store: xxh3-64 of exactly the bytes in the pool.
         assert len(pieces) == 3
         for p in pieces:
-            assert p.checksum == integrity.checksum(engine.memory(p.handle, p.nbytes))
+            assert p.checksum == integrity.checksum(engine.store.memory(p.handle, p.nbytes))
         # One byte of chunk 1 changes in the pool behind the server's back.
-        view = engine.memory(pieces[1].handle, pieces[1].nbytes)
+        view = engine.store.memory(pieces[1].handle, pieces[1].nbytes)
         view[100] = view[100] ^ 0x10
         with MessageQueueClient(server.url) as client:
             assert lookup(client, toks, "r") == 3  # a lookup does not hash

@@ -276,7 +276,7 @@ def test_a_long_lookup_dropped_from_a_full_queue_is_acknowledged(short_tmp: str)
     """A long prompt's lookup goes to the copy threads before its ack: dropped there (the queue
     full), it is acknowledged at once, undecoded (its status then 0: it recomputes), rather than
     left without an answer until its client's own timeout."""
-    from lmcache_core.server.lmcache.front import INLINE_LOOKUP_BYTES
+    from lmcache_core.server.lmcache_dialect import INLINE_LOOKUP_BYTES
 
     srv, release = blocked_lookups_server(short_tmp, **{"server.max_request_bytes": 300 << 10})
     sock = dealer(srv.url)
@@ -305,7 +305,7 @@ def test_a_failing_skipped_release_does_not_hide_the_retrieve_failure(kv_server,
     from lmcache_core.errors import NotRegisteredError
 
     srv, _, descs = kv_server
-    dialect = srv.lmcache
+    dialect = srv.transport.dialect
     sock = dealer(srv.url)
 
     def gone(*_args: Any, **_kwargs: Any) -> None:
@@ -336,13 +336,13 @@ def test_a_lookup_whose_session_ends_while_it_runs_leaves_no_locks(tiered_kv_ser
     sock = dealer(srv.url)
     engine = srv.handlers.engine
     started, release, looked_up = threading.Event(), threading.Event(), threading.Event()
-    lookup_tiers = engine.lookup_tiers
+    lookup = engine.lookup
 
     def held_back(*args: Any, **kwargs: Any) -> int:
         started.set()
         assert release.wait(10)
         try:
-            return lookup_tiers(*args, **kwargs)  # locks its hits
+            return lookup(*args, **kwargs)  # locks its hits
         finally:
             looked_up.set()
 
@@ -352,7 +352,7 @@ def test_a_lookup_whose_session_ends_while_it_runs_leaves_no_locks(tiered_kv_ser
         stored = key("s", end=192, worker_id=0)
         assert call(sock, [enc(2), enc(6), enc(stored), enc(7), enc([list(range(12))]),
                            enc(b"")]) == [enc(2), enc(6), enc([b"", True])]
-        engine.lookup_tiers = held_back  # type: ignore[method-assign]
+        engine.lookup = held_back  # type: ignore[method-assign]
         assert call(sock, [enc(3), enc(8), enc(key("e", end=192)), enc(1)]) == [enc(3), enc(8)]
         assert started.wait(5)
         assert call(sock, [enc(4), enc(13), enc("e")]) == [enc(4), enc(13)]  # ended first

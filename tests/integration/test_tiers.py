@@ -129,7 +129,7 @@ def test_two_engines_share_chunks_through_redis(redis_up: RedisServer, world: in
             assert client.dbsize() == 4 * world
         hashes = [k.chunk_hash for k in keys[::world]] + [key(9).chunk_hash]
         assert b.lookup("m", LAYOUT, ranges(world), hashes, "q") == 0
-        assert b.lookup_tiers("m", LAYOUT, ranges(world), hashes, "q", timeout_s=2) == 4
+        assert b.lookup("m", LAYOUT, ranges(world), hashes, "q", tier_timeout_s=2) == 4
         assert set(b.locks_of("q")) == set(keys)  # resident and locked when the reply goes out
         assert retrieve_ok(b, keys, "q")  # every rank reads back its own bytes
         stats = b.stats()
@@ -138,11 +138,11 @@ def test_two_engines_share_chunks_through_redis(redis_up: RedisServer, world: in
 
         # A's memory copy gone: A reads each rank's piece back from Redis too.
         assert a.clear(force=True) == (4 * world, 0) and len(a) == 0
-        assert a.lookup_tiers("m", LAYOUT, ranges(world), hashes, "a", timeout_s=2) == 4
+        assert a.lookup("m", LAYOUT, ranges(world), hashes, "a", tier_timeout_s=2) == 4
         assert retrieve_ok(a, keys, "a")
 
         # A TP=1 engine reads the chunks out of the pieces of this TP size, each its own bytes.
-        assert c.lookup_tiers("m", LAYOUT, ranges(1), hashes, "c", timeout_s=2) == 4
+        assert c.lookup("m", LAYOUT, ranges(1), hashes, "c", tier_timeout_s=2) == 4
         plan = c.begin_retrieve("m", LAYOUT, (0, 8), hashes[:4], "c")
         try:
             assert not plan.missing and len(plan.found) == 4
@@ -172,14 +172,14 @@ def test_disk_round_trip_every_rank(tmp_path: Path, world: int) -> None:
         assert e.clear(force=True) == (4 * world, 0) and len(e) == 0
         hashes = [k.chunk_hash for k in keys[::world]] + [key(9).chunk_hash]
         assert e.lookup("m", LAYOUT, ranges(world), hashes, "q") == 0
-        assert e.lookup_tiers("m", LAYOUT, ranges(world), hashes, "q", timeout_s=2) == 4
+        assert e.lookup("m", LAYOUT, ranges(world), hashes, "q", tier_timeout_s=2) == 4
         assert set(e.locks_of("q")) == set(keys)
         assert retrieve_ok(e, keys, "q")  # every rank reads back its own bytes
         assert e.stats()["disk_loaded_chunks"] == 4 * world
     finally:
         disk.stop()
     fresh = engine(disk=DiskTier(tmp_path, 1 << 20))  # a restart on the same directory
-    assert fresh.lookup_tiers("m", LAYOUT, ranges(world), hashes, "r", timeout_s=2) == 4
+    assert fresh.lookup("m", LAYOUT, ranges(world), hashes, "r", tier_timeout_s=2) == 4
     assert retrieve_ok(fresh, keys, "r")
 
 
@@ -192,8 +192,8 @@ def test_cluster_url(make_redis: Callable[..., RedisServer]) -> None:
         keys = [key(i) for i in range(3)]
         store(a, keys)
         assert a_tier.flush(5) and a.stats()["remote_written_chunks"] == 3
-        assert b.lookup_tiers("m", LAYOUT, ranges(1), [k.chunk_hash for k in keys], "c",
-                              timeout_s=2) == 3
+        assert b.lookup("m", LAYOUT, ranges(1), [k.chunk_hash for k in keys], "c",
+                              tier_timeout_s=2) == 3
         assert retrieve_ok(b, keys, "c") and b.stats()["remote_errors"] == 0
     finally:
         a_tier.stop()
@@ -212,8 +212,8 @@ def test_bad_values_are_never_served(redis_up: RedisServer) -> None:
         c.set(t.redis_key(keys[1]), bytes(flipped))
         c.set(t.redis_key(keys[2]), good[1])  # an intact record, but of another key
     try:
-        assert e.lookup_tiers("m", LAYOUT, ranges(1), [k.chunk_hash for k in keys], "q",
-                              timeout_s=2) == 1
+        assert e.lookup("m", LAYOUT, ranges(1), [k.chunk_hash for k in keys], "q",
+                              tier_timeout_s=2) == 1
         assert not e.is_resident(keys[1]) and not e.is_resident(keys[2])
         assert e.stats()["remote_corrupt"] == 2
         with redis_up.client() as c:
@@ -231,7 +231,7 @@ def test_a_value_of_another_head_range_is_never_served(redis_up: RedisServer) ->
         c.set(t.redis_key(low), record.encode(low, payload(low)))
         c.set(t.redis_key(high), record.encode(low, payload(low)))
     try:
-        assert e.lookup_tiers("m", LAYOUT, ranges(2), [low.chunk_hash], "q", timeout_s=2) == 0
+        assert e.lookup("m", LAYOUT, ranges(2), [low.chunk_hash], "q", tier_timeout_s=2) == 0
         assert not e.is_resident(high) and e.stats()["remote_corrupt"] == 1
     finally:
         t.stop()
@@ -261,7 +261,7 @@ def test_redis_down_then_back(redis_up: RedisServer, caplog: pytest.LogCaptureFi
         hashes = [key(0).chunk_hash, key(1).chunk_hash]
         for i in range(20):  # memory keeps serving; every lookup answers within its budget
             start = time.monotonic()
-            assert e.lookup_tiers("m", LAYOUT, ranges(1), hashes, f"d{i}", timeout_s=0.5) == 1
+            assert e.lookup("m", LAYOUT, ranges(1), hashes, f"d{i}", tier_timeout_s=0.5) == 1
             assert time.monotonic() - start < 5.0  # 10x the budget (Redis refuses: ~ms)
         store(e, [key(2)])  # queued while down
         wait_until(lambda: e.stats()["remote_up"] == 0)
@@ -276,8 +276,8 @@ def test_redis_down_then_back(redis_up: RedisServer, caplog: pytest.LogCaptureFi
         other_tier = tier(redis_up.url)
         other = engine(other_tier)
         try:
-            assert other.lookup_tiers("m", LAYOUT, ranges(1), [key(2).chunk_hash], "o",
-                                      timeout_s=2) == 1
+            assert other.lookup("m", LAYOUT, ranges(1), [key(2).chunk_hash], "o",
+                                      tier_timeout_s=2) == 1
             assert retrieve_ok(other, [key(2)], "o")
         finally:
             other_tier.stop()
@@ -295,8 +295,8 @@ def test_hung_redis_costs_a_lookup_at_most_its_budget(redis_up: RedisServer) -> 
     try:
         with frozen(redis_up.proc.pid):
             start = time.monotonic()
-            assert e.lookup_tiers("m", LAYOUT, ranges(1), [key(5).chunk_hash], "h",
-                                  timeout_s=0.3) == 0
+            assert e.lookup("m", LAYOUT, ranges(1), [key(5).chunk_hash], "h",
+                                  tier_timeout_s=0.3) == 0
             assert time.monotonic() - start < 3.0
             assert e.stats()["remote_lookup_timeouts"] == 1
             start = time.monotonic()
@@ -319,8 +319,8 @@ def test_disk_first_then_redis_in_one_prefix(redis_up: RedisServer, tmp_path: Pa
         assert t.put(k, payload(k))
     keys = [k for chunk in chunks for k in chunk]
     try:
-        assert e.lookup_tiers("m", LAYOUT, ranges(world), [c[0].chunk_hash for c in chunks], "p",
-                              timeout_s=2) == 4
+        assert e.lookup("m", LAYOUT, ranges(world), [c[0].chunk_hash for c in chunks], "p",
+                              tier_timeout_s=2) == 4
         assert retrieve_ok(e, keys, "p")  # every rank reads back its own bytes
         stats = e.stats()
         assert stats["disk_loaded_chunks"] == 2 * world

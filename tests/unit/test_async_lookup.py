@@ -52,7 +52,7 @@ def test_cleanup_of_a_running_tiered_lookup_releases_what_it_locks(tmp_path: Pat
     try:
         assert engine.async_lookup_and_prefetch("req", HASHES, model_name="m",
                                                 on_result=answers) is None
-        assert loading.wait(5)  # inside lookup_tiers: its re-lookup has not locked yet
+        assert loading.wait(5)  # inside the tiered lookup: its re-lookup has not locked yet
         engine.cleanup_memory_objs("req")  # the request was aborted
         go.set()
         assert answers.event("req").wait(5)
@@ -81,12 +81,9 @@ class FakeEngine:
         self.mutex = threading.Lock()
 
     def lookup(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
-               chunk_hashes: Sequence[bytes], lookup_id: str, lock: bool = True) -> int:
-        raise AssertionError("a tiered engine's async lookups go through lookup_tiers")
-
-    def lookup_tiers(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
-                     chunk_hashes: Sequence[bytes], lookup_id: str, lock: bool = True,
-                     timeout_s: float = 1.0) -> int:
+               chunk_hashes: Sequence[bytes], lookup_id: str, lock: bool = True, *,
+               tier_timeout_s: float | None = None, readers: int = 1, shared: int = 1) -> int:
+        assert tier_timeout_s is not None, "a tiered engine's async lookups have a tier budget"
         with self.mutex:
             gate, started = self.gates[self.calls], self.started[self.calls]
             self.calls += 1

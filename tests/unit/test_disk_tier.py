@@ -87,8 +87,8 @@ def lookup_tiers(engine: CacheEngine, world: int, hashes: list[bytes], lookup_id
                  **kw: Any) -> int:
     """A tiered lookup of every rank of ``world`` (opaque layout: as ``key`` names pieces)."""
     layout = opaque_layout(world)
-    return engine.lookup_tiers("m", layout, world_heads(layout, world), hashes, lookup_id,
-                               **kw)
+    kw.setdefault("tier_timeout_s", kw.pop("timeout_s", 1.0))
+    return engine.lookup("m", layout, world_heads(layout, world), hashes, lookup_id, **kw)
 
 
 # ---------------------------------------------------------------- records

@@ -265,7 +265,7 @@ def test_released_lock_sets_do_not_pile_up_in_the_expiry_heap() -> None:
     for i in range(1000):
         lookup(engine, 2, hashes(2), f"id{i}")
         engine.free_lookup_locks(f"id{i}")
-    assert len(engine.locks._expiry) <= 64 + 2
+    assert len(engine.store.locks._expiry) <= 64 + 2
 
 
 # ---------------------------------------------------------------- eviction
@@ -491,7 +491,7 @@ def test_list_chunks_sorts_filters_and_limits() -> None:
     row = rows[0]
     assert (row.chunk_hash, row.model_name, row.layout) == (h(0), MODEL, opaque_layout(1))
     assert (row.head_lo, row.head_hi) == (0, 1)
-    assert (row.tier, row.locks, row.nbytes) == ("memory", 1, 8)
+    assert (row.locks, row.nbytes) == (1, 8)
     assert engine.list_chunks(limit=0) == ([], 3)
     with pytest.raises(ProtocolError, match="sort"):
         engine.list_chunks(sort="bogus")
@@ -769,7 +769,7 @@ def slab_engine() -> tuple[CacheEngine, list[ChunkKey], dict[ChunkKey, torch.Ten
     for k in a_keys:
         data[k] = put(engine, k, X, gen)
     assert engine.pool.free_slabs == 0 and engine.pool.class_stats() == {X: (4, 16)}
-    assert [engine.pool.slab_of(engine.index.get(k).handle) for k in a_keys] == \
+    assert [engine.pool.slab_of(engine.store.index.get(k).handle) for k in a_keys] == \
         [i // 4 for i in range(16)]
     return engine, a_keys, data
 
@@ -860,7 +860,7 @@ def test_a_locking_lookup_that_misses_holds_nothing() -> None:
     for i in range(100):
         assert lookup(engine, 2, [h(50), h(0)], f"miss{i}") == 0
     assert engine.stats()["locks_held"] == 0
-    assert (len(engine.locks), len(engine.locks._expiry)) == (0, 0)
+    assert (len(engine.store.locks), len(engine.store.locks._expiry)) == (0, 0)
 
 
 def test_quota_counts_only_the_models_own_pending_pieces() -> None:

@@ -44,7 +44,7 @@ def test_close_shuts_the_prefetch_pool_down(tmp_path: Path) -> None:
     writer = CacheEngine(MemoryPool.slots(SLOT, 8, pin=False), chunk_size=16, disk=disk)
     _store(writer, keys)
     for k in keys:
-        with writer.reading(k) as held:
+        with writer.store.reading(k) as held:
             assert held is not None and disk.write(k, held[1])
     engine = CacheEngine(MemoryPool.slots(SLOT, 8, pin=False), chunk_size=16,
                          disk=DiskTier(tmp_path, 1 << 20))
@@ -101,7 +101,7 @@ def test_stats_and_spill_hooks_without_and_with_a_disk(tmp_path: Path) -> None:
     # Full pool: the 8 // 4 least recently used chunks are next in line and not on disk yet.
     assert engine.tiers is not None
     assert engine.tiers.spill_candidates(8) == keys[:2]
-    with engine.reading(keys[0]) as held:
+    with engine.store.reading(keys[0]) as held:
         assert held is not None and disk.write(keys[0], held[1])
     assert engine.tiers.spill_candidates(8) == keys[1:2]
     _store(engine, [ChunkKey("m", W1, 0, 1, b"z" * 16)])  # evicts keys[0] (saved), no unsaved loss

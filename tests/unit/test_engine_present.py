@@ -66,7 +66,7 @@ def test_a_present_piece_whose_ttl_ended_is_not_taken_by_its_store() -> None:
     store(engine, [0], Retention(ttl_s=5))
     store(engine, [8])
     store(engine, [9])
-    engine.clock.now += 10  # type: ignore[attr-defined]  # chunk 0 is expired: eviction's first
+    engine.store.clock.now += 10  # type: ignore[attr-defined]  # chunk 0 is expired: eviction's first
     plan = store(engine, [0, 1])
     assert (plan.stored, plan.already_present) == (1, 1)
     assert prefix(engine, [0, 1]) == 2 and not engine.is_resident(key(8))
@@ -84,7 +84,7 @@ def test_the_present_pieces_are_evictable_again_after_the_store() -> None:
     engine = make(slots=2)
     store(engine, [0])
     store(engine, [0, 1])
-    piece = engine.index.get(key(0))
+    piece = engine.store.index.get(key(0))
     assert piece is not None and piece.readers == 0
     store(engine, [1, 5])  # chunk 0 is now the least recently used: it goes
     assert not engine.is_resident(key(0)) and prefix(engine, [0, 1]) == 0

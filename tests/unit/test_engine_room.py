@@ -77,7 +77,7 @@ def test_a_new_large_size_evicts_only_its_window() -> None:
     a = fill_with_a(engine)
     assert put(engine, [chunk("B", 0)], 2500) == 1  # 2500 bytes: an extent of 3 units
     assert resident(engine, a) == [False] * 12 + [True] * 52  # 3072 bytes < 2500 + one unit
-    handle = engine.index.get(chunk("B", 0)).handle
+    handle = engine.store.index.get(chunk("B", 0)).handle
     assert engine.pool.units_of(handle) == range(0, 3)
     assert bool((engine.pool.view(handle, 2500) == 0).all())  # B's own bytes (hash byte 0)
     # A same-size store later takes the coldest same-size piece's units, exactly.
@@ -112,7 +112,7 @@ def test_an_extent_goes_around_locked_units() -> None:
     a = fill_with_a(engine)
     lock(engine, a[5], "hold")  # unit 1
     assert put(engine, [chunk("B", 0)], 3 * UNIT) == 1
-    handle = engine.index.get(chunk("B", 0)).handle
+    handle = engine.store.index.get(chunk("B", 0)).handle
     # The coldest unit (0) cannot anchor three units without unit 1; unit 2's window can.
     assert engine.pool.units_of(handle) == range(2, 5)
     assert resident(engine, a[:20]) == [True] * 8 + [False] * 12
@@ -129,7 +129,7 @@ def test_no_store_evicts_more_than_its_room_whatever_the_mix() -> None:
     sizes = [100, 256, 700, 1024, 1500, 2048, 3000, 5000]
     checked = 0
     for i in range(600):
-        before = {piece.key: (piece.nbytes, pool.units_of(piece.handle)) for piece in engine.index}
+        before = {piece.key: (piece.nbytes, pool.units_of(piece.handle)) for piece in engine.store.index}
         nbytes = rng.choice(sizes)
         k = chunk(f"m{nbytes}", i)
         if not put(engine, [k], nbytes):
@@ -143,7 +143,7 @@ def test_no_store_evicts_more_than_its_room_whatever_the_mix() -> None:
         if not gone:
             continue
         checked += 1
-        taken = pool.units_of(engine.index.get(k).handle)
+        taken = pool.units_of(engine.store.index.get(k).handle)
         inside = [size for size, units in gone if units.start >= taken.start
                   and units.stop <= taken.stop]
         across = [units for _, units in gone if not (units.start >= taken.start
@@ -163,6 +163,6 @@ def test_the_bytes_of_every_piece_survive_the_shuffle() -> None:
     for i in range(300):
         nbytes = rng.choice([128, 900, 1100, 2100, 4000])
         put(engine, [chunk(f"m{nbytes}", i)], nbytes)
-    for piece in engine.index:
+    for piece in engine.store.index:
         view = engine.pool.view(piece.handle, piece.nbytes)
         assert torch.equal(view, torch.full_like(view, piece.key.chunk_hash[3]))

@@ -155,13 +155,13 @@ def check_invariants(engine: CacheEngine) -> None:
     # MemoryPool.slots: each slot is a slab of its own.
     assert pool.num_allocated + pool.free_slabs == pool.num_slabs
     assert pool.num_allocated == stats["chunks"] == len(engine), "a slot leaked"
-    assert stats["locks_held"] == 0 and len(engine.locks) == 0
-    handles = [piece.handle for piece in engine.index]
+    assert stats["locks_held"] == 0 and len(engine.store.locks) == 0
+    handles = [piece.handle for piece in engine.store.index]
     assert len(set(handles)) == len(handles)
     assert all(pool.is_allocated(handle) for handle in handles)
-    assert all(piece.locks == 0 and piece.readers == 0 for piece in engine.index)
-    assert len(engine.writing) == 0
-    assert engine.writing.models.bytes == {} and engine.writing.tenants.bytes == {}
+    assert all(piece.locks == 0 and piece.readers == 0 for piece in engine.store.index)
+    assert len(engine.store.writing) == 0
+    assert engine.store.writing.models.bytes == {} and engine.store.writing.tenants.bytes == {}
     assert stats["bytes_used"] == SLOT * stats["chunks"]
     assert stats["evictions"] > 0
     assert stats["lookup_hit_chunks"] > 0

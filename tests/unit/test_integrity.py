@@ -45,15 +45,15 @@ def store(engine: CacheEngine, ids: list[int]) -> None:
 
 
 def corrupt(engine: CacheEngine, i: int, at: int = 10) -> None:
-    piece = engine.index.get(key(i))
+    piece = engine.store.index.get(key(i))
     assert piece is not None
-    view = engine.memory(piece.handle, piece.nbytes)
+    view = engine.store.memory(piece.handle, piece.nbytes)
     view[at] = view[at] ^ 0x01
 
 
 def lookup(engine: CacheEngine, ids: list[int]) -> int:
-    return engine.lookup_tiers("m", LAYOUT, [(0, 8)], [key(i).chunk_hash for i in ids], "q",
-                               lock=False)
+    return engine.lookup("m", LAYOUT, [(0, 8)], [key(i).chunk_hash for i in ids], "q",
+                         lock=False, tier_timeout_s=1.0)
 
 
 # ---------------------------------------------------------------- the checksum itself
@@ -77,7 +77,7 @@ def test_store_records_each_pieces_checksum() -> None:
     engine = engine_with()
     store(engine, [1, 2])
     for i in (1, 2):
-        piece = engine.index.get(key(i))
+        piece = engine.store.index.get(key(i))
         assert piece is not None and piece.checksum == integrity.checksum(pattern(i))
 
 
@@ -133,7 +133,7 @@ def test_a_piece_corrupted_in_memory_is_never_written_to_disk(tmp_path: Path) ->
         disk.stop()
     s = engine.stats()
     assert s["integrity_failures"] == 1 and s["integrity_verified_chunks"] == 1
-    assert disk.contains(key(1)) and engine.index.get(key(2)) is None
+    assert disk.contains(key(1)) and engine.store.index.get(key(2)) is None
     assert lookup(engine, [1, 2]) == 1
 
 
@@ -160,24 +160,25 @@ def test_a_writer_checks_the_piece_it_reads_not_a_newer_one_of_its_key(
     other bytes, another checksum) is neither condemned nor written under the old bytes."""
     engine = engine_with(DiskTier(tmp_path, 2**20))
     store(engine, [1])
-    old = engine.index.get(key(1))
+    old = engine.store.index.get(key(1))
     assert old is not None
-    memory = engine.memory
+    memory = engine.store.memory
 
     def restored_meanwhile(handle: int, nbytes: int) -> memoryview:
-        engine.drop(old)  # being read: its slot stays until the writer is done
+        with engine.store._mutex:  # a drop as eviction's: being read, its slot stays
+            engine.store._drop(old)
         plan = engine.begin_store([key(1)], NBYTES)
         plan.writes[0][2].copy_(pattern(9))
         plan.checksums = [integrity.checksum(plan.writes[0][2])]
         engine.finish_store(plan)
         return memory(handle, nbytes)
 
-    monkeypatch.setattr(engine, "memory", restored_meanwhile)
+    monkeypatch.setattr(engine.store, "memory", restored_meanwhile)
     assert engine.tiers is not None
     with engine.tiers.guard.source(key(1)) as found:
         assert found is not None and found[1] == old.checksum
         assert integrity.checksum(found[0]) == old.checksum
-    newer = engine.index.get(key(1))
+    newer = engine.store.index.get(key(1))
     assert newer is not None and newer is not old and newer.checksum != old.checksum
     s = engine.stats()
     assert s["integrity_failures"] == 0 and s["integrity_verified_chunks"] == 1
@@ -194,10 +195,10 @@ def test_a_tier_load_keeps_the_records_checksum_and_refuses_a_corrupt_payload(
     path.write_bytes(bytes(data))
     engine = engine_with(disk)
     assert lookup(engine, [1, 2, 3]) == 1  # chunk 2 fails its check: the prefix stops there
-    piece = engine.index.get(key(1))
+    piece = engine.store.index.get(key(1))
     assert piece is not None and piece.checksum == integrity.checksum(pattern(1))
     s = engine.stats()
-    assert s["disk_corrupt"] == 1 and not path.exists() and engine.index.get(key(2)) is None
+    assert s["disk_corrupt"] == 1 and not path.exists() and engine.store.index.get(key(2)) is None
 
 
 # ---------------------------------------------------------------- retrieve
@@ -218,8 +219,8 @@ def test_verify_retrieve_moves_a_corrupt_chunk_to_missing_and_drops_it() -> None
     s = engine.stats()
     assert s["integrity_failures"] == 1 and s["integrity_verified_chunks"] == 2
     assert s["retrieved_chunks"] == 2 and s["retrieve_missing"] == 1 and s["locks_held"] == 0
-    assert engine.index.get(key(2)) is None and engine.pool.bytes_allocated == 2 * SLOT
-    assert all(p.readers == 0 for p in engine.index)
+    assert engine.store.index.get(key(2)) is None and engine.pool.bytes_allocated == 2 * SLOT
+    assert all(p.readers == 0 for p in engine.store.index)
 
 
 def test_a_corrupt_piece_another_retrieve_reads_is_freed_once_it_is_done() -> None:

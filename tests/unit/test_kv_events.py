@@ -435,15 +435,15 @@ def test_engine_reports_stores_evictions_clears_and_tier_loads(tmp_path):
                           (STORED, MEMORY, [key(3), key(4)])]
     sink.calls.clear()
     for k in (key(3), key(4)):  # what write-through would write behind
-        with engine.reading(k) as held:
+        with engine.store.reading(k) as held:
             assert held is not None and disk.write(k, held[1])
     assert sink.calls == [(STORED, DISK, [key(3)]), (STORED, DISK, [key(4)])]
     sink.calls.clear()
     assert engine.clear() == (3, 0)
     assert sink.calls == [(REMOVED, MEMORY, [key(1), key(4), key(3)])]  # LRU order
     sink.calls.clear()
-    assert engine.lookup_tiers("m", opaque_layout(1), [(0, 1)],
-                               [key(3).chunk_hash, key(4).chunk_hash], "q", lock=False) == 2
+    assert engine.lookup("m", opaque_layout(1), [(0, 1)], [key(3).chunk_hash, key(4).chunk_hash],
+                         "q", lock=False, tier_timeout_s=1.0) == 2
     assert sink.calls == [(STORED, MEMORY, [key(3), key(4)])]  # loaded back, in prefix order
 
 

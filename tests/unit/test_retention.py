@@ -68,7 +68,7 @@ def test_without_hints_eviction_is_plain_lru():
     store(engine, [0, 1, 2, 3])
     store(engine, [4])
     assert resident(engine, [0, 1, 2, 3, 4]) == [False, True, True, True, True]
-    assert engine.retention.special == 0
+    assert engine.store.retention.special == 0
 
 
 def test_expired_pieces_go_first_then_lru():
@@ -165,7 +165,7 @@ def test_clear_keeps_pinned_pieces_unless_forced():
     store(engine, [1])
     assert engine.clear() == (1, 1)
     assert engine.clear(force=True) == (1, 0)
-    assert engine.stats()["pinned_pieces"] == 0 and engine.retention.special == 0
+    assert engine.stats()["pinned_pieces"] == 0 and engine.store.retention.special == 0
 
 
 def test_a_pin_without_a_ttl_holds_a_piece_stored_with_one_until_unpinned():
@@ -179,7 +179,7 @@ def test_a_pin_without_a_ttl_holds_a_piece_stored_with_one_until_unpinned():
     assert resident(engine, [1]) == [True]
     assert engine.unpin("m", LAYOUT, RANGES, [h(1)]) == 1
     store(engine, [5, 6])
-    assert resident(engine, [1]) == [False] and engine.retention.special == 0
+    assert resident(engine, [1]) == [False] and engine.store.retention.special == 0
 
 
 def test_a_store_that_pins_a_present_piece_without_a_ttl_pins_it_until_unpinned():

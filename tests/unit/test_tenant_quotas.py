@@ -10,7 +10,6 @@ import msgspec
 import pytest
 
 from lmcache_core.engine import CacheEngine, Retention
-from lmcache_core.engine.loading import reserve
 from lmcache_core.keys import ChunkKey, opaque_layout, tenant_tag
 from lmcache_core.protocol import messages as m
 from lmcache_core.storage.pool import MemoryPool
@@ -140,7 +139,7 @@ def test_model_and_tenant_quotas_are_both_honoured() -> None:
     assert resident(engine, [key(4), key(5), key(6), key(12), key(13)]) == [
         False, True, True, True, True]
     assert engine.stats()["evictions"] == 7
-    assert engine.index.models.bytes["a"] == 4 * SLOT
+    assert engine.store.index.models.bytes["a"] == 4 * SLOT
     assert figures(engine)[ALICE][1:3] == (2, 2 * SLOT)
     assert engine.stats()["store_skipped_quota"] == 0
 
@@ -163,29 +162,29 @@ def test_tenant_bytes_return_to_zero_after_eviction_and_clear() -> None:
     engine = make(slots=4, tenant_quotas={"alice": 8 * SLOT})
     store(engine, [key(i) for i in range(2)], ALICE)
     store(engine, [key(i) for i in range(10, 12)], BOB)
-    assert engine.index.tenants.bytes == {ALICE: 2 * SLOT, BOB: 2 * SLOT}
+    assert engine.store.index.tenants.bytes == {ALICE: 2 * SLOT, BOB: 2 * SLOT}
     store(engine, [key(i) for i in range(20, 24)])  # no tenant: fills the pool, evicting all
     assert engine.stats()["evictions"] == 4
-    assert engine.index.tenants.bytes == {} and engine.index.tenants.pieces == {}
+    assert engine.store.index.tenants.bytes == {} and engine.store.index.tenants.pieces == {}
     # listed at zero, by its label: the salt itself is in no figure
     assert figures(engine) == {ALICE: ("team-alice", 0, 0, 8 * SLOT)}
     store(engine, [key(30)], BOB)
-    assert engine.index.tenants.bytes == {BOB: SLOT}
+    assert engine.store.index.tenants.bytes == {BOB: SLOT}
     assert engine.clear(force=True) == (4, 0)
-    assert engine.index.tenants.bytes == {} and engine.index.nbytes == 0
+    assert engine.store.index.tenants.bytes == {} and engine.store.index.nbytes == 0
 
 
 def test_tier_loads_are_untagged_and_only_the_model_quota_applies() -> None:
     engine = make(quotas={"a": 2 * SLOT}, tenant_quotas={"alice": SLOT})
     store(engine, [key(1)], ALICE)
-    items = reserve(engine, [(key(2), SLOT), (key(3), SLOT)])
+    items = engine.store.reserve_loads([(key(2), SLOT), (key(3), SLOT)])
     # Both reserved: the second passes the model's quota (the first counts, being written), so
     # alice's piece went; the loads are no tenant's, so her quota had no say.
     assert [item[0] for item in items] == [key(2), key(3)]
     assert not engine.is_resident(key(1))
-    engine.commit_loaded(items, [SLOT, SLOT])
-    assert [engine.index.get(k).tenant for k in (key(2), key(3))] == ["", ""]  # type: ignore[union-attr]
-    assert engine.index.tenants.bytes == {}
+    engine.store.commit_loaded(items, [SLOT, SLOT])
+    assert [engine.store.index.get(k).tenant for k in (key(2), key(3))] == ["", ""]  # type: ignore[union-attr]
+    assert engine.store.index.tenants.bytes == {}
 
 
 def test_store_request_tenant_is_a_bounded_hex_tag() -> None:
@@ -216,5 +215,5 @@ def test_stores_in_flight_at_once_count_against_the_quotas() -> None:
     assert (len(model_first.writes), len(model_second.writes)) == (2, 1)
     engine.finish_store(model_first, ok=False)  # a failed store gives its share back
     engine.finish_store(model_second)
-    assert engine.index.models.bytes["b"] == SLOT
-    assert len(engine.writing) == 0 and engine.writing.models.bytes == {}
+    assert engine.store.index.models.bytes["b"] == SLOT
+    assert len(engine.store.writing) == 0 and engine.store.writing.models.bytes == {}

@@ -1,0 +1,682 @@
+"""``PieceStore``: the one owner of the engine's state: the pool, the index of pieces, their locks,
+pins and lifecycle (no sockets, no layouts, no wire structs).
+
+Callers copy bytes in and out of pool views; the store decides which allocation holds which piece,
+who may see it and when it may go. Its lock is private: every other part of the engine (the
+tiers, the integrity guard, the async lookups, ``CacheEngine``'s admin views) works through its
+methods, each taking the lock briefly for dict work; the copies and all I/O run outside it, between
+``begin_*`` and ``finish_*`` (or ``reserve_loads`` and ``commit_loaded``). A piece's states and
+every move between them are one table (``lifecycle``): writing, resident (locked, being read),
+dropped while read, freed.
+
+Keys (``keys.ChunkKey``) name pieces: (model, layout fingerprint, head range, chunk hash). A lookup
+for world size W counts a chunk only when its pieces cover every rank's head range; a retrieve of a
+rank copies its range from whichever pieces hold it. Pieces of another layout are never seen.
+
+LRU order: hits are touched (and new pieces committed) from the last chunk to the first, so a
+prefix's head is the most recently used and eviction eats prefixes from the tail. Eviction works
+across every model (``eviction``: it takes only the room a store needs); optional per-model
+``quotas`` and per-tenant ``tenant_quotas`` (bytes, by ``keys.tenant_tag`` of a cache_salt) bound
+each one's share: a piece under both fits both.
+
+Hooks, given at construction: ``on_stored(keys)`` after a store committed (outside the lock: the
+tiers queue their writes), ``on_evicted(key)`` for each piece evicted (under the lock: no I/O), and
+``events`` (KV events for routers) of every piece that enters or leaves memory.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from lmcache_core.engine import eviction
+from lmcache_core.engine.index import Piece, PieceIndex, cover, find_hits, touch_hits
+from lmcache_core.engine.lifecycle import Event, State, advance
+from lmcache_core.engine.locks import LockTable
+from lmcache_core.engine.plans import Counters, RetrievePlan, StorePlan
+from lmcache_core.engine.retention import (
+    PLAIN,
+    Retention,
+    RetentionBook,
+    eviction_order,
+    pinned_now,
+)
+from lmcache_core.engine.writing import Writing
+from lmcache_core.errors import IncompatibleError, PinLimitError, ProtocolError
+from lmcache_core.events import KVEventSink
+from lmcache_core.keys import ChunkKey, HeadRange
+from lmcache_core.stats import EngineStats
+from lmcache_core.storage.pool import MemoryPool
+
+MEMORY_TIER = "memory"
+
+
+@dataclass(frozen=True, slots=True)
+class PieceRow:
+    """One resident piece as the admin views list it (the server makes the wire rows)."""
+
+    chunk_hash: bytes
+    model_name: str
+    layout: str
+    head_lo: int
+    head_hi: int
+    nbytes: int
+    age_s: float
+    locks: int
+    hits: int
+    pinned: bool
+    expires_in_s: float | None  # what is left of its TTL (None: it has none)
+    priority: int
+
+
+class PieceStore:
+    """Pieces of chunks in one ``MemoryPool``; thread-safe."""
+
+    def __init__(self, pool: MemoryPool, chunk_size: int, lock_ttl_s: float = 300.0,
+                 clock: Callable[[], float] = time.monotonic, *,
+                 events: KVEventSink | None = None,
+                 quotas: Mapping[str, int] | None = None,
+                 tenant_quotas: Mapping[str, int] | None = None,
+                 max_pinned_bytes: int | None = None,
+                 on_stored: Callable[[Sequence[ChunkKey]], None] | None = None,
+                 on_evicted: Callable[[ChunkKey], None] | None = None) -> None:
+        if chunk_size <= 0:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        if lock_ttl_s <= 0:
+            raise ValueError(f"lock_ttl_s must be positive, got {lock_ttl_s}")
+        self.pool = pool
+        self.chunk_size = chunk_size
+        self.lock_ttl_s = lock_ttl_s
+        self.quotas = dict(quotas or {})
+        self.tenant_quotas = dict(tenant_quotas or {})  # tenant tag -> bytes
+        self.clock = clock
+        self._mutex = threading.Lock()
+        # The state below is this store's alone; it is readable for inspection and tests, and
+        # changed only by the store's methods (under ``_lock``).
+        self.index = PieceIndex()
+        self.locks = LockTable(lock_ttl_s)
+        self.writing = Writing()  # key -> its piece while a store or a tier load fills it
+        self.counters = Counters()
+        # Pins, TTLs, priorities asked for by requests; pins take at most a quarter of the pool
+        # unless told otherwise.
+        self.retention = RetentionBook(pool.nbytes // 4 if max_pinned_bytes is None
+                                       else max_pinned_bytes)
+        self.events = events
+        self._on_stored = on_stored
+        self._on_evicted = on_evicted
+
+    # ------------------------------------------------------------------ lookup
+
+    def lookup(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
+               chunk_hashes: Sequence[bytes], lookup_id: str, lock: bool = True,
+               readers: int = 1, shared: int = 1, earlier_hits: int | None = None) -> int:
+        """How many leading chunks have pieces covering every head range in ``ranges`` (one per
+        rank); lock them for ``lookup_id`` when ``lock`` (each lock going with the ``readers``-th
+        read by each of the ``shared`` ranks reading its range: ``set_lock_readers``). A locking
+        re-lookup under the same id replaces that id's previous locks. Hits are LRU-touched and
+        counted; ``earlier_hits``: this is the re-lookup after the tiers loaded pieces, of a lookup
+        that found that many: the chunks found since count as its hits, not as a new lookup."""
+        if not ranges:
+            raise ProtocolError("a lookup needs at least one head range")
+        with self._mutex:
+            now = self.clock()
+            if self.locks.due(now):
+                self.counters.locks_expired += self.locks.expire(now)
+            hits = find_hits(self.index, model_name, layout, ranges, chunk_hashes)
+            chunks = hits.count
+            if chunks:
+                touch_hits(self.index, hits)
+            if lock and chunks:
+                self.locks.hold(lookup_id, hits.held, now)
+                if readers != 1 or shared != 1:
+                    self.locks.set_readers(lookup_id, readers, shared)
+            elif lock:  # a miss holds nothing, and drops what this id held before
+                self.locks.release_all(lookup_id)
+            n = self.counters
+            if earlier_hits is None:
+                n.lookups += 1
+                n.lookup_hit_chunks += chunks
+                n.lookup_miss_chunks += len(chunk_hashes) - chunks
+            else:
+                n.lookup_hit_chunks += chunks - earlier_hits
+                n.lookup_miss_chunks -= chunks - earlier_hits
+        return chunks
+
+    def held(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
+             chunk_hashes: Sequence[bytes]) -> int:
+        """How many leading chunks resident pieces cover for ``ranges``, touching nothing (no
+        LRU move, no hit or lookup counted, no lock): to compare candidate layouts."""
+        with self._mutex:
+            return find_hits(self.index, model_name, layout, ranges, chunk_hashes).count
+
+    def uncovered(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
+                  chunk_hashes: Sequence[bytes]) -> list[list[HeadRange]]:
+        """Per chunk, the ranges of ``ranges`` that resident pieces do not cover."""
+        out: list[list[HeadRange]] = []
+        with self._mutex:
+            chunks_of = self.index.chunks.get
+            for chunk_hash in chunk_hashes:
+                pieces = chunks_of((model_name, layout, chunk_hash)) or []
+                out.append([(lo, hi) for lo, hi in ranges
+                            if not pieces or cover(pieces, lo, hi) is None])
+        return out
+
+    def layouts(self, model_name: str) -> list[str]:
+        """The layouts of ``model_name`` that have resident pieces (a lookup by a client that
+        names no layout tries these)."""
+        with self._mutex:
+            return [layout for (model, layout) in self.index.layout_chunks if model == model_name]
+
+    # ------------------------------------------------------------------ locks
+
+    def expire_locks(self) -> int:
+        """Release every lock older than ``lock_ttl_s``; returns how many piece locks went."""
+        with self._mutex:
+            now = self.clock()
+            expired = self.locks.expire(now)
+            self.counters.locks_expired += expired
+            self.retention.lapse(now)  # pins whose TTL ended: ordinary pieces again
+            return expired
+
+    def free_lookup_locks(self, lookup_id: str) -> int:
+        """Release whatever ``lookup_id`` still locks (its chunks that were not retrieved)."""
+        with self._mutex:
+            return self.locks.release_all(lookup_id)
+
+    def locks_of(self, lookup_id: str) -> list[ChunkKey]:
+        """The pieces ``lookup_id`` holds a lock on (for inspection and tests)."""
+        with self._mutex:
+            return self.locks.keys_of(lookup_id)
+
+    def set_lock_readers(self, lookup_id: str, readers: int, shared: int = 1) -> bool:
+        """Each lock ``lookup_id`` holds (per head range and chunk) goes with the ``readers``-th
+        retrieve of it by each of the ``shared`` ranks reading that range (LMCache's
+        ``num_kv_readers``; MLA's world size); called right after the lookup. False if it
+        holds none."""
+        with self._mutex:
+            return self.locks.set_readers(lookup_id, readers, shared)
+
+    def release_lookup_reads(self, lookup_id: str, chunk_hashes: Collection[bytes],
+                             reads: int, heads: HeadRange | None = None) -> int:
+        """Count ``reads`` reads of every range (or of ``heads`` only) of ``lookup_id``'s locks
+        on the chunks ``chunk_hashes`` name, releasing those with none left to wait for
+        (LMCache's ``free_lookup_locks`` over a range); how many piece locks went."""
+        with self._mutex:
+            return self.locks.release_chunks(lookup_id, chunk_hashes, reads, heads)
+
+    # ------------------------------------------------------------------ store
+
+    def begin_store(self, keys: Sequence[ChunkKey], nbytes: int,
+                    retention: Retention = PLAIN, tenant: str = "") -> StorePlan:
+        """Reserve pool bytes for each piece not yet held, evicting as needed.
+
+        A key whose head range resident pieces already cover, or that is being written, counts as
+        ``already_present`` (covering pieces get ``retention`` too, are touched as hits and never
+        evicted for this store's room); keys no room can be found for count as ``skipped_full``
+        (earlier keys, the prefix's head, get room first). Never raises for a full pool.
+        ``retention``: the request's TTL, pin and priority (``retention``); ``tenant``: its
+        cache_salt tenant (``keys.tenant_tag``), whose quota applies too."""
+        if not self.pool.fits(nbytes):
+            raise IncompatibleError(
+                f"a chunk piece of {nbytes} bytes does not fit the pool's "
+                f"{self.pool.max_alloc_bytes} bytes (raise server.pool_size)")
+        plan = StorePlan(nbytes, [], retention=retention, tenant=tenant)
+        with self._mutex:
+            now = self.clock()
+            if self.locks.due(now):
+                self.counters.locks_expired += self.locks.expire(now)
+            claimed = self._claim(keys, nbytes, plan)
+            self.counters.stores += 1
+            self.counters.store_skipped_full += plan.skipped_full
+            self.counters.store_skipped_quota += plan.skipped_quota
+        view = self.pool.view
+        plan.writes = [(index, key, view(handle, nbytes))
+                       for (index, key), handle in zip(claimed, plan.handles, strict=True)]
+        return plan
+
+    def _claim(self, keys: Sequence[ChunkKey], nbytes: int,
+               plan: StorePlan) -> list[tuple[int, ChunkKey]]:
+        """Claim the keys not held yet and give them pool bytes, into ``plan``; the (request
+        index, key) pairs that got room."""
+        new: list[tuple[int, ChunkKey]] = []
+        present: list[Piece] = []  # the resident pieces holding keys already present
+        writing = self.writing
+        for position, key in enumerate(keys):
+            covering = None if key in writing else self.index.covering(key)
+            if covering is None and key not in writing:
+                writing.claim(key)
+                new.append((position, key))
+                continue
+            plan.already_present += 1
+            present += covering or ()
+        if not plan.retention.plain:  # the pieces it found get its retention too
+            plan.pin_refused += self.retention.keep(present, plan.retention, self.clock())
+        # The present pieces are part of what this store keeps: touched as a hit (the prefix's
+        # head most recent) and held while room is made, so its evictions never take them.
+        for piece in reversed(present):
+            self.index.touch(piece)
+            self._add_reader(piece)
+        try:
+            got = self._room(new, nbytes, plan)
+        finally:
+            for piece in present:
+                self._release_reader(piece)
+        for _, key in new:
+            writing.unclaim(key)
+        plan.skipped_full += len(new) - len(got) - plan.skipped_quota
+        return got
+
+    def _room(self, new: Sequence[tuple[int, ChunkKey]], nbytes: int,
+              plan: StorePlan) -> list[tuple[int, ChunkKey]]:
+        """``_claim``'s allocations, in request order until the pool is full (quotas skip keys)."""
+        got: list[tuple[int, ChunkKey]] = []
+        for position, key in new:
+            if not self._quota_room(key.model_name, nbytes, plan.tenant):
+                plan.skipped_quota += 1
+                continue
+            handle = self._allocate(nbytes, len(new) - len(got))
+            if handle is None:
+                break
+            self.writing.reserve(key, handle, nbytes, plan.tenant)
+            plan.keys.append(key)
+            plan.handles.append(handle)
+            got.append((position, key))
+        return got
+
+    def _quota_room(self, model_name: str, nbytes: int, tenant: str = "") -> bool:
+        """Whether a piece of ``model_name`` for ``tenant`` fits both their quotas (with the
+        pieces being written, this request's and others', counted), evicting their own oldest
+        pieces if that makes it fit; nothing is evicted when it cannot."""
+        limits = eviction.quota_limits(self.index, self.writing, self.quotas, self.tenant_quotas,
+                                       nbytes, model_name, tenant)
+        if not limits:
+            return True
+        now = self.clock()
+        victims = eviction.over_quotas(
+            lambda: eviction_order(self.index, self.retention, now), now, limits)
+        if victims is None:
+            return False
+        self._evict(victims)
+        return True
+
+    def _allocate(self, nbytes: int, wanted: int) -> int | None:
+        """Pool bytes for one piece, evicting (pieces of any model) only what it needs."""
+        handle = self.pool.allocate(nbytes)
+        if handle is None:
+            now = self.clock()
+            order = eviction_order(self.index, self.retention, now)
+            room = eviction.victims_for(self.index, self.pool, order, now, nbytes, wanted)
+            self._evict(room.victims)
+            if room.first_unit is not None:  # an extent: in the window emptied for it
+                return self.pool.allocate_at(nbytes, room.first_unit)
+            handle = self.pool.allocate(nbytes)
+        return handle
+
+    def finish_store(self, plan: StorePlan, ok: bool = True) -> None:
+        """Commit the plan's pieces (visible to lookups from now on), or free them when not ``ok``.
+        Calling it twice for one plan does nothing the second time."""
+        with self._mutex:
+            if plan.done:
+                return
+            plan.done = True
+            if ok:
+                self._commit(plan.keys, plan.checksums, plan)  # pins it refuses: counted next
+            else:
+                for key in plan.keys:
+                    self._abort(key)
+            self.counters.store_pin_refused += plan.pin_refused
+            if not ok:
+                return
+            self.counters.stored_chunks += len(plan.keys)
+            self.counters.stored_bytes += plan.nbytes * len(plan.keys)
+        if plan.keys and self._on_stored is not None:  # the tiers' queues: outside the lock
+            self._on_stored(plan.keys)
+
+    def _commit(self, keys: Sequence[ChunkKey], checksums: Sequence[int],
+                plan: StorePlan | None = None) -> None:
+        """Make written pieces resident, tail first, with the store ``plan``'s retention (a tier
+        load has none) and their ``checksums`` (none: 0)."""
+        now, add = self.clock(), self.index.add
+        retention = plan.retention if plan is not None else PLAIN
+        sums = checksums or [0] * len(keys)
+        for key, checksum in zip(reversed(keys), reversed(sums), strict=True):
+            piece = self.writing.release(key)
+            advance(piece, Event.COMMIT)
+            piece.created, piece.checksum = now, checksum
+            add(piece)
+            if (plan is not None and not retention.plain
+                    and not self.retention.apply(piece, retention, now, True)):
+                plan.pin_refused += 1
+        if self.events is not None and keys:
+            self.events.stored(list(keys), MEMORY_TIER)
+
+    def _abort(self, key: ChunkKey) -> None:
+        piece = self.writing.release(key)
+        advance(piece, Event.ABORT)
+        self.pool.free(piece.handle)
+
+    # ------------------------------------------------------------------ retrieve
+
+    def begin_retrieve(self, model_name: str, layout: str, heads: HeadRange,
+                       chunk_hashes: Sequence[bytes], lookup_id: str = "") -> RetrievePlan:
+        """For each chunk, the resident pieces covering ``heads``, held (a reader count) so
+        nothing frees them mid-copy; chunks not covered are ``missing``."""
+        plan = RetrievePlan(lookup_id, heads, [], [])
+        lo, hi = heads
+        view = self.pool.view
+        with self._mutex:
+            chunks_of = self.index.chunks.get
+            for position, chunk_hash in enumerate(chunk_hashes):
+                chunk = (model_name, layout, chunk_hash)
+                pieces = chunks_of(chunk)
+                covering = cover(pieces, lo, hi) if pieces else None
+                if covering is None:
+                    plan.missing.append(position)
+                    continue
+                for piece in covering:
+                    self._add_reader(piece)
+                plan.pieces.append(covering)
+                plan.chunks.append(chunk)
+                plan.found.append((position, [(view(p.handle, p.nbytes), p.key.head_lo,
+                                               p.key.head_hi) for p in covering]))
+            move = self.index.lru.move_to_end
+            for covering in reversed(plan.pieces):
+                for piece in covering:
+                    move(piece.key)
+            n = self.counters
+            n.retrieves += 1
+            n.retrieved_chunks += len(plan.found)
+            n.retrieved_bytes += sum(p.nbytes for c in plan.pieces for p in c)
+            n.retrieve_missing += len(plan.missing)
+        return plan
+
+    def finish_retrieve(self, plan: RetrievePlan, copied: int | None = None) -> None:
+        """Release the plan's pieces and ``plan.lookup_id``'s locks of its head range on the
+        chunks read. ``copied``: how many of ``plan.found`` (a prefix) were copied when a
+        deadline cut the rest (counted late, not retrieved); None: all. Idempotent."""
+        with self._mutex:
+            if plan.done:
+                return
+            plan.done = True
+            for covering in plan.pieces:
+                for piece in covering:
+                    self._release_reader(piece)
+            if copied is not None and copied < len(plan.pieces):
+                late = plan.pieces[copied:]
+                n = self.counters
+                n.retrieve_late_chunks += len(late)
+                n.retrieved_chunks -= len(late)
+                n.retrieved_bytes -= sum(p.nbytes for c in late for p in c)
+            if plan.lookup_id:
+                self.locks.release_read(plan.lookup_id, plan.heads, plan.chunks)
+
+    def retire_corrupt(self, plan: RetrievePlan, bad_at: Sequence[int],
+                       corrupt: Sequence[Piece]) -> list[int]:
+        """The integrity guard found the ``corrupt`` pieces among those of ``plan.found`` at
+        positions ``bad_at``: those chunks move to ``plan.missing`` (their pieces released) and
+        the corrupt pieces are dropped; the others count as verified. The request indexes that
+        moved."""
+        with self._mutex:
+            n = self.counters
+            n.integrity_verified_chunks += (sum(len(pieces) for pieces in plan.pieces)
+                                            - len(corrupt))
+            if not bad_at:
+                return []
+            moved = [plan.found[at][0] for at in bad_at]
+            for at in sorted(bad_at, reverse=True):
+                pieces = plan.pieces.pop(at)
+                plan.found.pop(at)
+                for piece in pieces:
+                    self._release_reader(piece)
+                n.retrieved_chunks -= 1
+                n.retrieved_bytes -= sum(piece.nbytes for piece in pieces)
+                n.retrieve_missing += 1
+            plan.missing = sorted(plan.missing + moved)
+            self._condemn(corrupt)
+        return moved
+
+    # ------------------------------------------------------------------ readers and drops
+
+    def _add_reader(self, piece: Piece) -> None:
+        advance(piece, Event.READ)
+        piece.readers += 1
+
+    def _release_reader(self, piece: Piece) -> None:
+        """A reader of ``piece`` is done; the last one frees a dropped piece."""
+        piece.readers -= 1
+        if piece.state is State.DROPPED and not piece.readers:
+            advance(piece, Event.LAST_READ_DONE)
+            self.pool.free(piece.handle)
+        else:
+            advance(piece, Event.READ_DONE)
+
+    def _drop(self, piece: Piece) -> None:
+        """Take ``piece`` out of the index; its bytes are freed now, or by its last reader
+        (``_release_reader``) when one is still copying out of it."""
+        self.index.remove(piece)
+        self.retention.forget(piece)
+        if piece.readers:
+            advance(piece, Event.DROP_READ)
+        else:
+            advance(piece, Event.DROP)
+            self.pool.free(piece.handle)
+
+    def _evict(self, victims: Sequence[Piece]) -> None:
+        """Every eviction passes here (under the lock: no I/O)."""
+        for piece in victims:
+            self._drop(piece)
+            self.counters.evictions += 1
+            if self._on_evicted is not None:
+                self._on_evicted(piece.key)
+        if self.events is not None and victims:
+            self.events.removed([piece.key for piece in victims], MEMORY_TIER)
+
+    def condemn(self, pieces: Sequence[Piece]) -> int:
+        """Drop ``pieces`` found corrupt (those still indexed), counted as integrity failures;
+        how many were."""
+        with self._mutex:
+            return self._condemn(pieces)
+
+    def _condemn(self, pieces: Sequence[Piece]) -> int:
+        dropped: list[ChunkKey] = []
+        for piece in dict.fromkeys(pieces):  # a piece serving two ranges is dropped once
+            if self.index.get(piece.key) is not piece:
+                continue  # gone already (another check dropped it)
+            self._drop(piece)  # one being read is freed by its last reader
+            dropped.append(piece.key)
+        self.counters.integrity_failures += len(dropped)
+        if self.events is not None and dropped:
+            self.events.removed(dropped, MEMORY_TIER)
+        return len(dropped)
+
+    def count_verified(self, pieces: int) -> None:
+        """``pieces`` were checked against their checksums and found intact."""
+        with self._mutex:
+            self.counters.integrity_verified_chunks += pieces
+
+    # ------------------------------------------------------------------ for the lower tiers
+    # ``tiered.TieredStorage`` loads pieces into memory through these: room is reserved under the
+    # lock (as a store does), filled outside it, and committed under it again.
+
+    def reserve_loads(self, items: Sequence[tuple[ChunkKey, int]]
+                      ) -> list[tuple[ChunkKey, int, int]]:
+        """Pool bytes for the ``(key, nbytes)`` pieces neither resident nor being written, in
+        order as far as the pool allows (evicting as a store does): ``(key, handle, nbytes)``.
+        They are being written until ``commit_loaded``."""
+        out: list[tuple[ChunkKey, int, int]] = []
+        with self._mutex:
+            for key, nbytes in items:
+                if key in self.writing or key in self.index.lru or not self.pool.fits(nbytes):
+                    continue
+                # Loaded pieces have no tenant (tier records carry none; ``commit_loaded``
+                # leaves them untagged): only the model's quota applies.
+                if not self._quota_room(key.model_name, nbytes):
+                    continue
+                handle = self._allocate(nbytes, 1)
+                if handle is None:
+                    break
+                self.writing.reserve(key, handle, nbytes)
+                out.append((key, handle, nbytes))
+        return out
+
+    def commit_loaded(self, items: Sequence[tuple[ChunkKey, int, int]], got: Sequence[int],
+                      checksums: Sequence[int] = ()) -> list[ChunkKey]:
+        """Make the reserved pieces whose load got all their bytes resident, with their verified
+        ``checksums`` (the records' ``payload_xxh3``); free the others."""
+        with self._mutex:
+            sums = checksums or [0] * len(items)
+            whole = [(item[0], s) for item, n, s in zip(items, got, sums, strict=True)
+                     if n == item[2]]
+            for (key, _handle, nbytes), n in zip(items, got, strict=True):
+                if n != nbytes:
+                    self._abort(key)
+            self._commit([key for key, _ in whole], [s for _, s in whole])
+        return [key for key, _ in whole]
+
+    def coldest(self, limit: int, ahead_bytes: int,
+                saved: Callable[[ChunkKey], bool]) -> list[ChunkKey]:
+        """Up to ``limit`` pieces not ``saved`` among the next in line for eviction, holding
+        ``ahead_bytes - free pool bytes``: eviction's own order (``retention.eviction_order``:
+        LRU, unless TTLs, pins or priorities reorder it), past pinned pieces, which eviction never
+        takes (saving them ahead would spend disk writes on nothing). ``saved`` runs under the
+        lock: a dict lookup."""
+        out: list[ChunkKey] = []
+        with self._mutex:
+            at_risk = ahead_bytes - self.pool.bytes_free
+            if at_risk <= 0:  # nothing due: skip the order (with hints, a sort of the index)
+                return out
+            now = self.clock()
+            for piece in eviction_order(self.index, self.retention, now):
+                if at_risk <= 0 or len(out) >= limit:
+                    break
+                if pinned_now(piece, now):
+                    continue
+                at_risk -= piece.nbytes
+                if not saved(piece.key):
+                    out.append(piece.key)
+        return out
+
+    def memory(self, handle: int, nbytes: int) -> memoryview:
+        """A pool allocation's bytes as a memoryview (no copy)."""
+        return self.pool.view(handle, nbytes).numpy().data
+
+    @contextmanager
+    def reading(self, key: ChunkKey) -> Iterator[tuple[Piece, memoryview] | None]:
+        """A resident piece and its bytes, held (not evictable) for the ``with`` block; None if
+        gone. (The tiers' writers take bytes through it, checked against that piece's checksum.)"""
+        with self._mutex:
+            piece = self.index.get(key)
+            if piece is not None:
+                self._add_reader(piece)
+        if piece is None:
+            yield None
+            return
+        try:
+            yield piece, self.memory(piece.handle, piece.nbytes)
+        finally:
+            with self._mutex:
+                self._release_reader(piece)
+
+    # ------------------------------------------------------------------ pins (lmcache pin/unpin)
+
+    def pin(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
+            chunk_hashes: Sequence[bytes], ttl_s: float | None = None) -> int:
+        """Pin the pieces covering ``ranges`` of the leading chunks held (until unpinned, or
+        for ``ttl_s``); how many pieces are pinned now. PinLimitError, pinning nothing, when
+        that would pass ``max_pinned_bytes``."""
+        with self._mutex:
+            now = self.clock()
+            pieces = find_hits(self.index, model_name, layout, ranges, chunk_hashes).pieces()
+            book = self.retention
+            more = sum(piece.nbytes for piece in pieces if not piece.pinned)
+            if book.pinned_bytes + more > book.max_pinned_bytes:
+                raise PinLimitError(
+                    f"pinning {len(pieces)} piece(s) ({more} more bytes) would hold "
+                    f"{book.pinned_bytes + more} bytes pinned, over server.max_pinned "
+                    f"({book.max_pinned_bytes}); unpin others or raise it")
+            hint = Retention(ttl_s=ttl_s, pin=True)
+            for piece in pieces:
+                # The pin's TTL replaces the piece's (none: pinned until unpinned, whatever TTL
+                # it had); its priority stays (the hint has none).
+                book.apply(piece, hint, now, fresh=False, replace_ttl=ttl_s is not None)
+        return len(pieces)
+
+    def unpin(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
+              chunk_hashes: Sequence[bytes]) -> int:
+        """Unpin the pieces covering ``ranges`` of the leading chunks held; how many were."""
+        with self._mutex:
+            pieces = find_hits(self.index, model_name, layout, ranges, chunk_hashes).pieces()
+            return sum(self.retention.unpin(piece) for piece in pieces)
+
+    # ------------------------------------------------------------------ admin
+
+    def is_resident(self, key: ChunkKey) -> bool:
+        """Whether the piece ``key`` is committed (visible to lookups)."""
+        with self._mutex:
+            return key in self.index.lru
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def clear(self, force: bool = False) -> tuple[int, int]:
+        """Drop resident pieces; returns ``(removed, kept)``. Unforced, locked and pinned pieces
+        stay; forced, they go with their locks and pins. Pieces being read always stay."""
+        removed = kept = 0
+        dropped: list[ChunkKey] = []
+        with self._mutex:
+            for piece in list(self.index):
+                if piece.readers or ((piece.locks or piece.pinned) and not force):
+                    kept += 1
+                else:
+                    self._drop(piece)
+                    dropped.append(piece.key)
+                    removed += 1
+            if self.events is not None and dropped:
+                self.events.removed(dropped, MEMORY_TIER)
+            if force:
+                self.locks.purge(self.index.lru)
+        return removed, kept
+
+    def snapshot(self) -> EngineStats:
+        """The store's counters and gauges, read at one moment (SERVER_INFO's engine section)."""
+        pool = self.pool
+        with self._mutex:
+            return self.counters.copy(
+                lookup_hit_tokens=self.counters.lookup_hit_chunks * self.chunk_size,
+                chunks=len(self.index), bytes_used=self.index.nbytes,
+                pool_capacity_bytes=pool.nbytes, pool_bytes_allocated=pool.bytes_allocated,
+                pool_slabs=pool.num_slabs, pool_slabs_free=pool.free_slabs,
+                pool_pinned_bytes=pool.pinned_bytes, locks_held=self.locks.held_count(),
+                pinned_pieces=len(self.retention.pinned), pinned_bytes=self.retention.pinned_bytes)
+
+    def model_counts(self) -> dict[str, tuple[int, int, list[str]]]:
+        """Per model: (pieces, bytes, its layouts held, sorted)."""
+        with self._mutex:
+            counts = self.index.model_counts()
+            layouts: dict[str, list[str]] = {}
+            for model, layout in self.index.layout_chunks:
+                layouts.setdefault(model, []).append(layout)
+        return {model: (pieces, nbytes, sorted(layouts.get(model, [])))
+                for model, (pieces, nbytes) in counts.items()}
+
+    def tenant_counts(self) -> dict[str, tuple[int, int]]:
+        """Per tenant tag: (pieces, bytes)."""
+        with self._mutex:
+            return self.index.tenant_counts()
+
+    def rows(self, model_name: str | None = None) -> list[PieceRow]:
+        """Every resident piece (of ``model_name`` if given), unsorted."""
+        with self._mutex:
+            now = self.clock()
+            return [PieceRow(piece.key.chunk_hash, piece.key.model_name, piece.key.layout,
+                             piece.key.head_lo, piece.key.head_hi, piece.nbytes,
+                             now - piece.created, piece.locks,
+                             piece.hits, piece.pinned,
+                             None if piece.expires == math.inf else max(0.0, piece.expires - now),
+                             piece.priority)
+                    for piece in self.index
+                    if model_name is None or piece.key.model_name == model_name]
