@@ -348,3 +348,18 @@ def test_redis_count_is_by_pattern_and_cut_short_at_its_deadline(
         assert not down.complete and down.keys == 0 and down.error
     finally:
         tier.stop()
+
+
+@pytest.mark.redis
+def test_redis_count_on_a_cluster_scans_its_primaries(make_redis: Callable[..., RedisServer]) -> None:
+    cluster = make_redis(cluster=True)
+    tier = RemoteTier(cluster.url, timeout_ms=500)
+    try:
+        client = tier.client()
+        for i in range(50):
+            client.set(f"lmcache:v2:m:{LAYOUT}:0-8:{i:064x}", b"x")
+        client.set(f"other:v2:m:{LAYOUT}:0-8:{0:064x}", b"x")
+        counted = tier.count_keys("*", time.monotonic() + 10)
+        assert (counted.keys, counted.complete, counted.pattern) == (50, True, "lmcache:v2:*")
+    finally:
+        tier.stop()
