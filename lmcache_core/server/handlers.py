@@ -7,6 +7,7 @@ byte copies run outside the engine's lock, between its ``begin_*`` and ``finish_
 
 from __future__ import annotations
 
+import heapq
 import math
 import os
 import time
@@ -34,7 +35,7 @@ from lmcache_core.protocol.ops import RequestType
 from lmcache_core.server.layouts import LayoutResolver
 from lmcache_core.server.pins import PinHandlers
 from lmcache_core.server.registry import KVRegistry, Registration
-from lmcache_core.stats import EventStats, ServerStats, TransportStats, WorkerStats
+from lmcache_core.stats import EventStats, ServerStats, TransportStats
 from lmcache_core.storage.checksum_stream import ChecksumLanes
 from lmcache_core.storage.pool import process_rss_bytes
 from lmcache_core.transport.server import Route
@@ -435,13 +436,9 @@ class CacheHandlers:
         """Every component's section, read now: SERVER_INFO's ``stats``, and what ``/metrics``
         exports (``server.metrics``). A section is None where its component is not configured."""
         disk, remote, events = self.engine.disk, self.engine.remote, self.events_stats
-        registry = self.registry
         return ServerStats(
             engine=self.engine.snapshot(), transport=self.transport_stats(),
-            workers=WorkerStats(registered_instances=len(registry),
-                                registered_models=len(registry.models()),
-                                gpu_instances=registry.gpu_instances(),
-                                reaped_instances=registry.reaped),
+            workers=self.registry.stats(),
             disk=disk.stats() if disk is not None else None,
             remote=remote.stats() if remote is not None else None,
             events=events() if events is not None else None)
@@ -514,13 +511,21 @@ def _chunk_info(row: PieceRow) -> m.ChunkInfo:
                        pinned=row.pinned, expires_in_s=row.expires_in_s, priority=row.priority)
 
 
+#: The same orders over the disk index's ``(key, nbytes, written)`` (no hits on disk: by age), so
+#: that only the ``limit`` rows shown are made.
+_DISK_ORDER: dict[str, Callable[[tuple[ChunkKey, int, float]], Any]] = {
+    "age": lambda item: -item[2],
+    "hits": lambda item: -item[2],
+    "size": lambda item: (-item[1], -item[2]),
+    "key": lambda item: (item[0].model_name, item[0].layout, item[0].chunk_hash, item[0].head_lo),
+}
+
+
 def _disk_rows(found: list[tuple[ChunkKey, int, float]], limit: int, sort: str) -> list[m.ChunkInfo]:
     """The first ``limit`` disk pieces in ``sort``'s order, as listing rows (no locks or hits: a
     piece on disk has neither until it is loaded)."""
     now = time.time()
-    rows = [m.ChunkInfo(chunk_hash=key.chunk_hash, model_name=key.model_name, layout=key.layout,
+    return [m.ChunkInfo(chunk_hash=key.chunk_hash, model_name=key.model_name, layout=key.layout,
                         head_lo=key.head_lo, head_hi=key.head_hi, tier="disk", nbytes=nbytes,
                         locks=0, hits=0, age_s=max(0.0, now - written))
-            for key, nbytes, written in found]
-    rows.sort(key=LISTING_ORDER[sort])
-    return rows[:limit]
+            for key, nbytes, written in heapq.nsmallest(limit, found, key=_DISK_ORDER[sort])]

@@ -276,7 +276,7 @@ def test_a_long_lookup_dropped_from_a_full_queue_is_acknowledged(short_tmp: str)
     """A long prompt's lookup goes to the copy threads before its ack: dropped there (the queue
     full), it is acknowledged at once, undecoded (its status then 0: it recomputes), rather than
     left without an answer until its client's own timeout."""
-    from lmcache_core.server.lmcache_dialect import INLINE_LOOKUP_BYTES
+    from lmcache_core.server.lmcache.front import INLINE_LOOKUP_BYTES
 
     srv, release = blocked_lookups_server(short_tmp, **{"server.max_request_bytes": 300 << 10})
     sock = dealer(srv.url)
@@ -305,7 +305,7 @@ def test_a_failing_skipped_release_does_not_hide_the_retrieve_failure(kv_server,
     from lmcache_core.errors import NotRegisteredError
 
     srv, _, descs = kv_server
-    dialect = srv.transport.dialect
+    dialect = srv.lmcache
     sock = dealer(srv.url)
 
     def gone(*_args: Any, **_kwargs: Any) -> None:
