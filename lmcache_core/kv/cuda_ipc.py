@@ -29,6 +29,13 @@ REF_COUNTERS_PER_FILE = 10_000
 _REF_COUNTER_NAME = re.compile(rb"/torch_(?P<pid>[1-9][0-9]{0,9})_[0-9]{1,20}(?:_[0-9]{1,20})?")
 
 
+def ref_counter_pid(name: bytes) -> int | None:
+    """The pid in the name of one of torch's reference-counter files (``/torch_<pid>_...``): the
+    process whose CUDA memory an IPC handle exports; None for any other name."""
+    match = _REF_COUNTER_NAME.fullmatch(name)
+    return int(match["pid"]) if match else None
+
+
 def require_cuda(what: str) -> None:
     """IncompatibleError naming ``what`` unless CUDA is usable in this process."""
     if not torch.cuda.is_available():

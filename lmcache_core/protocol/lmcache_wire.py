@@ -19,6 +19,7 @@ What LMCache's requests mean in our terms (keys, block ids, tensors) is the serv
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal, NamedTuple
 
@@ -127,6 +128,32 @@ class CpuShmIPCData(msgspec.Struct, tag="cpu_shm", tag_field="type", forbid_unkn
     nbytes: m.ByteCount
 
 
+IpcBytes = Annotated[bytes, msgspec.Meta(max_length=256)]
+
+
+class CudaIPCData(msgspec.Struct, tag="cuda", tag_field="type", forbid_unknown_fields=True,
+                  kw_only=True):
+    """LMCache's ``cuda`` descriptor: its ``handle`` is ``torch.UntypedStorage._share_cuda_()`` of
+    the tensor's storage, as is ours (``messages.CudaIpcHandle``): (device, handle, storage bytes,
+    storage offset bytes, ref-counter file, ref-counter offset, event handle, event sync)."""
+
+    version: Literal[1]
+    metadata: TensorMetadata
+    handle: tuple[Annotated[int, msgspec.Meta(ge=0, le=1023)], IpcBytes | None, m.ByteCount,
+                  m.ByteCount, IpcBytes | None, m.ByteCount, IpcBytes | None, bool]
+
+
+#: LMCache's other CUDA descriptors: raw driver IPC (its ``lmcache.mp.isolated_ipc``) and VMM
+#: exports whose file descriptors travel out of band (its ``lmcache.mp.use_vmm_api``). Neither maps
+#: onto torch's storage IPC, the CUDA path this server opens: refused, saying so.
+UNSERVED_CUDA = {
+    "cuda_raw": "cuda_raw KV descriptors (LMCache's lmcache.mp.isolated_ipc) are not served: "
+                "start vLLM without isolated_ipc, so LMCache sends CUDA IPC (cuda) descriptors",
+    "cuda_vmm": "cuda_vmm KV descriptors (LMCache's lmcache.mp.use_vmm_api) are not served: "
+                "start vLLM without use_vmm_api, so LMCache sends CUDA IPC (cuda) descriptors",
+}
+
+
 class EngineGroupInfo(msgspec.Struct, kw_only=True):
     engine_group_id: Small
     layer_indices: Annotated[tuple[Small, ...], msgspec.Meta(max_length=4096)] = ()
@@ -146,7 +173,8 @@ class LayoutHints(msgspec.Struct, kw_only=True):
     head_dim: Small | None = None
 
 
-_decode_shm = msgspec.msgpack.Decoder(CpuShmIPCData).decode
+_decode_layer = msgspec.msgpack.Decoder(CpuShmIPCData | CudaIPCData).decode
+_decode_tag = msgspec.msgpack.Decoder(dict[str, Any]).decode
 
 
 def _ext_hook(code: int, data: memoryview) -> Any:
@@ -154,9 +182,13 @@ def _ext_hook(code: int, data: memoryview) -> Any:
     if code != 1:
         raise DialectError(f"unexpected msgpack ext type {code}")
     try:
-        return _decode_shm(data)
-    except msgspec.DecodeError as exc:  # cuda, cuda_raw, cuda_vmm: not served on this path yet
-        raise DialectError(f"unsupported KV descriptor: {clip(str(exc))}") from None
+        return _decode_layer(data)
+    except msgspec.DecodeError as exc:
+        why = f"unsupported KV descriptor: {clip(str(exc))}"
+    unserved = None
+    with contextlib.suppress(Exception):  # which descriptor it is, for the message
+        unserved = UNSERVED_CUDA.get(_decode_tag(data).get("type"))  # type: ignore[arg-type]
+    raise DialectError(unserved or why)
 
 
 ShmLayers = Annotated[list[Any], msgspec.Meta(min_length=1, max_length=4096)]

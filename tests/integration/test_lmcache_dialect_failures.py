@@ -249,3 +249,33 @@ def test_a_streams_credit_is_not_answered(kv_server) -> None:  # noqa: F811
         assert reply is not None and reply[:2] == [enc(4), enc(None)] and b"errorreply" in reply[2]
     finally:
         sock.close(0)
+
+
+def test_a_cuda_registration_reaches_the_cuda_path_and_fails_at_once_without_cuda(
+        kv_server) -> None:  # noqa: F811
+    """LMCache's ``cuda`` descriptors go our CUDA path (its handle checks first): on a host
+    without CUDA the register fails at once saying so (it was "unsupported KV descriptor")."""
+    import os
+    import secrets
+
+    from lmcache_core.kv.cuda_ipc import REF_COUNTERS_PER_FILE
+
+    srv, _, _ = kv_server
+    name = f"/torch_{os.getpid()}_{secrets.randbelow(10**9)}_0"
+    with open(f"/dev/shm{name}", "wb") as f:
+        f.truncate(8 * REF_COUNTERS_PER_FILE + 64)
+    shape, stride = [2, 32, 16, 4, 32], [32 * 16 * 4 * 32, 16 * 4 * 32, 4 * 32, 32, 1]
+    layer = msgspec.msgpack.Ext(1, enc({
+        "type": "cuda", "version": 1,
+        "handle": [0, b"h" * 64, 1 << 20, 0, name.encode(), 3, b"e" * 64, True],
+        "metadata": {"dtype": "float16", "shape": shape, "stride": stride, "storage_offset": 0,
+                     "device_uuid": "GPU-8f7c1a2e-0000-4000-8000-000000000001"}}))
+    sock = dealer(srv.url)
+    try:
+        reply = call(sock, [enc(1), enc(1), enc(7), enc([layer]), enc("tiny"), enc(1),
+                            enc("vllm"), enc({}), enc([])])
+        assert reply is not None and failure(reply), reply
+        assert "needs CUDA" in msgspec.msgpack.decode(reply[1]), reply
+    finally:
+        sock.close(0)
+        os.unlink(f"/dev/shm{name}")

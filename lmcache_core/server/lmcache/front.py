@@ -143,7 +143,8 @@ class LMCacheFrontEnd:
         if isinstance(reg, tuple):
             return reg
         try:
-            request = t.store_request(key, instance_id, groups, chunk, chunk // reg.block_size)
+            request = t.store_request(key, instance_id, groups, chunk, chunk // reg.block_size,
+                                      _event_of(reg, event))
         except ValueError:
             return _FAILED
         if request.chunk_hashes:
@@ -161,7 +162,8 @@ class LMCacheFrontEnd:
             return reg
         try:
             request, skipped = t.retrieve_request(key, instance_id, groups, chunk,
-                                                  chunk // reg.block_size, skip_first_n_tokens)
+                                                  chunk // reg.block_size, skip_first_n_tokens,
+                                                  _event_of(reg, event))
         except ValueError:
             return _FAILED
         try:
@@ -269,3 +271,9 @@ class LMCacheFrontEnd:
     def end_session(self, request_id: str, *, client: bytes) -> None:
         self.results.drop(request_id)
         self.handlers.end_session(m.LookupIdRequest(lookup_id=request_id), client)
+
+
+def _event_of(reg: m.RegisterKVCacheRequest, event: bytes) -> bytes:
+    """The worker's CUDA event for a GPU registration's copies to wait on (LMCache's client
+    records it after the forward pass, as ours); on the CPU LMCache sends a stub: none."""
+    return event if reg.layers[0].kind == "cuda" else b""

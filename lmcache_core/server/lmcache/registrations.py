@@ -123,14 +123,25 @@ def registration_request(instance_id: int, layers: list[Any], model_name: str, w
 
 
 def _owner_pid(descs: list[m.TensorDescriptor]) -> int:
-    """The one live process all layers' LMCache segment names name (else refused)."""
-    pids = {parse_lmcache_segment_name(d.shm_name) for d in descs}
+    """The one live process all layers name: by their LMCache segment names (``cpu_shm``), or by
+    the names of torch's reference-counter files their CUDA IPC handles carry (``cuda``; the
+    registry then checks those handles as our own workers', ``kv.cuda_ipc.check_ipc_handle``)."""
+    kinds = {d.kind for d in descs}
+    if kinds == {"cuda"}:
+        from lmcache_core.kv.cuda_ipc import ref_counter_pid  # torch: a GPU registration only
+        pids = {ref_counter_pid(d.cuda.ref_counter_handle) if d.cuda else None for d in descs}
+        named = "CUDA IPC handles must all come of one process's torch (/torch_<pid>_...)"
+    elif kinds == {"shm"}:
+        pids = {parse_lmcache_segment_name(d.shm_name) for d in descs}
+        named = "KV segments must all be named lmcache_kv_<pid>_<n> by one pid"
+    else:
+        raise w.DialectError("KV layers of one registration are all cpu_shm or all cuda")
     if len(pids) != 1 or None in pids:
-        raise w.DialectError("KV segments must all be named lmcache_kv_<pid>_<n> by one pid")
+        raise w.DialectError(named)
     pid = pids.pop()
     assert pid is not None
     if process_gone(pid):
-        raise w.DialectError(f"process {pid} that named the KV segments is not running")
+        raise w.DialectError(f"process {pid} that shared the KV cache is not running")
     return pid
 
 

@@ -55,19 +55,20 @@ def _flat_blocks(groups: Sequence[Sequence[int]], num_chunks: int, per_chunk: in
 
 
 def store_request(key: w.IPCCacheServerKey, instance_id: int, groups: Sequence[Sequence[int]],
-                  chunk_size: int, per_chunk: int) -> m.StoreRequest:
+                  chunk_size: int, per_chunk: int, event_handle: bytes = b"") -> m.StoreRequest:
     """A STORE of chunks ``[start, end)`` into our store (``ValueError``: answer ``False``), for
     its ``cache_salt``'s tenant (``server.tenant_quotas``), as our workers' stores."""
     check_range(key, chunk_size)
     hashes = key_hashes(key, chunk_size)
     return m.StoreRequest(instance_id=instance_id, chunk_hashes=hashes,
                           block_ids=_flat_blocks(groups, len(hashes), per_chunk),
-                          request_ids=[key.request_id], tenant=tenant_tag(key.cache_salt))
+                          request_ids=[key.request_id], tenant=tenant_tag(key.cache_salt),
+                          event_handle=event_handle)
 
 
 def retrieve_request(key: w.IPCCacheServerKey, instance_id: int, groups: Sequence[Sequence[int]],
-                     chunk_size: int, per_chunk: int,
-                     skip_tokens: int = 0) -> tuple[m.RetrieveRequest, list[bytes]]:
+                     chunk_size: int, per_chunk: int, skip_tokens: int = 0,
+                     event_handle: bytes = b"") -> tuple[m.RetrieveRequest, list[bytes]]:
     """A RETRIEVE of chunks ``[start, end)``, consuming the locks of its request's LOOKUP, and
     the hashes of the chunks it leaves out.
 
@@ -80,23 +81,45 @@ def retrieve_request(key: w.IPCCacheServerKey, instance_id: int, groups: Sequenc
     skip = min(skip_tokens // chunk_size, len(hashes))
     request = m.RetrieveRequest(instance_id=instance_id, chunk_hashes=hashes[skip:],
                                 block_ids=blocks[skip * per_chunk:],
-                                lookup_id=key.request_id, request_ids=[key.request_id])
+                                lookup_id=key.request_id, request_ids=[key.request_id],
+                                event_handle=event_handle)
     return request, hashes[:skip]
 
 
-def tensor_descriptor(layer: w.CpuShmIPCData) -> m.TensorDescriptor:
-    """An LMCache ``cpu_shm`` layer as our shared-memory descriptor (its leading '/' dropped)."""
+def tensor_descriptor(layer: w.CpuShmIPCData | w.CudaIPCData) -> m.TensorDescriptor:
+    """An LMCache layer as our descriptor: ``cpu_shm`` as shared memory (its leading '/' dropped),
+    ``cuda`` as a CUDA IPC handle of its storage (the same fields as our own workers export:
+    ``kv.cuda_ipc``'s checks, events and reaping then apply as to theirs)."""
     meta = layer.metadata
-    if meta.device_uuid != "cpu":
-        raise w.DialectError(f"cpu_shm descriptor on device {meta.device_uuid!r}")
     from lmcache_core.kv.tensors import parse_dtype  # torch only where a KV cache is registered
     try:
         itemsize = parse_dtype(meta.dtype).itemsize
     except Exception as exc:
         raise w.DialectError(f"unsupported dtype {meta.dtype!r}: {clip(str(exc))}") from None
+    offset = meta.storage_offset * itemsize
+    if isinstance(layer, w.CudaIPCData):
+        return _cuda_descriptor(layer, offset)
+    if meta.device_uuid != "cpu":
+        raise w.DialectError(f"cpu_shm descriptor on device {meta.device_uuid!r}")
     return m.TensorDescriptor(kind="shm", dtype=meta.dtype, shape=meta.shape, stride=meta.stride,
-                              offset_bytes=meta.storage_offset * itemsize,
-                              segment_nbytes=layer.nbytes, shm_name=layer.shm_name.lstrip("/"))
+                              offset_bytes=offset, segment_nbytes=layer.nbytes,
+                              shm_name=layer.shm_name.lstrip("/"))
+
+
+def _cuda_descriptor(layer: w.CudaIPCData, offset_bytes: int) -> m.TensorDescriptor:
+    meta = layer.metadata
+    device, handle, nbytes, storage_offset, counter, counter_offset, event, sync = layer.handle
+    if handle is None or counter is None:
+        raise w.DialectError("a cuda descriptor without its storage's IPC handle or ref counter")
+    if meta.device_uuid == "cpu":
+        raise w.DialectError("a cuda descriptor on the CPU")
+    return m.TensorDescriptor(
+        kind="cuda", dtype=meta.dtype, shape=meta.shape, stride=meta.stride,
+        offset_bytes=offset_bytes, segment_nbytes=nbytes, device_uuid=meta.device_uuid,
+        cuda=m.CudaIpcHandle(device=device, handle=handle, storage_nbytes=nbytes,
+                             storage_offset_bytes=storage_offset, ref_counter_handle=counter,
+                             ref_counter_offset=counter_offset, event_handle=event,
+                             event_sync_required=sync))
 
 
 def hnd_as_nhd(desc: m.TensorDescriptor) -> m.TensorDescriptor:
