@@ -10,7 +10,10 @@ is reported and the others still run:
    free again (finding 3);
 3. ``lmcache store-bench --gpus 0`` against that server, beside pinned ``copy_`` of the same bytes
    measured here (device->host and host->device);
-4. a large pinned pool (``--pool-gib``): seconds to allocate it and its pinned bytes (finding 4).
+4. a large pinned pool (``--pool-gib``): seconds to allocate it and its pinned bytes (finding 4);
+5. LMCache 0.5.6's own worker adapter registering a GPU KV cache against ``lmcache serve`` (its
+   ``cuda`` descriptors), store and retrieve byte-exact (``tests/lmcache/test_lmcache_client_gpu.py``,
+   issue 24), when the ``lmcache`` package is installed (reported skipped otherwise).
 
 The last line printed starts ``gpu-check:``; ``--json FILE`` also writes every figure. Exit 0 when
 every step passed.
@@ -50,6 +53,7 @@ def main() -> int:
         ("pytest", lambda: _pytest(args.pytest_timeout)),
         ("server", lambda: _with_server(args)),
         ("pool", lambda: _pool(args.pool_gib)),
+        ("lmcache_client", lambda: _lmcache_client(args.pytest_timeout)),
     ]
     for name, step in steps:
         started = time.monotonic()
@@ -93,6 +97,26 @@ def _pytest(timeout_s: float) -> dict[str, Any]:
     if out.returncode != 0:
         print(out.stdout[-6000:], out.stderr[-2000:], sep="\n")
     return {"ok": out.returncode == 0, "result": tail, "notes": notes}
+
+
+# ---------------------------------------------------------------- 5. LMCache's own client
+
+
+def _lmcache_client(timeout_s: float) -> dict[str, Any]:
+    """LMCache's worker adapter with a GPU KV cache against a real server (its pytest file)."""
+    import importlib.util
+
+    if importlib.util.find_spec("lmcache") is None:
+        return {"ok": True, "skipped": "the lmcache package is not installed here"}
+    env = {**os.environ, "LMCACHE_MP_TRANSFER_MODE": "lmcache_driven",
+           "LMCACHE_TRACK_USAGE": "false"}
+    out = subprocess.run([sys.executable, "-m", "pytest", "tests/lmcache/test_lmcache_client_gpu.py",
+                          "-q", "-rs", "-p", "no:cacheprovider"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=timeout_s, env=env)
+    tail = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-300:]
+    if out.returncode != 0:
+        print(out.stdout[-6000:], out.stderr[-2000:], sep="\n")
+    return {"ok": out.returncode == 0 and "passed" in tail, "result": tail}
 
 
 # ---------------------------------------------------------------- 2-3. a real server
@@ -287,6 +311,8 @@ def _summary(report: dict[str, Any], ok: bool) -> str:
     if "pin_s" in pool:
         parts.append(f"pool {pool['pool_gib']} GiB pinned {pool['pinned_gib']} GiB in "
                      f"{pool['pin_s']} s (torch would pin {pool['torch_pin_memory_would_pin_gib']})")
+    lmc = report["lmcache_client"]
+    parts.append(f"LMCache's GPU client {lmc.get('result') or lmc.get('skipped') or lmc.get('error')}")
     return " | ".join(parts)
 
 

