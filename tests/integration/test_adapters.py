@@ -285,28 +285,24 @@ def test_a_given_up_lookup_never_frees_a_newer_lookups_locks(tmp_path, fake_cloc
         assert scheduler.end_session("r").result(10).released == 4
 
 
-def test_worker_registers_again_after_a_server_restart(tmp_path):
-    srv = ServerProcess(tmp_path).start()
-    worker = WorkerProcess(srv.url)  # heartbeat every second
+def test_worker_registers_again_after_a_server_restart(tmp_path, make_server, make_worker):
+    srv = make_server()
+    worker = make_worker(srv.url)  # heartbeat every second
+    worker("fill", blocks=blocks(0, 2), seed=4)
+    toks = tokens(2, seed=80)
+    assert not worker("store", req="before", keys=toks, blocks=blocks(0, 2))["failed"]
+    srv.stop()
+    srv.start()  # same url, an empty server that has never heard of the worker
+    attempts = itertools.count()
+    wait_until(lambda: not worker("store", req=f"after{next(attempts)}", keys=toks,
+                                  blocks=blocks(0, 2))["failed"],
+               15, "the worker never registered again")
+    scheduler = LMCacheMPSchedulerAdapter(srv.url, zmq.Context.instance(), "tiny", 1, 0, BLOCK)
     try:
-        worker("fill", blocks=blocks(0, 2), seed=4)
-        toks = tokens(2, seed=80)
-        assert not worker("store", req="before", keys=toks, blocks=blocks(0, 2))["failed"]
-        srv.stop()
-        srv.start()  # same url, an empty server that has never heard of the worker
-        attempts = itertools.count()
-        wait_until(lambda: not worker("store", req=f"after{next(attempts)}", keys=toks,
-                                      blocks=blocks(0, 2))["failed"],
-                   15, "the worker never registered again")
-        scheduler = LMCacheMPSchedulerAdapter(srv.url, zmq.Context.instance(), "tiny", 1, 0, BLOCK)
-        try:
-            assert wait_lookup(scheduler, "r", toks) == 2 * CHUNK
-            scheduler.end_session("r").result(5)
-        finally:
-            scheduler.close()
+        assert wait_lookup(scheduler, "r", toks) == 2 * CHUNK
+        scheduler.end_session("r").result(5)
     finally:
-        worker.close()
-        srv.kill()
+        scheduler.close()
 
 
 @pytest.mark.parametrize("frozen", [False, True], ids=["live", "all-queued-behind-a-frozen-server"])
