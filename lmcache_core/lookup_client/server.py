@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import zmq
 
 from lmcache_core.errors import ConfigError, LMCacheError
+from lmcache_core.log_budget import LogBudget
 from lmcache_core.lookup_client import _ipc
 from lmcache_core.lookup_client.config import LMCacheMetadata, ensure_private_dir
 from lmcache_core.lookup_client.messages import (
@@ -29,7 +30,6 @@ from lmcache_core.lookup_client.messages import (
     decode_worker_msg,
     encode,
 )
-from lmcache_core.transport.counters import LogBudget
 from lmcache_core.transport.waker import Waker
 
 logger = logging.getLogger(__name__)

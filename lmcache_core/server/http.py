@@ -27,8 +27,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from lmcache_core.errors import BindError
+from lmcache_core.log_budget import LogBudget
 from lmcache_core.supervision import Supervisor
-from lmcache_core.transport.counters import LogBudget
 from lmcache_core.transport.waker import Waker
 
 logger = logging.getLogger(__name__)

@@ -41,6 +41,7 @@ import redis
 
 from lmcache_core.events import REMOTE, KVEventSink
 from lmcache_core.keys import ChunkKey
+from lmcache_core.log_budget import LogBudget
 from lmcache_core.stats import RemoteStats
 from lmcache_core.storage import record
 from lmcache_core.storage.disk import Source
@@ -53,7 +54,6 @@ from lmcache_core.storage.remote_keys import key_of, redis_key
 from lmcache_core.storage.remote_url import parse_url
 from lmcache_core.storage.writer import BackgroundWriter
 from lmcache_core.supervision import Supervisor
-from lmcache_core.transport.counters import LogBudget
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

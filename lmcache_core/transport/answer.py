@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lmcache_core.errors import LMCacheError, LMCacheTimeoutError, ServerError, clip
+from lmcache_core.log_budget import LogBudget
 from lmcache_core.protocol.codec import (
     Limits,
     RequestHead,
@@ -23,7 +24,6 @@ from lmcache_core.protocol.codec import (
     error_reply,
     rejection_frames,
 )
-from lmcache_core.transport.counters import LogBudget
 from lmcache_core.transport.routes import LATER, Job, Wire
 
 

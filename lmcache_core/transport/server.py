@@ -22,8 +22,8 @@ answering nothing. Log lines about rejected requests are budgeted: a flood of ba
 few lines, not a line each.
 
 The parts with a job of their own live next to it: ``routes`` (wires, routes, the work item),
-``answer`` (the error boundary, our wire), ``counters`` (log budgets) and ``listen`` (binding the
-socket, removing its file).
+``answer`` (the error boundary, our wire) and ``listen`` (binding the socket, removing its file);
+its figures are ``stats.TransportStats``, its log budgets ``log_budget.LogBudget``.
 """
 
 from __future__ import annotations
@@ -47,12 +47,12 @@ from lmcache_core.errors import (
     UnknownOperationError,
     clip,
 )
+from lmcache_core.log_budget import LogBudget
 from lmcache_core.protocol.codec import Limits
 from lmcache_core.protocol.ops import RequestType
 from lmcache_core.stats import TransportStats
 from lmcache_core.supervision import Supervisor
 from lmcache_core.transport.answer import OurWire, refusal, serve
-from lmcache_core.transport.counters import LogBudget
 from lmcache_core.transport.gate import Gate
 from lmcache_core.transport.listen import bind_router, remove_ipc_file
 from lmcache_core.transport.peers import PeerWatch
@@ -60,7 +60,7 @@ from lmcache_core.transport.routes import GateFn, Handler, Job, Observer, Route,
 from lmcache_core.transport.sending import recv_frames, send_frames
 from lmcache_core.transport.waker import Waker
 
-__all__ = ["GateFn", "Handler", "LogBudget", "MessageQueueServer", "Observer", "Route", "Wire"]
+__all__ = ["GateFn", "Handler", "MessageQueueServer", "Observer", "Route", "Wire"]
 
 logger = logging.getLogger(__name__)
 _RECV_BATCH = 256

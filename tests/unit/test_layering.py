@@ -209,15 +209,10 @@ def test_the_config_imports_no_storage():
                        ("lmcache_core.storage",)) == []
 
 
-@pytest.mark.xfail(strict=False, reason="storage/remote.py imports lmcache_core.transport.counters "
-                   "(and so the whole transport package): violated on main, to fix (issue 22)")
 def test_storage_imports_no_transport():
     assert _violations(("lmcache_core.storage",), ("lmcache_core.transport",)) == []
 
 
-@pytest.mark.xfail(strict=False, reason="engine/cache.py imports lmcache_core.protocol.messages "
-                   "(it builds wire structs), and reaches the protocol through storage/remote.py -> "
-                   "transport: being fixed by others (issue 22)")
 def test_the_engine_imports_no_protocol_and_no_server():
     assert _violations(("lmcache_core.engine",),
                        ("lmcache_core.protocol", "lmcache_core.server")) == []

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lmcache_core.errors import LMCacheError, NotRegisteredError, ProtocolError, clip
+from lmcache_core.log_budget import LogBudget
 from lmcache_core.protocol import lmcache_wire as w
 from lmcache_core.protocol import messages as m
 from lmcache_core.protocol.codec import DEFAULT_LIMITS, Limits
@@ -39,7 +40,6 @@ from lmcache_core.server.handlers import CacheHandlers
 from lmcache_core.server.lmcache import translate as t
 from lmcache_core.server.lmcache.prefetch_status import DEFERRED, PrefetchResults
 from lmcache_core.server.lmcache.registrations import DialectRegistrations, registration_request
-from lmcache_core.transport.counters import LogBudget
 from lmcache_core.transport.routes import LATER, Route, silent_route
 
 logger = logging.getLogger(__name__)

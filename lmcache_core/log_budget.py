@@ -1,5 +1,6 @@
-"""``LogBudget``: how a server rations its log lines (a flood of bad frames costs a few lines).
-What it counts is ``stats.TransportStats``."""
+"""``LogBudget``: how a component rations its log lines, so that a flood of bad frames or failing
+writes costs a few lines, not one each (the socket loop, the lookup server, the HTTP listener, the
+remote tier). Imports the standard library alone: any layer may use it."""
 
 from __future__ import annotations
 
