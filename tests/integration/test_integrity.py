@@ -29,7 +29,7 @@ from lmcache_core.storage.disk import file_name
 from lmcache_core.storage.remote_keys import redis_key
 from lmcache_core.transport.client import MessageQueueClient
 from tests.harness import wait_until
-from tests.integration.servers import TINY, RedisServer, ServerProcess, WorkerProcess
+from tests.integration.servers import TINY, RedisServer, WorkerProcess
 
 CHUNK = 64  # tokens: 4 blocks of 16 in the tiny model
 TINY_LAYOUT = layout_key("float16", 2, 4, 32, False)  # the tiny model at TP=1
@@ -152,46 +152,42 @@ def test_a_store_failing_between_two_chunk_copies_leaves_nothing_visible(
 
 @pytest.mark.redis
 def test_corrupt_disk_files_and_redis_values_are_dropped_not_loaded(
-        redis_up: RedisServer, tmp_path: Path) -> None:
+        redis_up: RedisServer, tmp_path: Path, make_server, make_worker) -> None:
     disk_dir = tmp_path / "disk"
-    srv = ServerProcess(tmp_path, {
+    srv = make_server({
         "remote": {"url": redis_up.url, "timeout_ms": 200, "retry_interval_s": 0.2},
-        "disk": {"path": str(disk_dir), "max_size": "64MiB", "write_through": True}}).start()
-    worker = WorkerProcess(srv.url)
-    try:
-        toks = tokens(4, seed=3)
-        worker("fill", blocks=blocks(0, 4), seed=9)
-        want = worker("digest", blocks=blocks(0, 2))["digest"]
-        assert worker("store", req="s", keys=toks, blocks=blocks(0, 4))["finished"]
-        with MessageQueueClient(srv.url) as client, redis_up.client() as redis_client:
-            wait_until(lambda: stats(client).remote.written_chunks == 4
-                       and stats(client).disk.chunks == 4)
-            bad = piece_key(toks, 2)
-            # Chunk 2's payload changes by one byte on disk and in Redis, behind the server's back
-            # (headers intact: only the store-time checksum, payload_xxh3, can tell).
-            path = disk_dir / file_name(bad)
-            data = bytearray(path.read_bytes())
-            data[-7] ^= 0x01
-            path.write_bytes(bytes(data))
-            rkey = redis_key(f"lmcache:v{record.FORMAT_VERSION}:", bad)
-            value = bytearray(redis_client.get(rkey) or b"")
-            assert value
-            value[-7] ^= 0x01
-            redis_client.set(rkey, bytes(value))
-            client.request(m.ClearRequest(force=True))
-            # Disk first: chunk 2's file fails its check; the lookup stops before it.
-            assert lookup(client, toks, "a", lock=False) == 2
-            s = stats(client)
-            assert s.disk.corrupt == 1 and not path.exists()
-            # Then Redis: its value fails too, and is deleted there.
-            assert lookup(client, toks, "b") == 2
-            s = stats(client)
-            assert s.remote.corrupt == 1 and not redis_client.exists(rkey)
-            # What is served is exactly what was stored.
-            worker("zero", blocks=blocks(0, 4))
-            result = worker("retrieve", req="b", keys=toks[:2 * CHUNK], blocks=blocks(0, 2))
-            assert result["finished"] and not result["load_errors"]
-            assert worker("digest", blocks=blocks(0, 2))["digest"] == want
-    finally:
-        worker.close()
-        srv.kill()
+        "disk": {"path": str(disk_dir), "max_size": "64MiB", "write_through": True}})
+    worker = make_worker(srv.url)
+    toks = tokens(4, seed=3)
+    worker("fill", blocks=blocks(0, 4), seed=9)
+    want = worker("digest", blocks=blocks(0, 2))["digest"]
+    assert worker("store", req="s", keys=toks, blocks=blocks(0, 4))["finished"]
+    with MessageQueueClient(srv.url) as client, redis_up.client() as redis_client:
+        wait_until(lambda: stats(client).remote.written_chunks == 4
+                   and stats(client).disk.chunks == 4)
+        bad = piece_key(toks, 2)
+        # Chunk 2's payload changes by one byte on disk and in Redis, behind the server's back
+        # (headers intact: only the store-time checksum, payload_xxh3, can tell).
+        path = disk_dir / file_name(bad)
+        data = bytearray(path.read_bytes())
+        data[-7] ^= 0x01
+        path.write_bytes(bytes(data))
+        rkey = redis_key(f"lmcache:v{record.FORMAT_VERSION}:", bad)
+        value = bytearray(redis_client.get(rkey) or b"")
+        assert value
+        value[-7] ^= 0x01
+        redis_client.set(rkey, bytes(value))
+        client.request(m.ClearRequest(force=True))
+        # Disk first: chunk 2's file fails its check; the lookup stops before it.
+        assert lookup(client, toks, "a", lock=False) == 2
+        s = stats(client)
+        assert s.disk.corrupt == 1 and not path.exists()
+        # Then Redis: its value fails too, and is deleted there.
+        assert lookup(client, toks, "b") == 2
+        s = stats(client)
+        assert s.remote.corrupt == 1 and not redis_client.exists(rkey)
+        # What is served is exactly what was stored.
+        worker("zero", blocks=blocks(0, 4))
+        result = worker("retrieve", req="b", keys=toks[:2 * CHUNK], blocks=blocks(0, 2))
+        assert result["finished"] and not result["load_errors"]
+        assert worker("digest", blocks=blocks(0, 2))["digest"] == want
