@@ -245,11 +245,13 @@ def frames_op(frames: Sequence[bytes]) -> str | None:
     """LMCache's op name when ``frames`` (``[uid, op, payloads...]``) are an LMCache request whose
     reply can be addressed (its uid a msgpack int), or a stream's credit frame
     (``STREAM_CONTROL``); else None (ours, or frames our codec answers with a typed error)."""
-    if len(frames) < 2 or not plausible_uid(frames[0]):
+    if len(frames) < 2:
         return None
     if frames[1] == b"" and len(frames) == 3 and frames[2] in (b"ack", b"cancel"):
-        return STREAM_CONTROL
-    return dialect_op(frames[1])
+        op: str | None = STREAM_CONTROL
+    else:
+        op = dialect_op(frames[1])  # first: our own requests (every one) end here
+    return op if op is not None and plausible_uid(frames[0]) else None
 
 
 def plausible_uid(frame: bytes) -> bool:
