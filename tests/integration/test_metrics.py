@@ -149,22 +149,19 @@ def test_metrics_move_with_stores_lookups_retrieves_evictions_and_errors(tmp_pat
             value(after, "lmcache_request_duration_seconds_count", op=op)
 
 
-def test_a_killed_worker_is_reaped_in_the_metrics(tmp_path: Path) -> None:
-    srv = ServerProcess(tmp_path, {"server": {"quotas": {"tiny": "1MiB", "big": "2MiB"}}}).start()
-    try:
-        base = srv.http_url()
-        worker = WorkerProcess(srv.url)
-        first = scrape(base)
-        assert value(first, "lmcache_registered_workers", model="tiny") == 1
-        assert value(first, "lmcache_model_quota_bytes", model="tiny") == 2**20  # server.quotas
-        assert value(first, "lmcache_model_quota_bytes", model="big") == 2 * 2**20
-        worker.kill()  # the housekeeper reaps a worker whose process is gone within a second
-        wait_until(lambda: value(scrape(base), "lmcache_reaped_workers_total") == 1)
-        after = scrape(base)
-        assert value(after, "lmcache_registered_models") == 0
-        assert ("lmcache_registered_workers", frozenset({("model", "tiny")})) not in after
-    finally:
-        srv.kill()
+def test_a_killed_worker_is_reaped_in_the_metrics(tmp_path: Path, make_server) -> None:
+    srv = make_server({"server": {"quotas": {"tiny": "1MiB", "big": "2MiB"}}})
+    base = srv.http_url()
+    worker = WorkerProcess(srv.url)
+    first = scrape(base)
+    assert value(first, "lmcache_registered_workers", model="tiny") == 1
+    assert value(first, "lmcache_model_quota_bytes", model="tiny") == 2**20  # server.quotas
+    assert value(first, "lmcache_model_quota_bytes", model="big") == 2 * 2**20
+    worker.kill()  # the housekeeper reaps a worker whose process is gone within a second
+    wait_until(lambda: value(scrape(base), "lmcache_reaped_workers_total") == 1)
+    after = scrape(base)
+    assert value(after, "lmcache_registered_models") == 0
+    assert ("lmcache_registered_workers", frozenset({("model", "tiny")})) not in after
 
 
 # ---------------------------------------------------------------- a Redis outage
@@ -172,40 +169,36 @@ def test_a_killed_worker_is_reaped_in_the_metrics(tmp_path: Path) -> None:
 
 @pytest.mark.redis
 def test_a_redis_outage_shows_in_the_metrics_and_readyz(
-        tmp_path: Path, make_redis: Callable[..., RedisServer]) -> None:
+        tmp_path: Path, make_redis: Callable[..., RedisServer], make_server, make_worker) -> None:
     redis_server = make_redis()
     remote = {"url": redis_server.url, "timeout_ms": 200, "retry_interval_s": 0.2}
-    srv = ServerProcess(tmp_path, {"remote": remote}).start()
-    worker = WorkerProcess(srv.url)
-    try:
-        base = srv.http_url()
-        up = scrape(base)
-        assert value(up, "lmcache_remote_up") == 1
-        assert value(up, "lmcache_tier_queued_writes", tier="remote") == 0
-        status, _, body = get(base + "/readyz")
-        assert status == 200 and json.loads(body)["degraded"] == []
-        toks = tokens(2, seed=4)
-        worker("fill", blocks=blocks(0, 2), seed=1)
-        assert worker("store", req="s", keys=toks, blocks=blocks(0, 2))["finished"]
-        wait_until(lambda: value(scrape(base), "lmcache_tier_written_chunks_total", tier="remote") == 2)
+    srv = make_server({"remote": remote})
+    worker = make_worker(srv.url)
+    base = srv.http_url()
+    up = scrape(base)
+    assert value(up, "lmcache_remote_up") == 1
+    assert value(up, "lmcache_tier_queued_writes", tier="remote") == 0
+    status, _, body = get(base + "/readyz")
+    assert status == 200 and json.loads(body)["degraded"] == []
+    toks = tokens(2, seed=4)
+    worker("fill", blocks=blocks(0, 2), seed=1)
+    assert worker("store", req="s", keys=toks, blocks=blocks(0, 2))["finished"]
+    wait_until(lambda: value(scrape(base), "lmcache_tier_written_chunks_total", tier="remote") == 2)
 
-        redis_server.stop()
-        with MessageQueueClient(srv.url) as client:
-            assert lookup(client, tokens(1, seed=5)) == 0  # a miss asks Redis, which is gone
-        wait_until(lambda: value(scrape(base), "lmcache_remote_up") == 0)
-        down = scrape(base)
-        assert delta(down, up, "lmcache_remote_outages_total") == 1
-        assert delta(down, up, "lmcache_tier_errors_total", tier="remote") >= 1
-        status, _, body = get(base + "/readyz")  # still serving from memory: ready, degraded
-        assert status == 200, body
-        assert json.loads(body)["status"] == "degraded" and json.loads(body)["degraded"] == ["remote"]
+    redis_server.stop()
+    with MessageQueueClient(srv.url) as client:
+        assert lookup(client, tokens(1, seed=5)) == 0  # a miss asks Redis, which is gone
+    wait_until(lambda: value(scrape(base), "lmcache_remote_up") == 0)
+    down = scrape(base)
+    assert delta(down, up, "lmcache_remote_outages_total") == 1
+    assert delta(down, up, "lmcache_tier_errors_total", tier="remote") >= 1
+    status, _, body = get(base + "/readyz")  # still serving from memory: ready, degraded
+    assert status == 200, body
+    assert json.loads(body)["status"] == "degraded" and json.loads(body)["degraded"] == ["remote"]
 
-        redis_server.start()  # probed every 0.2 s
-        wait_until(lambda: value(scrape(base), "lmcache_remote_up") == 1)
-        assert json.loads(get(base + "/readyz")[2])["degraded"] == []
-    finally:
-        worker.close()
-        srv.kill()
+    redis_server.start()  # probed every 0.2 s
+    wait_until(lambda: value(scrape(base), "lmcache_remote_up") == 1)
+    assert json.loads(get(base + "/readyz")[2])["degraded"] == []
 
 
 # ---------------------------------------------------------------- probes
@@ -325,36 +318,32 @@ def test_http_url_in_use_is_one_error_line_and_exit_1(tmp_path: Path) -> None:
     assert "Traceback" not in srv.log()
 
 
-def test_off_serves_no_http_and_sigterm_stops_a_server_with_http(tmp_path: Path) -> None:
-    off = ServerProcess(tmp_path, {"server": {"http_url": "off"}}, name="off").start()
-    on = ServerProcess(tmp_path, name="on").start()
-    try:
-        with MessageQueueClient(off.url) as client:
-            assert client.server_info().http_url is None
-        base = on.http_url()
-        assert get(base + "/healthz")[0] == 200
-        on_scrapes: list[int] = []
-        stop = threading.Event()
+def test_off_serves_no_http_and_sigterm_stops_a_server_with_http(tmp_path: Path, make_server) -> None:
+    off = make_server({"server": {"http_url": "off"}}, name="off")
+    on = make_server(name="on")
+    with MessageQueueClient(off.url) as client:
+        assert client.server_info().http_url is None
+    base = on.http_url()
+    assert get(base + "/healthz")[0] == 200
+    on_scrapes: list[int] = []
+    stop = threading.Event()
 
-        def keep_scraping() -> None:  # scrapes during the stop must not hold it up
-            while not stop.is_set():
-                try:
-                    on_scrapes.append(get(base + "/metrics", timeout_s=2)[0])
-                except (urllib.error.URLError, ConnectionError, TimeoutError):
-                    return
+    def keep_scraping() -> None:  # scrapes during the stop must not hold it up
+        while not stop.is_set():
+            try:
+                on_scrapes.append(get(base + "/metrics", timeout_s=2)[0])
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                return
 
-        scraper = threading.Thread(target=keep_scraping)
-        scraper.start()
-        wait_until(lambda: on_scrapes, what="no scrape answered before the SIGTERM")
-        assert on.proc is not None
-        os.kill(on.proc.pid, signal.SIGTERM)
-        assert on.proc.wait(10) == 0
-        stop.set()
-        scraper.join(10)
-        assert on_scrapes and set(on_scrapes) == {200}
-    finally:
-        off.kill()
-        on.kill()
+    scraper = threading.Thread(target=keep_scraping)
+    scraper.start()
+    wait_until(lambda: on_scrapes, what="no scrape answered before the SIGTERM")
+    assert on.proc is not None
+    os.kill(on.proc.pid, signal.SIGTERM)
+    assert on.proc.wait(10) == 0
+    stop.set()
+    scraper.join(10)
+    assert on_scrapes and set(on_scrapes) == {200}
 
 
 # ---------------------------------------------------------------- the transport's hook

@@ -109,26 +109,22 @@ def test_two_ranks_count_a_chunk_only_when_both_stored(server, client):
             worker.close()
 
 
-def test_eviction_never_takes_a_locked_chunk(tmp_path):
-    srv = ServerProcess(tmp_path, {"server": {"pool_size": 4 * CHUNK_BYTES}}).start()
-    worker = WorkerProcess(srv.url)
-    try:
-        with MessageQueueClient(srv.url) as client:
-            a, b = tokens(4, seed=1), tokens(4, seed=2)
-            worker("fill", blocks=blocks(0, 8), seed=5)
-            assert worker("store", req="a", keys=a, blocks=blocks(0, 4))["finished"]
-            assert lookup(client, a, lookup_id="hold", lock=True) == 4
-            result = worker("store", req="b", keys=b, blocks=blocks(4, 4))
-            assert result["finished"] and "pool is full" in result["failed"]["b"]
-            assert lookup(client, a) == 4 and lookup(client, b) == 0
-            assert info(client).stats.engine.store_skipped_full == 4
-            client.free_lookup_locks("hold")
-            assert not worker("store", req="b2", keys=b, blocks=blocks(4, 4))["failed"]
-            assert lookup(client, b) == 4 and lookup(client, a) == 0
-            assert info(client).stats.engine.evictions == 4
-    finally:
-        worker.close()
-        srv.kill()
+def test_eviction_never_takes_a_locked_chunk(tmp_path, make_server, make_worker):
+    srv = make_server({"server": {"pool_size": 4 * CHUNK_BYTES}})
+    worker = make_worker(srv.url)
+    with MessageQueueClient(srv.url) as client:
+        a, b = tokens(4, seed=1), tokens(4, seed=2)
+        worker("fill", blocks=blocks(0, 8), seed=5)
+        assert worker("store", req="a", keys=a, blocks=blocks(0, 4))["finished"]
+        assert lookup(client, a, lookup_id="hold", lock=True) == 4
+        result = worker("store", req="b", keys=b, blocks=blocks(4, 4))
+        assert result["finished"] and "pool is full" in result["failed"]["b"]
+        assert lookup(client, a) == 4 and lookup(client, b) == 0
+        assert info(client).stats.engine.store_skipped_full == 4
+        client.free_lookup_locks("hold")
+        assert not worker("store", req="b2", keys=b, blocks=blocks(4, 4))["failed"]
+        assert lookup(client, b) == 4 and lookup(client, a) == 0
+        assert info(client).stats.engine.evictions == 4
 
 
 def test_bad_input_gets_typed_errors_while_another_client_is_served(server, client):
