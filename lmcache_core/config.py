@@ -30,6 +30,7 @@ from lmcache_core.config_parse import (
     named_sizes,
     parse_events_urls,
     parse_http_url,
+    parse_remote_url,
     parse_size,
     parse_uids,
     size_of,
@@ -228,10 +229,8 @@ class RemoteConfig(_Section):
     retry_interval_s: TimeoutS = 1.0  # how often a down Redis is probed
 
     def __post_init__(self) -> None:
-        from lmcache_core.storage.remote_url import parse_url  # (remote itself imports redis)
-
         try:
-            parse_url(self.url)
+            parse_remote_url(self.url)
         except ConfigError as exc:
             raise ValueError(str(exc).replace("remote.url: ", "url: ", 1)) from None
         if not self.key_prefix or ":" in self.key_prefix:

@@ -12,6 +12,8 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from lmcache_core.errors import ConfigError
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 2**10, "ki": 2**10, "m": 1000**2,
           "mb": 1000**2, "mib": 2**20, "mi": 2**20, "g": 1000**3, "gb": 1000**3, "gib": 2**30,
@@ -138,3 +140,22 @@ def named_sizes(field: str, sizes: dict[str, int | str]) -> dict[str, int | str]
         return {str(name): parse_size(size) for name, size in sizes.items()}
     except ValueError as exc:
         raise ValueError(f"{field}: {exc}") from None
+
+
+# The remote tier's url (remote.url): checked as the config loads, without importing redis.
+_SCHEMES = {"redis": "redis", "rediss": "rediss", "valkey": "redis", "valkeys": "rediss",
+            "unix": "unix"}
+
+
+def parse_remote_url(url: str) -> tuple[str, bool]:
+    """``(redis-py url, cluster)`` from a redis://, rediss://, valkey://, valkeys://, unix:// url;
+    ``redis+cluster://`` (or ``valkey+cluster://``...) names a cluster."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        raise ConfigError(f"remote.url: {url!r} is not a url (try redis://host:6379)")
+    base, plus, flavour = scheme.lower().partition("+")
+    if base not in _SCHEMES or (plus and flavour != "cluster") or (plus and base == "unix"):
+        raise ConfigError(
+            f"remote.url: scheme {scheme!r} is not one of redis://, rediss://, valkey://, valkeys://, "
+            "unix:// (add +cluster, e.g. redis+cluster://, for a cluster)")
+    return f"{_SCHEMES[base]}://{rest}", bool(plus)

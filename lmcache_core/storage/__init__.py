@@ -4,4 +4,5 @@ write-behind thread of ``writer``; ``tiered`` is what the engine does with them.
 
 This package imports nothing itself: import the module you need (``lmcache_core.storage.pool``
 imports torch, ``lmcache_core.storage.remote`` imports redis), so that loading a config with
-``disk:`` or ``remote:`` sections (``remote_url`` checks the url) costs neither."""
+``disk:`` or ``remote:`` sections (``config_parse.parse_remote_url`` checks the url) costs
+neither."""

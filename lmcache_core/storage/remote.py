@@ -39,6 +39,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import redis
 
+from lmcache_core.config_parse import parse_remote_url
 from lmcache_core.events import REMOTE, KVEventSink
 from lmcache_core.keys import ChunkKey
 from lmcache_core.log_budget import LogBudget
@@ -51,7 +52,6 @@ from lmcache_core.storage.remote_client import make_client
 from lmcache_core.storage.remote_client import reason as _reason
 from lmcache_core.storage.remote_client import without_password as _without_password
 from lmcache_core.storage.remote_keys import key_of, redis_key
-from lmcache_core.storage.remote_url import parse_url
 from lmcache_core.storage.writer import BackgroundWriter
 from lmcache_core.supervision import Supervisor
 
@@ -89,7 +89,7 @@ class RemoteTier:
     def __init__(self, url: str, queue_size: int = 256, timeout_ms: int = 500,
                  key_prefix: str = "lmcache", ttl_s: int | None = None, cluster: bool = False,
                  retry_interval_s: float = 1.0, client_options: dict[str, Any] | None = None) -> None:
-        self.url, url_cluster = parse_url(url)
+        self.url, url_cluster = parse_remote_url(url)
         self.display_url = _without_password(url)
         self.cluster = cluster or url_cluster
         self.timeout_s = timeout_ms / 1000

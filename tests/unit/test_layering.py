@@ -196,14 +196,10 @@ def test_the_direction_finder_follows_chains_and_package_inits(tmp_path: Path,
     assert _violations(("lmcache_core.low",), ("numpy",)) == []
 
 
-@pytest.mark.xfail(strict=False, reason="protocol/lmcache_wire.py imports lmcache_core.kv.tensors "
-                   "(parse_dtype, hence torch): being fixed by others (issue 22)")
 def test_the_protocol_imports_no_torch_and_no_kv():
     assert _violations(("lmcache_core.protocol",), ("torch", "lmcache_core.kv")) == []
 
 
-@pytest.mark.xfail(strict=False, reason="config.py imports lmcache_core.storage.remote_url "
-                   "(parse_url, in a function): violated on main, to fix (issue 22)")
 def test_the_config_imports_no_storage():
     assert _violations(("lmcache_core.config", "lmcache_core.config_parse"),
                        ("lmcache_core.storage",)) == []
