@@ -133,21 +133,18 @@ def test_foreign_names_and_other_pids_are_refused_and_never_unlinked(
 
 
 @needs_root
-def test_another_users_segment_is_refused_unless_allowed(tmp_path: Path, made: list[str]) -> None:
+def test_another_users_segment_is_refused_unless_allowed(
+        tmp_path: Path, made: list[str], make_server) -> None:
     name = create(made, our_name(os.getpid()), uid=NOBODY)
-    plain = ServerProcess(tmp_path, name="plain").start()
-    allowing = ServerProcess(tmp_path, {"server": {"shm_allowed_uids": [NOBODY]}},
-                             name="allowing").start()
-    try:
-        with MessageQueueClient(plain.url) as c, pytest.raises(
-                IncompatibleError, match=f"owned by uid {NOBODY}"):
-            register(c, name, os.getpid())
-        with MessageQueueClient(allowing.url) as c:
-            instance = register(c, name, os.getpid())
-            c.request(m.UnregisterKVCacheRequest(instance_id=instance))
-    finally:
-        plain.kill()
-        allowing.kill()
+    plain = make_server(name="plain")
+    allowing = make_server({"server": {"shm_allowed_uids": [NOBODY]}},
+                 name="allowing")
+    with MessageQueueClient(plain.url) as c, pytest.raises(
+            IncompatibleError, match=f"owned by uid {NOBODY}"):
+        register(c, name, os.getpid())
+    with MessageQueueClient(allowing.url) as c:
+        instance = register(c, name, os.getpid())
+        c.request(m.UnregisterKVCacheRequest(instance_id=instance))
 
 
 def test_ipc_socket_is_for_its_user_only(server: ServerProcess) -> None:
@@ -213,21 +210,19 @@ def test_a_pid_that_does_not_exist_never_stops_reaping(
 # ---------------------------------------------------------------- the start-up sweep
 
 
-def test_startup_sweep_removes_dead_owners_segments_only(tmp_path: Path, made: list[str]) -> None:
+def test_startup_sweep_removes_dead_owners_segments_only(
+        tmp_path: Path, made: list[str], make_server) -> None:
     dead = create(made, our_name(exited_pid()))
     live = create(made, our_name(os.getpid()))
     foreign = create(made, f"otherapp-{exited_pid()}-{secrets.token_hex(4)}")
     other_user = create(made, our_name(exited_pid()), uid=NOBODY if os.geteuid() == 0 else None)
-    srv = ServerProcess(tmp_path).start()
-    try:
-        assert not exists(dead)
-        assert exists(live) and exists(foreign)
-        assert exists(other_user) == (os.geteuid() == 0)
-        # the sweep logs its line after removing the files
-        wait_until(lambda: "shared-memory segment(s) of exited workers" in srv.log(),
-                   what=srv.log)
-    finally:
-        srv.kill()
+    srv = make_server()
+    assert not exists(dead)
+    assert exists(live) and exists(foreign)
+    assert exists(other_user) == (os.geteuid() == 0)
+    # the sweep logs its line after removing the files
+    wait_until(lambda: "shared-memory segment(s) of exited workers" in srv.log(),
+               what=srv.log)
 
 
 # ---------------------------------------------------------------- a server restart

@@ -20,7 +20,7 @@ from lmcache_core.integration.vllm.vllm_multi_process_adapter import LMCacheMPSc
 from lmcache_core.keys import tenant_tag
 from tests.harness import lookup_result, wait_until
 from tests.integration.cross_tp import BLOCK, CHUNK, HEADS, PER_CHUNK, blocks, server_info, tokens
-from tests.integration.servers import ServerProcess, WorkerProcess
+from tests.integration.servers import ServerProcess
 
 PIECE = 2 * 2 * CHUNK * HEADS * 32 * 2  # layers x K/V x tokens x heads x dim x fp16
 
@@ -56,71 +56,66 @@ def metrics(srv: ServerProcess) -> dict[tuple[str, str], float]:
             for sample in family.samples if sample.name.startswith("lmcache_tenant_")}
 
 
-def test_a_tenant_at_its_quota_evicts_only_its_own_chunks(tmp_path):
-    srv = ServerProcess(tmp_path, {"server": {"pool_size": "4MiB", "slab_size": "1MiB",
-                                              "tenant_quotas": {"ops": {"salt": "small",
-                                                                        "size": 3 * PIECE}}}}
-                        ).start()
+def test_a_tenant_at_its_quota_evicts_only_its_own_chunks(tmp_path, make_server, make_worker):
+    srv = make_server({"server": {"pool_size": "4MiB", "slab_size": "1MiB",
+                                  "tenant_quotas": {"ops": {"salt": "small",
+                                                            "size": 3 * PIECE}}}})
     # the ready panel (printed once the server answers)
     wait_until(lambda: "tenants     ops 384.0 KiB (server.tenant_quotas" in srv.log(), what=srv.log)
-    worker = WorkerProcess(srv.url, model="m", heads=HEADS, num_blocks=96)
+    worker = make_worker(srv.url, model="m", heads=HEADS, num_blocks=96)
     # (salt, seed, first chunk, chunks): each prompt's tokens and the blocks it is stored from
     big, small1, big2, small2, small3 = (("big", 71, 0, 4), ("small", 72, 4, 3), ("big", 73, 7, 2),
                                          ("small", 74, 9, 3), ("small", 75, 12, 5))
-    try:
-        worker("fill", blocks=blocks(0, 17), seed=7)
-        for salt, seed, first, n in (big, small1):
-            result = worker("store", req=f"s{seed}", keys=tokens(n, seed),
-                            blocks=blocks(first, n), salt=salt)
-            assert result["finished"] and not result["failed"], result
-        assert lookup(srv.url, "l72", tokens(3, 72), "small") == 3 * CHUNK  # at its quota
-        # One batch of both tenants: the adapter sends one store per tenant, each with its tag.
-        result = worker("batch_store", reqs=["s73", "s74"],
-                        keys=[tokens(2, 73), tokens(3, 74)],
-                        blocks=[blocks(7, 2), blocks(9, 3)], salts=["big", "small"])
+    worker("fill", blocks=blocks(0, 17), seed=7)
+    for salt, seed, first, n in (big, small1):
+        result = worker("store", req=f"s{seed}", keys=tokens(n, seed),
+                        blocks=blocks(first, n), salt=salt)
         assert result["finished"] and not result["failed"], result
-        # The small tenant floods on: 5 chunks, past its quota in one store.
-        result = worker("store", req="s75", keys=tokens(5, 75), blocks=blocks(12, 5),
-                        salt="small")
-        assert result["finished"] and not result["failed"], result
+    assert lookup(srv.url, "l72", tokens(3, 72), "small") == 3 * CHUNK  # at its quota
+    # One batch of both tenants: the adapter sends one store per tenant, each with its tag.
+    result = worker("batch_store", reqs=["s73", "s74"],
+                    keys=[tokens(2, 73), tokens(3, 74)],
+                    blocks=[blocks(7, 2), blocks(9, 3)], salts=["big", "small"])
+    assert result["finished"] and not result["failed"], result
+    # The small tenant floods on: 5 chunks, past its quota in one store.
+    result = worker("store", req="s75", keys=tokens(5, 75), blocks=blocks(12, 5),
+                    salt="small")
+    assert result["finished"] and not result["failed"], result
 
-        hits = {seed: lookup(srv.url, f"h{seed}", tokens(n, seed), salt)
-                for salt, seed, _, n in (big, small1, big2, small2, small3)}
-        # big's chunks all stay; small's older prompts went to make room for its newer ones, and
-        # the last store kept the head of its prompt (3 chunks: the quota), skipping 2.
-        assert hits == {71: 4 * CHUNK, 72: 0, 73: 2 * CHUNK, 74: 0, 75: 3 * CHUNK}
-        info = server_info(srv.url)
-        assert (info.stats.engine.evictions, info.stats.engine.store_skipped_quota) == (6, 2)
-        tenants = {row.tenant: row for row in info.tenants}
-        small_row, big_row = tenants[tenant_tag("small")], tenants[tenant_tag("big")]
-        assert (small_row.name, small_row.pieces, small_row.bytes_used, small_row.quota_bytes) == (
-            "ops", 3, 3 * PIECE, 3 * PIECE)
-        assert (big_row.name, big_row.pieces, big_row.bytes_used, big_row.quota_bytes) == (
-            "", 6, 6 * PIECE, None)
-        gauges = metrics(srv)
-        assert gauges[("lmcache_tenant_used_bytes", "ops")] == 3 * PIECE
-        assert gauges[("lmcache_tenant_quota_bytes", "ops")] == 3 * PIECE
-        assert gauges[("lmcache_tenant_used_bytes", tenant_tag("big"))] == 6 * PIECE
-        listing = inspect_chunks(srv.url, "--json")
-        assert {(row["name"], row["pieces"]) for row in listing["tenants"]} == {("ops", 3),
-                                                                                ("", 6)}
-        table = inspect_chunks(srv.url)
-        assert "tenants (cache_salt)" in table and tenant_tag("big") in table
-        assert "ops" in table and "100%" in table  # the small tenant is at its quota
-        # No salt is shown anywhere: configured tenants by their label, others by their tag.
-        for shown in (msgspec.json.encode(info).decode(), table, json.dumps(listing),
-                      json.dumps([list(k) for k in gauges])):
-            assert "small" not in shown and "big" not in shown
+    hits = {seed: lookup(srv.url, f"h{seed}", tokens(n, seed), salt)
+            for salt, seed, _, n in (big, small1, big2, small2, small3)}
+    # big's chunks all stay; small's older prompts went to make room for its newer ones, and
+    # the last store kept the head of its prompt (3 chunks: the quota), skipping 2.
+    assert hits == {71: 4 * CHUNK, 72: 0, 73: 2 * CHUNK, 74: 0, 75: 3 * CHUNK}
+    info = server_info(srv.url)
+    assert (info.stats.engine.evictions, info.stats.engine.store_skipped_quota) == (6, 2)
+    tenants = {row.tenant: row for row in info.tenants}
+    small_row, big_row = tenants[tenant_tag("small")], tenants[tenant_tag("big")]
+    assert (small_row.name, small_row.pieces, small_row.bytes_used, small_row.quota_bytes) == (
+        "ops", 3, 3 * PIECE, 3 * PIECE)
+    assert (big_row.name, big_row.pieces, big_row.bytes_used, big_row.quota_bytes) == (
+        "", 6, 6 * PIECE, None)
+    gauges = metrics(srv)
+    assert gauges[("lmcache_tenant_used_bytes", "ops")] == 3 * PIECE
+    assert gauges[("lmcache_tenant_quota_bytes", "ops")] == 3 * PIECE
+    assert gauges[("lmcache_tenant_used_bytes", tenant_tag("big"))] == 6 * PIECE
+    listing = inspect_chunks(srv.url, "--json")
+    assert {(row["name"], row["pieces"]) for row in listing["tenants"]} == {("ops", 3),
+                                                                            ("", 6)}
+    table = inspect_chunks(srv.url)
+    assert "tenants (cache_salt)" in table and tenant_tag("big") in table
+    assert "ops" in table and "100%" in table  # the small tenant is at its quota
+    # No salt is shown anywhere: configured tenants by their label, others by their tag.
+    for shown in (msgspec.json.encode(info).decode(), table, json.dumps(listing),
+                  json.dumps([list(k) for k in gauges])):
+        assert "small" not in shown and "big" not in shown
 
-        # What remains of both tenants retrieves byte-exact.
-        target = blocks(17, 4)
-        for salt, seed, first, n in (big, big2, (*small3[:3], 3)):
-            want = worker("digest", blocks=blocks(first, n))["digest"]
-            worker("zero", blocks=target)
-            result = worker("retrieve", req=f"r{seed}", keys=tokens(n, seed),
-                            blocks=target[:n * PER_CHUNK], salt=salt)
-            assert result["finished"] and not result["failed"] and not result["load_errors"], result
-            assert worker("digest", blocks=target[:n * PER_CHUNK])["digest"] == want
-    finally:
-        worker.close()
-        srv.kill()
+    # What remains of both tenants retrieves byte-exact.
+    target = blocks(17, 4)
+    for salt, seed, first, n in (big, big2, (*small3[:3], 3)):
+        want = worker("digest", blocks=blocks(first, n))["digest"]
+        worker("zero", blocks=target)
+        result = worker("retrieve", req=f"r{seed}", keys=tokens(n, seed),
+                        blocks=target[:n * PER_CHUNK], salt=salt)
+        assert result["finished"] and not result["failed"] and not result["load_errors"], result
+        assert worker("digest", blocks=target[:n * PER_CHUNK])["digest"] == want
