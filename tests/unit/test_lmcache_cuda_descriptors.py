@@ -127,3 +127,32 @@ def _shm_request() -> Any:
     return m.RegisterKVCacheRequest(instance_id=7, model_name="m", world_size=1, kv_rank=0,
                                     block_size=16, layout="flash_attn", layers=[layer], pid=PID,
                                     hostname="h")
+
+
+def test_a_cuda_registration_is_kept_and_reaped_as_our_gpu_workers_are(
+        counter: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The translated registration goes through the registry's GPU path (a fake mapping in place of
+    CUDA memory, as tests/unit/test_gpu_registry.py): a GPU worker, reaped after the short silence
+    GPU workers get, its mapping closed and the server's CUDA cache emptied."""
+    from lmcache_core.server import registry as registry_module
+    from lmcache_core.server.registry import GPU_SILENCE_S, KVRegistry
+
+    class FakeMapping:
+        device = None
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    emptied: list[int] = []
+    monkeypatch.setattr(registry_module, "release_cached_cuda_memory", lambda: emptied.append(1))
+    clock = [0.0]
+    registry = KVRegistry(lambda request: FakeMapping(), reap_timeout_s=60.0,
+                          clock=lambda: clock[0])
+    call = w.decode_call(register_frames([cuda_layer(counter, 0), cuda_layer(counter, 1)]),
+                         "register_kv_cache")
+    gpu = registry.register(registration_request(*call.args[:4], call.args[5], call.args[6]))
+    clock[0] = GPU_SILENCE_S - 1
+    assert registry.reap() == []
+    clock[0] = GPU_SILENCE_S + 1  # far sooner than reap_timeout_s: the GPU workers' rule
+    assert registry.reap() == [7] and gpu.mapped.closed and emptied == [1]  # instance 7
