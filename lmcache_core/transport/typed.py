@@ -68,6 +68,8 @@ class TypedRequests:
     @overload
     def request(self, msg: m.ListChunksRequest,
                 timeout_s: float | None = ...) -> m.ChunkListReply: ...
+    @overload
+    def request(self, msg: m.PeekRequest, timeout_s: float | None = ...) -> m.PeekReply: ...
 
     def request(self, msg: m.Message, timeout_s: float | None = None) -> m.Reply:
         """Send ``msg`` (its type names the op) and wait for the reply."""
@@ -98,6 +100,9 @@ class TypedRequests:
     @overload
     def request_async(self, msg: m.ListChunksRequest,
                       timeout_s: float | None = ...) -> MessagingFuture[m.ChunkListReply]: ...
+    @overload
+    def request_async(self, msg: m.PeekRequest,
+                      timeout_s: float | None = ...) -> MessagingFuture[m.PeekReply]: ...
 
     def request_async(self, msg: m.Message, timeout_s: float | None = None
                       ) -> MessagingFuture[Any]:

@@ -171,8 +171,8 @@ def test_bad_input_gets_typed_errors_while_another_client_is_served(server, clie
         # then 0 hits), where LMCache's own server is silent; a ping on the same socket answers.
         raw.send_multipart([b"\x09", msgspec.msgpack.encode(8), b"\x80"])
         raw.send_multipart([b"\x0a", msgspec.msgpack.encode("lmc.ping"), b"\x80"])
-        assert raw.recv_multipart()[0] == b"\x0a"
         assert raw.recv_multipart() == [b"\x09", msgspec.msgpack.encode(8)]
+        assert raw.recv_multipart()[0] == b"\x0a"
     finally:
         raw.close(0)
         stop.set()
