@@ -63,13 +63,13 @@ def _install_fault_hook() -> None:
 
 
 def _server_stats(url: str) -> dict[str, Any]:
-    import msgspec
-
+    """The server's figures by their flat names (as ``lmcache stats --json`` gives them)."""
+    from lmcache_core.stats import flat_all
     from lmcache_core.transport.client import MessageQueueClient
 
     with MessageQueueClient(url, connect_timeout_s=2.0) as client:
         reply = client.server_info(timeout_s=5.0)
-    return dict(msgspec.to_builtins(reply.stats))
+    return flat_all(reply.stats)
 
 
 def _wait_until(done: Callable[[], bool], timeout_s: float, what: str) -> float:
