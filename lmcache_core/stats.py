@@ -146,9 +146,10 @@ class EngineStats(Stats):
         "Bytes of the pool's allocations (resident pieces and those being written, each rounded "
         "up to its size class).", "pool_allocated_bytes")] = 0
     pool_slabs: Annotated[int, gauge(
-        "Slabs of the pool (each holds pieces of one size class).")] = 0
+        "Allocation units of the pool (server.slab_size each: a slab of one size class, or part "
+        "of one larger piece).")] = 0
     pool_slabs_free: Annotated[int, gauge(
-        "Slabs of the pool assigned to no size class.", "pool_free_slabs")] = 0
+        "Units of the pool that no slab or larger piece holds.", "pool_free_slabs")] = 0
     pool_pinned_bytes: Annotated[int, gauge(
         "Page-locked bytes of the pool (its exact size, or 0: pageable).")] = 0
     pinned_pieces: Annotated[int, gauge(

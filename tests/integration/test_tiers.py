@@ -301,7 +301,8 @@ def test_hung_redis_costs_a_lookup_at_most_its_budget(redis_up: RedisServer) -> 
             assert e.stats()["remote_lookup_timeouts"] == 1
             start = time.monotonic()
             assert e.lookup("m", LAYOUT, ranges(1), [key(5).chunk_hash], "h") == 0  # never waits
-            assert time.monotonic() - start < 3.0
+            assert time.monotonic() - start < 3.0  # a hang bound only; the behaviour is the next line
+            assert e.stats()["remote_lookup_timeouts"] == 1  # it never asked the hung Redis
     finally:
         t.stop()
 
@@ -401,7 +402,7 @@ def test_two_servers_share_redis_and_disk_survives_restart(
             start = time.monotonic()
             assert lookup(client, fresh) == 0
             assert lookup(client, toks) == 4  # memory still serves
-            assert time.monotonic() - start < 2 * LOOKUP_MS / 1000
+            assert time.monotonic() - start < 10 * LOOKUP_MS / 1000  # 10x its budget (a hang)
         assert stats(cb).remote.errors >= 1
         redis_up.start()
         wa("fill", blocks=blocks(4, 2), seed=8)
