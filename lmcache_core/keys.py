@@ -19,7 +19,7 @@ import struct
 import sys
 from array import array
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from blake3 import blake3
 
@@ -59,18 +59,82 @@ class ChunkKey(NamedTuple):
 
 #: A piece's head range: ``(head_lo, head_hi)``.
 HeadRange = tuple[int, int]
-_LAYOUT_RE = re.compile(r"^([a-z0-9_]{1,24}):([1-9]\d{0,4})x(?:([1-9]\d{0,4})x|(mla))([1-9]\d{0,5})$")
+_LAYOUT_RE = re.compile(r"^([a-z0-9_]{1,24}):([1-9]\d{0,4})x(?:([1-9]\d{0,4})x|(mla))([1-9]\d{0,5})"
+                        r"(?:\+g(\d{1,2})of([1-9]\d?)(?:s([1-9]\d{0,6}))?)?$")
 _OPAQUE_RE = re.compile(r"^ranks(\d{1,5})$")
 
+#: What a KV-cache group of a hybrid model holds per token (vLLM's ``kv_cache_spec`` kinds).
+GroupKind = Literal["full", "sliding", "mamba"]
+#: The most KV-cache groups one model may register (vLLM's hybrids have a handful).
+MAX_GROUPS = 64
 
-def layout_key(dtype: str, num_layers: int, kv_heads: int, head_size: int, mla: bool) -> str:
+
+class LayoutGroup(NamedTuple):
+    """The group a hybrid model's layout fingerprint names: group ``position`` of ``groups``; for
+    a sliding-window group the tokens its pieces hold (the tail of each chunk), else 0."""
+
+    position: int
+    groups: int
+    piece_tokens: int
+
+
+def layout_key(dtype: str, num_layers: int, kv_heads: int, head_size: int, mla: bool,
+               group: LayoutGroup | None = None) -> str:
     """The layout fingerprint of a KV cache: ``dtype:LAYERSxHEADSxHEAD_SIZE`` (``HEADS``: KV heads
     of all tensor-parallel ranks together), or ``dtype:LAYERSxmlaSIZE`` for MLA, e.g.
-    ``bfloat16:32x8x128``. Engines whose chunk bytes differ in meaning never share a fingerprint."""
+    ``bfloat16:32x8x128``. Engines whose chunk bytes differ in meaning never share a fingerprint.
+
+    A group of a hybrid model adds ``+gINDEXofCOUNT`` (and ``sTOKENS`` for a sliding-window group:
+    its pieces hold the last TOKENS tokens of each chunk), so groups of identical tensor shapes
+    (Gemma-3's) never share keys; a single-group model's fingerprint is as it always was."""
     dtype = dtype.removeprefix("torch.")
-    if mla:
-        return f"{dtype}:{num_layers}xmla{head_size}"
-    return f"{dtype}:{num_layers}x{kv_heads}x{head_size}"
+    heads = "mla" if mla else f"{kv_heads}x"
+    base = f"{dtype}:{num_layers}x{heads}{head_size}"
+    if group is None:
+        return base
+    tail = f"s{group.piece_tokens}" if group.piece_tokens else ""
+    return f"{base}+g{group.position}of{group.groups}{tail}"
+
+
+@functools.lru_cache(maxsize=1024)
+def layout_group(layout: str) -> LayoutGroup | None:
+    """The group a fingerprint names (``layout_key``'s ``group``); None for a single-group one."""
+    match = _LAYOUT_RE.match(layout)
+    if match is None or match.group(6) is None:
+        return None
+    return LayoutGroup(int(match.group(6)), int(match.group(7)), int(match.group(8) or 0))
+
+
+class GroupPiece(NamedTuple):
+    """What one chunk's piece of a KV-cache group holds, and what resuming needs of them.
+
+    ``blocks_per_chunk``: the group's blocks in a chunk (``C / B``). ``piece_blocks``: the blocks
+    a chunk's piece holds, the chunk's last ones: all of them for full attention; for a sliding
+    window of ``W`` tokens ``min(bpc, cdiv(W - 1, B))``, since resuming at a boundary needs only
+    the ``W - 1`` tokens before it. ``window_chunks``: the chunks whose pieces resuming at chunk
+    ``N`` needs: 0 for every chunk before ``N`` (full), else those of ``[max(0, N - wc), N)``."""
+
+    blocks_per_chunk: int
+    piece_blocks: int
+    window_chunks: int
+
+
+def group_piece(chunk_size: int, block_size: int, kind: GroupKind,
+                window_tokens: int = 0) -> GroupPiece:
+    """The ``GroupPiece`` of a group; ValueError (naming the sizes) when the chunk size is not a
+    multiple of the block size, or a sliding window is not positive."""
+    if block_size <= 0 or chunk_size <= 0 or chunk_size % block_size:
+        raise ValueError(f"chunk size {chunk_size} is not a multiple of the block size "
+                         f"{block_size}")
+    bpc = chunk_size // block_size
+    if kind == "full":
+        return GroupPiece(bpc, bpc, 0)
+    if kind == "mamba":  # the state at the chunk's end: its last block, of the last chunk only
+        return GroupPiece(bpc, 1, 1)
+    if window_tokens <= 0:
+        raise ValueError(f"a sliding-window group needs a positive window, got {window_tokens}")
+    window_blocks = max(1, -(-(window_tokens - 1) // block_size))
+    return GroupPiece(bpc, min(bpc, window_blocks), -(-window_blocks // bpc))
 
 
 def opaque_layout(world_size: int) -> str:

@@ -17,7 +17,7 @@ from collections.abc import Collection, Sequence
 import torch
 
 from lmcache_core.errors import IncompatibleError, NotRegisteredError, ProtocolError
-from lmcache_core.keys import layout_key
+from lmcache_core.keys import LayoutGroup, layout_key
 from lmcache_core.kv.copy import BlockCopier, BlockIds, Written
 from lmcache_core.kv.cuda_ipc import StorageKey, open_cuda_tensor, require_cuda
 from lmcache_core.kv.layout import kv_geometry
@@ -122,13 +122,14 @@ class MappedKVCache:
         """Per token and plane: ``(heads, head_size)``, or ``(latent size,)`` for MLA."""
         return self._info.token_shape
 
-    def fingerprint(self, world_size: int) -> str:
+    def fingerprint(self, world_size: int, group: LayoutGroup | None = None) -> str:
         """The layout fingerprint (``keys.layout_key``) of this cache as one rank of
-        ``world_size``: dtype, layers, the heads of all ranks, head size, MLA or not."""
+        ``world_size``: dtype, layers, the heads of all ranks, head size, MLA or not (and the
+        KV-cache ``group`` of a hybrid model)."""
         mla = self.layout == "mla"
         heads = 1 if mla else self.token_shape[0] * world_size
         dtype = str(self.dtype).removeprefix("torch.")
-        return layout_key(dtype, self.num_layers, heads, self.token_shape[-1], mla)
+        return layout_key(dtype, self.num_layers, heads, self.token_shape[-1], mla, group)
 
     @property
     def stacked(self) -> bool:

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from lmcache_core.keys import layout_heads
+from lmcache_core.keys import MAX_GROUPS, GroupKind, layout_heads
 from lmcache_core.stats import ModelStats as ModelStats
 from lmcache_core.stats import ServerStats as ServerStats
 from lmcache_core.stats import TenantStats as TenantStats
@@ -112,8 +112,33 @@ class TensorDescriptor(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
 KVLayoutName = Literal["flash_attn", "flashinfer", "mla"]
 
 
+#: A sliding window's tokens: far above any model's (Gemma-3: 1024; gpt-oss: 128).
+MAX_WINDOW_TOKENS = 2**24
+
+
+class KVGroup(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Which KV-cache group of a hybrid model (vLLM's ``kv_cache_groups[index]``) a registration
+    holds: its kind, its block size and, for a sliding window, the window's tokens. Each group is
+    registered on its own (its layers only) and files its chunks under its own fingerprint."""
+
+    index: Annotated[int, msgspec.Meta(ge=0, lt=MAX_GROUPS)]
+    count: Annotated[int, msgspec.Meta(ge=1, le=MAX_GROUPS)]
+    kind: GroupKind
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=2**16)]
+    window_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_WINDOW_TOKENS)] = 0
+
+    def __post_init__(self) -> None:  # a ValueError here is a typed ProtocolError on the wire
+        if self.index >= self.count:
+            raise ValueError(f"group index {self.index} is outside its count {self.count}")
+        if (self.kind == "sliding") != (self.window_tokens > 0):
+            raise ValueError(f"a {self.kind} group has window_tokens {self.window_tokens}: "
+                             f"sliding-window groups need a positive window, others none")
+
+
 class RegisterKVCacheRequest(Message):
-    """A worker shares its per-layer KV tensors (in layer order) once, under ``instance_id``."""
+    """A worker shares its per-layer KV tensors (in layer order) once, under ``instance_id``;
+    ``group``: the KV-cache group of a hybrid model these layers are (None: a single-group
+    model, registered as always)."""
 
     instance_id: InstanceId
     model_name: Name
@@ -124,6 +149,12 @@ class RegisterKVCacheRequest(Message):
     layers: Annotated[list[TensorDescriptor], msgspec.Meta(min_length=1, max_length=4096)]
     pid: Pid = 0
     hostname: Name = ""
+    group: KVGroup | None = None
+
+    def __post_init__(self) -> None:
+        if self.group is not None and self.group.block_size != self.block_size:
+            raise ValueError(f"group {self.group.index}'s block size {self.group.block_size} is "
+                             f"not the registration's {self.block_size}")
 
 
 class UnregisterKVCacheRequest(Message):
@@ -291,6 +322,8 @@ class ChunkSizeReply(Reply):
 
 class RegisterKVCacheReply(Reply):
     chunk_bytes: int
+    #: Block ids per chunk a store or retrieve of this registration takes (a sliding-window
+    #: group's: its pieces' blocks, the chunk's last ones).
     blocks_per_chunk: int
     layout: str = ""  # the KV layout fingerprint the server files this cache's chunks under
     head_lo: int = 0  # the heads [head_lo, head_hi) of the model this rank holds

@@ -27,7 +27,7 @@ from lmcache_core.engine import (
 )
 from lmcache_core.engine.tiered import TierCounts
 from lmcache_core.errors import CopiesStalledError, IncompatibleError, ProtocolError
-from lmcache_core.keys import ChunkKey, HeadRange, is_mla, rank_heads
+from lmcache_core.keys import ChunkKey, HeadRange, group_piece, is_mla, rank_heads
 from lmcache_core.kv.cuda_events import open_ipc_event
 from lmcache_core.kv.mapped import MappedKVCache
 from lmcache_core.protocol import messages as m
@@ -131,7 +131,7 @@ class CacheHandlers:
         """Map a worker's tensors; check its chunk pieces fit the pool and its heads
         divide among its world size."""
         mapped = MappedKVCache.open(request.layers, request.layout, request.block_size,
-                                    self.config.chunk_size, owner_pid=request.pid,
+                                    self.piece_tokens(request), owner_pid=request.pid,
                                     allowed_uids=self.config.server.allowed_uids)
         try:
             if not self.engine.pool.fits(mapped.chunk_bytes):
@@ -147,6 +147,25 @@ class CacheHandlers:
             mapped.close()
             raise
         return mapped
+
+    def piece_tokens(self, request: m.RegisterKVCacheRequest) -> int:
+        """The tokens of each chunk this registration's pieces hold: the chunk's, or for a
+        sliding-window group its last ``piece_blocks`` blocks' (``keys.group_piece``).
+        IncompatibleError naming the sizes when the chunk size is no multiple of the group's
+        block size; mamba state is refused (not supported yet)."""
+        chunk_size, group = self.config.chunk_size, request.group
+        if group is None:
+            return chunk_size
+        if group.kind == "mamba":
+            raise IncompatibleError(f"KV cache group {group.index} is Mamba state, which this "
+                                    f"server does not store yet")
+        if chunk_size % group.block_size:
+            raise IncompatibleError(
+                f"the lmcache chunk size {chunk_size} is not a multiple of KV cache group "
+                f"{group.index}'s ({group.kind}) block size {group.block_size}: every group's "
+                f"block size must divide the chunk size")
+        piece = group_piece(chunk_size, group.block_size, group.kind, group.window_tokens)
+        return piece.piece_blocks * group.block_size
 
     def unregister_kv_cache(self, request: m.UnregisterKVCacheRequest,
                             _client: bytes) -> m.OkReply:

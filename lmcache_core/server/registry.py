@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from lmcache_core.errors import NotRegisteredError
-from lmcache_core.keys import opaque_layout, rank_heads
+from lmcache_core.keys import LayoutGroup, opaque_layout, rank_heads
 from lmcache_core.kv.cuda_events import CopyStream
 from lmcache_core.kv.cuda_ipc import release_cached_cuda_memory
 from lmcache_core.kv.shm import SegmentFile, parse_segment_name
@@ -62,9 +62,10 @@ class Registration:
         self.block_size = request.block_size
         self.kv_layout = request.layout  # vLLM's tensor layout name (flash_attn, ...)
         # The fingerprint its chunks are filed under, and the heads of the model this rank holds.
+        self.group = request.group  # the KV-cache group of a hybrid model it holds (or None)
         fingerprint = getattr(mapped, "fingerprint", None)
-        self.layout = (fingerprint(request.world_size) if fingerprint is not None
-                       else opaque_layout(request.world_size))
+        self.layout = (fingerprint(request.world_size, layout_group_of(request, mapped))
+                       if fingerprint is not None else opaque_layout(request.world_size))
         self.heads = rank_heads(self.layout, request.world_size, request.kv_rank)
         self.pid = request.pid
         cuda = [d.device_uuid for d in request.layers if d.kind == "cuda"]
@@ -105,6 +106,17 @@ class Registration:
             return
         for name in names:
             logger.info("unlinked shared memory %s of exited worker %d", name, self.pid)
+
+
+def layout_group_of(request: RegisterKVCacheRequest, mapped: Any) -> LayoutGroup | None:
+    """The group tag of a registration's fingerprint: its index, count and, for a sliding
+    window, the tokens its pieces hold (the mapping's copier was opened for one piece); None
+    for a single-group model, whose fingerprints stay as they always were."""
+    group = request.group
+    if group is None:
+        return None
+    tokens = int(mapped.chunk_size) if group.kind == "sliding" else 0
+    return LayoutGroup(group.index, group.count, tokens)
 
 
 def _is_local(request: RegisterKVCacheRequest) -> bool:

@@ -9,11 +9,14 @@ from blake3 import blake3
 from lmcache_core.keys import (
     NONE_HASH,
     ChunkKey,
+    LayoutGroup,
     TokenDatabase,
     block_hash_bytes,
     candidate_ranges,
     chain_hashes,
+    group_piece,
     is_mla,
+    layout_group,
     layout_heads,
     layout_key,
     rank_heads,
@@ -101,6 +104,45 @@ def test_layout_fingerprints_and_head_ranges():
                 "bf16:0x8x128", "bf16:32x8x0", "bf16:0xmla576", "bf16:61xmla0", "bf16:032x8x128"):
         with pytest.raises(ValueError):
             layout_heads(bad)
+
+
+def test_group_fingerprints_name_the_group_and_leave_single_group_ones_as_they_were():
+    full = layout_key("bfloat16", 4, 8, 64, False, LayoutGroup(0, 3, 0))
+    sliding = layout_key("torch.bfloat16", 4, 8, 64, False, LayoutGroup(2, 3, 256))
+    assert (full, sliding) == ("bfloat16:4x8x64+g0of3", "bfloat16:4x8x64+g2of3s256")
+    # Gemma-3's groups have one tensor shape: only the group tells their pieces apart
+    assert layout_key("bfloat16", 4, 8, 64, False, LayoutGroup(1, 3, 256)) != sliding
+    assert layout_key("bfloat16", 4, 8, 64, False) == "bfloat16:4x8x64"  # as ever
+    assert layout_group("bfloat16:4x8x64") is None and layout_group("ranks2") is None
+    assert layout_group(full) == (0, 3, 0) and layout_group(sliding) == (2, 3, 256)
+    assert layout_heads(sliding) == 8 and world_heads(sliding, 2) == ((0, 4), (4, 8))
+    assert layout_heads(layout_key("bfloat16", 61, 1, 576, True, LayoutGroup(0, 2, 0))) == 1
+    for bad in ("bf16:4x8x64+g", "bf16:4x8x64+g1", "bf16:4x8x64+g1of0", "bf16:4x8x64+g1of3s0",
+                "bf16:4x8x64+g100of3", "bf16:4x8x64+g1of3s", "bf16:4x8x64g1of3"):
+        with pytest.raises(ValueError):
+            layout_heads(bad)
+
+
+@pytest.mark.parametrize(("chunk", "block", "kind", "window", "piece"), [
+    (256, 16, "full", 0, (16, 16, 0)),
+    (256, 16, "sliding", 1024, (16, 16, 4)),   # Gemma-3: 1023 tokens = 64 blocks = 4 chunks
+    (256, 16, "sliding", 128, (16, 8, 1)),     # 127 tokens: the chunk's last 8 blocks
+    (256, 16, "sliding", 129, (16, 8, 1)),     # 128 tokens: still 8 blocks
+    (256, 16, "sliding", 130, (16, 9, 1)),
+    (256, 16, "sliding", 257, (16, 16, 1)),    # W <= C + 1: one chunk
+    (256, 16, "sliding", 258, (16, 16, 2)),
+    (64, 64, "sliding", 4096, (1, 1, 64)),
+    (256, 16, "mamba", 0, (16, 1, 1)),         # the state at the chunk's end
+])
+def test_group_pieces(chunk, block, kind, window, piece):
+    assert group_piece(chunk, block, kind, window) == piece
+
+
+def test_group_pieces_refuse_what_cannot_be_cut_into_chunks():
+    with pytest.raises(ValueError, match="chunk size 256 is not a multiple of the block size 48"):
+        group_piece(256, 48, "full")
+    with pytest.raises(ValueError, match="positive window"):
+        group_piece(256, 16, "sliding", 0)
 
 
 def test_candidate_ranges_cover_every_tp_split():

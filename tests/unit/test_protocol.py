@@ -160,6 +160,35 @@ def test_every_wire_integer_and_length_is_bounded(op, payload, where):
         decode_request(_request(op, payload))
 
 
+REGISTER = msgspec.to_builtins(SAMPLES[RequestType.REGISTER_KV_CACHE])
+SLIDING = {"index": 1, "count": 3, "kind": "sliding", "block_size": 16, "window_tokens": 1024}
+
+
+def test_a_registration_names_its_kv_cache_group():
+    registration = {**REGISTER, "group": SLIDING}
+    decoded = decode_request(_request("lmc.register_kv_cache", registration)).payload
+    assert decoded.group == m.KVGroup(index=1, count=3, kind="sliding", block_size=16,
+                                      window_tokens=1024)
+    assert SAMPLES[RequestType.REGISTER_KV_CACHE].group is None  # a single-group model
+
+
+@pytest.mark.parametrize(("group", "where"), [
+    ({**SLIDING, "index": 3}, "outside its count"),
+    ({**SLIDING, "index": 64, "count": 64}, "index"),
+    ({**SLIDING, "count": 65}, "count"),
+    ({**SLIDING, "window_tokens": 0}, "sliding-window groups need a positive window"),
+    ({**SLIDING, "kind": "full"}, "others none"),
+    ({**SLIDING, "window_tokens": 2**24 + 1}, "window_tokens"),
+    ({**SLIDING, "block_size": 32}, "not the registration's 16"),
+    ({**SLIDING, "block_size": 0}, "block_size"),
+    ({**SLIDING, "kind": "local"}, "kind"),
+    ({**SLIDING, "extra": 1}, "extra"),
+])
+def test_a_group_descriptor_is_bounded_and_consistent(group, where):
+    with pytest.raises(ProtocolError, match=where):
+        decode_request(_request("lmc.register_kv_cache", {**REGISTER, "group": group}))
+
+
 def test_a_lookup_counts_one_key_per_rank_per_chunk():
     lookup = m.LookupRequest(model_name="m", world_size=8, lookup_id="x",
                              chunk_hashes=[b"h" * 32] * 100)

@@ -42,6 +42,7 @@ def test_redis_key_format(tier: RemoteTier) -> None:
     ChunkKey("m", opaque_layout(4), 3, 4, H[:8]),
     *(ChunkKey("org/model:v1", LAYOUT, lo, hi, H) for lo, hi in world_heads(LAYOUT, 4)),
     ChunkKey("a:b:c", MLA, 0, 1, H),              # ":" in the model name and in the layout
+    ChunkKey("org/gemma", LAYOUT + "+g1of3s256", 0, 4, H),  # a hybrid model's sliding group
     ChunkKey("x:ranks2", LAYOUT, 0, 8, H),         # a model name that ends like a layout
     ChunkKey("x:bfloat16", "ranks2", 1, 2, H),     # ... or starts like one
     ChunkKey("", "ranks1", 0, 1, H),
