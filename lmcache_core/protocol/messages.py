@@ -49,6 +49,9 @@ LookupId = Annotated[str, msgspec.Meta(max_length=1024)]
 #: A tenant tag (``keys.tenant_tag`` of a request's cache_salt; "" for none): lowercase hex.
 TenantTag = Annotated[str, msgspec.Meta(max_length=32, pattern="^[0-9a-f]*$")]
 RequestIds = Annotated[list[LookupId], msgspec.Meta(max_length=MAX_KEYS)]
+#: Sessions one lookup may end before it runs (``LookupRequest.ended``).
+MAX_ENDED = 4096
+EndedIds = Annotated[list[LookupId], msgspec.Meta(max_length=MAX_ENDED)]
 #: A CUDA IPC event or memory handle is 64 bytes; the ref-counter handle is a short file name.
 IpcHandle = Annotated[bytes, msgspec.Meta(max_length=256)]
 #: A load deadline: at most an hour (0: none).
@@ -214,6 +217,11 @@ class LookupRequest(Message):
     # The KV layout fingerprint of the asking engine; None: the layouts of the registered workers
     # of this model and world size, else every layout the server holds for the model.
     layout: LayoutName | None = None
+    #: Sessions the client ended since its last lookup, each released (as ``END_SESSION`` would)
+    #: before this lookup runs: an end_session rides on the next lookup instead of costing a
+    #: round trip of its own on the server's loop, ahead of that lookup. ``LookupReply.released``
+    #: answers them, in order.
+    ended: EndedIds = []
 
     def num_keys(self) -> int:
         # One key per rank per chunk: that is what the lookup (and a tier load) works through.
@@ -354,6 +362,8 @@ class RetrieveReply(Reply):
 
 class LookupReply(Reply):
     hit_chunks: int
+    #: Per ``LookupRequest.ended`` session, the piece locks its release dropped.
+    released: list[int] = []
 
 
 class ReleasedReply(Reply):

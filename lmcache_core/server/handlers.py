@@ -364,18 +364,20 @@ class CacheHandlers:
 
         Each rank's lock on a chunk goes with ``readers`` retrieves of it by that rank (LMCache's
         ``num_kv_readers``); for MLA, whose one piece every rank reads, by each of the
-        ``world_size`` ranks: the first rank's retrieve must not unlock what the others read."""
+        ``world_size`` ranks: the first rank's retrieve must not unlock what the others read.
+        The sessions in ``ended`` are ended first (``end_session``, riding on this lookup)."""
+        released = [self.engine.end_session(ended) for ended in request.ended]
         target = self.layouts.best(request.model_name, request.world_size, request.layout,
                                    request.chunk_hashes)
-        if target is None:
-            return m.LookupReply(hit_chunks=0)  # no layout whose heads divide by world_size
+        if target is None:  # no layout whose heads divide by world_size
+            return m.LookupReply(hit_chunks=0, released=released)
         layout, ranges = target
         shared = request.world_size if is_mla(layout) else 1
         hits = self.engine.lookup(request.model_name, layout, ranges, request.chunk_hashes,
                                   request.lookup_id, request.lock,
                                   tier_timeout_s=self.tier_budget_s, readers=readers,
                                   shared=shared)
-        return m.LookupReply(hit_chunks=hits)
+        return m.LookupReply(hit_chunks=hits, released=released)
 
     def peek(self, request: m.PeekRequest, _client: bytes) -> m.PeekReply:
         """The leading chunks every tier holds together for the request's ranks, and where each

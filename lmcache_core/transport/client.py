@@ -10,11 +10,12 @@ in ``poll`` with a timeout equal to the next deadline.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import zmq
@@ -82,6 +83,9 @@ class MessageQueueClient(TypedRequests):
         self._unattended = 0
         self._watching = False
         self._sleepers = 0  # threads in ``wait``, which sleep on the socket's fd
+        #: ``call_later``'s calls, a heap of (when, seq, fn); the I/O thread runs them when due.
+        self._timers: list[tuple[float, int, Callable[[], object]]] = []
+        self._timer_seq = itertools.count()
         zmq_fd = self._socket.getsockopt(zmq.FD)
         self._waiters = ThreadWaiters(zmq_fd)
         self._io = IOThread(name, zmq_fd, self._turn, self._shutdown,
@@ -254,6 +258,21 @@ class MessageQueueClient(TypedRequests):
         if wake:
             self._io.wake()
 
+    def call_later(self, delay_s: float, fn: Callable[[], object]) -> None:
+        """Run ``fn()`` on the I/O thread once ``delay_s`` has passed (later by the thread's
+        wake-up), outside the client's lock: for work a caller holds back in the hope of doing
+        it on its own thread first (the scheduler adapter's ended sessions ride on its next
+        lookup), ``fn`` then finds nothing left to do. An exception from it is logged; calls
+        still due when the client closes are dropped."""
+        at = time.monotonic() + delay_s
+        with self._lock:
+            if self._closed:
+                return
+            heapq.heappush(self._timers, (at, next(self._timer_seq), fn))
+            wake = at < self._pending.next_wake  # it sleeps past ``at`` unless woken
+        if wake:
+            self._io.wake()
+
     def poll_replies(self) -> None:
         """Receive whatever replies have arrived, now, on this thread; never blocks (if the I/O
         thread holds the socket, it is receiving them anyway)."""
@@ -305,11 +324,28 @@ class MessageQueueClient(TypedRequests):
             done = self._receive_locked()
             now = time.monotonic()
             done += self._expire_locked(now)
+            due = self._due_timers_locked(now)
             timeout_ms = self._pending.wait_ms(now)
+            if self._timers and self._timers[0][0] < self._pending.next_wake:
+                self._pending.next_wake = self._timers[0][0]
+                timeout_ms = max(0, int((self._timers[0][0] - now) * 1000) + 1)
             # Decided under the lock, so a submitter that sees False knows to wake us.
             self._watching = watch = self._unattended > 0
         _settle(done)  # outside the lock: done-callbacks may send requests
+        for fn in due:  # so may these
+            try:
+                fn()
+            except Exception:
+                logger.exception("a call_later function of the client for %s raised",
+                                 self.server_url)
         return timeout_ms, watch
+
+    def _due_timers_locked(self, now: float) -> list[Callable[[], object]]:
+        timers = self._timers
+        due = []
+        while timers and timers[0][0] <= now:
+            due.append(heapq.heappop(timers)[2])
+        return due
 
     def _receive_locked(self) -> list[_Outcome]:
         received = receive_ready(self._socket, _RECV_BATCH, True)
@@ -367,6 +403,7 @@ class MessageQueueClient(TypedRequests):
                 f"client for {self.server_url} closed: its I/O thread died ({died!r})")
             done: list[_Outcome] = [(p.future, error) for p in self._pending.take_all()]
             self._unattended = 0
+            self._timers.clear()
             self._socket.close(0)
         _settle(done)
 

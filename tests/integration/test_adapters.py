@@ -15,6 +15,7 @@ import zmq
 from blake3 import blake3
 
 from lmcache_core.errors import ServerUnreachableError
+from lmcache_core.integration.vllm import scheduler_adapter
 from lmcache_core.integration.vllm.vllm_multi_process_adapter import (
     LMCacheMPSchedulerAdapter,
     get_lmcache_chunk_size,
@@ -283,6 +284,93 @@ def test_a_given_up_lookup_never_frees_a_newer_lookups_locks(tmp_path, fake_cloc
         time.sleep(0.5)
         assert server_stats(scheduler).engine.locks_held == 4  # the new lookup's, for its load
         assert scheduler.end_session("r").result(10).released == 4
+
+
+@pytest.fixture
+def no_lone_releases(monkeypatch):
+    """Ended sessions wait an hour for a lookup to ride on: only a lookup (or a waiter) sends them."""
+    monkeypatch.setattr(scheduler_adapter, "RELEASE_RIDE_S", 3600.0)
+
+
+def stored_and_looked_up(ranks, scheduler, request_id: str, seed: int) -> list[int]:
+    """Two chunks stored on every rank and looked up (locked) as ``request_id``."""
+    toks = tokens(2, seed=seed)
+    for r, worker in enumerate(ranks):
+        worker("fill", blocks=blocks(0, 2), seed=seed + r)
+        assert worker("store", req=f"{request_id}-store", keys=toks, blocks=blocks(0, 2))["finished"]
+    assert wait_lookup(scheduler, request_id, toks) == 2 * CHUNK
+    return toks
+
+
+def test_an_ended_session_rides_on_the_next_lookup(ranks, scheduler, no_lone_releases):
+    """end_session sends nothing of its own: the release rides on the next lookup
+    (``LookupRequest.ended``), runs before it, and its future gets the count of locks it
+    dropped from that lookup's reply."""
+    toks = stored_and_looked_up(ranks, scheduler, "ride-1", 160)
+    released = scheduler.end_session("ride-1")
+    assert not released.query() and scheduler.mq_client.in_flight == 0  # nothing sent
+    assert wait_lookup(scheduler, "ride-2", toks[:CHUNK]) == CHUNK
+    assert released.query() and released.result(0).released == 2 * 2  # 2 chunks x 2 ranks
+    assert server_stats(scheduler).engine.locks_held == 1 * 2  # ride-2's only
+    assert scheduler.end_session("ride-2").result(5).released == 2
+
+
+def test_an_ended_session_with_no_lookup_after_it_is_released_alone(ranks, scheduler,
+                                                                    monkeypatch):
+    """With no lookup to ride on, the release goes alone after ``RELEASE_RIDE_S`` (sent and
+    answered on the client's I/O thread: nobody polls or waits here)."""
+    monkeypatch.setattr(scheduler_adapter, "RELEASE_RIDE_S", 0.05)
+    stored_and_looked_up(ranks, scheduler, "alone", 170)
+    released = scheduler.end_session("alone")
+    wait_until(released.query, what="the ended session was never released")
+    assert released.result(0).released == 2 * 2
+    assert server_stats(scheduler).engine.locks_held == 0
+
+
+def test_waiting_on_an_ended_session_sends_it_at_once(ranks, scheduler, no_lone_releases):
+    stored_and_looked_up(ranks, scheduler, "waited", 180)
+    assert scheduler.end_session("waited").result(5).released == 2 * 2
+    assert server_stats(scheduler).engine.locks_held == 0
+
+
+def test_a_refused_lookup_still_releases_the_sessions_riding_on_it(tmp_path, make_server,
+                                                                   make_worker, no_lone_releases):
+    """The server refuses a lookup before its handler runs (too many keys): the sessions that
+    rode on it were not released, so they go alone once it is answered."""
+    srv = make_server({"server": {"max_keys_per_request": 4}})
+    worker = make_worker(srv.url)
+    scheduler = LMCacheMPSchedulerAdapter(srv.url, zmq.Context.instance(), "tiny", 1, 0, BLOCK)
+    try:
+        toks = tokens(2, seed=190)
+        worker("fill", blocks=blocks(0, 2), seed=19)
+        assert worker("store", req="s", keys=toks, blocks=blocks(0, 2))["finished"]
+        assert wait_lookup(scheduler, "kept", toks) == 2 * CHUNK
+        released = scheduler.end_session("kept")
+        assert wait_lookup(scheduler, "too-long", tokens(8, seed=191)) == 0  # refused: 0 hits
+        wait_until(released.query, what="the ended session was never released")
+        assert released.result(0).released == 2
+        assert server_stats(scheduler).engine.locks_held == 0
+    finally:
+        scheduler.close()
+
+
+def test_a_lookup_of_an_id_whose_end_rides_in_flight_waits_for_it(tmp_path, no_lone_releases):
+    """A request ended, its release riding on another lookup not answered yet, and its id looked
+    up again: that lookup goes out once the carrier has landed (a tiered server runs lookups on
+    several threads, and the release could otherwise drop the new lookup's locks)."""
+    with tiered_prompt(tmp_path, 73) as (srv, scheduler, toks):
+        assert wait_lookup(scheduler, "again", toks) == 4 * CHUNK
+        released = scheduler.end_session("again")
+        with server_stopped(srv):
+            scheduler.maybe_submit_lookup_request("carrier", toks)
+            scheduler.maybe_submit_lookup_request("again", toks)
+            assert scheduler.mq_client.in_flight == 1  # the carrier only: "again" waits for it
+        assert lookup_result(scheduler, "carrier") == 4 * CHUNK
+        assert lookup_result(scheduler, "again") == 4 * CHUNK
+        assert released.result(10).released == 4
+        assert server_stats(scheduler).engine.locks_held == 8  # both lookups' locks
+        for request_id in ("carrier", "again"):
+            assert scheduler.end_session(request_id).result(10).released == 4
 
 
 def test_worker_registers_again_after_a_server_restart(tmp_path, make_server, make_worker):

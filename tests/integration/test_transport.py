@@ -305,3 +305,17 @@ def test_future_semantics():
     with pytest.raises(ServerError):
         failed.result(0)
     assert MessagingFuture.completed(3).result() == 3
+
+
+def test_call_later_runs_on_the_io_thread_once_due(server):
+    """``call_later`` runs its function on the client's I/O thread, not before the delay has
+    passed; one still due when the client closes is dropped."""
+    ran: list[tuple[str, float]] = []
+    with MessageQueueClient(server.bound_url, name="io-under-test") as client:
+        start = time.monotonic()
+        client.call_later(0.05, lambda: ran.append((threading.current_thread().name,
+                                                    time.monotonic() - start)))
+        client.call_later(3600.0, lambda: ran.append(("never", 0.0)))
+        wait_until(lambda: ran, 5.0, "call_later never ran")
+        assert ran[0][0] == "io-under-test" and ran[0][1] >= 0.05
+    assert len(ran) == 1

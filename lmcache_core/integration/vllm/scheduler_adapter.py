@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +34,13 @@ logger = logging.getLogger("lmcache_core.integration.vllm.vllm_multi_process_ada
 #: its N waiting requests then pays one socket poll (~2 us, a system call), not N; a reply is seen
 #: at most this much later.
 LOOKUP_POLL_INTERVAL_S = 10e-6
+#: How long an ended session waits for a lookup to ride on (``LookupRequest.ended``) before its
+#: release goes out alone. vLLM looks up the next requests right after one ends: on its own, the
+#: release was a message the server's loop served ahead of that lookup, its reply one more to
+#: receive, and the lookup after it took 4.4x a bare echo instead of 1.5x
+#: (scripts/bench_scheduler_lookup.py, "after end"). A scheduler with nothing more to look up
+#: still releases within this.
+RELEASE_RIDE_S = 0.005
 
 
 class LMCacheMPSchedulerAdapter:
@@ -64,6 +72,17 @@ class LMCacheMPSchedulerAdapter:
         # Lookups forgotten (cleanup_lookup_result) before the server answered them.
         self._unanswered: dict[str, MessagingFuture[m.LookupReply]] = {}
         self._last_poll = 0.0
+        # Ended sessions not sent yet, with the futures end_session returned: they ride on the
+        # next lookup, or go alone after RELEASE_RIDE_S (on the client's I/O thread) or when a
+        # thread waits on one. Taken and sent under _ending_lock, so no lookup overtakes them
+        # (reentrant: a future settled while sending runs its callbacks, which may end sessions).
+        self._ending: dict[str, MessagingFuture[m.ReleasedReply]] = {}
+        self._ending_lock = threading.RLock()
+        self._flush_armed = False
+        # Ended sessions riding on a lookup not answered yet: a new lookup of such an id waits
+        # for it (a tiered server runs lookups on several threads: the release could come
+        # second and drop the new lookup's locks).
+        self._riding: dict[str, MessagingFuture[m.LookupReply]] = {}
 
     def maybe_submit_lookup_request(self, request_id: str, block_hashes: list[bytes],
                                     cache_salt: str | None = None) -> None:
@@ -77,12 +96,58 @@ class LMCacheMPSchedulerAdapter:
         if not hashes:  # shorter than one chunk: nothing can hit, no round trip
             self._lookups[request_id] = MessagingFuture.completed(m.LookupReply(hit_chunks=0))
             return
-        request = m.LookupRequest(model_name=self._conn.model_name,
-                                  world_size=self._conn.world_size, lookup_id=request_id,
-                                  chunk_hashes=hashes, lock=True)
-        # polled: check_lookup_result takes the reply on the scheduler's thread (no I/O thread hop)
-        self._lookups[request_id] = self.mq_client.submit(ops.LOOKUP, request, polled=True)
         self._give_up_at[request_id] = self._clock() + self.lookup_timeout_s
+        carrier = self._riding.get(request_id)
+        if carrier is None or carrier.query():
+            self._lookups[request_id] = self._send_lookup(request_id, hashes)
+            return
+        # This id's end rides on a lookup still in flight: look it up again once that landed.
+        lookup: MessagingFuture[m.LookupReply] = MessagingFuture(f"lmc.lookup for {request_id}")
+        self._lookups[request_id] = lookup
+        carrier.add_done_callback(
+            lambda _f: self._chain_watched(self._send_lookup(request_id, hashes), lookup))
+        self.mq_client.watch(carrier)
+
+    def _send_lookup(self, request_id: str, hashes: list[bytes]) -> MessagingFuture[m.LookupReply]:
+        """Send the lookup, with the sessions ended since the last one riding on it."""
+        with self._ending_lock:
+            ending, self._ending = self._ending, {}
+            request = m.LookupRequest(model_name=self._conn.model_name,
+                                      world_size=self._conn.world_size, lookup_id=request_id,
+                                      chunk_hashes=hashes, lock=True, ended=list(ending))
+            # polled: check_lookup_result takes the reply on the scheduler's thread (no hop)
+            lookup = self.mq_client.submit(ops.LOOKUP, request, polled=True)
+        if ending:
+            self._ride(ending, lookup)
+        return lookup
+
+    def _ride(self, ending: dict[str, MessagingFuture[m.ReleasedReply]],
+              carrier: MessagingFuture[m.LookupReply]) -> None:
+        """Settle the ended sessions' futures from the lookup that carries them; if it failed
+        (maybe before the server released them), release them alone."""
+        for request_id in ending:
+            self._riding[request_id] = carrier
+
+        def landed(done: MessagingFuture[m.LookupReply]) -> None:
+            for request_id in ending:
+                if self._riding.get(request_id) is done:
+                    del self._riding[request_id]
+            reply = done.result(0) if done.exception(0) is None else None
+            if reply is None or len(reply.released) != len(ending):
+                with self._ending_lock:
+                    self._send_alone_locked(ending)
+                return
+            for released, count in zip(ending.values(), reply.released, strict=True):
+                released.set_result(m.ReleasedReply(released=count))
+
+        carrier.add_done_callback(landed)
+
+    def _chain_watched(self, source: MessagingFuture[m.LookupReply],
+                       target: MessagingFuture[m.LookupReply]) -> None:
+        # Sent from a callback, maybe after the scheduler stopped polling it: the I/O thread
+        # takes its reply, so a release chained behind ``target`` does not wait for a poll.
+        _chain(source, target)
+        self.mq_client.watch(source)
 
     def check_lookup_result(self, request_id: str, num_computed_tokens: int = 0) -> int | None:
         """Matched tokens once the answer is in (chunks every rank holds x chunk size), else None.
@@ -163,28 +228,71 @@ class LMCacheMPSchedulerAdapter:
     def free_lookup_locks(self, request_id: str) -> MessagingFuture[Any]:
         """Release what the request's lookup still locks (e.g. on abort), without waiting."""
         return self._release(ops.FREE_LOOKUP_LOCKS, request_id,
-                             self._lookups.get(request_id) or self._unanswered.get(request_id))
+                             self._lookups.get(request_id) or self._unanswered.get(request_id),
+                             polled=True)
 
     def end_session(self, request_id: str) -> MessagingFuture[Any]:
-        """The request is done: forget its lookup and release what it still locks on the server."""
+        """The request is done: forget its lookup and release what it still locks on the server.
+
+        The release rides on the next lookup (``LookupRequest.ended``: no message of its own),
+        or goes alone within ``RELEASE_RIDE_S``, or at once if a thread waits on the future
+        (which resolves to a ``ReleasedReply``). Either way it reaches the server before any
+        later lookup. While the request's lookup is in flight it goes alone, behind it."""
         lookup = self._lookups.pop(request_id, None) or self._unanswered.pop(request_id, None)
         self._drop_deadline(request_id)
-        return self._release(ops.END_SESSION, request_id, lookup)
+        if lookup is not None and not lookup.query():
+            return self._release(ops.END_SESSION, request_id, lookup)
+        with self._ending_lock:
+            released = self._ending.get(request_id)
+            if released is None:
+                released = MessagingFuture(f"{ops.END_SESSION.type.value} for {request_id}")
+                released.driver = self._drive_release
+                self._ending[request_id] = released
+            if len(self._ending) >= m.MAX_ENDED:  # more than one lookup may carry
+                ending, self._ending = self._ending, {}
+                self._send_alone_locked(ending)
+            arm = not self._flush_armed
+            self._flush_armed = True
+        if arm:
+            self.mq_client.call_later(RELEASE_RIDE_S, self._flush_ending)
+        return released
+
+    def _flush_ending(self) -> None:
+        """On the client's I/O thread, ``RELEASE_RIDE_S`` after an end: what no lookup took."""
+        with self._ending_lock:
+            self._flush_armed = False
+            ending, self._ending = self._ending, {}
+            self._send_alone_locked(ending)
+
+    def _drive_release(self, released: MessagingFuture[Any], timeout_s: float) -> bool:
+        """A thread waits on an end_session's future: send it now if it still waits to ride."""
+        with self._ending_lock:
+            if any(pending is released for pending in self._ending.values()):
+                ending, self._ending = self._ending, {}
+                self._send_alone_locked(ending)
+        return self.mq_client.wait(released, timeout_s)
+
+    def _send_alone_locked(self, ending: dict[str, MessagingFuture[Any]]) -> None:
+        for request_id, released in ending.items():
+            _chain(self._release(ops.END_SESSION, request_id, None), released)
 
     def _release(self, op: Op[m.LookupIdRequest, m.ReleasedReply], request_id: str,
-                 lookup: MessagingFuture[m.LookupReply] | None) -> MessagingFuture[Any]:
+                 lookup: MessagingFuture[m.LookupReply] | None,
+                 polled: bool = False) -> MessagingFuture[Any]:
         """Send ``op`` now, or, while the request's lookup is still in flight, once it has landed:
         sent earlier, the release could reach the server first (a lookup on a tiered server runs on
-        its worker pool) and the lookup's locks would then outlive the request until their TTL."""
+        its worker pool) and the lookup's locks would then outlive the request until their TTL.
+
+        ``polled`` (sent now from the scheduler's thread, which goes on polling): its reply is
+        taken by the next poll, not by waking the I/O thread (less CPU and fewer context switches
+        per release, docs/benchmarks.md). A release sent from the I/O thread or a callback has
+        no poller behind it: the I/O thread takes its reply."""
         if lookup is not None and not lookup.query():
             released: MessagingFuture[Any] = MessagingFuture(f"{op.type.value} for {request_id}")
             lookup.add_done_callback(lambda _f: _chain(self._release(op, request_id, None), released))
             self.mq_client.watch(lookup)  # nobody may poll it any more: take its reply at once
             return released
-        # polled: the scheduler's next poll takes the reply. Watched by the I/O thread, the reply
-        # woke it while the next request's lookup was in flight: two thread hops on 2 cores made
-        # that lookup 4.4x a bare echo instead of 1.5x (scripts/bench_scheduler_lookup.py).
-        future = self.mq_client.submit(op, m.LookupIdRequest(lookup_id=request_id), polled=True)
+        future = self.mq_client.submit(op, m.LookupIdRequest(lookup_id=request_id), polled=polled)
         future.add_done_callback(lambda f: _log_failure(f, f"{op.type.value} for {request_id}"))
         return future
 
@@ -208,6 +316,9 @@ class LMCacheMPSchedulerAdapter:
         return self.mq_client.submit(op, request)
 
     def close(self) -> None:
+        with self._ending_lock:  # the ended sessions that waited to ride go out first
+            ending, self._ending = self._ending, {}
+            self._send_alone_locked(ending)
         self.mq_client.close()
 
     shutdown = close
