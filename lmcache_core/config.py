@@ -238,8 +238,8 @@ class RemoteConfig(_Section):
 
 
 class IntegrityConfig(_Section):
-    """Chunk checksums (xxh3-64, taken at store, kept with the piece and in its tier records; always
-    checked before a tier write and after a tier read)."""
+    """Chunk checksums (xxh3-64, taken right after a store's copy, off its reply path; kept with the
+    piece and in its tier records; always checked before a tier write and after a tier read)."""
 
     # Also check each piece against its checksum before a retrieve copies it out (a corrupt one is
     # dropped and its chunk answered missing: vLLM recomputes it). Costs a hash of every byte read.

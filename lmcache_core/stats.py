@@ -135,6 +135,10 @@ class EngineStats(Stats):
     integrity_verified_chunks: Annotated[int, counter(
         "Chunk pieces checked against their checksum and found intact (tier writes; retrieves "
         "with integrity.verify_on_retrieve).")] = 0
+    checksums_abandoned: Annotated[int, counter(
+        "Chunk pieces dropped because their checksum, taken after their store replied, was not "
+        "taken in time (a stuck hash) or the server stopped first.",
+        "checksums_abandoned_chunks")] = 0
     # gauges
     chunks: Annotated[int, gauge(
         "Chunk pieces resident in the pool (visible to lookups; a piece is some KV heads of one "
@@ -158,6 +162,9 @@ class EngineStats(Stats):
     locks_held: Annotated[int, gauge(
         "Chunk locks lookups hold for coming retrieves (a chunk locked by two lookups counts "
         "twice); locked chunks are never evicted.", "lookup_locks")] = 0
+    checksums_pending: Annotated[int, gauge(
+        "Chunk pieces whose checksum is still being taken after their store replied (each is held "
+        "until then: tier writes and verified retrieves wait for it).", "checksums_pending_chunks")] = 0
 
 
 # ---------------------------------------------------------------------------- lower tiers

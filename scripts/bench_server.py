@@ -9,8 +9,9 @@
   requests x 1 chunk vs 32 single stores;
 - a TP=1 retrieve of chunks a TP=2 engine stored (head-range pieces) vs a same-TP retrieve and the
   raw scatter;
-- integrity: store with checksums (xxh3 of each piece, always taken at store) vs the raw gather and
-  the raw gather + xxh3, and retrieve with ``integrity.verify_on_retrieve`` on (a second server) vs
+- integrity: store with checksums (xxh3 of each piece, always taken, right after the store's reply)
+  vs the raw gather and the raw gather + xxh3, the store until its checksums are recorded, and
+  retrieve with ``integrity.verify_on_retrieve`` on (a second server) vs
   off (the main one), taking turns in every round.
 
 ``--metrics compare`` runs two servers at once, one with its HTTP listener off and one with it on
@@ -344,7 +345,8 @@ def integrity_rows(args, ctx, verify_url: str, plain, caches, raw, src_blocks: l
     scheduler_v = LMCacheMPSchedulerAdapter(verify_url, ctx, "bench", 1, 0, BLOCK)
     wait_populated(worker_v.mq_client)
     worker.load_deadline_ms = worker_v.load_deadline_ms = None  # both: the server's default
-    names = ("gather", "gather + xxh3", "store", "scatter", "retrieve off", "retrieve on")
+    names = ("gather", "gather + xxh3", "store", "store hashed", "scatter", "retrieve off",
+             "retrieve on")
     samples: dict[str, list[float]] = {name: [] for name in names}
     for r in range(args.rounds + 1):
         for c in (client, worker_v.mq_client):
@@ -352,7 +354,8 @@ def integrity_rows(args, ctx, verify_url: str, plain, caches, raw, src_blocks: l
         toks = [r * 11 + 5, *range(args.chunks * CHUNK - 1)]
         samples["gather"].append(raw.gather())
         samples["gather + xxh3"].append(raw.gather() + raw.checksum())
-        samples["store"].append(wait_store(worker, f"i{r}", LoadStoreOp(toks, src_blocks)))
+        samples["store"].append(wait_store(worker, f"i{r}", LoadStoreOp(toks, src_blocks),
+                                           samples["store hashed"]))
         wait_store(worker_v, f"i{r}", LoadStoreOp(toks, src_blocks))
         samples["scatter"].append(raw.scatter())
         turns = [("retrieve off", scheduler, worker), ("retrieve on", scheduler_v, worker_v)]
@@ -364,8 +367,10 @@ def integrity_rows(args, ctx, verify_url: str, plain, caches, raw, src_blocks: l
     print(f"\nintegrity (xxh3-64 per piece), {args.chunks} x 32 MiB chunks (median of {args.rounds}):")
     report("  raw torch gather (index_select)", gbs["gather"], "GB/s")
     report("  raw gather + xxh3 of each chunk", gbs["gather + xxh3"], "GB/s", floor=gbs["gather"])
-    report("  lmcache store with integrity (checksum at store)", gbs["store"], "GB/s",
-           floor=gbs["gather"], target=">= 0.8x")
+    report("  lmcache store with integrity (checksum after reply)", gbs["store"], "GB/s",
+           floor=gbs["gather"], target=">= 0.9x")
+    report("  ... until its checksums are recorded", gbs["store hashed"], "GB/s",
+           floor=gbs["gather"])
     report("  raw torch scatter (index_copy_)", gbs["scatter"], "GB/s")
     report("  lmcache retrieve, verify_on_retrieve off", gbs["retrieve off"], "GB/s",
            floor=gbs["scatter"])
@@ -425,14 +430,22 @@ def scheduler_lookup(scheduler, prompt: list[int]) -> None:
     scheduler.cleanup_lookup_result("adapter")
 
 
-def wait_store(worker, request_id: str, op) -> float:
+def wait_store(worker, request_id: str, op, hashed: list[float] | None = None) -> float:
+    """The store's time until vLLM sees it finished; then, untimed, until the server recorded its
+    checksums (taken after the reply), so that hashing does not slow the next figure measured.
+    ``hashed`` gets the time until then too."""
     start = time.perf_counter()
     worker.submit_store_request(request_id, op, None)
     wait_replies(worker, worker.store_futures(request_id))
     drain(worker, {request_id})
+    took = time.perf_counter() - start
     if request_id in worker.failed_stores:
         raise SystemExit(f"store failed: {worker.failed_stores[request_id]}")
-    return time.perf_counter() - start
+    spin_until(lambda: not worker.mq_client.server_info().stats.engine.checksums_pending,
+               0.001)  # (each poll is a round trip the server answers)
+    if hashed is not None:
+        hashed.append(time.perf_counter() - start)
+    return took
 
 
 def wait_retrieve(scheduler, worker, request_id: str, toks: list[int], blocks: list[int]) -> float:

@@ -8,9 +8,9 @@ transition, one table), ``index`` (pieces by key, chunk and handle; ``cover``), 
 and the order eviction takes pieces in), ``plans`` (store/retrieve plans, counters), ``eviction``
 (which pieces go: only the room a store needs), ``store`` (``PieceStore``: the one owner of all
 that state, its lock private; lookup, store, retrieve, loads, pins, admin), ``verify`` (checksums
-checked, corrupt pieces condemned), ``tiered`` (disk and Redis around the store),
-``async_lookup`` (the in-process lookups' prefetch), ``cache`` (``CacheEngine``: the parts
-composed).
+waited for when still being taken, checked, corrupt pieces condemned), ``tiered`` (disk and Redis
+around the store), ``async_lookup`` (the in-process lookups' prefetch), ``cache``
+(``CacheEngine``: the parts composed).
 """
 
 from lmcache_core.engine.cache import SORTS, CacheEngine

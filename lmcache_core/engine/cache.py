@@ -160,9 +160,16 @@ class CacheEngine:
         """``PieceStore.begin_store``: room for the pieces not held yet."""
         return self.store.begin_store(keys, nbytes, retention, tenant)
 
-    def finish_store(self, plan: StorePlan, ok: bool = True) -> None:
-        """``PieceStore.finish_store``: commit (the tiers then queue their writes) or free."""
-        self.store.finish_store(plan, ok)
+    def finish_store(self, plan: StorePlan, ok: bool = True, *,
+                     checksums_pending: bool = False) -> None:
+        """``PieceStore.finish_store``: commit (the tiers then queue their writes) or free; with
+        ``checksums_pending``, the checksums come after (``record_checksums``)."""
+        self.store.finish_store(plan, ok, checksums_pending=checksums_pending)
+
+    def record_checksums(self, plan: StorePlan, digests: Sequence[int] | None) -> None:
+        """``PieceStore.record_checksums``: a store's checksums, taken after it committed (None:
+        given up, its pieces dropped)."""
+        self.store.record_checksums(plan, digests)
 
     def begin_retrieve(self, model_name: str, layout: str, heads: HeadRange,
                        chunk_hashes: Sequence[bytes], lookup_id: str = "") -> RetrievePlan:

@@ -30,10 +30,12 @@ class Piece:
         self.handle = handle
         self.nbytes = nbytes
         self.created = created
-        self.checksum = checksum  # xxh3-64 of its bytes when stored (0: not computed)
+        # xxh3-64 of its bytes, taken right after its store's copy (``storage.integrity``: NONE,
+        # none recorded; PENDING, being taken, the hash holding it as a reader; ABANDONED).
+        self.checksum = checksum
         self.tenant = tenant  # the cache_salt tenant that stored it (``keys.tenant_tag``; "": none)
         self.locks = 0  # (lookup id, head range) pairs holding it for a coming retrieve
-        self.readers = 0  # retrieves and tier writers copying out of it right now
+        self.readers = 0  # retrieves, tier writers and its hash reading it right now
         self.hits = 0
         # Retention asked for by the requests that stored it (``plans.Retention``): evicted
         # after ``expires`` first; never while ``pinned`` (until ``expires``); lower ``priority``

@@ -12,9 +12,12 @@ States:
   and retrieves, never evicted; a second store of its key counts it as present.
 * ``RESIDENT``: committed; lookups see it. While ``locks`` > 0 it is *locked* (a lookup holds it
   for a coming retrieve) and while ``readers`` > 0 *being read* (a retrieve or a tier writer copies
-  out of it): eviction takes neither, nor a pinned one (``retention``).
-* ``DROPPED``: out of the index (evicted, condemned as corrupt, cleared) while a reader still
-  copies out of it; its pool bytes are freed by the last reader's release.
+  out of it, or its checksum is being taken: a store commits its pieces as soon as their bytes are
+  in, each read by its hash until the digest is recorded, ``PieceStore.record_checksums``):
+  eviction takes neither, nor a pinned one (``retention``).
+* ``DROPPED``: out of the index (evicted, condemned as corrupt, cleared, its checksum given up)
+  while a reader still copies out of it (or its hash reads it); its pool bytes are freed by the
+  last reader's release, so no slot is reused under a hash.
 * ``FREED``: its pool bytes are given back (a final state).
 
 Which pieces may go, and in what order, is eviction's business (``eviction``, ``retention``);
@@ -37,11 +40,11 @@ class State(Enum):
 
 
 class Event(Enum):
-    COMMIT = "commit"  # its bytes are in: visible to lookups
+    COMMIT = "commit"  # its bytes are in: visible to lookups (its checksum taken, or being taken)
     ABORT = "abort"  # its store or load failed: room freed, never seen
     LOCK = "lock"  # a lookup locks it
     UNLOCK = "unlock"  # a retrieve, a free, a session end or a TTL releases a lock
-    READ = "read"  # a reader starts copying out of it
+    READ = "read"  # a reader starts copying out of it (or its hash, at commit, reading it)
     READ_DONE = "read_done"  # a reader is done (not its last, or it is still indexed)
     LAST_READ_DONE = "last_read_done"  # the last reader of a dropped piece is done: freed
     DROP = "drop"  # out of the index with nobody reading it: freed at once

@@ -45,8 +45,11 @@ class StorePlan:
     keys: list[ChunkKey] = field(default_factory=list, repr=False)
     handles: list[int] = field(default_factory=list, repr=False)
     # Per piece of ``writes``, its checksum (``storage.integrity``), filled once its bytes are in
-    # (outside the lock) and kept on the piece at commit; empty: none recorded.
+    # (outside the lock) and kept on the piece at commit; empty: none recorded (or, committed with
+    # ``checksums_pending``, taken after: ``PieceStore.record_checksums``).
     checksums: list[int] = field(default_factory=list, repr=False)
+    # The committed pieces whose checksums are still being taken (each held by its hash).
+    hashing: list[Piece] = field(default_factory=list, repr=False)
     done: bool = False
 
     @property

@@ -9,6 +9,12 @@ methods, each taking the lock briefly for dict work; the copies and all I/O run 
 every move between them are one table (``lifecycle``): writing, resident (locked, being read),
 dropped while read, freed.
 
+Checksums: a big store commits its pieces as soon as their bytes are in, their checksums still
+being taken from their slots (``finish_store(checksums_pending=True)``); each piece is then held
+by its hash, as a reader, until ``record_checksums``. What relies on a checksum waits for it
+(``wait_checksums``: tier writes and verified retrieves, through ``verify``), and a store short of
+room waits, bounded, for those hashes to end before it gives up (``_await_hashes``).
+
 Keys (``keys.ChunkKey``) name pieces: (model, layout fingerprint, head range, chunk hash). A lookup
 for world size W counts a chunk only when its pieces cover every rank's head range; a retrieve of a
 rank copies its range from whichever pieces hold it. Pieces of another layout are never seen.
@@ -50,6 +56,8 @@ from lmcache_core.errors import IncompatibleError, PinLimitError, ProtocolError
 from lmcache_core.events import KVEventSink
 from lmcache_core.keys import ChunkKey, HeadRange
 from lmcache_core.stats import EngineStats
+from lmcache_core.storage.checksum_stream import LANE_TIMEOUT_S
+from lmcache_core.storage.integrity import ABANDONED, PENDING
 from lmcache_core.storage.pool import MemoryPool
 
 MEMORY_TIER = "memory"
@@ -95,6 +103,10 @@ class PieceStore:
         self.tenant_quotas = dict(tenant_quotas or {})  # tenant tag -> bytes
         self.clock = clock
         self._mutex = threading.Lock()
+        # Notified whenever checksums are recorded (``record_checksums``): what waits for one (a
+        # tier write, a verified retrieve, a store short of room) waits on it.
+        self._hashed = threading.Condition(self._mutex)
+        self._hashing = 0  # pieces whose checksum is being taken (each held by the hash)
         # The state below is this store's alone; it is readable for inspection and tests, and
         # changed only by the store's methods (under ``_lock``).
         self.index = PieceIndex()
@@ -274,11 +286,16 @@ class PieceStore:
               plan: StorePlan) -> list[tuple[int, ChunkKey]]:
         """``_claim``'s allocations, in request order until the pool is full (quotas skip keys)."""
         got: list[tuple[int, ChunkKey]] = []
+        deadline = time.monotonic() + LANE_TIMEOUT_S  # the longest it waits for hashes, in all
         for position, key in new:
-            if not self._quota_room(key.model_name, nbytes, plan.tenant):
+            while True:
+                fits = self._quota_room(key.model_name, nbytes, plan.tenant)
+                handle = self._allocate(nbytes, len(new) - len(got)) if fits else None
+                if handle is not None or not fits or not self._await_hashes(deadline):
+                    break  # (else again: checksums were recorded, the lock released meanwhile)
+            if not fits:
                 plan.skipped_quota += 1
                 continue
-            handle = self._allocate(nbytes, len(new) - len(got))
             if handle is None:
                 break
             self.writing.reserve(key, handle, nbytes, plan.tenant)
@@ -316,15 +333,20 @@ class PieceStore:
             handle = self.pool.allocate(nbytes)
         return handle
 
-    def finish_store(self, plan: StorePlan, ok: bool = True) -> None:
+    def finish_store(self, plan: StorePlan, ok: bool = True, *,
+                     checksums_pending: bool = False) -> None:
         """Commit the plan's pieces (visible to lookups from now on), or free them when not ``ok``.
-        Calling it twice for one plan does nothing the second time."""
+        ``checksums_pending``: their checksums are still being taken (from their slots, which
+        they hold) and come by ``record_checksums``; until then each piece is held by its hash
+        (``lifecycle``: being read) and its checksum is ``PENDING``, which whatever relies on it
+        waits out (``wait_checksums``). Calling it twice for one plan does nothing the second
+        time."""
         with self._mutex:
             if plan.done:
                 return
             plan.done = True
-            if ok:
-                self._commit(plan.keys, plan.checksums, plan)  # pins it refuses: counted next
+            if ok:  # pins it refuses: counted next
+                self._commit(plan.keys, plan.checksums, plan, checksums_pending)
             else:
                 for key in plan.keys:
                     self._abort(key)
@@ -337,22 +359,70 @@ class PieceStore:
             self._on_stored(plan.keys)
 
     def _commit(self, keys: Sequence[ChunkKey], checksums: Sequence[int],
-                plan: StorePlan | None = None) -> None:
+                plan: StorePlan | None = None, pending: bool = False) -> None:
         """Make written pieces resident, tail first, with the store ``plan``'s retention (a tier
-        load has none) and their ``checksums`` (none: 0)."""
+        load has none) and their ``checksums`` (none: 0; ``pending``: being taken, each piece
+        held by its hash until ``record_checksums``)."""
         now, add = self.clock(), self.index.add
         retention = plan.retention if plan is not None else PLAIN
-        sums = checksums or [0] * len(keys)
+        sums = [PENDING] * len(keys) if pending else checksums or [0] * len(keys)
         for key, checksum in zip(reversed(keys), reversed(sums), strict=True):
             piece = self.writing.release(key)
             advance(piece, Event.COMMIT)
             piece.created, piece.checksum = now, checksum
             add(piece)
+            if pending:
+                assert plan is not None
+                self._add_reader(piece)  # the hash reads its slot: not evicted nor reused
+                plan.hashing.append(piece)
+                self._hashing += 1
             if (plan is not None and not retention.plain
                     and not self.retention.apply(piece, retention, now, True)):
                 plan.pin_refused += 1
+        if pending and plan is not None:
+            plan.hashing.reverse()  # in the order of ``keys``, as the digests come
         if self.events is not None and keys:
             self.events.stored(list(keys), MEMORY_TIER)
+
+    def record_checksums(self, plan: StorePlan, digests: Sequence[int] | None) -> None:
+        """The checksums of a store committed with ``checksums_pending``, one per piece, taken from
+        their slots: each is kept on its piece and the hash's hold released (a piece dropped
+        meanwhile is freed now), and whoever waits for them is woken. None: they could not be
+        taken (the hash got stuck, or the server stopped first): the pieces are dropped
+        (``checksums_abandoned``), never served as verified nor written to a tier without one.
+        Calling it twice for one plan does nothing the second time."""
+        with self._mutex:
+            pieces, plan.hashing = plan.hashing, []
+            if not pieces:
+                return
+            if digests is None:
+                gone = [piece for piece in pieces if self.index.get(piece.key) is piece]
+                for piece in gone:
+                    self._drop(piece)  # freed below, by the hash's release
+                self.counters.checksums_abandoned += len(pieces)
+                if self.events is not None and gone:
+                    self.events.removed([piece.key for piece in gone], MEMORY_TIER)
+            for piece, digest in zip(pieces, digests or [ABANDONED] * len(pieces), strict=True):
+                piece.checksum = digest
+                self._release_reader(piece)
+            self._hashing -= len(pieces)
+            self._hashed.notify_all()
+
+    def wait_checksums(self, pieces: Sequence[Piece], timeout_s: float = LANE_TIMEOUT_S) -> bool:
+        """Wait until none of ``pieces`` (held by the caller) has its checksum ``PENDING``, for at
+        most ``timeout_s``; whether none has. (A checksum given up is ``ABANDONED``.)"""
+        with self._mutex:
+            return self._hashed.wait_for(
+                lambda: all(piece.checksum != PENDING for piece in pieces), timeout_s)
+
+    def _await_hashes(self, deadline: float) -> bool:
+        """A store found no room while pieces are held by their hash (unevictable until it is
+        done, or dropped and freed only then): wait (the lock released) until some checksums
+        are recorded, before ``deadline`` (monotonic); whether it is worth trying again."""
+        if not self._hashing:
+            return False
+        left = deadline - time.monotonic()
+        return left > 0 and self._hashed.wait(left)
 
     def _abort(self, key: ChunkKey) -> None:
         piece = self.writing.release(key)
@@ -415,15 +485,16 @@ class PieceStore:
                 self.locks.release_read(plan.lookup_id, plan.heads, plan.chunks)
 
     def retire_corrupt(self, plan: RetrievePlan, bad_at: Sequence[int],
-                       corrupt: Sequence[Piece]) -> list[int]:
+                       corrupt: Sequence[Piece], unchecked: int = 0) -> list[int]:
         """The integrity guard found the ``corrupt`` pieces among those of ``plan.found`` at
-        positions ``bad_at``: those chunks move to ``plan.missing`` (their pieces released) and
+        positions ``bad_at`` (and ``unchecked`` pieces there it could not check: their checksum
+        was not taken in time): those chunks move to ``plan.missing`` (their pieces released) and
         the corrupt pieces are dropped; the others count as verified. The request indexes that
         moved."""
         with self._mutex:
             n = self.counters
             n.integrity_verified_chunks += (sum(len(pieces) for pieces in plan.pieces)
-                                            - len(corrupt))
+                                            - len(corrupt) - unchecked)
             if not bad_at:
                 return []
             moved = [plan.found[at][0] for at in bad_at]
@@ -624,12 +695,14 @@ class PieceStore:
 
     def clear(self, force: bool = False) -> tuple[int, int]:
         """Drop resident pieces; returns ``(removed, kept)``. Unforced, locked and pinned pieces
-        stay; forced, they go with their locks and pins. Pieces being read always stay."""
+        stay; forced, they go with their locks and pins. Pieces being read always stay, but not
+        for their hash alone: one whose checksum is being taken goes, freed once it is taken."""
         removed = kept = 0
         dropped: list[ChunkKey] = []
         with self._mutex:
             for piece in list(self.index):
-                if piece.readers or ((piece.locks or piece.pinned) and not force):
+                read = piece.readers - (piece.checksum == PENDING)  # readers besides its hash
+                if read or ((piece.locks or piece.pinned) and not force):
                     kept += 1
                 else:
                     self._drop(piece)
@@ -651,7 +724,8 @@ class PieceStore:
                 pool_capacity_bytes=pool.nbytes, pool_bytes_allocated=pool.bytes_allocated,
                 pool_slabs=pool.num_slabs, pool_slabs_free=pool.free_slabs,
                 pool_pinned_bytes=pool.pinned_bytes, locks_held=self.locks.held_count(),
-                pinned_pieces=len(self.retention.pinned), pinned_bytes=self.retention.pinned_bytes)
+                pinned_pieces=len(self.retention.pinned), pinned_bytes=self.retention.pinned_bytes,
+                checksums_pending=self._hashing)
 
     def model_counts(self) -> dict[str, tuple[int, int, list[str]]]:
         """Per model: (pieces, bytes, its layouts held, sorted)."""

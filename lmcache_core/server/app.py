@@ -145,7 +145,9 @@ class CacheServer:
         self._stop.set()
         self._done.set()
         self.transport.stop(drain_timeout_s)
-        self.handlers.checksum_lanes.close()  # after the copy threads: no store is hashing
+        # After the copy threads (no store begins a hash) and before the tiers (their writers
+        # wait for the checksums of what they write): the hashes still running finish, bounded.
+        self.handlers.checksum_lanes.close(drain_timeout_s)
         if self.http is not None:
             self.http.stop()
         self.engine.close(drain_timeout_s)
@@ -217,6 +219,7 @@ class CacheServer:
             expired = self.engine.expire_locks()
             if expired:
                 logger.info("released %d lookup lock(s) past their TTL", expired)
+            self.handlers.checksum_lanes.reap()  # a store's hash stuck past LANE_TIMEOUT_S
             self.registry.reap()
 
 

@@ -36,7 +36,7 @@ from lmcache_core.server.layouts import LayoutResolver
 from lmcache_core.server.pins import PinHandlers
 from lmcache_core.server.registry import KVRegistry, Registration
 from lmcache_core.stats import EventStats, ServerStats, TransportStats
-from lmcache_core.storage.checksum_stream import ChecksumLanes
+from lmcache_core.storage.checksum_stream import LANE_TIMEOUT_S, ChecksumLanes, PieceChecksums
 from lmcache_core.storage.pool import process_rss_bytes
 from lmcache_core.transport.server import Route
 
@@ -76,7 +76,7 @@ class CacheHandlers:
         #: Told why, when the GPU did not finish a request's copies in time (the server stops).
         self.on_copies_stalled: Callable[[str], None] | None = None
         self.events_stats: Callable[[], EventStats] | None = None  # the KV-event publisher's
-        self.checksum_lanes = ChecksumLanes()  # stores hash their pieces there while copying
+        self.checksum_lanes = ChecksumLanes()  # stores' pieces hashed there, off their reply
 
     def routes(self) -> dict[RequestType, Route]:
         pins = PinHandlers(self.engine, self.layouts)
@@ -180,11 +180,12 @@ class CacheHandlers:
             keys = self._keys(reg, request.chunk_hashes)
             plan = self.engine.begin_store(keys, reg.mapped.chunk_bytes, Retention(
                 request.ttl_s, request.pin, request.priority), request.tenant)
+            sums: PieceChecksums | None = None
             ok = stalled = False
             try:
                 if plan.writes:
-                    plan.checksums = self._gather(reg, request.block_ids, plan, per_chunk,
-                                                  request.event_handle)
+                    sums = self._gather(reg, request.block_ids, plan, per_chunk,
+                                        request.event_handle)
                 ok = True
             except CopiesStalledError as exc:
                 stalled = True
@@ -192,16 +193,16 @@ class CacheHandlers:
                 raise
             finally:
                 if not stalled:  # a late copy may still write its slots: they stay reserved
-                    self.engine.finish_store(plan, ok)
+                    self._commit(plan, ok, sums)
         return m.StoreReply(stored=len(plan.writes), already_present=plan.already_present,
                             skipped_full=plan.skipped_full, skipped_quota=plan.skipped_quota,
                             pin_refused=plan.pin_refused)
 
     def _gather(self, reg: Registration, block_ids: Sequence[int], plan: StorePlan,
-                per_chunk: int, event_handle: bytes) -> list[int]:
-        """Copy the plan's chunks into their slots; return the pieces' checksums, kept at commit
-        (a piece is visible only once all its bytes are in and its checksum recorded). They are
-        taken outside the engine's lock, on a lane thread while the gather goes on."""
+                per_chunk: int, event_handle: bytes) -> PieceChecksums:
+        """Copy the plan's chunks into their slots; the pieces' checksums, being taken (for a big
+        store on a lane thread, part by part while the gather goes on: ``checksum_stream``).
+        A failed gather stops its hash before its slots are freed."""
         slots = [w[2] for w in plan.writes]
         blocks = _chunk_blocks(block_ids, [w[0] for w in plan.writes], per_chunk)
         sums = self.checksum_lanes.begin(slots, reg.mapped.chunk_bytes)
@@ -211,7 +212,21 @@ class CacheHandlers:
         except BaseException:
             sums.abandon()
             raise
-        return sums.digests()
+        return sums
+
+    def _commit(self, plan: StorePlan, ok: bool, sums: PieceChecksums | None) -> None:
+        """Make the store's pieces visible (or free them when not ``ok``). Their checksums are
+        taken before for a small store; for others the reply does not wait for them: the pieces
+        commit as pending and the lane records the digests when they are in (whatever relies on
+        them waits: ``PieceStore.wait_checksums``)."""
+        if not ok or sums is None or not sums.deferred:
+            if ok and sums is not None:
+                plan.checksums = sums.digests()
+            self.engine.finish_store(plan, ok)
+            return
+        self.engine.finish_store(plan, checksums_pending=True)
+        engine = self.engine
+        sums.finish(lambda digests: engine.record_checksums(plan, digests))
 
     def retrieve(self, request: m.RetrieveRequest, _client: bytes) -> m.RetrieveReply:
         """Copy the found chunks into the worker's blocks, within the load deadline.
@@ -233,7 +248,9 @@ class CacheHandlers:
             stalled = False
             try:
                 if plan.found and self.config.integrity.verify_on_retrieve:
-                    self.engine.integrity.verify_retrieve(plan)  # corrupt chunks: missing
+                    # corrupt chunks (or whose checksum is not taken within the deadline): missing
+                    self.engine.integrity.verify_retrieve(plan, LANE_TIMEOUT_S if deadline_s is None
+                                                          else deadline_s)
                 if plan.found:
                     with reg.copy_stream.run(request.event_handle, self.event_timeout_s):
                         if deadline_s is None and not self.copy_delay_s:

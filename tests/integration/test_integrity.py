@@ -1,6 +1,7 @@
-"""Integrity end to end, with real processes: checksums taken at store, a corrupt pool piece never
-served (``integrity.verify_on_retrieve``), corrupt disk files and Redis values never loaded, and a
-store that fails part-way leaving nothing visible.
+"""Integrity end to end, with real processes: checksums taken at store (right after its reply, for
+the stores big enough to hand their hash to a lane; given up when stuck at the server's stop), a
+corrupt pool piece never served (``integrity.verify_on_retrieve``), corrupt disk files and Redis
+values never loaded, and a store that fails part-way leaving nothing visible.
 
 Servers run in-process (``CacheServer``) where a test reaches into the pool or injects a fault, as
 ``lmcache serve`` processes otherwise; the workers are ``kv_worker.py`` processes (the vLLM worker
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import threading
 import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -24,7 +26,7 @@ from lmcache_core.keys import ChunkKey, chain_hashes, layout_key
 from lmcache_core.kv.mapped import MappedKVCache
 from lmcache_core.protocol import messages as m
 from lmcache_core.server.app import CacheServer
-from lmcache_core.storage import integrity, record
+from lmcache_core.storage import checksum_stream, integrity, record
 from lmcache_core.storage.disk import file_name
 from lmcache_core.storage.remote_keys import redis_key
 from lmcache_core.transport.client import MessageQueueClient
@@ -148,6 +150,86 @@ def test_a_store_failing_between_two_chunk_copies_leaves_nothing_visible(
         worker.close()
         server.request_stop()
         server.stop()
+
+
+class GatedHasher:
+    """xxh3_64 whose ``update`` first waits for ``gate`` (at most 10 s): a hash held back."""
+
+    gate = threading.Event()
+
+    def __init__(self) -> None:
+        self._real = REAL_XXH3_64()
+
+    def update(self, part: object) -> None:
+        GatedHasher.gate.wait(10)
+        self._real.update(part)
+
+    def intdigest(self) -> int:
+        return self._real.intdigest()
+
+
+REAL_XXH3_64 = checksum_stream.xxhash.xxh3_64
+
+
+@pytest.fixture
+def gated(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """Every store's pieces hashed on a lane, part by part, each part held until the gate opens."""
+    GatedHasher.gate = threading.Event()
+    monkeypatch.setattr(checksum_stream, "MAX_INLINE_BYTES", 0)
+    monkeypatch.setattr(checksum_stream, "MIN_STREAMED_BYTES", 0)
+    monkeypatch.setattr(checksum_stream.xxhash, "xxh3_64", GatedHasher)
+    yield GatedHasher.gate
+    GatedHasher.gate.set()
+
+
+def stored(tmp: Path, n_chunks: int, seed: int) -> tuple[CacheServer, WorkerProcess, list[int]]:
+    """An in-process server and a worker that stored ``n_chunks`` chunks through it (answered)."""
+    server = in_process(tmp)
+    worker = WorkerProcess(server.url)
+    toks = tokens(n_chunks, seed)
+    try:
+        worker("fill", blocks=blocks(0, n_chunks), seed=seed + 3)
+        assert worker("store", req="s", keys=toks, blocks=blocks(0, n_chunks))["finished"]
+    except BaseException:
+        worker.close()
+        server.request_stop()
+        server.stop()
+        raise
+    return server, worker, toks
+
+
+def test_a_store_replies_before_its_checksums_which_are_recorded_right_after(
+        short_tmp: Path, gated: threading.Event) -> None:
+    server, worker, toks = stored(short_tmp, 3, seed=4)
+    try:
+        with MessageQueueClient(server.url) as client:
+            assert lookup(client, toks, "r", lock=False) == 3  # visible, its hash held back
+            assert stats(client).engine.checksums_pending == 3
+            gated.set()
+            wait_until(lambda: stats(client).engine.checksums_pending == 0)
+        engine = server.engine
+        for i in range(3):
+            p = engine.store.index.get(piece_key(toks, i))
+            assert p is not None and p.readers == 0
+            assert p.checksum == integrity.checksum(engine.store.memory(p.handle, p.nbytes))
+    finally:
+        worker.close()
+        server.request_stop()
+        server.stop()
+
+
+def test_stopping_the_server_gives_up_a_stuck_hash_within_its_drain(
+        short_tmp: Path, gated: threading.Event) -> None:
+    server, worker, _ = stored(short_tmp, 2, seed=5)
+    try:
+        assert server.engine.snapshot().checksums_pending == 2
+    finally:
+        worker.close()
+        server.request_stop()
+        server.stop(drain_timeout_s=0.5)  # the gate stays shut: the hash is stuck
+    figures = server.engine.snapshot()
+    assert figures.checksums_abandoned == 2 and figures.checksums_pending == 0
+    assert figures.chunks == 0  # dropped: no piece is left without a checksum
 
 
 @pytest.mark.redis

@@ -1,10 +1,12 @@
-"""Checksums streamed during a gather (storage.checksum_stream + BlockCopier.gather's progress):
-the same digests as hashing each whole piece afterwards, whatever the parts."""
+"""Checksums taken off the store's reply path (storage.checksum_stream + BlockCopier.gather's
+progress): the same digests as hashing each whole piece, whatever the parts; handed over after the
+store returns, bounded when a lane is stuck, drained or given up at close."""
 
 from __future__ import annotations
 
 import threading
-import time
+from collections.abc import Callable
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -15,7 +17,38 @@ from lmcache_core.protocol.messages import KVLayoutName
 from lmcache_core.storage import checksum_stream
 from lmcache_core.storage.checksum_stream import ChecksumLanes
 from lmcache_core.storage.integrity import checksum
+from tests.harness import FakeClock
 from tests.unit.test_kv_copy import CHUNK, _canonical, _ids, _layers, _slots
+
+
+def _receiver() -> tuple[Callable[[list[int] | None], None], Future[list[int] | None]]:
+    """An ``on_digests`` callback and the future it fills (once: a second call fails it)."""
+    got: Future[list[int] | None] = Future()
+    return got.set_result, got
+
+
+class StuckHasher:
+    """xxh3_64's stand-in whose ``update`` blocks until ``release`` is set (a stuck lane)."""
+
+    release = threading.Event()
+    started = threading.Event()
+
+    def update(self, _part: object) -> None:
+        StuckHasher.started.set()
+        StuckHasher.release.wait(10)
+
+    def intdigest(self) -> int:
+        return 7
+
+
+@pytest.fixture
+def stuck(monkeypatch: pytest.MonkeyPatch):
+    StuckHasher.release, StuckHasher.started = threading.Event(), threading.Event()
+    monkeypatch.setattr(checksum_stream, "MIN_STREAMED_BYTES", 0)
+    monkeypatch.setattr(checksum_stream, "MAX_INLINE_BYTES", 0)
+    monkeypatch.setattr(checksum_stream.xxhash, "xxh3_64", StuckHasher)
+    yield StuckHasher
+    StuckHasher.release.set()
 
 
 def _copier(layout: KVLayoutName, one_storage: bool) -> BlockCopier:
@@ -49,17 +82,21 @@ def test_streamed_digests_equal_whole_piece_checksums(monkeypatch: pytest.Monkey
                                                       part_bytes: int) -> None:
     monkeypatch.setattr(checksum_stream, "PART_BYTES", part_bytes)
     monkeypatch.setattr(checksum_stream, "MIN_STREAMED_BYTES", 0)
+    monkeypatch.setattr(checksum_stream, "MAX_INLINE_BYTES", 0)
     monkeypatch.setattr(kv_copy, "REPORT_BYTES", 100)
     copier = _copier("flash_attn", True)
     slots = _slots(copier, 4)
     lanes = ChecksumLanes()
     try:
         sums = lanes.begin(slots, copier.chunk_bytes)
-        assert sums.streaming
+        assert sums.streaming and sums.deferred
         copier.gather(_ids(2, 4), slots, sums.written)
-        digests = sums.digests()
+        on_digests, got = _receiver()
+        sums.finish(on_digests)
+        digests = got.result(10)
         assert digests == [checksum(s[: copier.chunk_bytes]) for s in slots]
-        assert len(set(digests)) == 4
+        assert digests is not None and len(set(digests)) == 4
+        assert lanes.pending == 0
     finally:
         lanes.close()
 
@@ -68,6 +105,7 @@ def test_pieces_not_reported_are_hashed_whole(monkeypatch: pytest.MonkeyPatch) -
     """A GPU copy reports nothing (its bytes land at the stream's end); a piece reported only in
     part is hashed whole too."""
     monkeypatch.setattr(checksum_stream, "MIN_STREAMED_BYTES", 0)
+    monkeypatch.setattr(checksum_stream, "MAX_INLINE_BYTES", 0)
     monkeypatch.setattr(checksum_stream, "PART_BYTES", 8)
     slots = [torch.randint(0, 256, (100,), dtype=torch.uint8) for _ in range(3)]
     lanes = ChecksumLanes()
@@ -75,23 +113,28 @@ def test_pieces_not_reported_are_hashed_whole(monkeypatch: pytest.MonkeyPatch) -
         sums = lanes.begin(slots, 96)
         sums.written(1, 40)  # in part only
         sums.written(2, 96)
-        assert sums.digests() == [checksum(s[:96]) for s in slots]
+        on_digests, got = _receiver()
+        sums.finish(on_digests)
+        assert got.result(10) == [checksum(s[:96]) for s in slots]
     finally:
         lanes.close()
 
 
-def test_small_stores_hash_inline_and_lanes_are_reused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_small_stores_hash_inline_others_on_a_lane_that_is_reused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     slots = [torch.randint(0, 256, (64,), dtype=torch.uint8)]
     lanes = ChecksumLanes()
     try:
         small = lanes.begin(slots, 64)
-        assert not small.streaming
+        assert not small.streaming and not small.deferred
         small.written(0, 64)  # ignored
         assert small.digests() == [checksum(slots[0])]
-        monkeypatch.setattr(checksum_stream, "MIN_STREAMED_BYTES", 0)
-        first = lanes.begin(slots, 64)
-        first.written(0, 64)
-        first.digests()
+        monkeypatch.setattr(checksum_stream, "MAX_INLINE_BYTES", 0)
+        whole = lanes.begin(slots, 64)  # under MIN_STREAMED_BYTES: hashed whole, after
+        assert whole.deferred and not whole.streaming
+        on_digests, got = _receiver()
+        whole.finish(on_digests)
+        assert got.result(10) == [checksum(slots[0])]
         second = lanes.begin(slots, 64)
         second.abandon()
         assert len(lanes._all) == 1  # the lane came back and was taken again
@@ -101,6 +144,7 @@ def test_small_stores_hash_inline_and_lanes_are_reused(monkeypatch: pytest.Monke
 
 def test_concurrent_stores_get_their_own_lanes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(checksum_stream, "MIN_STREAMED_BYTES", 0)
+    monkeypatch.setattr(checksum_stream, "MAX_INLINE_BYTES", 0)
     monkeypatch.setattr(checksum_stream, "PART_BYTES", 1 << 10)
     lanes = ChecksumLanes()
     failures: list[str] = []
@@ -114,7 +158,9 @@ def test_concurrent_stores_get_their_own_lanes(monkeypatch: pytest.MonkeyPatch) 
             for i in range(3):
                 for n in range(1 << 12, (1 << 16) + 1, 1 << 12):
                     sums.written(i, n)
-            if sums.digests() != [checksum(s) for s in slots]:
+            on_digests, got = _receiver()
+            sums.finish(on_digests)
+            if got.result(30) != [checksum(s) for s in slots]:
                 failures.append(f"seed {seed}")
 
     held: list[object] = []
@@ -139,43 +185,92 @@ def test_concurrent_stores_get_their_own_lanes(monkeypatch: pytest.MonkeyPatch) 
     assert created == 4  # given back and reused: no more than the stores at once
 
 
-def test_a_stuck_lane_fails_the_store_within_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lmcache_core.errors import LMCacheTimeoutError
-
-    monkeypatch.setattr(checksum_stream, "MIN_STREAMED_BYTES", 0)
-    monkeypatch.setattr(checksum_stream, "LANE_TIMEOUT_S", 0.2)
-    release = threading.Event()
-
-    class StuckHasher:
-        def update(self, _part: object) -> None:
-            release.wait(10)
-
-    monkeypatch.setattr(checksum_stream.xxhash, "xxh3_64", StuckHasher)
+def test_finish_returns_before_the_digests_and_a_stuck_lane_is_reaped_when_due(
+        stuck: type[StuckHasher]) -> None:
+    clock = FakeClock()
     slots = [torch.zeros(64, dtype=torch.uint8)]
-    lanes = ChecksumLanes()
+    lanes = ChecksumLanes(clock)
     try:
         sums = lanes.begin(slots, 64)
         sums.written(0, 64)
-        started = time.monotonic()
-        with pytest.raises(LMCacheTimeoutError):
-            sums.digests()
-        assert time.monotonic() - started < 5
-        assert lanes._all == []  # retired, never handed out again
-        failed = lanes.begin(slots, 64)
-        failed.written(0, 64)  # a new lane, stuck too
-        failed.abandon()  # logged, not raised
-        assert lanes._all == []
+        on_digests, got = _receiver()
+        sums.finish(on_digests)  # returns with the lane still hashing
+        assert stuck.started.wait(10) and not got.done() and lanes.pending == 1
+        queued = lanes.begin(slots, 64)  # the same lane, free again: queued behind the stuck part
+        assert queued._lane is sums._lanes._all[0]
+        on_queued, got_queued = _receiver()
+        queued.finish(on_queued)
+        assert lanes.reap() == 0  # not due yet
+        clock.advance(checksum_stream.LANE_TIMEOUT_S)
+        assert lanes.reap() == 2  # given up: both stores queued on the stuck lane
+        assert got.result(0) is None and got_queued.result(0) is None
+        assert lanes._all == [] and lanes.pending == 0  # retired, never handed out again
+        stuck.release.set()  # the stuck part ends: its late digests go nowhere (set once)
     finally:
-        release.set()
         lanes.close()
+
+
+def test_a_failed_store_cancels_its_queued_parts_and_waits_only_for_its_running_one(
+        stuck: type[StuckHasher]) -> None:
+    slots = [torch.zeros(64, dtype=torch.uint8)]
+    lanes = ChecksumLanes()
+    try:
+        earlier = lanes.begin(slots, 64)
+        earlier.written(0, 64)  # another store's part, stuck on the lane
+        on_digests, _ = _receiver()
+        earlier.finish(on_digests)
+        assert stuck.started.wait(10)
+        failed = lanes.begin(slots, 64)  # the same lane (given back by finish)
+        failed.written(0, 64)
+        part = failed._parts[0]
+        failed.abandon()  # returns at once: its part never started, it is cancelled
+        assert part.cancelled()
+    finally:
+        stuck.release.set()
+        lanes.close()
+
+
+def test_a_failed_store_on_a_lane_stuck_in_its_own_part_waits_at_most_the_timeout(
+        stuck: type[StuckHasher], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(checksum_stream, "LANE_TIMEOUT_S", 0.2)
+    slots = [torch.zeros(64, dtype=torch.uint8)]
+    lanes = ChecksumLanes()
+    try:
+        failed = lanes.begin(slots, 64)
+        failed.written(0, 64)
+        assert stuck.started.wait(10)
+        failed.abandon()  # logged, not raised; bounded by LANE_TIMEOUT_S
+        assert lanes._all == []  # retired
+    finally:
+        stuck.release.set()
+        lanes.close()
+
+
+def test_close_drains_the_digests_still_coming_and_gives_up_the_stuck_ones(
+        stuck: type[StuckHasher]) -> None:
+    slots = [torch.randint(0, 256, (64,), dtype=torch.uint8)]
+    lanes = ChecksumLanes()
+    free = lanes.begin(slots, 64)  # hashed whole (never ``written``): not stuck
+    on_free, got_free = _receiver()
+    sticky = lanes.begin(slots, 64)  # a second lane: the first is still held
+    sticky.written(0, 64)
+    on_sticky, got_sticky = _receiver()
+    sticky.finish(on_sticky)
+    assert stuck.started.wait(10)
+    free.finish(on_free)
+    assert not lanes.close(timeout_s=0.2)  # one was given up
+    assert got_free.result(0) == [checksum(slots[0])]  # drained: it finished in time
+    assert got_sticky.result(0) is None
+    assert lanes.pending == 0
 
 
 def test_after_close_stores_hash_inline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(checksum_stream, "MIN_STREAMED_BYTES", 0)
+    monkeypatch.setattr(checksum_stream, "MAX_INLINE_BYTES", 0)
     slots = [torch.randint(0, 256, (64,), dtype=torch.uint8)]
     lanes = ChecksumLanes()
     lanes.close()
     late = lanes.begin(slots, 64)
-    assert not late.streaming and lanes._all == []  # no lane that nothing would shut down
+    assert not late.streaming and not late.deferred and lanes._all == []  # no lane left over
     late.written(0, 64)
     assert late.digests() == [checksum(slots[0])]
