@@ -148,13 +148,16 @@ def _render(chunks: list[Any], info: Any, summary: dict[str, Any], model: str | 
 
     title = escape(f"chunks on {info.url}" + (f" (model {model})" if model else ""))
     table = Table(title=title, title_justify="left", show_footer=False)
+    grouped = any(_group_cell(c.layout) for c in chunks)  # a hybrid model's pieces are listed
     for name, justify in (("hash", "left"), ("model", "left"), ("layout", "left"),
+                          *((("group", "left"),) if grouped else ()),
                           ("heads", "right"), ("tier", "left"), ("size", "right"),
                           ("locks", "right"), ("hits", "right"), ("age", "right"),
                           ("pin", "left"), ("ttl", "right"), ("prio", "right")):
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+        table.add_column(name, justify=justify)
     for c in chunks:
         table.add_row(c.chunk_hash[:6].hex(), escape(c.model_name), escape(c.layout),
+                      *((_group_cell(c.layout) or "-",) if grouped else ()),
                       f"{c.head_lo}-{c.head_hi}", c.tier, human_bytes(c.nbytes),
                       str(c.locks) if c.locks else "-", str(c.hits), human_age(c.age_s),
                       *_retention(c), style="bold" if c.locks or c.pinned else "")
@@ -202,6 +205,19 @@ def _tier_total(total: dict[str, Any]) -> str:
     return text
 
 
+def _group_cell(layout: str) -> str:
+    """A hybrid model's piece: its KV-cache group and what it holds ("1/3 sliding: last 48
+    tokens", "0/3 full"); "" for a single-group model's."""
+    from lmcache_core.keys import layout_group
+
+    group = layout_group(layout)
+    if group is None:
+        return ""
+    where = f"{group.position}/{group.groups}"
+    return f"{where} sliding: last {group.piece_tokens} tokens" if group.piece_tokens else \
+        f"{where} full"
+
+
 def _retention(c: Any) -> tuple[str, str, str]:
     """The pin, TTL-left and priority cells of a piece ("-" where it has none)."""
     ttl = c.expires_in_s
@@ -227,4 +243,23 @@ def _render_models(models: list[Any], pool_bytes: int) -> None:
         quota = "-" if row.quota_bytes is None else human_bytes(row.quota_bytes)
         table.add_row(escape(row.model_name), str(row.pieces), human_bytes(row.bytes_used), share,
                       quota, str(row.registered), escape(", ".join(row.layouts)) or "-")
+    console.print(table)
+    _render_groups(models)
+
+
+def _render_groups(models: list[Any]) -> None:
+    """The KV-cache groups hybrid models' workers registered (none: no table)."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    rows = [(row.model_name, g) for row in models for g in row.groups]
+    if not rows:
+        return
+    table = Table(title="KV-cache groups (hybrid models)", title_justify="left")
+    for name, justify in (("model", "left"), ("group", "right"), ("kind", "left"),
+                          ("block", "right"), ("window", "right"), ("layout", "left")):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for model, g in rows:
+        table.add_row(escape(model), f"{g.index}/{g.count}", g.kind, str(g.block_size),
+                      str(g.window_tokens) if g.window_tokens else "-", escape(g.layout))
     console.print(table)

@@ -273,7 +273,8 @@ class WorkerStats(Stats):
     """The registered KV caches (``server.registry.KVRegistry.stats``, read when asked)."""
 
     registered_instances: Annotated[int, gauge(
-        "KV caches registered (one per worker rank).", total_of="registered_workers")] = 0
+        "KV caches registered (one per worker rank; a hybrid model's: one per KV-cache group).",
+        total_of="registered_workers")] = 0
     registered_models: Annotated[int, gauge(
         "Models with at least one registered KV cache.")] = 0
     gpu_instances: Annotated[int, gauge(
@@ -294,6 +295,18 @@ class ServerStats(msgspec.Struct, kw_only=True):
     events: EventStats | None = None
 
 
+class GroupStats(msgspec.Struct, kw_only=True):
+    """One KV-cache group of a hybrid model as its workers registered it (``KVGroup``), and the
+    layout fingerprint its pieces are filed under."""
+
+    index: int
+    count: int
+    kind: str  # full | sliding | mamba
+    block_size: int
+    window_tokens: int = 0
+    layout: str = ""
+
+
 class ModelStats(msgspec.Struct, kw_only=True):
     """One model's share of the pool."""
 
@@ -303,6 +316,7 @@ class ModelStats(msgspec.Struct, kw_only=True):
     layouts: list[str] = msgspec.field(default_factory=list)
     quota_bytes: int | None = None
     registered: int = 0  # workers registered with this model
+    groups: list[GroupStats] = msgspec.field(default_factory=list)  # a hybrid model's
 
 
 class TenantStats(msgspec.Struct, kw_only=True):

@@ -15,6 +15,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lmcache_core.engine.async_lookup import AsyncLookups
+from lmcache_core.engine.index import GroupTarget
 from lmcache_core.engine.plans import RetrievePlan, StorePlan
 from lmcache_core.engine.retention import PLAIN, Retention
 from lmcache_core.engine.store import PieceRow, PieceStore
@@ -118,6 +119,18 @@ class CacheEngine:
                                      tier_timeout_s, readers, shared)
         return self.store.lookup(model_name, layout, ranges, chunk_hashes, lookup_id, lock,
                                  readers, shared)
+
+    def lookup_groups(self, model_name: str, groups: Sequence[GroupTarget],
+                      chunk_hashes: Sequence[bytes], lookup_id: str, lock: bool = True, *,
+                      tier_timeout_s: float | None = None, readers: int = 1,
+                      shared: int = 1) -> int:
+        """``lookup`` for a hybrid model's KV-cache groups (``PieceStore.lookup_groups``; with
+        ``tier_timeout_s`` and tiers, ``TieredStorage.lookup_groups``)."""
+        if self.tiers is not None and tier_timeout_s is not None:
+            return self.tiers.lookup_groups(model_name, groups, chunk_hashes, lookup_id, lock,
+                                            tier_timeout_s, readers, shared)
+        return self.store.lookup_groups(model_name, groups, chunk_hashes, lookup_id, lock,
+                                        readers, shared)
 
     def held(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
              chunk_hashes: Sequence[bytes]) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 from lmcache_core.engine.lifecycle import State
 from lmcache_core.keys import ChunkKey, HeadRange
@@ -243,6 +244,79 @@ def _find_hits_ranges(index: PieceIndex, model_name: str, layout: str,
     return Hits(count, held)
 
 
+class GroupTarget(NamedTuple):
+    """One KV-cache group of a hybrid model as a lookup counts it: its layout fingerprint, every
+    rank's head range in it, and the chunks resuming at a boundary ``N`` needs of it:
+    ``window_chunks`` 0 for all of ``[0, N)`` (full attention), else ``[max(0, N - wc), N)``
+    (a sliding window: ``keys.group_piece``)."""
+
+    layout: str
+    ranges: tuple[HeadRange, ...]
+    window_chunks: int
+
+
+#: Per chunk of a prefix, the pieces covering each range (in ``ranges`` order), None if one is not.
+_Covers = list[list[list[Piece]] | None]
+
+
+def _group_covers(index: PieceIndex, model_name: str, group: GroupTarget,
+                  chunk_hashes: Sequence[bytes], stop_at_miss: bool) -> _Covers:
+    """Each chunk's covering pieces in ``group`` (for full attention only the covered prefix:
+    ``stop_at_miss``)."""
+    chunks_of = index.chunks.get
+    out: _Covers = []
+    for chunk_hash in chunk_hashes:
+        pieces = chunks_of((model_name, group.layout, chunk_hash))
+        covers = [cover(pieces, lo, hi) for lo, hi in group.ranges] if pieces else [None]
+        if any(c is None for c in covers):
+            if stop_at_miss:
+                break
+            out.append(None)
+        else:
+            out.append(covers)  # type: ignore[arg-type]  # none is None here
+    return out
+
+
+def _window_reach(covers: _Covers, window: int, limit: int) -> int:
+    """The largest ``n <= limit`` whose last ``min(window, n)`` chunks are all covered."""
+    run = 0
+    best = 0
+    for n in range(1, limit + 1):  # run: covered chunks ending at chunk n - 1
+        run = run + 1 if covers[n - 1] is not None else 0
+        if run >= min(window, n):
+            best = n
+    return best
+
+
+def find_group_hits(index: PieceIndex, model_name: str, groups: Sequence[GroupTarget],
+                    chunk_hashes: Sequence[bytes]) -> Hits:
+    """A hybrid model's hit: the largest ``N`` such that every full-attention group covers chunks
+    ``[0, N)`` and every sliding-window group its pieces of ``[max(0, N - wc), N)``, for every
+    rank's range; ``held`` holds exactly those pieces (nothing of a window's earlier chunks),
+    chunk by chunk in prefix order (so ``touch_hits`` touches the prefix's tail first)."""
+    limit = len(chunk_hashes)
+    covers: list[_Covers] = []
+    for group in groups:  # full groups first cut the limit, so windows are walked no further
+        full = group.window_chunks == 0
+        found = _group_covers(index, model_name, group, chunk_hashes[:limit], stop_at_miss=full)
+        limit = min(limit, len(found)) if full else limit
+        covers.append(found)
+    count = limit
+    for group, found in zip(groups, covers, strict=True):
+        if group.window_chunks:
+            count = min(count, _window_reach(found, group.window_chunks, count))
+    held: Held = {}
+    for position in range(count):
+        chunk_hash = chunk_hashes[position]
+        for group, found in zip(groups, covers, strict=True):
+            if group.window_chunks and position < count - group.window_chunks:
+                continue
+            chunk = (model_name, group.layout, chunk_hash)
+            for heads, pieces in zip(group.ranges, found[position] or (), strict=True):
+                held.setdefault(heads, {})[chunk] = pieces
+    return Hits(count, held)
+
+
 def touch_hits(index: PieceIndex, hits: Hits) -> None:
     """LRU-touch and count each hit piece once per chunk, the prefix's tail first (so eviction
     eats prefixes from the tail, which keeps what remains of a prefix usable)."""
@@ -254,10 +328,12 @@ def touch_hits(index: PieceIndex, hits: Hits) -> None:
                 move(piece.key)
                 piece.hits += 1
         return
-    for chunk in reversed(per_range[0]) if per_range else ():
+    # Ranges may differ in their chunks (a hybrid model's groups of other head counts).
+    order = dict.fromkeys(chunk for chunks in per_range for chunk in chunks)
+    for chunk in reversed(order):
         seen: set[int] = set()
         for chunks in per_range:
-            for piece in chunks[chunk]:
+            for piece in chunks.get(chunk, ()):
                 if piece.handle not in seen:
                     seen.add(piece.handle)
                     move(piece.key)

@@ -40,7 +40,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from lmcache_core.engine import eviction
-from lmcache_core.engine.index import Piece, PieceIndex, cover, find_hits, touch_hits
+from lmcache_core.engine.index import (
+    GroupTarget,
+    Hits,
+    Piece,
+    PieceIndex,
+    cover,
+    find_group_hits,
+    find_hits,
+    touch_hits,
+)
 from lmcache_core.engine.lifecycle import Event, State, advance
 from lmcache_core.engine.locks import LockTable
 from lmcache_core.engine.plans import Counters, RetrievePlan, StorePlan
@@ -134,11 +143,30 @@ class PieceStore:
         that found that many: the chunks found since count as its hits, not as a new lookup."""
         if not ranges:
             raise ProtocolError("a lookup needs at least one head range")
+        return self._lookup(lambda: find_hits(self.index, model_name, layout, ranges,
+                                              chunk_hashes),
+                            len(chunk_hashes), lookup_id, lock, readers, shared, earlier_hits)
+
+    def lookup_groups(self, model_name: str, groups: Sequence[GroupTarget],
+                      chunk_hashes: Sequence[bytes], lookup_id: str, lock: bool = True,
+                      readers: int = 1, shared: int = 1, earlier_hits: int | None = None) -> int:
+        """``lookup`` for a hybrid model: the leading chunks at whose end every group can be
+        restored (``index.find_group_hits``), every group's pieces of them locked under the one
+        ``lookup_id`` (each group's retrieve releases its own)."""
+        if not groups or any(not group.ranges for group in groups):
+            raise ProtocolError("a hybrid lookup needs groups, each with a head range")
+        return self._lookup(lambda: find_group_hits(self.index, model_name, groups,
+                                                    chunk_hashes),
+                            len(chunk_hashes), lookup_id, lock, readers, shared, earlier_hits)
+
+    def _lookup(self, find: Callable[[], Hits], asked: int, lookup_id: str, lock: bool,
+                readers: int, shared: int, earlier_hits: int | None) -> int:
+        """Find (``find``, under the lock), touch, lock and count a lookup of ``asked`` chunks."""
         with self._mutex:
             now = self.clock()
             if self.locks.due(now):
                 self.counters.locks_expired += self.locks.expire(now)
-            hits = find_hits(self.index, model_name, layout, ranges, chunk_hashes)
+            hits = find()
             chunks = hits.count
             if chunks:
                 touch_hits(self.index, hits)
@@ -152,7 +180,7 @@ class PieceStore:
             if earlier_hits is None:
                 n.lookups += 1
                 n.lookup_hit_chunks += chunks
-                n.lookup_miss_chunks += len(chunk_hashes) - chunks
+                n.lookup_miss_chunks += asked - chunks
             else:
                 n.lookup_hit_chunks += chunks - earlier_hits
                 n.lookup_miss_chunks -= chunks - earlier_hits

@@ -34,6 +34,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
+from lmcache_core.engine.index import GroupTarget
 from lmcache_core.engine.store import PieceStore
 from lmcache_core.engine.verify import IntegrityGuard
 from lmcache_core.keys import ChunkKey, HeadRange, candidate_ranges
@@ -52,6 +53,9 @@ Item = tuple[ChunkKey, int, int]
 #: Redis keys one tiered lookup may probe (pieces of every TP split of every missing range):
 #: bounds the work a request of many chunks and ranks can cause.
 PROBE_BUDGET = 8192
+#: How often a hybrid lookup moves its reach back to a chunk a sliding window lacks (each try
+#: asks the tiers once more: bounded).
+MAX_WINDOW_TRIES = 4
 #: Spill ahead of eviction: the disk writer keeps this share of the pool's bytes saved.
 SPILL_AHEAD_SHARE = 4
 
@@ -107,48 +111,103 @@ class TieredStorage:
             return hits
         deadline = time.monotonic() + timeout_s
         rest = chunk_hashes[hits:]
-        wanted = store.uncovered(model_name, layout, ranges, rest)
-        loads = self._plan_loads(model_name, layout, rest, wanted, deadline)
+        loads = self._plan_loads(model_name, layout, ranges, rest, deadline)
         if loads:
-            self._load(loads, deadline)
+            self._load([load for chunk in loads for load in chunk], deadline)
         return store.lookup(model_name, layout, ranges, chunk_hashes, lookup_id, lock, readers,
                             shared, earlier_hits=hits)
 
-    def _plan_loads(self, model_name: str, layout: str, hashes: Sequence[bytes],
-                    wanted: list[list[HeadRange]], deadline: float) -> list[Load]:
-        """The pieces to load for the longest run of chunks whose uncovered ranges the tiers can
-        cover (disk first; Redis asked once, pipelined, for every other candidate piece)."""
+    def lookup_groups(self, model_name: str, groups: Sequence[GroupTarget],
+                      chunk_hashes: Sequence[bytes], lookup_id: str, lock: bool = True,
+                      timeout_s: float = 1.0, readers: int = 1, shared: int = 1) -> int:
+        """``lookup`` for a hybrid model (``PieceStore.lookup_groups``): after the memory lookup,
+        the full-attention groups' runs of chunks the tiers can cover set how far the hit may
+        reach; each sliding-window group then needs only its window before that reach (never
+        all its chunks), and where a window cannot be covered the reach falls back to the
+        chunk it lacks (``_plan_windows``). What the hit needs is loaded, then counted again."""
+        store = self._store
+        hits = store.lookup_groups(model_name, groups, chunk_hashes, lookup_id, lock, readers,
+                                   shared)
+        if hits == len(chunk_hashes):
+            return hits
+        deadline = time.monotonic() + timeout_s
+        reach = len(chunk_hashes)
+        full: list[list[list[Load]]] = []
+        for group in (g for g in groups if not g.window_chunks):
+            planned = self._plan_loads(model_name, group.layout, group.ranges,
+                                       chunk_hashes[hits:], deadline)
+            reach = min(reach, hits + len(planned))
+            full.append(planned)
+        windows: list[Load] = []
+        for _ in range(MAX_WINDOW_TRIES):
+            if reach <= hits:
+                break
+            windows, short = self._plan_windows(model_name, groups, chunk_hashes, reach,
+                                                deadline)
+            if short is None:
+                break
+            reach = short
+        if reach > hits:
+            loads = [load for plan in full for chunk in plan[:reach - hits] for load in chunk]
+            self._load(loads + windows, deadline)
+        return store.lookup_groups(model_name, groups, chunk_hashes, lookup_id, lock, readers,
+                                   shared, earlier_hits=hits)
+
+    def _plan_windows(self, model_name: str, groups: Sequence[GroupTarget],
+                      chunk_hashes: Sequence[bytes], reach: int, deadline: float
+                      ) -> tuple[list[Load], int | None]:
+        """The sliding-window groups' pieces resuming at chunk ``reach`` needs, and None; or, when
+        some window cannot be covered, the first chunk one lacks (no reach past it but before
+        its window's end can be restored either)."""
+        loads: list[Load] = []
+        short: int | None = None
+        for group in (g for g in groups if g.window_chunks):
+            start = max(0, reach - group.window_chunks)
+            planned = self._plan_loads(model_name, group.layout, group.ranges,
+                                       chunk_hashes[start:reach], deadline)
+            if len(planned) < reach - start:
+                lacking = start + len(planned)
+                short = lacking if short is None else min(short, lacking)
+            loads += [load for chunk in planned for load in chunk]
+        return loads, short
+
+    def _plan_loads(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
+                    hashes: Sequence[bytes], deadline: float) -> list[list[Load]]:
+        """Per chunk, the pieces to load, for the longest run of chunks whose ranges memory does
+        not cover the tiers can cover (disk first; Redis asked once, pipelined, for every other
+        candidate piece); a chunk memory covers has none."""
+        wanted = self._store.uncovered(model_name, layout, ranges, hashes)
         disk, remote = self.disk, self.remote
         ask_redis = remote is not None and not remote.down
         budget = PROBE_BUDGET
         per_chunk: list[tuple[dict[HeadRange, Load], list[ChunkKey]]] = []
-        for chunk_hash, ranges in zip(hashes, wanted, strict=True):
+        for chunk_hash, missing in zip(hashes, wanted, strict=True):
             on_disk: dict[HeadRange, Load] = {}
-            if disk is not None and ranges:
+            if disk is not None and missing:
                 on_disk = {(key.head_lo, key.head_hi): (key, nbytes, True)
                            for key, nbytes in disk.pieces_of(model_name, layout, chunk_hash)}
             probes: list[ChunkKey] = []
             if ask_redis:
                 probes = [ChunkKey(model_name, layout, lo, hi, chunk_hash)
-                          for heads in ranges for lo, hi in candidate_ranges(layout, heads)
+                          for heads in missing for lo, hi in candidate_ranges(layout, heads)
                           if (lo, hi) not in on_disk]
                 budget -= len(probes)
                 if budget < 0:  # one lookup probes a bounded number of keys
                     break
             per_chunk.append((on_disk, probes))
-            if not ask_redis and pick_pieces(on_disk, ranges) is None:
+            if not ask_redis and pick_pieces(on_disk, missing) is None:
                 break  # the prefix stops here: no need to look further
         in_redis = self._remote_lengths(
             list(dict.fromkeys(key for _, probes in per_chunk for key in probes)), deadline)
         budget = self._store.pool.nbytes
-        loads: list[Load] = []
+        loads: list[list[Load]] = []
         chosen: set[ChunkKey] = set()
-        for ranges, (available, probes) in zip(wanted, per_chunk, strict=False):  # a prefix
+        for missing, (available, probes) in zip(wanted, per_chunk, strict=False):  # a prefix
             for key in probes:
                 nbytes = in_redis.get(key)
                 if nbytes is not None:
                     available.setdefault((key.head_lo, key.head_hi), (key, nbytes, False))
-            picked = pick_pieces(available, ranges)
+            picked = pick_pieces(available, missing)
             if picked is None:
                 break
             fresh = [load for load in picked if load[0] not in chosen]
@@ -156,7 +215,7 @@ class TieredStorage:
             if budget < 0:
                 break
             chosen.update(load[0] for load in fresh)
-            loads += fresh
+            loads.append(fresh)
         return loads
 
     def _remote_lengths(self, keys: list[ChunkKey], deadline: float) -> dict[ChunkKey, int]:

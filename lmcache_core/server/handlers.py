@@ -20,6 +20,7 @@ from lmcache_core.config import LMCacheConfig
 from lmcache_core.engine import (
     MEMORY_TIER,
     CacheEngine,
+    GroupTarget,
     PieceRow,
     Retention,
     RetrievePlan,
@@ -35,7 +36,7 @@ from lmcache_core.protocol.ops import RequestType
 from lmcache_core.server.layouts import LayoutResolver
 from lmcache_core.server.pins import PinHandlers
 from lmcache_core.server.registry import KVRegistry, Registration
-from lmcache_core.stats import EventStats, ServerStats, TransportStats
+from lmcache_core.stats import EventStats, GroupStats, ServerStats, TransportStats
 from lmcache_core.storage.checksum_stream import LANE_TIMEOUT_S, ChecksumLanes, PieceChecksums
 from lmcache_core.storage.pool import process_rss_bytes
 from lmcache_core.transport.server import Route
@@ -384,6 +385,11 @@ class CacheHandlers:
         ``world_size`` ranks: the first rank's retrieve must not unlock what the others read.
         The sessions in ``ended`` are ended first (``end_session``, riding on this lookup)."""
         released = [self.engine.end_session(ended) for ended in request.ended]
+        if request.layout is None:
+            groups = self.layouts.groups(request.model_name, request.world_size)
+            if groups is not None:
+                hits = self._lookup_groups(request, groups, readers)
+                return m.LookupReply(hit_chunks=hits, released=released)
         target = self.layouts.best(request.model_name, request.world_size, request.layout,
                                    request.chunk_hashes)
         if target is None:  # no layout whose heads divide by world_size
@@ -395,6 +401,21 @@ class CacheHandlers:
                                   tier_timeout_s=self.tier_budget_s, readers=readers,
                                   shared=shared)
         return m.LookupReply(hit_chunks=hits, released=released)
+
+    def _lookup_groups(self, request: m.LookupRequest, groups: list[GroupTarget],
+                       readers: int) -> int:
+        """A hybrid model's hit: the chunks at whose end every KV-cache group can be restored,
+        every group's pieces locked under the one lookup id (``CacheEngine.lookup_groups``);
+        0 while its registered groups are incomplete."""
+        if not groups:
+            if request.lock:  # a miss holds nothing, as any lookup's
+                self.engine.free_lookup_locks(request.lookup_id)
+            return 0
+        shared = request.world_size if all(is_mla(g.layout) for g in groups) else 1
+        return self.engine.lookup_groups(request.model_name, groups, request.chunk_hashes,
+                                         request.lookup_id, request.lock,
+                                         tier_timeout_s=self.tier_budget_s, readers=readers,
+                                         shared=shared)
 
     def peek(self, request: m.PeekRequest, _client: bytes) -> m.PeekReply:
         """The leading chunks every tier holds together for the request's ranks, and where each
@@ -459,6 +480,12 @@ class CacheHandlers:
         models += [m.ModelStats(model_name=name, pieces=0, bytes_used=0, registered=count,
                                 quota_bytes=self.engine.quotas.get(name))
                    for name, count in sorted(registered.items())]
+        for row in models:
+            row.groups = [GroupStats(index=g.index, count=g.count, kind=g.kind,
+                                     block_size=g.block_size, window_tokens=g.window_tokens,
+                                     layout=layout)
+                          for layout, g in sorted(self.registry.groups(row.model_name, None),
+                                                  key=lambda item: (item[1].index, item[0]))]
         return m.ServerInfoReply(
             version=__version__, url=self.url, pid=os.getpid(), chunk_size=self.config.chunk_size,
             uptime_s=time.monotonic() - self.started, pool_bytes=self.engine.pool.nbytes,

@@ -70,7 +70,8 @@ LABELLED = {family.name: family for family in (
              "A cache_salt tenant's memory quota (server.tenant_quotas), by tenant.",
              "`tenants[].quota_bytes`"),
     Labelled("registered_workers", "gauge", "model",
-             "KV caches registered (one per worker rank), by model.", "`models[].registered`"),
+             "KV caches registered (one per worker rank; a hybrid model's: one per KV-cache group), "
+             "by model.", "`models[].registered`"),
     Labelled("build_info", "gauge", "version", "The lmcache version serving (always 1).",
              "`version`"),
 )}

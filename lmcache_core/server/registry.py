@@ -34,7 +34,7 @@ from lmcache_core.keys import LayoutGroup, opaque_layout, rank_heads
 from lmcache_core.kv.cuda_events import CopyStream
 from lmcache_core.kv.cuda_ipc import release_cached_cuda_memory
 from lmcache_core.kv.shm import SegmentFile, parse_segment_name
-from lmcache_core.protocol.messages import RegisterKVCacheRequest
+from lmcache_core.protocol.messages import KVGroup, RegisterKVCacheRequest
 from lmcache_core.server.segments import (
     owner_in_this_namespace,
     process_gone,
@@ -152,6 +152,7 @@ class KVRegistry:
         self._by_id: dict[int, Registration] = {}
         # (model, world size) -> layouts registered: every lookup asks; any change clears it.
         self._layouts: dict[tuple[str, int], list[str]] = {}
+        self._groups: dict[tuple[str, int | None], list[tuple[str, KVGroup]]] = {}  # the same, of groups
         self.reaped = 0
 
     def register(self, request: RegisterKVCacheRequest, client: bytes = b"") -> Registration:
@@ -161,7 +162,7 @@ class KVRegistry:
         with self._lock:
             old = self._by_id.pop(request.instance_id, None)
             self._by_id[request.instance_id] = registration
-            self._layouts.clear()
+            self._forget_layouts()
         if old is not None:
             self._retire(old)
         return registration
@@ -169,7 +170,7 @@ class KVRegistry:
     def unregister(self, instance_id: int) -> bool:
         with self._lock:
             registration = self._by_id.pop(instance_id, None)
-            self._layouts.clear()
+            self._forget_layouts()
         if registration is None:
             return False
         self._retire(registration)
@@ -222,7 +223,7 @@ class KVRegistry:
             dead = [(r, why) for r in self._by_id.values() if (why := self._why_dead(r, now))]
             for registration, _ in dead:
                 del self._by_id[registration.instance_id]
-            self._layouts.clear()
+            self._forget_layouts()
         for registration, why in dead:
             logger.warning("reaped KV cache instance %d (%s rank %d): worker %s",
                            registration.instance_id, registration.model_name, registration.kv_rank,
@@ -272,7 +273,7 @@ class KVRegistry:
         with self._lock:
             registrations = list(self._by_id.values())
             self._by_id.clear()
-            self._layouts.clear()
+            self._forget_layouts()
         for registration in registrations:
             self._retire(registration)
 
@@ -289,6 +290,18 @@ class KVRegistry:
                     if r.model_name == model_name and r.world_size == world_size))
             return list(found)
 
+    def groups(self, model_name: str, world_size: int | None) -> list[tuple[str, KVGroup]]:
+        """The KV-cache groups (each layout once, with its descriptor) of the workers registered
+        with groups (a hybrid model) for this model and world size (None: any); [] for none."""
+        with self._lock:
+            found = self._groups.get((model_name, world_size))
+            if found is None:
+                found = self._groups[(model_name, world_size)] = list({
+                    r.layout: (r.layout, r.group) for r in self._by_id.values()
+                    if r.group is not None and r.model_name == model_name
+                    and world_size in (None, r.world_size)}.values())
+            return list(found)
+
     def models(self) -> dict[str, int]:
         """Registered KV caches (workers) per model name."""
         counts: dict[str, int] = {}
@@ -296,6 +309,11 @@ class KVRegistry:
             for registration in self._by_id.values():
                 counts[registration.model_name] = counts.get(registration.model_name, 0) + 1
         return counts
+
+    def _forget_layouts(self) -> None:
+        """Registrations changed: what ``layouts`` and ``groups`` keep is stale (under the lock)."""
+        self._layouts.clear()
+        self._groups.clear()
 
     def _retire(self, registration: Registration) -> None:
         with self._lock:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -52,14 +53,19 @@ def main() -> None:
     layers = list(caches.values())
     reply({"ready": True, "chunk_size": adapter.chunk_size, "instance_id": adapter.instance_id,
            "shm_name": segment.name})
+    serve(adapter, lambda command: handle(adapter, layers, command))
+    del segment
+
+
+def serve(adapter: LMCacheMPWorkerAdapter, respond: Callable[[dict], dict]) -> None:
+    """Answer each command line with ``respond``'s reply until "quit", then shut down."""
     for line in sys.stdin:
         command = json.loads(line)
         if command["cmd"] == "quit":
             break
-        reply(handle(adapter, layers, command))
+        reply(respond(command))
     adapter.shutdown()
     release_shared_kv_caches()
-    del segment
     reply({"bye": True})
 
 

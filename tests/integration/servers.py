@@ -115,14 +115,17 @@ class WorkerProcess:
 
     def __init__(self, url: str, *, rank: int = 0, world_size: int = 1, num_blocks: int = 64,
                  block_size: int = 16, model: str = "tiny", layers: int = 2, heads: int = 4,
-                 head_dim: int = 32, dtype: str = "float16", mla: bool = False) -> None:
+                 head_dim: int = 32, dtype: str = "float16", mla: bool = False,
+                 script: str = "kv_worker.py", **extra: object) -> None:
+        """``script``: the stand-in to run (``hybrid_worker.py`` takes ``extra``'s ``groups``
+        and ``layers_per_group``)."""
         import json
 
         spec = {"url": url, "rank": rank, "world_size": world_size, "num_blocks": num_blocks,
                 "block_size": block_size, "model": model, "layers": layers, "heads": heads,
-                "head_dim": head_dim, "dtype": dtype, "mla": mla}
-        script = Path(__file__).with_name("kv_worker.py")
-        self.proc = subprocess.Popen([sys.executable, str(script), json.dumps(spec)],
+                "head_dim": head_dim, "dtype": dtype, "mla": mla, **extra}
+        script_path = Path(__file__).with_name(script)
+        self.proc = subprocess.Popen([sys.executable, str(script_path), json.dumps(spec)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.hello = self._read(120)
         if not self.hello.get("ready"):

@@ -78,6 +78,11 @@ class LoadStoreOp:
     it). In both modes a store's salt names its tenant (``keys.tenant_tag``: server.tenant_quotas).
     ``ttl_s``, ``pin``, ``priority``: retention of the stored chunks (``StoreRequest``'s fields;
     stores only, ignored by retrieves).
+    ``group_block_ids``: for a worker registered with KV-cache groups (a hybrid model), one list
+    per group: that group's block ids over the same tokens as ``block_hashes`` (from the same
+    start, ``chunk_size / block_size`` of the group per chunk; vLLM's null block 0 where it has
+    one); ``block_ids`` is not used then. See ``adapter_groups.piece_blocks`` for what each group
+    moves.
     """
 
     block_hashes: list[bytes]
@@ -86,6 +91,7 @@ class LoadStoreOp:
     ttl_s: float | None = None
     pin: bool = False
     priority: int = 0
+    group_block_ids: list[list[int]] | None = None
 
     @property
     def retention(self) -> tuple[float | None, bool, int]:

@@ -21,7 +21,7 @@ import os
 import random
 import socket
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import zmq
@@ -41,6 +41,13 @@ from lmcache_core.integration.vllm.adapter_common import (
 from lmcache_core.integration.vllm.adapter_common import (
     DEFAULT_LOOKUP_TIMEOUT_S as DEFAULT_LOOKUP_TIMEOUT_S,
 )
+from lmcache_core.integration.vllm.adapter_groups import (
+    KVCacheGroupSpec,
+    group_caches,
+    group_pieces,
+    has_null,
+    piece_blocks,
+)
 from lmcache_core.integration.vllm.scheduler_adapter import (
     LOOKUP_POLL_INTERVAL_S as LOOKUP_POLL_INTERVAL_S,
 )
@@ -54,7 +61,7 @@ from lmcache_core.integration.vllm.transfer_state import (
     transfer_failure,
     unloaded_blocks,
 )
-from lmcache_core.keys import striding_block_hashes, tenant_tag
+from lmcache_core.keys import GroupPiece, striding_block_hashes, tenant_tag
 from lmcache_core.protocol import messages as m
 from lmcache_core.protocol.ops import RETRIEVE, STORE, Op, RequestType
 from lmcache_core.transport.client import MessageQueueClient
@@ -65,6 +72,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "KVCache",
+    "KVCacheGroupSpec",
     "LMCacheMPSchedulerAdapter",
     "LMCacheMPWorkerAdapter",
     "LoadStoreOp",
@@ -79,6 +87,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 Q = TypeVar("Q", bound=m.Message)
+#: One registration the worker holds: its instance id, its layers, its group (None: all layers).
+_Registration = tuple[int, dict[str, Any], m.KVGroup | None]
+#: What one store or retrieve request of one registration carries: instance id, chunks, blocks.
+_Part = tuple[int, list[bytes], list[int]]
 #: How many failed requests' reasons ``failed_stores`` and ``failed_retrieves`` each keep.
 MAX_FAILURES_KEPT = 1024
 
@@ -92,6 +104,13 @@ class LMCacheMPWorkerAdapter:
     and the latest ``MAX_FAILURES_KEPT`` are kept in ``failed_stores`` / ``failed_retrieves`` (a
     long-running worker misses routinely: they never grow past that); ``get_block_ids_with_load_errors``
     names the blocks a failed retrieve did not fill, so the engine recomputes them.
+
+    Registered with KV-cache groups (a hybrid model: ``register_kv_caches(..., groups=...)``),
+    each group is its own registration and each op carries per-group block ids
+    (``LoadStoreOp.group_block_ids``); a request's retrieve is all or nothing across its groups:
+    failed if any group's failed, reported per request by ``take_failed_retrieves`` (vLLM refuses
+    block-level load errors for multi-group models: ``get_block_ids_with_load_errors`` stays
+    empty then).
     """
 
     def __init__(self, server_url: str, context: zmq.Context[Any], model_name: str,
@@ -110,7 +129,13 @@ class LMCacheMPWorkerAdapter:
         self.chunk_size = self._conn.chunk_size
         self.instance_id = random.getrandbits(63)
         self.registered: KVCache | None = None
-        self._kv_caches: dict[str, torch.Tensor] | None = None
+        #: With groups: each group's registration (``registered`` is the first's).
+        self.registered_groups: list[KVCache] = []
+        self.groups: list[KVCacheGroupSpec] | None = None
+        self.group_pieces: list[GroupPiece] | None = None
+        self.group_instance_ids: list[int] = []
+        self._registrations: list[_Registration] = []
+        self._failed_recving: dict[str, None] = {}  # in failure order, bounded
         self._stores: dict[str, _RequestState] = {}
         self._retrieves: dict[str, _RequestState] = {}
         self._engine_finished: set[str] = set()
@@ -123,54 +148,90 @@ class LMCacheMPWorkerAdapter:
 
     # ------------------------------------------------------------------ registration
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Share the worker's per-layer KV tensors with the server (once; again replaces them)."""
-        wrapped, request = self._registration_request(kv_caches)
-        self.mq_client.request(request)
-        self.registered = wrapped
-        self._kv_caches = dict(kv_caches)
+    def register_kv_caches(self, kv_caches: dict[str, Any], *,
+                           groups: Sequence[KVCacheGroupSpec] | None = None) -> None:
+        """Share the worker's per-layer KV tensors with the server (once; again replaces them).
+
+        ``groups``: a hybrid model's KV-cache groups (vLLM's ``kv_cache_groups``, in order), each
+        registered on its own, with its layers, under its own instance id
+        (``group_instance_ids``; the first is ``instance_id``). A refused group (e.g. a chunk size
+        that is no multiple of its block size) unregisters those registered before it."""
+        if groups is None:
+            registrations: list[_Registration] = [(self.instance_id, dict(kv_caches), None)]
+            pieces = None
+        else:
+            pieces = group_pieces(self.chunk_size, groups)
+            ids = [self.instance_id] + [random.getrandbits(63) for _ in groups[1:]]
+            registrations = [(iid, layers, spec.descriptor(i, len(groups))) for i, (iid, layers, spec)
+                             in enumerate(zip(ids, group_caches(kv_caches, groups), groups,
+                                              strict=True))]
+        wrapped = self._register_all(registrations)
+        self.registered, self.registered_groups = wrapped[0], wrapped if groups else []
+        self.groups = list(groups) if groups is not None else None
+        self.group_pieces = pieces
+        self.group_instance_ids = [iid for iid, _, _ in registrations] if groups else []
+        self._registrations = registrations
         if self._heartbeat is None and self._heartbeat_interval_s > 0:
             self._heartbeat = threading.Thread(target=self._beat, name="lmcache-heartbeat",
                                                daemon=True)
             self._heartbeat.start()
 
-    def _registration_request(self, kv_caches: dict[str, torch.Tensor]
+    def _register_all(self, registrations: list[_Registration]) -> list[KVCache]:
+        """Register each; on a refusal, unregister those registered before it and raise."""
+        wrapped: list[KVCache] = []
+        for instance_id, layers, group in registrations:
+            cache, request = self._registration_request(layers, instance_id, group)
+            try:
+                self.mq_client.request(request)
+            except BaseException:
+                for done, _, _ in registrations[:len(wrapped)]:
+                    self._unregister(done)
+                raise
+            wrapped.append(cache)
+        return wrapped
+
+    def _registration_request(self, kv_caches: dict[str, torch.Tensor], instance_id: int,
+                              group: m.KVGroup | None = None
                               ) -> tuple[KVCache, m.RegisterKVCacheRequest]:
         """The caches described afresh: on GPU each call exports new CUDA IPC handles, each with
         its own reference count (the server opening a handle sent before would release a count
         that the earlier opening already released)."""
         wrapped = wrap_kv_caches(kv_caches)
-        if wrapped.block_size != self._conn.vllm_block_size:
-            raise ValueError(f"the KV caches have {wrapped.block_size}-token blocks but the adapter "
-                             f"was built for vllm_block_size={self._conn.vllm_block_size}")
+        expected = group.block_size if group is not None else self._conn.vllm_block_size
+        if wrapped.block_size != expected:
+            what = (f"KV cache group {group.index} was declared with block_size={expected}"
+                    if group is not None else
+                    f"the adapter was built for vllm_block_size={expected}")
+            raise ValueError(f"the KV caches have {wrapped.block_size}-token blocks but {what}")
         request = m.RegisterKVCacheRequest(
-            instance_id=self.instance_id, model_name=self._conn.model_name,
+            instance_id=instance_id, model_name=self._conn.model_name,
             world_size=self._conn.world_size, kv_rank=self._conn.kv_rank,
             block_size=wrapped.block_size, layout=wrapped.layout, layers=wrapped.layers,
-            pid=os.getpid(), hostname=socket.gethostname())
+            pid=os.getpid(), hostname=socket.gethostname(), group=group)
         return wrapped, request
 
     def _beat(self) -> None:
-        """Ping with our instance id so the server knows this worker is alive (and keeps its maps);
-        a server that restarted no longer knows it, and gets the KV caches registered again."""
+        """Ping with our instance ids so the server knows this worker is alive (and keeps its
+        maps); a server that restarted no longer knows them, and gets the KV caches registered
+        again."""
         interval = self._heartbeat_interval_s
         while not self._stop.wait(interval):
-            ping = m.PingRequest(instance_id=self.instance_id)
-            try:
-                reply = self.mq_client.request_async(ping, interval).result(
-                    interval + 1.0)
-            except LMCacheError:  # the server is down: the next beat tries again
-                continue
-            if reply.registered is False and not self._stop.is_set():
-                self._register_again()
+            for instance_id, _, _ in list(self._registrations):
+                ping = m.PingRequest(instance_id=instance_id)
+                try:
+                    reply = self.mq_client.request_async(ping, interval).result(interval + 1.0)
+                except LMCacheError:  # the server is down: the next beat tries again
+                    break
+                if reply.registered is False and not self._stop.is_set():
+                    self._register_again()
+                    break
 
     def _register_again(self) -> None:
         """Register with a server that forgot us, with freshly exported handles (finding 6)."""
-        if self._kv_caches is None:
-            return
         try:
-            _, request = self._registration_request(self._kv_caches)
-            self.mq_client.request(request)
+            for instance_id, layers, group in self._registrations:
+                _, request = self._registration_request(layers, instance_id, group)
+                self.mq_client.request(request)
         except LMCacheError as exc:
             logger.warning("re-registering the KV caches with %s failed: %s",
                            self.mq_client.server_url, exc)
@@ -199,28 +260,57 @@ class LMCacheMPWorkerAdapter:
         handle = _event_handle(event)
         for ((ttl_s, pin, priority), tenant), members in groups.items():
             ids = [request_ids[i] for i in members]
-            hashes, blocks = self._flatten([ops[i] for i in members])
-            payload = m.StoreRequest(instance_id=self.instance_id, chunk_hashes=hashes,
-                                     block_ids=blocks, event_handle=handle, request_ids=ids,
-                                     ttl_s=ttl_s, pin=pin, priority=priority, tenant=tenant)
-            self._submit(STORE, payload, ids, blocks, self._stores)
+            for instance_id, hashes, blocks in self._parts([ops[i] for i in members], False):
+                payload = m.StoreRequest(instance_id=instance_id, chunk_hashes=hashes,
+                                         block_ids=blocks, event_handle=handle, request_ids=ids,
+                                         ttl_s=ttl_s, pin=pin, priority=priority, tenant=tenant)
+                self._submit(STORE, payload, ids, blocks, self._stores)
 
     def batched_submit_retrieve_requests(self, request_ids: list[str], ops: list[LoadStoreOp],
                                          event: Any) -> None:
         """One retrieve request for several vLLM requests; each releases its own lookup's locks.
 
         With one vLLM request the lookup id is that request's id; several requests in one batch
-        are sent one retrieve each (a retrieve releases the locks of one lookup)."""
+        are sent one retrieve each (a retrieve releases the locks of one lookup); with groups,
+        one per group, all under the request's lookup id (its lookup locked every group's)."""
         if len(request_ids) != len(ops):
             raise ValueError(f"{len(request_ids)} request ids but {len(ops)} ops")
         handle = _event_handle(event)
         for request_id, op in zip(request_ids, ops, strict=True):
-            hashes, blocks = self._flatten([op])
-            payload = m.RetrieveRequest(instance_id=self.instance_id, chunk_hashes=hashes,
-                                        block_ids=blocks, event_handle=handle,
-                                        lookup_id=request_id, request_ids=[request_id],
-                                        deadline_ms=self.load_deadline_ms)
-            self._submit(RETRIEVE, payload, [request_id], blocks, self._retrieves)
+            parts = self._parts([op], True)
+            # vLLM's null block exists with groups (HMA); a single-group cache's block 0 is real
+            if self.group_pieces is not None and any(has_null(b) for _, _, b in parts):
+                self._fail(request_id, "a load into vLLM's null block 0 (out of the window)",
+                           self._retrieves)
+                continue
+            for instance_id, hashes, blocks in parts:
+                payload = m.RetrieveRequest(instance_id=instance_id, chunk_hashes=hashes,
+                                            block_ids=blocks, event_handle=handle,
+                                            lookup_id=request_id, request_ids=[request_id],
+                                            deadline_ms=self.load_deadline_ms)
+                self._submit(RETRIEVE, payload, [request_id], blocks, self._retrieves)
+
+    def _parts(self, ops: list[LoadStoreOp], retrieve: bool) -> list[_Part]:
+        """The request(s) these ops make: one of every whole chunk's blocks, or with groups one
+        per group of the blocks its pieces hold (``adapter_groups.piece_blocks``)."""
+        pieces = self.group_pieces
+        if pieces is None:
+            return [(self.instance_id, *self._flatten(ops))]
+        parts: list[_Part] = [(iid, [], []) for iid in self.group_instance_ids]
+        for op in ops:
+            per_group = op.group_block_ids
+            if per_group is None or len(per_group) != len(pieces):
+                raise ValueError(f"this worker registered {len(pieces)} KV cache groups: each op "
+                                 f"needs group_block_ids, one list per group")
+            hashes = self._conn.chunk_hashes(op.block_hashes, op.cache_salt)
+            n = min([len(hashes)] + [len(ids) // piece.blocks_per_chunk
+                                     for ids, piece in zip(per_group, pieces, strict=True)])
+            for (_, part_hashes, part_blocks), ids, piece in zip(parts, per_group, pieces,
+                                                                 strict=True):
+                chunks, blocks = piece_blocks(ids, n, piece, retrieve=retrieve)
+                part_hashes += [hashes[c] for c in chunks]
+                part_blocks += blocks
+        return parts
 
     def _flatten(self, ops: Iterable[LoadStoreOp]) -> tuple[list[bytes], list[int]]:
         """Whole chunks only: each op's chunk hashes and the block ids those chunks cover."""
@@ -233,6 +323,12 @@ class LMCacheMPWorkerAdapter:
             hashes += chunk_hashes[:n]
             blocks += op.block_ids[:n * per_chunk]
         return hashes, blocks
+
+    def _fail(self, request_id: str, reason: str, book: dict[str, _RequestState]) -> None:
+        """Record a transfer of ``request_id`` that failed before anything was sent."""
+        failed: MessagingFuture[Any] = MessagingFuture.failed(LMCacheError(reason))
+        book.setdefault(request_id, _RequestState()).transfers.append(
+            _Transfer(failed, [request_id], []))
 
     def _submit(self, op: Op[Q, Any], payload: Q, request_ids: list[str],
                 blocks: list[int], book: dict[str, _RequestState]) -> None:
@@ -278,8 +374,12 @@ class LMCacheMPWorkerAdapter:
                 if len(failures) > MAX_FAILURES_KEPT:
                     del failures[next(iter(failures))]  # the oldest
                 if book is self._retrieves:
-                    self._load_error_blocks.update(
-                        unloaded_blocks(transfer, self._conn.blocks_in_chunk))
+                    self._failed_recving[request_id] = None
+                    if len(self._failed_recving) > MAX_FAILURES_KEPT:
+                        del self._failed_recving[next(iter(self._failed_recving))]
+                    if self.group_pieces is None:  # multi-group: per request only
+                        self._load_error_blocks.update(
+                            unloaded_blocks(transfer, self._conn.blocks_in_chunk))
                 logger.warning("%s of request %s failed: %s",
                                "store" if book is self._stores else "retrieve", request_id, reason)
                 break
@@ -302,18 +402,29 @@ class LMCacheMPWorkerAdapter:
         blocks, self._load_error_blocks = self._load_error_blocks, set()
         return blocks
 
+    def take_failed_retrieves(self) -> set[str]:
+        """The requests whose retrieve failed (in any group), each reported finished by
+        ``get_finished`` by now: returned once, then forgotten (the latest
+        ``MAX_FAILURES_KEPT``). vLLM's ``KVConnectorTransferResults.failed_recving``."""
+        failed, self._failed_recving = set(self._failed_recving), {}
+        return failed
+
     def num_blocks_per_chunk(self) -> int:
         return self._conn.num_blocks_per_chunk()
+
+    def _unregister(self, instance_id: int) -> None:
+        try:
+            self.mq_client.request(m.UnregisterKVCacheRequest(instance_id=instance_id),
+                                   self.mq_client.connect_timeout_s)
+        except LMCacheError as exc:
+            logger.warning("unregistering from %s failed: %s", self.mq_client.server_url, exc)
 
     def shutdown(self) -> None:
         """Unregister (so the server unmaps at once), stop the heartbeat, close the socket."""
         self._stop.set()
         if self.registered is not None:
-            try:
-                self.mq_client.request(m.UnregisterKVCacheRequest(instance_id=self.instance_id),
-                                       self.mq_client.connect_timeout_s)
-            except LMCacheError as exc:
-                logger.warning("unregistering from %s failed: %s", self.mq_client.server_url, exc)
+            for instance_id, _, _ in self._registrations:
+                self._unregister(instance_id)
             self.registered = None
         if self._heartbeat is not None:
             self._heartbeat.join(1.0)

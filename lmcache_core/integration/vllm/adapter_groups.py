@@ -1,0 +1,103 @@
+"""A hybrid model's KV-cache groups as the worker adapter registers and moves them.
+
+vLLM's hybrid KV cache manager splits a model's layers into groups (``kv_cache_config.
+kv_cache_groups``), each with its own spec (full attention, sliding window, Mamba state) and block
+size, and gives block ids as one list per group. The adapter registers each group as its own KV
+cache (its layers, its block size, a ``KVGroup`` descriptor) and picks, per chunk, the blocks each
+group's piece holds (``keys.group_piece``): every block of the chunk for full attention, the chunk's
+last ``piece_blocks`` for a sliding window. Block id 0 is vLLM's null block (blocks that left the
+window): a group's chunk naming it is not stored, and a load into it fails the request.
+
+Part of :mod:`.vllm_multi_process_adapter`, which re-exports ``KVCacheGroupSpec``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from lmcache_core.errors import IncompatibleError
+from lmcache_core.keys import GroupKind, GroupPiece, group_piece
+from lmcache_core.protocol import messages as m
+
+if TYPE_CHECKING:
+    import torch
+
+#: vLLM's null block: what a block table holds where a block was freed (out of the window).
+NULL_BLOCK = 0
+
+
+@dataclass(frozen=True)
+class KVCacheGroupSpec:
+    """One of vLLM's ``kv_cache_groups[g]`` as the worker registers it.
+
+    ``layer_names``: the group's layers, in one order on every rank (vLLM's ``layer_names``);
+    ``block_size``: tokens per block of the tensors registered for it (the kernel block size of
+    the views given); ``window_tokens``: a sliding window's ``sliding_window`` (0 otherwise)."""
+
+    layer_names: list[str]
+    kind: GroupKind
+    block_size: int
+    window_tokens: int = 0
+
+    def descriptor(self, index: int, count: int) -> m.KVGroup:
+        return m.KVGroup(index=index, count=count, kind=self.kind, block_size=self.block_size,
+                         window_tokens=self.window_tokens)
+
+
+def group_caches(kv_caches: Mapping[str, torch.Tensor | list[torch.Tensor]],
+                 groups: Sequence[KVCacheGroupSpec]) -> list[dict[str, torch.Tensor]]:
+    """Each group's layers (its tensors, in its order); IncompatibleError for a layer that was
+    not given or a group this server cannot take (Mamba state: a list of tensors per layer)."""
+    out: list[dict[str, torch.Tensor]] = []
+    for index, group in enumerate(groups):
+        if group.kind == "mamba":
+            raise IncompatibleError(f"KV cache group {index} is Mamba state, which lmcache does "
+                                    f"not store yet")
+        missing = [name for name in group.layer_names if name not in kv_caches]
+        if missing or not group.layer_names:
+            raise IncompatibleError(f"KV cache group {index} names layers not given to "
+                                    f"register_kv_caches: {missing[:4] or 'none at all'}")
+        layers: dict[str, Any] = {name: kv_caches[name] for name in group.layer_names}
+        if any(isinstance(t, list | tuple) for t in layers.values()):
+            raise IncompatibleError(f"KV cache group {index} ({group.kind}) has a layer given as "
+                                    f"a list of tensors (Mamba state); only full and sliding "
+                                    f"attention groups are stored")
+        out.append(layers)
+    return out
+
+
+def group_pieces(chunk_size: int, groups: Sequence[KVCacheGroupSpec]) -> list[GroupPiece]:
+    """Each group's ``GroupPiece``; IncompatibleError naming every group's block size when the
+    chunk size is no multiple of one of them."""
+    bad = [g for g in groups if g.block_size <= 0 or chunk_size % g.block_size]
+    if bad:
+        sizes = ", ".join(f"group {i} ({g.kind}) {g.block_size}" for i, g in enumerate(groups))
+        raise IncompatibleError(f"the lmcache chunk size {chunk_size} is not a multiple of every "
+                                f"KV cache group's block size: {sizes}")
+    return [group_piece(chunk_size, g.block_size, g.kind, g.window_tokens) for g in groups]
+
+
+def piece_blocks(block_ids: Sequence[int], n_chunks: int, piece: GroupPiece, *,
+                 retrieve: bool) -> tuple[list[int], list[int]]:
+    """The chunks (positions among the op's first ``n_chunks``) a group moves and their blocks:
+    for a store every chunk, for a retrieve every chunk of full attention but only the last
+    ``window_chunks`` of a sliding window (what resuming after them needs); each chunk's last
+    ``piece_blocks`` ids. A store leaves out chunks whose blocks include the null block (vLLM
+    freed them); a retrieve keeps them (``has_null`` tells the caller to fail the request)."""
+    bpc, per_piece, window = piece
+    first = max(0, n_chunks - window) if retrieve and window else 0
+    chunks: list[int] = []
+    blocks: list[int] = []
+    for chunk in range(first, n_chunks):  # one slice per chunk, not per block
+        ids = block_ids[(chunk + 1) * bpc - per_piece:(chunk + 1) * bpc]
+        if not retrieve and NULL_BLOCK in ids:
+            continue
+        chunks.append(chunk)
+        blocks += ids
+    return chunks, blocks
+
+
+def has_null(blocks: Sequence[int]) -> bool:
+    return NULL_BLOCK in blocks

@@ -1,0 +1,323 @@
+"""Hybrid models (issue 23) through the adapters, with real processes: a Gemma-3-like model (one
+full-attention group, two sliding-window groups of the same tensor shapes) stored at TP=2 loads
+byte-exact at TP=1 (full chunks and window pieces by head ranges), from memory, from a disk tier
+and from Redis through another server; only the window's pieces are loaded; a prompt whose window
+pieces are gone is a miss at that chunk; a retrieve is all or nothing per request across groups;
+a chunk size that no group's block size divides is refused at registration."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmcache_core.errors import IncompatibleError
+from lmcache_core.integration.vllm.adapter_common import wrap_kv_caches
+from lmcache_core.keys import chain_hashes
+from lmcache_core.kv.share import allocate_shared_kv_caches, release_shared_kv_caches
+from lmcache_core.protocol import messages as m
+from lmcache_core.storage.disk_files import iter_files, read_meta
+from lmcache_core.transport.client import MessageQueueClient
+from tests.harness import wait_until
+from tests.integration.cross_tp import in_parallel, lookup, server_info, tokens
+from tests.integration.servers import RedisServer, ServerProcess, WorkerProcess, redis_binary
+from tests.integration.test_cli import cli
+
+CHUNK, BLOCK, PER_CHUNK = 64, 16, 4
+HEADS = 4  # the model's KV heads over all ranks
+MODEL = "gemma-like"
+#: Full attention; a window of 40 tokens (pieces: each chunk's last 3 blocks; resuming needs the
+#: last chunk's); a window of 100 (pieces: whole chunks; resuming needs the last 2 chunks').
+GROUPS = [{"kind": "full"}, {"kind": "sliding", "window_tokens": 40},
+          {"kind": "sliding", "window_tokens": 100}]
+POOL = {"server": {"pool_size": "16MiB", "slab_size": "1MiB"}}
+N = 3  # chunks of the prompts
+
+
+def hybrid(url: str, world_size: int, rank: int = 0, **extra: object) -> WorkerProcess:
+    return WorkerProcess(url, rank=rank, world_size=world_size, model=MODEL,
+                         heads=HEADS // world_size, head_dim=16, script="hybrid_worker.py",
+                         **{"groups": GROUPS, "layers_per_group": 2, **extra})
+
+
+def engine(url: str, world_size: int) -> list[WorkerProcess]:
+    made = in_parallel(*(lambda r=r: hybrid(url, world_size, r) for r in range(world_size)))
+    return [w for w in made if isinstance(w, WorkerProcess)]
+
+
+def store_tables(first: int, n: int) -> list[list[int]]:
+    """Block tables of a store of ``n`` chunks from block ``first``: the 40-token window's group
+    has each chunk's first block already freed (vLLM's null 0: out of its window)."""
+    full = list(range(first, first + n * PER_CHUNK))
+    windowed = [0 if j % PER_CHUNK == 0 else b for j, b in enumerate(full)]
+    return [full, windowed, full]
+
+
+def load_tables(first: int, n: int) -> list[list[int]]:
+    """The tables of a load of ``n`` chunks: real blocks only where each group needs them (the
+    full group: all; the 40-token window: the last 3 blocks; the 100-token window: the last 2
+    chunks); null elsewhere, as vLLM allocates a hybrid request's blocks."""
+    full = list(range(first, first + n * PER_CHUNK))
+    short = [b if j >= n * PER_CHUNK - 3 else 0 for j, b in enumerate(full)]
+    long = [b if j >= (n - 2) * PER_CHUNK else 0 for j, b in enumerate(full)]
+    return [full, short, long]
+
+
+def loaded_positions(n: int) -> list[list[int]]:
+    blocks = n * PER_CHUNK
+    return [list(range(blocks)), list(range(blocks - 3, blocks)),
+            list(range(max(0, blocks - 2 * PER_CHUNK), blocks))]
+
+
+def store(workers: list[WorkerProcess], toks: list[int], seed: int, n: int = N) -> None:
+    tables = store_tables(1, n)
+    for worker in workers:
+        worker("fill_model", tables=tables, seed=seed)
+        result = worker("store", req=f"store-{seed}-{n}", keys=toks, tables=tables)
+        assert result["finished"] and not result["failed"], result
+
+
+def load_and_check(workers: list[WorkerProcess], request_id: str, toks: list[int], seed: int,
+                   n: int = N) -> None:
+    """Each rank loads into zeroed blocks, then holds exactly its slice of what was stored where
+    each group needs it, and nothing went into the null block."""
+    tables = load_tables(30, n)
+    for worker in workers:
+        worker("zero", tables=tables)
+        result = worker("retrieve", req=request_id, keys=toks, tables=tables)
+        assert result["finished"] and not result["failed"], result
+        assert not result["load_errors"] and not result["failed_recving"], result
+        # the stored model's logical blocks, read back at the load's positions
+        check = worker("check_model", tables=tables, seed=seed, positions=loaded_positions(n))
+        assert check == {"equal": True, "null_untouched": True}
+
+
+def stats(url: str) -> m.ServerStats:
+    return server_info(url).stats
+
+
+def clear(url: str) -> None:
+    with MessageQueueClient(url, connect_timeout_s=2) as client:
+        assert client.request(m.ClearRequest(force=True)).kept_locked == 0
+    assert stats(url).engine.chunks == 0
+
+
+#: Pieces one store of n chunks at TP=2 makes: every group's chunks, of both ranks.
+def stored_pieces(n: int, world: int = 2) -> int:
+    return 3 * n * world
+
+
+#: Pieces a TP=1 load of n chunks needs: the full group's n, the 40-token window's last chunk,
+#: the 100-token window's last 2 (stored at TP=2: two pieces each).
+def needed_pieces(n: int, stored_by: int = 2) -> int:
+    return (n + 1 + min(n, 2)) * stored_by
+
+
+# ---------------------------------------------------------------- memory
+
+
+Node = tuple[ServerProcess, dict[int, list[WorkerProcess]]]
+
+
+def start_node(tmp: Path, config: dict, name: str) -> Iterator[Node]:
+    """A server and a hybrid engine at TP=1 and at TP=2 on it; all killed at the end."""
+    server = ServerProcess(tmp, config, name=name).start()
+    made: dict[int, list[WorkerProcess]] = {}
+    try:
+        made = {1: engine(server.url, 1), 2: engine(server.url, 2)}
+        yield server, made
+    finally:
+        for workers in made.values():
+            for worker in workers:
+                worker.kill()
+        server.kill()
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    yield from start_node(tmp_path_factory.mktemp("hybrid"), POOL, "mem")
+
+
+def test_each_group_registers_on_its_own_under_its_own_fingerprint(node):
+    server, made = node
+    hello = made[2][0].hello
+    assert len(set(hello["instance_ids"])) == 3
+    assert hello["pieces"] == [[4, 4, 0], [4, 3, 1], [4, 4, 2]]
+    info = server_info(server.url)
+    assert {row.model_name: row.registered for row in info.models}[MODEL] == 9  # 3 workers x 3
+
+
+def test_a_hybrid_model_stored_at_tp2_loads_byte_exact_at_tp1(node):
+    server, made = node
+    seed = 1
+    toks = tokens(N, seed)
+    store(made[2], toks, seed)
+    assert lookup(server.url, 1, "tp1", toks, MODEL) == N * CHUNK
+    load_and_check(made[1], "tp1", toks, seed)
+    assert lookup(server.url, 2, "tp2", toks, MODEL) == N * CHUNK  # and back at TP=2
+    load_and_check(made[2], "tp2", toks, seed)
+
+
+def test_server_info_and_inspect_chunks_show_a_hybrid_chunks_groups(node):
+    server, made = node
+    seed = 7
+    toks = tokens(1, seed)
+    store(made[1], toks, seed, n=1)
+    row = next(r for r in server_info(server.url).models if r.model_name == MODEL)
+    assert [(g.index, g.count, g.kind, g.block_size, g.window_tokens, g.layout)
+            for g in row.groups] == [(0, 3, "full", 16, 0, "float16:2x4x16+g0of3"),
+                                     (1, 3, "sliding", 16, 40, "float16:2x4x16+g1of3s48"),
+                                     (2, 3, "sliding", 16, 100, "float16:2x4x16+g2of3s64")]
+    shown = cli("inspect-chunks", "--url", server.url, "--model", MODEL, "--sort", "key")
+    assert shown.code == 0, shown.err
+    for text in ("0/3 full", "1/3 sliding: last 48 tokens", "2/3 sliding: last 64 tokens",
+                 "KV-cache groups (hybrid models)"):
+        assert text in shown.out, shown.out
+
+
+def test_a_prompt_whose_window_pieces_are_gone_is_a_miss_at_that_chunk(node):
+    server, made = node
+    seed = 2
+    toks = tokens(5, seed)
+    store(made[1], toks, seed, n=4)
+    tables = store_tables(1, 5)
+    tables[1][4 * PER_CHUNK:] = [0] * PER_CHUNK  # chunk 4's short-window blocks already freed
+    made[1][0]("fill_model", tables=tables, seed=seed)
+    assert not made[1][0]("store", req="s5", keys=toks, tables=tables)["failed"]
+    # chunk 4: full attention and the long window are there, the short window's piece is not
+    assert lookup(server.url, 1, "gone", toks, MODEL) == 4 * CHUNK
+    load_and_check(made[1], "gone", toks[:4 * CHUNK], seed, n=4)
+
+
+def test_a_retrieve_is_all_or_nothing_across_groups_and_reported_per_request(node):
+    server, made = node
+    seed = 3
+    toks = tokens(2, seed)
+    tables = store_tables(1, 2)
+    tables[2][PER_CHUNK:] = [0] * PER_CHUNK  # the long window's chunk 1 is never stored
+    worker = made[1][0]
+    worker("fill_model", tables=tables, seed=seed)
+    assert not worker("store", req="s-partial", keys=toks, tables=tables)["failed"]
+    # the lookup stops before chunk 1, whose long window lacks it
+    assert lookup(server.url, 1, "partial-lookup", toks, MODEL) == CHUNK
+    # a retrieve made anyway (no lookup): the other groups load, the request fails as a whole
+    result = worker("retrieve", req="partial", keys=toks, tables=load_tables(30, 2))
+    assert result["finished"] and "1 chunk(s) were no longer cached" in result["failed"]
+    assert result["failed_recving"] == ["partial"] and result["load_errors"] == []
+    # a load into the null block fails before anything is sent
+    bad = load_tables(30, 2)
+    bad[1][-1] = 0
+    result = worker("retrieve", req="null", keys=toks, tables=bad)
+    assert result["failed_recving"] == ["null"] and "null block" in result["failed"]
+
+
+def test_a_chunk_size_no_group_block_size_divides_is_refused_at_registration(node):
+    server, _ = node
+    with pytest.raises(RuntimeError, match=r"chunk size 64 is not a multiple of every KV cache "
+                                           r"group's block size: group 0 \(full\) 16, group 1 "
+                                           r"\(sliding\) 48"):
+        hybrid(server.url, 1, groups=[{"kind": "full"},
+                                      {"kind": "sliding", "window_tokens": 40, "block_size": 48}])
+    # the server refuses it too, whatever the client checked
+    caches, segment = allocate_shared_kv_caches(1, [2, 8, 48, 4, 16], torch.float16)
+    try:
+        wrapped = wrap_kv_caches(caches)
+        request = m.RegisterKVCacheRequest(
+            instance_id=77, model_name=MODEL, world_size=1, kv_rank=0, block_size=48,
+            layout=wrapped.layout, layers=wrapped.layers, pid=os.getpid(),
+            group=m.KVGroup(index=1, count=2, kind="sliding", block_size=48, window_tokens=40))
+        with MessageQueueClient(server.url, connect_timeout_s=2) as client, pytest.raises(
+                IncompatibleError, match=r"chunk size 64 is not a multiple of KV cache group 1's "
+                                         r"\(sliding\) block size 48"):
+            client.request(request)
+    finally:
+        release_shared_kv_caches(segment)
+
+
+# ---------------------------------------------------------------- disk
+
+
+@pytest.fixture(scope="module")
+def disk_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    tmp = tmp_path_factory.mktemp("hybrid_disk")
+    config = {**POOL, "disk": {"path": str(tmp / "disk"), "max_size": "64MiB",
+                               "write_through": True}}
+    yield from start_node(tmp, config, "disk")
+
+
+def store_on_disk_only(server: ServerProcess, workers: list[WorkerProcess], toks: list[int],
+                       seed: int) -> m.ServerStats:
+    """Store at TP=2, wait for the disk to hold every piece, clear memory; the stats before."""
+    before = stats(server.url)
+    store(workers, toks, seed)
+    wait_until(lambda: stats(server.url).disk.written_chunks
+               == before.disk.written_chunks + stored_pieces(N))
+    clear(server.url)
+    return before
+
+
+def test_through_the_disk_tier_only_the_windows_pieces_load(disk_node):
+    server, made = disk_node
+    seed = 4
+    toks = tokens(N, seed)
+    before = store_on_disk_only(server, made[2], toks, seed)
+    assert lookup(server.url, 1, "disk1", toks, MODEL) == N * CHUNK
+    after = stats(server.url)
+    assert after.disk.loaded_chunks - before.disk.loaded_chunks == needed_pieces(N)
+    load_and_check(made[1], "disk1", toks, seed)
+
+
+def test_window_pieces_removed_from_disk_make_a_miss_at_that_chunk(disk_node):
+    server, made = disk_node
+    seed = 5
+    toks = tokens(N, seed)
+    store_on_disk_only(server, made[2], toks, seed)
+    last = chain_hashes(toks, CHUNK)[-1]
+    disk = server.config_path.parent / "disk"
+    removed = 0
+    for path in iter_files(disk):  # the short window's pieces of the last chunk (both ranks)
+        key, _ = read_meta(disk, path.name, path.stat().st_size)
+        if key.chunk_hash == last and key.layout.endswith("+g1of3s48"):
+            path.unlink()
+            removed += 1
+    assert removed == 2
+    # The disk's index still named the removed files: this lookup finds them gone (a miss); the
+    # next one sees chunk 2's full and long-window pieces but not the short window's: N = 2,
+    # whose windows (chunk 1's, chunks 0-1's) are there
+    assert lookup(server.url, 1, "disk-gone0", toks, MODEL) == 0
+    assert lookup(server.url, 1, "disk-gone", toks, MODEL) == 2 * CHUNK
+    load_and_check(made[1], "disk-gone", toks[:2 * CHUNK], seed, n=2)
+
+
+# ---------------------------------------------------------------- Redis shared by two servers
+
+
+@pytest.mark.redis
+def test_through_redis_another_server_loads_the_hybrid_chunks_at_tp1(tmp_path):
+    redis_server = RedisServer(redis_binary(), tmp_path).start()
+    remote = {"url": redis_server.url, "timeout_ms": 500, "retry_interval_s": 0.2}
+    server_a = ServerProcess(tmp_path, {**POOL, "remote": remote}, name="a")
+    server_b = ServerProcess(tmp_path, {**POOL, "remote": remote}, name="b")
+    made: list[WorkerProcess] = []
+    try:
+        in_parallel(server_a.start, server_b.start)
+        on_a = engine(server_a.url, 2)
+        on_b = engine(server_b.url, 1)
+        made = on_a + on_b
+        seed = 6
+        toks = tokens(N, seed)
+        store(on_a, toks, seed)
+        wait_until(lambda: stats(server_a.url).remote.written_chunks >= stored_pieces(N))
+        assert lookup(server_b.url, 1, "redis1", toks, MODEL) == N * CHUNK
+        assert stats(server_b.url).remote.loaded_chunks == needed_pieces(N)
+        load_and_check(on_b, "redis1", toks, seed)
+        assert stats(server_b.url).remote.corrupt == 0
+    finally:
+        for worker in made:
+            worker.kill()
+        server_a.kill()
+        server_b.kill()
+        redis_server.stop()

@@ -1,0 +1,67 @@
+"""What each KV-cache group of a hybrid model moves per chunk (the worker adapter's side)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmcache_core.errors import IncompatibleError
+from lmcache_core.integration.vllm.adapter_groups import (
+    KVCacheGroupSpec,
+    group_caches,
+    group_pieces,
+    piece_blocks,
+)
+from lmcache_core.keys import group_piece
+
+FULL = group_piece(64, 16, "full")                      # 4 blocks a chunk, all of them
+SHORT = group_piece(64, 16, "sliding", 40)              # the last 3; resuming needs 1 chunk
+LONG = group_piece(64, 16, "sliding", 100)              # all 4; resuming needs 2 chunks
+TABLE = list(range(1, 13))                               # 3 chunks of vLLM blocks
+
+
+def test_a_store_takes_each_chunks_piece_blocks():
+    assert piece_blocks(TABLE, 3, FULL, retrieve=False) == ([0, 1, 2], TABLE)
+    assert piece_blocks(TABLE, 3, SHORT, retrieve=False) == (
+        [0, 1, 2], [2, 3, 4, 6, 7, 8, 10, 11, 12])
+    assert piece_blocks(TABLE, 2, LONG, retrieve=False) == ([0, 1], TABLE[:8])
+
+
+def test_a_store_leaves_out_a_groups_chunk_that_names_the_null_block():
+    freed = [0, 0, 0, 0, 0, 0, 7, 8, 9, 10, 11, 12]  # out of the window: vLLM freed them
+    assert piece_blocks(freed, 3, SHORT, retrieve=False) == ([2], [10, 11, 12])
+    freed_head = [0, 2, 3, 4, 0, 6, 7, 8, 0, 10, 11, 12]  # only blocks before each piece
+    assert piece_blocks(freed_head, 3, SHORT, retrieve=False)[0] == [0, 1, 2]
+
+
+def test_a_retrieve_of_a_sliding_group_takes_only_the_windows_last_chunks():
+    assert piece_blocks(TABLE, 3, FULL, retrieve=True) == ([0, 1, 2], TABLE)
+    assert piece_blocks(TABLE, 3, SHORT, retrieve=True) == ([2], [10, 11, 12])
+    assert piece_blocks(TABLE, 3, LONG, retrieve=True) == ([1, 2], TABLE[4:])
+    assert piece_blocks(TABLE, 1, LONG, retrieve=True) == ([0], TABLE[:4])
+    # a retrieve keeps null ids (the adapter then fails the request: nothing lands in block 0)
+    assert piece_blocks([0] * 12, 3, SHORT, retrieve=True) == ([2], [0, 0, 0])
+
+
+def test_every_groups_block_size_must_divide_the_chunk_size():
+    specs = [KVCacheGroupSpec(["a"], "full", 16), KVCacheGroupSpec(["b"], "sliding", 48, 40)]
+    with pytest.raises(IncompatibleError, match=r"chunk size 64 is not a multiple of every KV "
+                                                r"cache group's block size: group 0 \(full\) 16, "
+                                                r"group 1 \(sliding\) 48"):
+        group_pieces(64, specs)
+    assert group_pieces(96, specs) == [group_piece(96, 16, "full"),
+                                       group_piece(96, 48, "sliding", 40)]
+
+
+def test_group_caches_pick_each_groups_layers_and_refuse_what_cannot_be_stored():
+    layer = torch.zeros(2, 4, 16, 1, 8)
+    caches = {"l0": layer, "l1": layer, "l2": layer}
+    full = KVCacheGroupSpec(["l2", "l0"], "full", 16)
+    assert [list(g) for g in group_caches(caches, [full])] == [["l2", "l0"]]
+    with pytest.raises(IncompatibleError, match="names layers not given"):
+        group_caches(caches, [KVCacheGroupSpec(["l9"], "full", 16)])
+    with pytest.raises(IncompatibleError, match="Mamba state"):
+        group_caches(caches, [full, KVCacheGroupSpec(["l1"], "mamba", 16)])
+    with pytest.raises(IncompatibleError, match="list of tensors"):
+        group_caches({**caches, "m": [layer, layer]},
+                     [KVCacheGroupSpec(["m"], "sliding", 16, 40)])
