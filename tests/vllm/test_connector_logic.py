@@ -224,16 +224,101 @@ def test_salted_lora_and_multimodal_requests(conn: Any) -> None:
     assert conn.get_num_new_matched_tokens(_request("w", TOKENS[:200]), 0) == (0, False)
 
 
-def test_hybrid_and_sliding_window_models_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def _spec(name: str, **fields: Any) -> Any:
+    return SimpleNamespace(kv_cache_spec=type(name, (), {"block_size": BLOCK, **fields})(),
+                           layer_names=[])
+
+
+GEMMA3 = [_spec("SlidingWindowSpec", sliding_window=128), _spec("SlidingWindowSpec",
+                                                                sliding_window=128),
+          _spec("FullAttentionSpec")]  # vLLM's 3 groups for tiny_gemma3 (hma_facts)
+
+
+@pytest.fixture
+def hybrid(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setattr(lc, "LMCacheMPSchedulerAdapter", FakeSchedulerAdapter)
-    full = SimpleNamespace(kv_cache_spec=type("FullAttentionSpec", (), {})())
-    window = SimpleNamespace(kv_cache_spec=type("SlidingWindowSpec", (), {})())
-    vllm_config, kv_cache_config = _config([full, window])
-    with pytest.raises(ValueError, match="single-group"):
-        lc.LMCacheConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
-    vllm_config, kv_cache_config = _config([window])
-    with pytest.raises(ValueError, match="not SlidingWindowSpec"):
-        lc.LMCacheConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    vllm_config, kv_cache_config = _config(GEMMA3)
+    return lc.LMCacheConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+
+
+def _group_blocks(*groups: list[int]) -> Any:
+    return SimpleNamespace(get_block_ids=lambda: tuple(list(g) for g in groups))
+
+
+def test_hybrid_load_and_store_carry_each_groups_blocks(hybrid: Any) -> None:
+    sched: FakeSchedulerAdapter = hybrid._scheduler
+    req = _request("r", TOKENS)
+    sched.answers["r"] = 2 * CHUNK
+    assert hybrid.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, True)
+    # what vLLM 0.32 allocates for 512 external tokens (hma_facts.md): the sliding groups get the
+    # null block before their window
+    first = ([0, 0, 0, 30], [0, 0, 0, 2], [11, 5, 6, 9])
+    hybrid.update_state_after_alloc(req, _group_blocks(*first), 2 * CHUNK)
+    meta = hybrid.build_connector_meta(_output())
+    (load,) = meta.loads
+    assert load.block_ids == [] and load.group_block_ids == [list(g) for g in first]
+    assert not load.fail and load.invalid_block_ids == []
+    # after the load vLLM calls again with every block (the first call's and the new tail)
+    full = ([0, 0, 0, 30, 10, 14, 8, 16], [0, 0, 0, 2, 24, 31, 32, 33],
+            [11, 5, 6, 9, 34, 35, 36, 37])
+    hybrid.update_state_after_alloc(req, _group_blocks(*full), 0)
+    out = _output(scheduled={"r": 488})
+    out.scheduled_new_reqs = [SimpleNamespace(req_id="r", block_ids=full, num_computed_tokens=512)]
+    meta = hybrid.build_connector_meta(out)
+    (store,) = meta.stores
+    assert store.chunk_hashes == chain_hashes(TOKENS, CHUNK)[2:3]  # chunk 2 only
+    assert store.group_block_ids == [[10, 14], [24, 31], [34, 35]] and store.block_ids == []
+    assert meta.window_stores  # the worker waits for it before the next forward pass
+    assert hybrid.request_finished_all_groups(req, full) == (True, None)
+    assert sched.ended == ["r"]
+
+
+def test_hybrid_decode_blocks_extend_every_group(hybrid: Any) -> None:
+    req = _request("r", TOKENS[:500])
+    hybrid._scheduler.answers["r"] = 0
+    hybrid.get_num_new_matched_tokens(req, 0)
+    groups = ([1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12])
+    hybrid.update_state_after_alloc(req, _group_blocks(*groups), 0)
+    out = _output(scheduled={"r": 500})
+    out.scheduled_new_reqs = [SimpleNamespace(req_id="r", block_ids=groups, num_computed_tokens=0)]
+    (store,) = hybrid.build_connector_meta(out).stores
+    assert store.group_block_ids == [[1, 2], [5, 6], [9, 10]]
+    req.all_token_ids = TOKENS[:800]
+    out = _output(scheduled={"r": 300})
+    out.scheduled_cached_reqs = SimpleNamespace(
+        req_ids=["r"], resumed_req_ids=set(), num_computed_tokens=[500],
+        new_block_ids=[([13, 14], [15, 16], [17, 18])])
+    (store,) = hybrid.build_connector_meta(out).stores
+    # chunks 1 and 2 (800 tokens computed): each group's old tail and the blocks just added
+    assert store.group_block_ids == [[3, 4, 13, 14], [7, 8, 15, 16], [11, 12, 17, 18]]
+    assert hybrid._trackers["r"].block_ids[2] == [9, 10, 11, 12, 17, 18]
+
+
+def test_hybrid_trimmed_load_is_failed_per_request(hybrid: Any) -> None:
+    """A hybrid model cannot report block-level load errors (vLLM raises RuntimeError): a load
+    that vLLM trimmed to a partial chunk is reported failed as a whole."""
+    req = _request("r", TOKENS)
+    hybrid._scheduler.answers["r"] = 3 * CHUNK
+    assert hybrid.get_num_new_matched_tokens(req, 0) == (768, True)
+    ids = list(range(1, 7))
+    hybrid.update_state_after_alloc(req, _group_blocks(ids, ids, ids), 640)
+    (load,) = hybrid.build_connector_meta(_output()).loads
+    assert load.fail and load.invalid_block_ids == []
+
+
+def test_hits_are_attributed_to_host_memory(hybrid: Any) -> None:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    assert hybrid.get_external_cache_hit_sources(_request("r", TOKENS), 512) == {
+        CacheHitSource.HOST: 512}
+
+
+def test_mamba_and_chunked_local_models_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lc, "LMCacheMPSchedulerAdapter", FakeSchedulerAdapter)
+    for name, why in (("MambaSpec", "Mamba"), ("ChunkedLocalAttentionSpec", "chunked-local")):
+        vllm_config, kv_cache_config = _config([_spec("FullAttentionSpec"), _spec(name)])
+        with pytest.raises(ValueError, match=f"group 1 \\({name}\\): .*{why}"):
+            lc.LMCacheConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
 
 
 def test_metadata_is_picklable() -> None:

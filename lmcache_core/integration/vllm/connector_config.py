@@ -1,19 +1,22 @@
 """What the connector reads from its settings and from vLLM's config, and the setups it refuses.
 
-The lmcache client config from ``kv_connector_extra_config``; single-group full-attention or MLA
-models only; the attention backend of the model's layers; no GPU KV cache that vLLM's sleep mode
+The lmcache client config from ``kv_connector_extra_config``; the model's KV cache groups (full
+attention, MLA, sliding window; Mamba state and chunked-local attention are refused with a message
+that says so); the attention backend of the model's layers; no GPU KV cache that vLLM's sleep mode
 allocates. Part of :mod:`.lmcache_connector`.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lmcache_core.config import LMCacheConfig, load_config
 from lmcache_core.errors import IncompatibleError
+from lmcache_core.keys import GroupKind
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -21,7 +24,27 @@ if TYPE_CHECKING:
 
 # The connector's one logger, named as before the split, so logging configured for it still applies.
 logger = logging.getLogger("lmcache_core.integration.vllm.lmcache_connector")
-SUPPORTED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+#: vLLM KV cache specs the connector stores, by the kind of group they make.
+SPEC_KINDS: dict[str, GroupKind] = {"FullAttentionSpec": "full", "MLAAttentionSpec": "full",
+                                    "SlidingWindowSpec": "sliding"}
+SUPPORTED_SPECS = tuple(SPEC_KINDS)
+_NOT_YET = {
+    "MambaSpec": "Mamba / linear-attention state is not stored by the lmcache server yet",
+    "ChunkedLocalAttentionSpec": "chunked-local attention (Llama 4) is not supported yet",
+}
+
+
+@dataclass(frozen=True)
+class KVGroupInfo:
+    """One of vLLM's ``kv_cache_config.kv_cache_groups``, as the connector uses it."""
+
+    index: int
+    kind: GroupKind
+    block_size: int
+    """Tokens per scheduler block of this group (``kv_cache_spec.block_size``)."""
+    window_tokens: int
+    """``SlidingWindowSpec.sliding_window`` for a sliding group, else 0."""
+    layer_names: tuple[str, ...]
 
 
 def _client_config(extra: dict[str, Any]) -> LMCacheConfig:
@@ -63,23 +86,29 @@ def _refuse_unexportable(vllm_config: VllmConfig, kv_caches: dict[str, torch.Ten
         raise IncompatibleError(unexportable_message("vLLM runs with enable_sleep_mode=True"))
 
 
-def _check_single_group(kv_cache_config: KVCacheConfig | None) -> None:
-    """ValueError unless the model has one KV cache group, of full attention or MLA layers."""
-    if kv_cache_config is None:
-        return
-    groups = list(kv_cache_config.kv_cache_groups)
-    if len(groups) > 1:
-        raise ValueError(
-            f"LMCacheConnector supports single-group (non-hybrid) models only; this model has "
-            f"{len(groups)} KV cache groups "
-            f"({', '.join(type(g.kv_cache_spec).__name__ for g in groups)}). Start vLLM with "
-            "--disable-hybrid-kv-cache-manager or use a model whose layers all use full "
-            "attention.")
-    if groups:
-        spec = groups[0].kv_cache_spec
-        inner = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
-        names = {type(s).__name__ for s in (inner.values() if inner else [spec])}
-        if not names <= set(SUPPORTED_SPECS):
+def kv_groups(kv_cache_config: KVCacheConfig | None, block_size: int) -> list[KVGroupInfo]:
+    """The model's KV cache groups (one full group of ``block_size`` when vLLM gave no config);
+    ValueError naming the spec for one the connector cannot store."""
+    if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
+        return [KVGroupInfo(0, "full", block_size, 0, ())]
+    return [_group_info(i, g, block_size)
+            for i, g in enumerate(kv_cache_config.kv_cache_groups)]
+
+
+def _group_info(index: int, group: Any, block_size: int) -> KVGroupInfo:
+    spec = group.kv_cache_spec
+    inner = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs: one kind inside
+    names = {type(s).__name__ for s in (inner.values() if inner else [spec])}
+    for name in sorted(names):
+        if name not in SPEC_KINDS:
+            why = _NOT_YET.get(name, "not a KV cache spec the connector knows")
             raise ValueError(
-                f"LMCacheConnector supports full attention and MLA layers only, not "
-                f"{', '.join(sorted(names - set(SUPPORTED_SPECS)))}")
+                f"LMCacheConnector cannot cache KV cache group {index} ({name}): {why}. "
+                f"Supported: {', '.join(SUPPORTED_SPECS)}.")
+    kinds = {SPEC_KINDS[n] for n in names}
+    if len(kinds) != 1:
+        raise ValueError(f"KV cache group {index} mixes {', '.join(sorted(names))}")
+    (kind,) = kinds
+    window = int(getattr(spec, "sliding_window", 0) or 0) if kind == "sliding" else 0
+    return KVGroupInfo(index, kind, int(getattr(spec, "block_size", 0) or block_size), window,
+                       tuple(getattr(group, "layer_names", ()) or ()))

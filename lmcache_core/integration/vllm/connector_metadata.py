@@ -17,8 +17,15 @@ class TransferSpec:
     request_id: str
     chunk_hashes: list[bytes]
     block_ids: list[int]
+    """A single-group model's block ids of the chunks (empty with ``group_block_ids``)."""
     invalid_block_ids: list[int] = field(default_factory=list)
-    """Blocks vLLM counts as loaded that this load cannot fill (reported as load errors)."""
+    """Blocks vLLM counts as loaded that this load cannot fill (reported as load errors;
+    single-group models only)."""
+    group_block_ids: list[list[int]] | None = None
+    """A hybrid model's block ids of the chunks, one list per KV cache group (``C / B_g`` ids per
+    chunk, null ids included: the adapter takes each group's piece blocks of them)."""
+    fail: bool = False
+    """A hybrid load that cannot be done as vLLM counts it: reported failed (vLLM recomputes)."""
     ttl_s: float | None = None
     pin: bool = False
     priority: int = 0
@@ -35,6 +42,9 @@ class LMCacheConnectorMetadata(KVConnectorMetadata):
         self.loads: list[TransferSpec] = []
         self.stores: list[TransferSpec] = []
         self.preempted: set[str] = set()
+        self.window_stores: bool = False
+        """Some store reads sliding-window blocks, which vLLM may free and reuse from the next
+        step on: the worker waits for those stores before that step's forward pass."""
 
     def __repr__(self) -> str:
         loads = [(s.request_id, len(s.chunk_hashes)) for s in self.loads]

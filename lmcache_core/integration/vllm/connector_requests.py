@@ -23,11 +23,14 @@ class _Tracker:
     prefix: bytes
     cacheable: bool
     hashes: list[bytes] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)
+    """vLLM's block ids of the request, one list per KV cache group (null id 0 where vLLM freed a
+    sliding window's block or never allocated it)."""
     looked_up: bool = False
     hit_chunks: int = 0
     load: tuple[int, int] | None = None  # chunk range to load
     load_invalid: list[int] = field(default_factory=list)
+    load_fails: bool = False  # a hybrid load vLLM trimmed to a partial chunk: report it failed
     state: str = "lookup"  # lookup -> (load ->) ready
     stored_chunks: int = 0  # leading chunks present on the server or being stored
     ran: bool = False  # scheduled to run since its lookup (so a later re-ask is a preemption)

@@ -2,8 +2,10 @@
 
 ``get_num_new_matched_tokens`` looks a request's complete chunks up once, without blocking;
 ``update_state_after_alloc`` settles what to load; ``build_connector_meta`` sends the step's loads
-and the stores of every chunk it completes; ``request_finished`` ends the request's session on the
-server. :class:`.lmcache_connector.LMCacheConnector` joins this half and the worker-side one
+and the stores of every chunk it completes; ``request_finished_all_groups`` ends the request's
+session on the server. Block ids are kept per KV cache group (one list per group, as vLLM's hybrid
+KV cache manager gives them); a single-group model is the case of one group.
+:class:`.lmcache_connector.LMCacheConnector` joins this half and the worker-side one
 (:mod:`.connector_worker`); its ``__init__`` sets the state both use.
 """
 
@@ -15,8 +17,10 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
+    SupportsHMA,
 )
 
+from lmcache_core.integration.vllm.connector_config import KVGroupInfo
 from lmcache_core.integration.vllm.connector_hints import request_hints
 from lmcache_core.integration.vllm.connector_metadata import (
     LMCacheConnectorMetadata,
@@ -39,13 +43,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger("lmcache_core.integration.vllm.lmcache_connector")
 
 
-class ConnectorSchedulerSide(KVConnectorBase_V1):
+class ConnectorSchedulerSide(KVConnectorBase_V1, SupportsHMA):
     """``LMCacheConnector``'s methods that vLLM calls in its scheduler process."""
 
     _scheduler: LMCacheMPSchedulerAdapter | None
     _chunk_size: int
     _bpc: int  # vLLM blocks per chunk
     _block_size: int
+    _groups: list[KVGroupInfo]
+    _group_bpc: list[int]  # each group's vLLM blocks per chunk
     _trackers: dict[str, _Tracker]
     _with_stores: set[str]
     _orphan_loads: list[str]
@@ -111,20 +117,25 @@ class ConnectorSchedulerSide(KVConnectorBase_V1):
                                  num_external_tokens: int) -> None:
         assert self._scheduler is not None
         tracker = self._tracker(request)
-        groups = blocks.get_block_ids()
-        tracker.block_ids = list(groups[0]) if groups else []
+        # All of the request's blocks, per group, each time (a second call, after an async load,
+        # has the first call's blocks and the new tail): replaced, never appended.
+        tracker.block_ids = [list(ids) for ids in blocks.get_block_ids()]
         if tracker.state != "lookup":
-            return  # second call, after the load: only the block list grew
+            return  # second call, after the load: only the block lists grew
         if num_external_tokens > 0 and tracker.load is not None:
             size = self._chunk_size
             start = tracker.load[0]
             end = min(tracker.load[1], start + num_external_tokens // size)
             tracker.load = (start, end)
             # vLLM counts [start, start + num_external) as loaded; a tail that is not a whole
-            # chunk cannot be loaded: report its blocks as load errors so vLLM recomputes them.
+            # chunk cannot be loaded: report its blocks as load errors so vLLM recomputes them;
+            # a hybrid model cannot (block ids are per group): the request is reported failed.
             first_bad = end * size // self._block_size
             last = -(-(start * size + num_external_tokens) // self._block_size)
-            tracker.load_invalid = tracker.block_ids[first_bad:last]
+            if len(self._groups) == 1:
+                tracker.load_invalid = tracker.block_ids[0][first_bad:last]
+            else:
+                tracker.load_fails = first_bad < last
             tracker.state = "load"
         else:
             tracker.state = "ready"
@@ -136,14 +147,12 @@ class ConnectorSchedulerSide(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = LMCacheConnectorMetadata()
         meta.preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
-        bpc = self._bpc
         for tracker in self._trackers.values():
             if tracker.state != "load" or tracker.load is None:
                 continue
             start, end = tracker.load
-            meta.loads.append(TransferSpec(
-                tracker.request.request_id, tracker.hashes[start:end],
-                tracker.block_ids[start * bpc:end * bpc], tracker.load_invalid))
+            meta.loads.append(self._spec(tracker, start, end, invalid_block_ids=tracker.load_invalid,
+                                         fail=tracker.load_fails))
             tracker.state = "ready"
         for request_id in self._orphan_loads:  # finished before its load went out: release it
             meta.loads.append(TransferSpec(request_id, [], []))
@@ -156,7 +165,7 @@ class ConnectorSchedulerSide(KVConnectorBase_V1):
                 continue
             tracker = found
             tracker.ran = True
-            tracker.block_ids = list(new.block_ids[0]) if new.block_ids else []
+            tracker.block_ids = [list(ids) for ids in new.block_ids or ()]
             self._maybe_store(tracker, new.num_computed_tokens + num_scheduled.get(new.req_id, 0),
                               meta)
         cached = scheduler_output.scheduled_cached_reqs
@@ -168,10 +177,11 @@ class ConnectorSchedulerSide(KVConnectorBase_V1):
             tracker.ran = True
             new_ids = cached.new_block_ids[i]
             if new_ids:
-                if request_id in cached.resumed_req_ids:
-                    tracker.block_ids = list(new_ids[0])
+                if request_id in cached.resumed_req_ids or not tracker.block_ids:
+                    tracker.block_ids = [list(ids) for ids in new_ids]
                 else:
-                    tracker.block_ids.extend(new_ids[0])
+                    for group_ids, added in zip(tracker.block_ids, new_ids, strict=True):
+                        group_ids.extend(added)
             self._maybe_store(
                 tracker, cached.num_computed_tokens[i] + num_scheduled.get(request_id, 0), meta)
         return meta
@@ -182,25 +192,45 @@ class ConnectorSchedulerSide(KVConnectorBase_V1):
         hints = tracker.hints
         if hints.skip_store:
             return
-        size, bpc = self._chunk_size, self._bpc
+        size = self._chunk_size
         complete = min(computed, len(tracker.request.all_token_ids)) // size
-        complete = min(complete, len(tracker.block_ids) // bpc)
+        for group_ids, bpc in zip(tracker.block_ids, self._group_bpc, strict=True):
+            complete = min(complete, len(group_ids) // bpc)
         start = tracker.stored_chunks
         if complete <= start:
             return
-        hashes = tracker.ensure_hashes(complete, size)
-        request_id = tracker.request.request_id
-        meta.stores.append(TransferSpec(request_id, hashes[start:complete],
-                                        tracker.block_ids[start * bpc:complete * bpc],
-                                        ttl_s=hints.ttl_s, pin=hints.pin,
-                                        priority=hints.priority,
-                                        cache_salt=getattr(tracker.request, "cache_salt", None)))
+        tracker.ensure_hashes(complete, size)
+        meta.stores.append(self._spec(
+            tracker, start, complete, ttl_s=hints.ttl_s, pin=hints.pin, priority=hints.priority,
+            cache_salt=getattr(tracker.request, "cache_salt", None)))
+        # Stored in the step that computes them: a sliding window's blocks may be freed from the
+        # next step on (the adapter skips a group's chunk whose blocks are already null).
+        meta.window_stores |= any(g.kind == "sliding" for g in self._groups)
         tracker.stored_chunks = complete
-        self._with_stores.add(request_id)
+        self._with_stores.add(tracker.request.request_id)
+
+    def _spec(self, tracker: _Tracker, start: int, end: int, **fields: Any) -> TransferSpec:
+        """Chunks [start, end) of the request: their hashes and each group's blocks of them."""
+        hashes = tracker.hashes[start:end]
+        request_id = tracker.request.request_id
+        if len(self._groups) == 1:
+            bpc = self._group_bpc[0]
+            return TransferSpec(request_id, hashes, tracker.block_ids[0][start * bpc:end * bpc],
+                                **fields)
+        per_group = [ids[start * bpc:end * bpc]
+                     for ids, bpc in zip(tracker.block_ids, self._group_bpc, strict=True)]
+        return TransferSpec(request_id, hashes, [], group_block_ids=per_group, **fields)
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's call for connectors with ``SupportsHMA`` (every model, one group or many; vLLM
+        then never calls ``request_finished``)."""
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Keep the blocks while stores sent for this request may still read them."""
+        """Keep the blocks (of every group) while stores sent for this request may still read
+        them."""
         request_id = request.request_id
         tracker = self._trackers.pop(request_id, None)
         if tracker is not None and tracker.state == "load":

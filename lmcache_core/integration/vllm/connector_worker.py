@@ -1,11 +1,12 @@
 """The worker-side half of ``LMCacheConnector``: KV cache registration, loads, stores, completions.
 
 ``register_kv_caches`` shares vLLM's KV caches with the server (in the canonical layout of
-:mod:`.kv_views`); ``start_load_kv`` / ``wait_for_save`` submit the step's retrieves / stores with
-a CUDA IPC event (none on CPU) and never wait; ``get_finished`` and
-``get_block_ids_with_load_errors`` report them to vLLM. :class:`.lmcache_connector.LMCacheConnector`
-joins this half and the scheduler-side one (:mod:`.connector_scheduler`); its ``__init__`` sets
-the state both use.
+:mod:`.kv_views`; a hybrid model's groups each as its own registration); ``start_load_kv`` /
+``wait_for_save`` submit the step's retrieves / stores with a CUDA IPC event (none on CPU) and never
+wait; ``get_transfer_results`` and ``get_block_ids_with_load_errors`` report them to vLLM (a hybrid
+model's failed loads per request, in ``failed_recving``: its block ids are per group).
+:class:`.lmcache_connector.LMCacheConnector` joins this half and the scheduler-side one
+(:mod:`.connector_scheduler`); its ``__init__`` sets the state both use.
 """
 
 from __future__ import annotations
@@ -20,11 +21,16 @@ import zmq
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
+    KVConnectorTransferResults,
 )
 
 from lmcache_core.config import LMCacheConfig
 from lmcache_core.errors import IncompatibleError, LMCacheError
-from lmcache_core.integration.vllm.connector_config import _backend_name, _refuse_unexportable
+from lmcache_core.integration.vllm.connector_config import (
+    KVGroupInfo,
+    _backend_name,
+    _refuse_unexportable,
+)
 from lmcache_core.integration.vllm.connector_metadata import (
     LMCacheConnectorMetadata,
     TransferSpec,
@@ -33,6 +39,7 @@ from lmcache_core.integration.vllm.connector_metadata import (
 from lmcache_core.integration.vllm.connector_shm import _SharedKVAllocation
 from lmcache_core.integration.vllm.kv_views import KVViews, canonical_kv_views, expand_block_ids
 from lmcache_core.integration.vllm.vllm_multi_process_adapter import (
+    KVCacheGroupSpec,
     LMCacheMPWorkerAdapter,
     LoadStoreOp,
 )
@@ -62,6 +69,10 @@ class ConnectorWorkerSide(KVConnectorBase_V1):
     _chunk_size: int
     _bpc: int  # vLLM blocks per chunk
     _views: KVViews | None
+    _group_views: list[KVViews]  # a hybrid model's views, one per KV cache group
+    _groups: list[KVGroupInfo]
+    _failed_loads: set[str]  # hybrid: requests whose load failed, not yet reported
+    _window_stores: list[str]  # requests whose stores read sliding-window blocks this step
     _mem_pool: _SharedKVAllocation | None
     _kv_device: torch.device | None
     _events: InflightEvents
@@ -87,23 +98,46 @@ class ConnectorWorkerSide(KVConnectorBase_V1):
         _refuse_unexportable(self._vllm_config, kv_caches)
 
         backend = _backend_name(self._vllm_config, get_layers_from_vllm_config, Attention)
+        if len(self._groups) == 1:
+            self._views = self._canonical_views(kv_caches, backend, 0)
+            self._group_views = [self._views]
+        else:
+            # One registration per group: layers of different groups may share one tensor (vLLM
+            # overlays the groups; a block id belongs to one group at a time).
+            self._group_views = [
+                self._canonical_views({n: kv_caches[n] for n in g.layer_names}, backend, g.index)
+                for g in self._groups]
+            self._views = self._group_views[0]
+        first = next(iter(kv_caches.values()))
+        self._kv_device = first.device
+        logger.info("lmcache: %d KV layers in %d group(s), %s: %s -> %s layout, %s-token blocks",
+                    len(kv_caches), len(self._groups), backend,
+                    f"shape {list(first.shape)} stride {list(first.stride())}",
+                    self._views.layout, "/".join(str(v.block_size) for v in self._group_views))
+        self._register()
+
+    def _canonical_views(self, kv_caches: dict[str, torch.Tensor], backend: str | None,
+                         group: int) -> KVViews:
+        """``kv_caches`` (one group's layers) as views in a layout the kv layer knows."""
         model = self._vllm_config.model_config
         parallel = self._vllm_config.parallel_config
         spec = None
         if self._kv_cache_config is not None and self._kv_cache_config.kv_cache_groups:
-            spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
+            spec = self._kv_cache_config.kv_cache_groups[group].kv_cache_spec
         heads = int(getattr(spec, "num_kv_heads", 0) or model.get_num_kv_heads(parallel))
         head_size = int(getattr(spec, "head_size", 0) or model.get_head_size())
-        self._views = canonical_kv_views(
+        return canonical_kv_views(
             kv_caches, backend=backend, num_kv_heads=heads, head_size=head_size,
-            vllm_block_size=self._block_size, use_mla=self._use_mla,
+            vllm_block_size=self._groups[group].block_size, use_mla=self._use_mla,
             head_size_v=getattr(spec, "head_size_v", None))
-        first = next(iter(kv_caches.values()))
-        self._kv_device = first.device
-        logger.info("lmcache: %d KV layers, %s: %s -> %s layout, %d-token blocks", len(kv_caches),
-                    backend, f"shape {list(first.shape)} stride {list(first.stride())}",
-                    self._views.layout, self._views.block_size)
-        self._register()
+
+    def _group_specs(self) -> list[KVCacheGroupSpec] | None:
+        """The adapter's description of a hybrid model's groups (None for one group)."""
+        if len(self._groups) == 1:
+            return None
+        return [KVCacheGroupSpec(layer_names=list(views.views), kind=g.kind,
+                                 block_size=views.block_size, window_tokens=g.window_tokens)
+                for g, views in zip(self._groups, self._group_views, strict=True)]
 
     def _register(self) -> None:
         assert self._views is not None
@@ -116,7 +150,8 @@ class ConnectorWorkerSide(KVConnectorBase_V1):
             # On CPU the shared-memory name stays linked while this process lives, so the adapter
             # can register it again with a restarted server; it is unlinked at exit, or by the
             # server if this process is killed.
-            self._worker.register_kv_caches(self._views.views)
+            views = {name: t for v in self._group_views for name, t in v.views.items()}
+            self._worker.register_kv_caches(views, groups=self._group_specs())
         except BaseException as exc:
             self._worker.shutdown()
             self._worker = None
@@ -173,8 +208,15 @@ class ConnectorWorkerSide(KVConnectorBase_V1):
         ratio = self._views.blocks_per_vllm_block
         return [LoadStoreOp(per_block_hashes(spec.chunk_hashes, self._bpc),
                             expand_block_ids(spec.block_ids, ratio), ttl_s=spec.ttl_s,
-                            pin=spec.pin, priority=spec.priority, cache_salt=spec.cache_salt)
+                            pin=spec.pin, priority=spec.priority, cache_salt=spec.cache_salt,
+                            group_block_ids=self._kernel_group_ids(spec.group_block_ids))
                 for spec in specs]
+
+    def _kernel_group_ids(self, group_ids: list[list[int]] | None) -> list[list[int]] | None:
+        if group_ids is None:
+            return None
+        return [expand_block_ids(ids, views.blocks_per_vllm_block)
+                for ids, views in zip(group_ids, self._group_views, strict=True)]
 
     def _submit(self, ids: list[str], specs: list[TransferSpec], retrieve: bool) -> None:
         """Submit this step's retrieves (or stores) ``specs`` in one batch, with an event recorded
@@ -199,14 +241,26 @@ class ConnectorWorkerSide(KVConnectorBase_V1):
             return
         for spec in meta.loads:
             self._local_load_errors.update(spec.invalid_block_ids)
-        ids = [spec.request_id for spec in meta.loads]
+        failing = [spec for spec in meta.loads if spec.fail]  # hybrid loads vLLM trimmed
+        self._fail_loads(failing)
+        loads = [spec for spec in meta.loads if not spec.fail]
+        ids = [spec.request_id for spec in loads]
+        if not loads:
+            return
         try:
-            self._submit(ids, meta.loads, retrieve=True)
+            self._submit(ids, loads, retrieve=True)
         except Exception as exc:  # the blocks stay unfilled: vLLM recomputes them
             logger.warning("lmcache: submitting loads for %s failed, recomputing: %s", ids, exc)
-            for spec in meta.loads:
-                self._local_load_errors.update(spec.block_ids)
-            self._loads_failed_to_submit.update(ids)
+            self._fail_loads(loads)
+
+    def _fail_loads(self, specs: list[TransferSpec]) -> None:
+        """Loads that were not sent: reported finished, and failed (vLLM recomputes them): by
+        their blocks for one group, by request for a hybrid model."""
+        for spec in specs:
+            self._local_load_errors.update(spec.block_ids)
+            self._loads_failed_to_submit.add(spec.request_id)
+            if spec.group_block_ids is not None:
+                self._failed_loads.add(spec.request_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are per request (the request waits in WAITING_FOR_REMOTE_KVS)
@@ -228,6 +282,29 @@ class ConnectorWorkerSide(KVConnectorBase_V1):
         except Exception as exc:
             logger.warning("lmcache: submitting stores for %s failed: %s", ids, exc)
             self._stores_failed_to_submit.update(ids)
+            return
+        if meta.window_stores:
+            self._window_stores = ids
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Called before each step's forward pass: first wait for the last step's stores that
+        read sliding-window blocks. vLLM frees the blocks behind a window when it schedules the
+        next step, and may hand them to another request that this step's forward writes; a store
+        still copying them would read that request's KV."""
+        self._wait_for_window_stores()
+        super().bind_connector_metadata(connector_metadata)
+
+    def _wait_for_window_stores(self) -> None:
+        pending, self._window_stores = self._window_stores, []
+        if not pending or self._worker is None:
+            return
+        deadline = time.monotonic() + self._config.timeouts.request_s
+        for request_id in pending:
+            for future in self._worker.store_futures(request_id):
+                try:
+                    future.result(max(0.0, deadline - time.monotonic()))
+                except Exception as exc:  # failed or timed out: the chunk was not made visible
+                    logger.warning("lmcache: window store of %s: %s", request_id, exc)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """vLLM frees a preempted request's blocks without asking: finish its stores first."""
@@ -259,6 +336,20 @@ class ConnectorWorkerSide(KVConnectorBase_V1):
         loads |= self._loads_failed_to_submit
         self._loads_failed_to_submit.clear()
         return (stores or None), (loads or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """``get_finished``'s sets, and a hybrid model's failed loads in ``failed_recving`` (also
+        in ``finished_recving``, as vLLM requires): vLLM recomputes those requests from the
+        start. A single-group model reports failed blocks instead (vLLM keeps the rest)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed: set[str] = set()
+        if len(self._groups) > 1:
+            failed, self._failed_loads = self._failed_loads, set()
+            if self._worker is not None:
+                failed |= self._worker.take_failed_retrieves()
+        return KVConnectorTransferResults(finished_sending=set(sending or ()),
+                                          finished_recving=set(recving or ()) | failed,
+                                          failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors = set(self._local_load_errors)

@@ -35,12 +35,21 @@ How a request goes (vLLM's semantics):
 - Worker: ``start_load_kv`` / ``wait_for_save`` submit the retrieves / stores (with a CUDA IPC
   event on GPU, none on CPU) and never wait; ``get_finished`` reports loads when done and a
   finished request's stores once they completed; ``get_block_ids_with_load_errors`` names the blocks
-  a failed load left unfilled, so vLLM recomputes them (never wrong tokens).
-- ``request_finished`` keeps the request's blocks (returns True) while stores it sent may still read
-  them; ``handle_preemptions`` waits for a preempted request's stores before vLLM reuses its blocks.
+  a failed load left unfilled, so vLLM recomputes them (never wrong tokens); a multi-group model's
+  failed loads go per request in ``get_transfer_results().failed_recving`` instead.
+- ``request_finished_all_groups`` (vLLM's call for HMA connectors; ``request_finished`` for
+  others) keeps the request's blocks (returns True) while stores it sent may still read them;
+  ``handle_preemptions`` waits for a preempted request's stores before vLLM reuses its blocks.
 
-Only single-group (non-hybrid) models with full attention or MLA are supported; others are refused
-at start with a clear message. The KV layout is read from the tensors and the attention backend
+Hybrid models (``SupportsHMA``): vLLM keeps its hybrid KV cache manager on, and block ids come one
+list per KV cache group. Full-attention, MLA and sliding-window groups are supported: each group is
+registered as its own KV cache (a chunk is one piece per group; a sliding group's piece is the
+window's blocks at the chunk's end), stores take each group's blocks of the chunks a step completes
+in that step (null blocks skipped; a sliding window's are waited for before the next forward pass,
+as vLLM may free them), and a failed load of a multi-group model is reported per request
+(``get_transfer_results().failed_recving``), so vLLM recomputes it. Mamba state and chunked-local
+attention groups are refused at start with a clear message. Hits are reported as host-memory hits
+(``CacheHitSource.HOST``). The KV layout is read from the tensors and the attention backend
 (:mod:`.kv_views`). On CPU hosts the KV cache is allocated in POSIX shared memory from the start
 (``get_mem_pool_context``), so the server maps it; on GPU hosts CUDA IPC handles are sent. Either
 way a server that restarts gets the KV caches registered again by the worker's heartbeat, without
@@ -70,11 +79,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import zmq
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from lmcache_core.integration.vllm.connector_config import (
     SUPPORTED_SPECS as SUPPORTED_SPECS,
 )
-from lmcache_core.integration.vllm.connector_config import _check_single_group, _client_config
+from lmcache_core.integration.vllm.connector_config import _client_config, kv_groups
 from lmcache_core.integration.vllm.connector_metadata import LMCacheConnectorMetadata
 from lmcache_core.integration.vllm.connector_metadata import TransferSpec as TransferSpec
 from lmcache_core.integration.vllm.connector_metadata import (
@@ -104,12 +114,17 @@ logger = logging.getLogger(__name__)
 class LMCacheConnector(ConnectorSchedulerSide, ConnectorWorkerSide):
     """vLLM KV connector backed by ``lmcache serve`` (see the module docstring)."""
 
+    # Our hits come from the server's host memory (or its disk / Redis tiers behind it): vLLM's
+    # prompt_tokens_cached_by_source counts them as "host".
+    _cache_hit_source = CacheHitSource.HOST
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self._config = _client_config(extra)
-        _check_single_group(kv_cache_config)
+        self._block_size = int(vllm_config.cache_config.block_size)
+        self._groups = kv_groups(kv_cache_config, self._block_size)
         model = vllm_config.model_config
         self._model_name = str(extra.get("model_name") or model.model)
         self._use_mla = bool(getattr(model, "use_mla", False))
@@ -119,7 +134,6 @@ class LMCacheConnector(ConnectorSchedulerSide, ConnectorWorkerSide):
             tp = int(parallel.tensor_parallel_size)
             world, rank = max(1, world // tp), rank // tp
         self._world_size, self._kv_rank = world, rank
-        self._block_size = int(vllm_config.cache_config.block_size)
         self._device_type = str(vllm_config.device_config.device_type)
         self._context: zmq.Context[Any] = zmq.Context.instance()
         timeouts = self._config.timeouts
@@ -144,6 +158,9 @@ class LMCacheConnector(ConnectorSchedulerSide, ConnectorWorkerSide):
         self._stores_failed_to_submit: set[str] = set()
         self._loads_failed_to_submit: set[str] = set()
         self._engine_finished: set[str] = set()
+        self._group_views: list[KVViews] = []
+        self._failed_loads: set[str] = set()
+        self._window_stores: list[str] = []
         # Each store/retrieve's CUDA event lives until the server answered it (a request that got
         # no reply may still be served: twice the request timeout more).
         self._events = InflightEvents(grace_s=2 * timeouts.request_s + 5.0)
@@ -155,14 +172,22 @@ class LMCacheConnector(ConnectorSchedulerSide, ConnectorWorkerSide):
                 min_hit_tokens=self._config.min_hit_tokens, **common)
             self._chunk_size = self._scheduler.chunk_size
             self._bpc = self._scheduler.num_blocks_per_chunk()
+            self._group_bpc = [self._blocks_per_chunk(g.block_size) for g in self._groups]
             if extra.get("recompute_on_load_failure", True) and (
                     self._kv_transfer_config.kv_load_failure_policy != "recompute"):
                 # A cache miss must never fail a request: vLLM recomputes what a load missed.
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
                 logger.info("lmcache: kv_load_failure_policy set to 'recompute'")
-        logger.info("lmcache connector (%s) for %s -> %s (world %d, kv rank %d, block %d)",
-                    role.name.lower(), self._model_name, self._url, self._world_size,
-                    self._kv_rank, self._block_size)
+        logger.info("lmcache connector (%s) for %s -> %s (world %d, kv rank %d, block %d, "
+                    "groups %s)", role.name.lower(), self._model_name, self._url,
+                    self._world_size, self._kv_rank, self._block_size,
+                    ", ".join(f"{g.kind}/{g.block_size}" for g in self._groups))
+
+    def _blocks_per_chunk(self, block_size: int) -> int:
+        if self._chunk_size % block_size:
+            raise ValueError(f"lmcache chunk size {self._chunk_size} is not a multiple of a KV "
+                             f"cache group's block size {block_size}")
+        return self._chunk_size // block_size
 
     # ------------------------------------------------------------------ properties for vLLM
 
