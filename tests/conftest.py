@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from tests import forkserver
 from tests.harness import FakeClock, wait_until
 from tests.integration.servers import RedisServer, ServerProcess, WorkerProcess, redis_binary
 
@@ -33,6 +34,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if any("integration" in item.path.parts for item in items):
+        forkserver.prestart()  # its torch import overlaps the first tests
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
         return
@@ -43,6 +46,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is False)")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    forkserver.stop()  # and every child it still has
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import yaml
 
 from lmcache_core.errors import LMCacheError
 from lmcache_core.transport.client import MessageQueueClient
+from tests import forkserver
 from tests.harness import wait_until
 
 TINY = {
@@ -43,13 +43,13 @@ class ServerProcess:
         self.config_path = tmp / f"{name}.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
         self.log_path = tmp / f"{name}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: forkserver.Child | subprocess.Popen[str] | None = None
 
     def start(self, timeout_s: float = 120.0) -> ServerProcess:
-        log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lmcache_cli", "serve", "-c", str(self.config_path)],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"})
+        with self.log_path.open("ab") as log:
+            self.proc = forkserver.spawn(
+                ["-m", "lmcache_cli", "serve", "-c", str(self.config_path)],
+                stdout=log.fileno(), stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"})
         try:
             self.wait_ready(timeout_s)
         except BaseException:
@@ -111,12 +111,13 @@ def _merge(base: dict, extra: dict) -> dict:
 
 
 class WorkerProcess:
-    """A ``kv_worker.py`` child: a stand-in vLLM worker driven by JSON lines."""
+    """A ``kv_worker.py`` child: a stand-in vLLM worker driven by JSON lines. ``fresh``: a new
+    interpreter, a child of this process (not the fork server's), e.g. to stay a zombie."""
 
     def __init__(self, url: str, *, rank: int = 0, world_size: int = 1, num_blocks: int = 64,
                  block_size: int = 16, model: str = "tiny", layers: int = 2, heads: int = 4,
                  head_dim: int = 32, dtype: str = "float16", mla: bool = False,
-                 script: str = "kv_worker.py", **extra: object) -> None:
+                 fresh: bool = False, script: str = "kv_worker.py", **extra: object) -> None:
         """``script``: the stand-in to run (``hybrid_worker.py`` takes ``extra``'s ``groups``
         and ``layers_per_group``)."""
         import json
@@ -125,8 +126,8 @@ class WorkerProcess:
                 "block_size": block_size, "model": model, "layers": layers, "heads": heads,
                 "head_dim": head_dim, "dtype": dtype, "mla": mla, **extra}
         script_path = Path(__file__).with_name(script)
-        self.proc = subprocess.Popen([sys.executable, str(script_path), json.dumps(spec)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = forkserver.spawn([str(script_path), json.dumps(spec)], fresh=fresh,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.hello = self._read(120)
         if not self.hello.get("ready"):
             raise RuntimeError(f"worker failed to start: {self.hello}")

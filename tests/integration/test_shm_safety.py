@@ -175,7 +175,7 @@ def test_reaper_never_unlinks_a_file_that_replaced_the_workers(
 def test_a_zombie_worker_is_reaped_and_its_segment_unlinked(
         server: ServerProcess, client: MessageQueueClient) -> None:
     before = stats(client)
-    worker = WorkerProcess(server.url)
+    worker = WorkerProcess(server.url, fresh=True)  # our child: it stays a zombie till waited for
     name = worker.hello["shm_name"]
     try:
         worker.proc.send_signal(signal.SIGKILL)  # and not waited for (no poll()): a zombie
