@@ -9,6 +9,10 @@
   requests x 1 chunk vs 32 single stores;
 - a TP=1 retrieve of chunks a TP=2 engine stored (head-range pieces) vs a same-TP retrieve and the
   raw scatter;
+- a hybrid model (Gemma-3-like: one full-attention group and two sliding-window groups of the same
+  shapes, window 1024 at chunk 256): store and retrieve GB/s (each group's pieces: a retrieve loads
+  the full group's chunks and only the windows' last chunks) vs the raw gather/scatter of the same
+  bytes;
 - integrity: store with checksums (xxh3 of each piece, always taken, right after the store's reply)
   vs the raw gather and the raw gather + xxh3, the store until its checksums are recorded, and
   retrieve with ``integrity.verify_on_retrieve`` on (a second server) vs
@@ -20,7 +24,7 @@ and store/retrieve against the same floors, taking turns within every batch and 
 both servers' ratios and how much metrics change them (the issue's target: within 5 %).
 
 Usage: python scripts/bench_server.py [--chunks 8] [--rounds 5] [--lookups 2000]
-       [--metrics on|off|compare]
+       [--metrics on|off|compare] [--only hybrid]
 """
 
 from __future__ import annotations
@@ -86,6 +90,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lookup-chunks", type=int, default=64, help="64 x 256 = a 16k-token prompt")
     parser.add_argument("--metrics", choices=("on", "off", "compare"), default="on",
                         help="the server's HTTP listener (metrics) on, off, or two servers compared")
+    parser.add_argument("--only", choices=("hybrid",), default=None,
+                        help="run only this row (and its floors)")
     return parser.parse_args()
 
 
@@ -123,8 +129,16 @@ def run(args: argparse.Namespace, workdir: Path, server_url: str, echo_url: str,
     from lmcache_core.keys import chain_hashes
     from lmcache_core.kv.share import release_shared_kv_caches
     from lmcache_core.protocol import messages as m
+    from lmcache_core.transport.client import MessageQueueClient
 
     ctx = zmq.Context.instance()
+    if args.only == "hybrid":
+        client = MessageQueueClient(server_url, ctx)
+        wait_for(client.server_info)  # the server may still be starting
+        wait_populated(client)
+        hybrid(args, ctx, server_url, client)
+        client.close()
+        return
     caches, segment = bench_caches(args)
     worker = wait_for(lambda: LMCacheMPWorkerAdapter(server_url, ctx, "bench", 1, 0, BLOCK))
     worker.register_kv_caches(caches)
@@ -203,6 +217,7 @@ def run(args: argparse.Namespace, workdir: Path, server_url: str, echo_url: str,
     integrity_rows(args, ctx, verify_url, (worker, scheduler, client), caches, raw, src_blocks,
                    dst_blocks, nbytes)
     cross_tp(args, ctx, server_url, worker, scheduler, client, caches, raw, dst_blocks, nbytes)
+    hybrid(args, ctx, server_url, client)
 
     # ---- batched vs single stores: with copies, then of chunks already cached (pure round trips)
     n = BATCH_REQUESTS
@@ -448,14 +463,16 @@ def wait_store(worker, request_id: str, op, hashed: list[float] | None = None) -
     return took
 
 
-def wait_retrieve(scheduler, worker, request_id: str, toks: list[int], blocks: list[int]) -> float:
+def wait_retrieve(scheduler, worker, request_id: str, toks: list[int], blocks: list[int],
+                  op=None) -> float:
+    """The time of a retrieve (after its lookup) of ``op``, by default all of ``blocks``."""
     from lmcache_core.integration.vllm.vllm_multi_process_adapter import LoadStoreOp
 
     scheduler.cleanup_lookup_result(request_id)
     scheduler.maybe_submit_lookup_request(request_id, toks)
     spin_until(lambda: scheduler.check_lookup_result(request_id) is not None)
     start = time.perf_counter()
-    worker.submit_retrieve_request(request_id, LoadStoreOp(toks, blocks), None)
+    worker.submit_retrieve_request(request_id, op or LoadStoreOp(toks, blocks), None)
     wait_replies(worker, worker.retrieve_futures(request_id))
     spin_until(lambda: request_id in (worker.get_finished(set())[1] or set()), COPY_NAP_S)
     if request_id in worker.failed_retrieves:
@@ -539,6 +556,106 @@ def cross_tp(args, ctx, server_url, worker, scheduler, client, caches, raw, dst_
     report("  cross TP vs same TP", cross_gbs, "GB/s", floor=same_gbs, target=">= 0.8x")
 
 
+#: The hybrid row's model: layers per KV-cache group, the sliding window (tokens), and its groups
+#: (Gemma-3's 5:1 sliding:full split into groups of equal layer counts, as vLLM does).
+HYBRID_LAYERS, HYBRID_WINDOW = 8, 1024
+HYBRID_KINDS = ("full", "sliding", "sliding")
+
+
+def hybrid(args, ctx, server_url, client) -> None:
+    """A Gemma-3-like hybrid engine (three KV-cache groups, one registration each): a store of
+    every group's pieces of ``args.chunks`` chunks vs the raw gather of the same blocks, and a
+    retrieve (full group: every chunk; the sliding groups: the window's last chunks) vs the raw
+    scatter of the same bytes; byte-exact checked, taking turns."""
+    import torch
+
+    from lmcache_core.integration.vllm.vllm_multi_process_adapter import (
+        KVCacheGroupSpec,
+        LMCacheMPSchedulerAdapter,
+        LMCacheMPWorkerAdapter,
+        LoadStoreOp,
+    )
+    from lmcache_core.keys import group_piece
+    from lmcache_core.kv.share import allocate_shared_kv_caches, release_shared_kv_caches
+    from lmcache_core.protocol import messages as m
+
+    n, count = args.chunks, len(HYBRID_KINDS)
+    window = group_piece(CHUNK, BLOCK, "sliding", HYBRID_WINDOW).window_chunks
+    loaded = min(n, window)  # chunks of each sliding group a retrieve loads
+    caches, segment = allocate_shared_kv_caches(  # block 0 stays vLLM's null block, unused
+        count * HYBRID_LAYERS, [2, 2 * n * PER_CHUNK + 1, BLOCK, HEADS, DIM], torch.bfloat16)
+    for layer in caches.values():
+        layer.uniform_()
+    names = list(caches)
+    specs = [KVCacheGroupSpec(names[g::count], kind, BLOCK,
+                              HYBRID_WINDOW if kind == "sliding" else 0)
+             for g, kind in enumerate(HYBRID_KINDS)]
+    layers = [[caches[name] for name in spec.layer_names] for spec in specs]
+    src = list(range(1, 1 + n * PER_CHUNK))
+    dst = list(range(1 + n * PER_CHUNK, 1 + 2 * n * PER_CHUNK))
+    tail = n * PER_CHUNK - loaded * PER_CHUNK  # the sliding groups' loaded blocks start here
+    sliding_dst = [0] * tail + dst[tail:]
+    worker = LMCacheMPWorkerAdapter(server_url, ctx, "bench-hybrid", 1, 0, BLOCK)
+    scheduler = LMCacheMPSchedulerAdapter(server_url, ctx, "bench-hybrid", 1, 0, BLOCK)
+    worker.register_kv_caches(caches, groups=specs)
+    # the same layers as one single-group model: the same path without groups, beside it
+    plain = LMCacheMPWorkerAdapter(server_url, ctx, "bench-plain", 1, 0, BLOCK)
+    plain_scheduler = LMCacheMPSchedulerAdapter(server_url, ctx, "bench-plain", 1, 0, BLOCK)
+    plain.register_kv_caches(caches)
+    full_layers = layers[0]
+    sliding_layers = [layer for group in layers[1:] for layer in group]
+    gather = RawCopy([la for group in layers for la in group], src, n)
+    scatter = (RawCopy(full_layers, dst, n), RawCopy(sliding_layers, dst[tail:], loaded))
+    samples: dict[str, list[float]] = {k: [] for k in ("store", "retrieve", "gather",
+                                                       "scatter", "plain_store", "plain_retrieve")}
+    try:
+        for r in range(args.rounds + 1):
+            client.request(m.ClearRequest(force=True))
+            toks = [r * 13 + 7, *range(n * CHUNK - 1)]
+            samples["gather"].append(gather.gather())
+            samples["store"].append(wait_store(worker, f"hs{r}", LoadStoreOp(
+                toks, [], group_block_ids=[src] * count)))
+            samples["plain_store"].append(wait_store(plain, f"ps{r}", LoadStoreOp(toks, src)))
+            samples["scatter"].append(scatter[0].scatter() + scatter[1].scatter())
+            op = LoadStoreOp(toks, [], group_block_ids=[dst] + [sliding_dst] * (count - 1))
+            samples["retrieve"].append(wait_retrieve(scheduler, worker, f"hr{r}", toks, dst, op))
+            for group_layers, loaded_from in ((full_layers, 0), (sliding_layers, tail)):
+                check_equal(dict(enumerate(group_layers)), src[loaded_from:], dst[loaded_from:])
+            samples["plain_retrieve"].append(
+                wait_retrieve(plain_scheduler, plain, f"pr{r}", toks, dst))
+    finally:
+        for adapter in (worker, scheduler, plain, plain_scheduler):
+            adapter.shutdown()
+        release_shared_kv_caches(segment)
+    hybrid_report(args, samples, n, loaded, window)
+
+
+def hybrid_report(args, samples: dict[str, list[float]], n: int, loaded: int,
+                  window: int) -> None:
+    """The hybrid row's figures: GB/s of each (median of the rounds after the first)."""
+    count = len(HYBRID_KINDS)
+    piece = HYBRID_LAYERS * 2 * CHUNK * HEADS * DIM * 2
+    stored, retrieved = count * n * piece, (n + (count - 1) * loaded) * piece
+    nbytes = {"store": stored, "gather": stored, "plain_store": stored, "retrieve": retrieved,
+              "scatter": retrieved, "plain_retrieve": stored}
+    gbs = {k: nbytes[k] / statistics.median(v[1:]) / 1e9 for k, v in samples.items()}
+    print(f"\nhybrid model (Gemma-3-like: {count} KV-cache groups x {HYBRID_LAYERS} layers, "
+          f"{'/'.join(HYBRID_KINDS)}, window {HYBRID_WINDOW} = {window} chunks), {n} chunks: "
+          f"store {stored / 2**20:.0f} MiB, retrieve {retrieved / 2**20:.0f} MiB (median of "
+          f"{args.rounds}):")
+    report("  raw torch gather of the same blocks", gbs["gather"], "GB/s")
+    report("  lmcache hybrid store", gbs["store"], "GB/s", floor=gbs["gather"], target=">= 0.9x")
+    report("  the same layers as one group: store", gbs["plain_store"], "GB/s")
+    report("  hybrid store vs one group", gbs["store"], "GB/s", floor=gbs["plain_store"],
+           target="~1.0x")
+    report("  raw torch scatter of the same bytes", gbs["scatter"], "GB/s")
+    report("  lmcache hybrid retrieve", gbs["retrieve"], "GB/s", floor=gbs["scatter"],
+           target=">= 0.9x")
+    report("  the same layers as one group: retrieve", gbs["plain_retrieve"], "GB/s")
+    report("  hybrid retrieve vs one group", gbs["retrieve"], "GB/s",
+           floor=gbs["plain_retrieve"], target="~1.0x")
+
+
 class RawCopy:
     """The floor: a plain per-chunk, per-layer torch gather/scatter of the same blocks."""
 
@@ -548,8 +665,8 @@ class RawCopy:
         # One fresh index tensor per chunk: index_copy_ with a row *view* of a larger index tensor
         # takes a slow path in torch 2.13 (~40x slower), which would flatter our ratio.
         self.index = [torch.tensor(blocks[c * PER_CHUNK:(c + 1) * PER_CHUNK]) for c in range(chunks)]
-        self.bufs = [torch.empty(LAYERS, 2, PER_CHUNK, BLOCK * HEADS * DIM, dtype=torch.bfloat16)
-                     for _ in range(chunks)]
+        self.bufs = [torch.empty(len(layers), 2, PER_CHUNK, BLOCK * HEADS * DIM,
+                                 dtype=torch.bfloat16) for _ in range(chunks)]
         self.views = [layer.view(2, layer.shape[1], -1) for layer in layers]
 
     def gather(self) -> float:

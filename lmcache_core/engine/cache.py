@@ -210,6 +210,15 @@ class CacheEngine:
               chunk_hashes: Sequence[bytes]) -> int:
         return self.store.unpin(model_name, layout, ranges, chunk_hashes)
 
+    def pin_groups(self, model_name: str, groups: Sequence[GroupTarget],
+                   chunk_hashes: Sequence[bytes], ttl_s: float | None = None) -> int:
+        """``PieceStore.pin_groups``: a hybrid model's pin (PinLimitError past the limit)."""
+        return self.store.pin_groups(model_name, groups, chunk_hashes, ttl_s)
+
+    def unpin_groups(self, model_name: str, groups: Sequence[GroupTarget],
+                     chunk_hashes: Sequence[bytes]) -> int:
+        return self.store.unpin_groups(model_name, groups, chunk_hashes)
+
     # ------------------------------------------------------------------ admin
 
     def clear(self, force: bool = False) -> tuple[int, int]:

@@ -687,9 +687,20 @@ class PieceStore:
         """Pin the pieces covering ``ranges`` of the leading chunks held (until unpinned, or
         for ``ttl_s``); how many pieces are pinned now. PinLimitError, pinning nothing, when
         that would pass ``max_pinned_bytes``."""
+        return self._pin(lambda: find_hits(self.index, model_name, layout, ranges,
+                                           chunk_hashes), ttl_s)
+
+    def pin_groups(self, model_name: str, groups: Sequence[GroupTarget],
+                   chunk_hashes: Sequence[bytes], ttl_s: float | None = None) -> int:
+        """``pin`` for a hybrid model: the pieces of every KV-cache group a hit of this prefix
+        needs (``index.find_group_hits``), all or none."""
+        return self._pin(lambda: find_group_hits(self.index, model_name, groups, chunk_hashes),
+                         ttl_s)
+
+    def _pin(self, find: Callable[[], Hits], ttl_s: float | None) -> int:
         with self._mutex:
             now = self.clock()
-            pieces = find_hits(self.index, model_name, layout, ranges, chunk_hashes).pieces()
+            pieces = find().pieces()
             book = self.retention
             more = sum(piece.nbytes for piece in pieces if not piece.pinned)
             if book.pinned_bytes + more > book.max_pinned_bytes:
@@ -709,6 +720,16 @@ class PieceStore:
         """Unpin the pieces covering ``ranges`` of the leading chunks held; how many were."""
         with self._mutex:
             pieces = find_hits(self.index, model_name, layout, ranges, chunk_hashes).pieces()
+            return sum(self.retention.unpin(piece) for piece in pieces)
+
+    def unpin_groups(self, model_name: str, groups: Sequence[GroupTarget],
+                     chunk_hashes: Sequence[bytes]) -> int:
+        """``unpin`` of a hybrid model's groups: every group's pieces of the named chunks, not
+        only a leading run (a pinned window's earlier chunks may be gone); how many were pinned."""
+        with self._mutex:
+            chunks_of = self.index.chunks.get
+            pieces = [piece for group in groups for chunk_hash in chunk_hashes
+                      for piece in chunks_of((model_name, group.layout, chunk_hash), ())]
             return sum(self.retention.unpin(piece) for piece in pieces)
 
     # ------------------------------------------------------------------ admin

@@ -19,6 +19,7 @@ per-group block table; 0 is the null block):
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -126,3 +127,5 @@ def wait(adapter: LMCacheMPWorkerAdapter, request_id: str, kind: str) -> dict:
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()
+    os._exit(0)  # all released: skip torch's slow interpreter teardown (as kv_worker does)

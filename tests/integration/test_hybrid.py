@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import zmq
 
 from lmcache_core.errors import IncompatibleError
 from lmcache_core.integration.vllm.adapter_common import wrap_kv_caches
+from lmcache_core.integration.vllm.vllm_multi_process_adapter import LMCacheMPSchedulerAdapter
 from lmcache_core.keys import chain_hashes
 from lmcache_core.kv.share import allocate_shared_kv_caches, release_shared_kv_caches
 from lmcache_core.protocol import messages as m
@@ -176,6 +178,25 @@ def test_server_info_and_inspect_chunks_show_a_hybrid_chunks_groups(node):
     for text in ("0/3 full", "1/3 sliding: last 48 tokens", "2/3 sliding: last 64 tokens",
                  "KV-cache groups (hybrid models)"):
         assert text in shown.out, shown.out
+
+
+def test_a_pin_keeps_every_piece_a_hit_of_the_prefix_needs(node):
+    server, made = node
+    seed = 8
+    toks = tokens(N, seed)
+    store(made[1], toks, seed)
+    scheduler = LMCacheMPSchedulerAdapter(server.url, zmq.Context.instance(), MODEL, 1, 0, BLOCK)
+    try:
+        # full: 3 chunks; the short window: chunk 2's piece; the long window: chunks 1-2's
+        assert scheduler.pin(toks, ttl_s=60).result(10).pinned == needed_pieces(N, stored_by=1)
+        with MessageQueueClient(server.url, connect_timeout_s=2) as client:
+            assert client.request(m.ClearRequest()).kept_locked >= needed_pieces(N, stored_by=1)
+        assert lookup(server.url, 1, "pinned", toks, MODEL) == N * CHUNK
+        load_and_check(made[1], "pinned", toks, seed)
+        # unpin: of every group's pieces held, the pinned ones
+        assert scheduler.unpin(toks).result(10).unpinned == needed_pieces(N, stored_by=1)
+    finally:
+        scheduler.close()
 
 
 def test_a_prompt_whose_window_pieces_are_gone_is_a_miss_at_that_chunk(node):
