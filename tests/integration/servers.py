@@ -45,11 +45,21 @@ class ServerProcess:
         self.log_path = tmp / f"{name}.log"
         self.proc: forkserver.Child | subprocess.Popen[str] | None = None
 
-    def start(self, timeout_s: float = 120.0) -> ServerProcess:
+    def command(self) -> list[str]:
+        """What the child runs (the interpreter's arguments)."""
+        return ["-m", "lmcache_cli", "serve", "-c", str(self.config_path)]
+
+    def environment(self) -> dict[str, str]:
+        return {**os.environ, "COLUMNS": "200"}
+
+    def spawn(self) -> None:
+        """Start the process, without waiting for it to answer."""
         with self.log_path.open("ab") as log:
-            self.proc = forkserver.spawn(
-                ["-m", "lmcache_cli", "serve", "-c", str(self.config_path)],
-                stdout=log.fileno(), stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"})
+            self.proc = forkserver.spawn(self.command(), stdout=log.fileno(),
+                                         stderr=subprocess.STDOUT, env=self.environment())
+
+    def start(self, timeout_s: float = 120.0) -> ServerProcess:
+        self.spawn()
         try:
             self.wait_ready(timeout_s)
         except BaseException:

@@ -6,6 +6,7 @@ are checked as a user sees them; input errors that need no server use Typer's Cl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -26,6 +27,8 @@ from lmcache_cli.config_flags import config_flags
 from lmcache_cli.main import app
 from lmcache_core import __version__
 from lmcache_core.config import leaf_keys
+from lmcache_core.errors import LMCacheError
+from lmcache_core.transport.client import MessageQueueClient
 from tests.harness import wait_until
 from tests.integration.servers import TINY, ServerProcess
 
@@ -484,13 +487,14 @@ def test_serve_runs_with_flags_and_exits_0_on_sigterm(workdir: Path, cfg: str) -
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
         env={**os.environ, "COLUMNS": "200"})
     try:
-        def answers() -> bool:
-            if cli("ping", "--url", url, "--timeout", "0.5").code == 0:
-                return True
+        def answers(client: MessageQueueClient) -> bool:
             assert proc.poll() is None, proc.communicate()[0]
+            with contextlib.suppress(LMCacheError):  # a ping per try (not a CLI process each)
+                return client.wait_until_reachable(0.5) is not None
             return False
 
-        wait_until(answers, 120, "the server did not answer")
+        with MessageQueueClient(url, connect_timeout_s=0.5) as client:
+            wait_until(lambda: answers(client), 120, "the server did not answer")
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=20)
         assert proc.returncode == 0, out

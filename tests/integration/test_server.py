@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -231,13 +229,12 @@ def test_a_second_server_on_a_live_ipc_path_is_refused_and_takes_nothing(tmp_pat
     events = f"ipc://{tmp_path}/events.sock"
     first = ServerProcess(tmp_path, {"server": {"events_url": events}}, name="first").start()
     try:
-        for url in (first.url, f"ipc://{tmp_path}/other.sock"):
+        for n, url in enumerate((first.url, f"ipc://{tmp_path}/other.sock")):
             second = ServerProcess(tmp_path, {"server": {"url": url, "events_url": events}},
-                                   name="second")
-            run = subprocess.run([sys.executable, "-m", "lmcache_cli", "serve", "-c",
-                                  str(second.config_path)], capture_output=True, text=True,
-                                 timeout=60)
-            assert run.returncode != 0 and "in use by another process" in run.stdout + run.stderr
+                                   name=f"second{n}")
+            second.spawn()
+            assert second.proc is not None and second.proc.wait(60) != 0
+            assert "in use by another process" in second.log()
         with MessageQueueClient(first.url) as client:
             assert client.ping().pid == first.proc.pid
     finally:

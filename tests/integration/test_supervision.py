@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -31,14 +30,17 @@ class FaultyServer(ServerProcess):
     def trigger(self) -> None:
         self.trigger_path.touch()
 
+    def command(self) -> list[str]:
+        return [str(FAULTY), self.fault, "serve", "-c", str(self.config_path)]
+
+    def environment(self) -> dict[str, str]:
+        return {**super().environment(), "LMCACHE_TEST_FAULT_TRIGGER": str(self.trigger_path)}
+
     def start(self, timeout_s: float = 120.0) -> FaultyServer:
-        log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(FAULTY), self.fault, "serve", "-c", str(self.config_path)],
-            stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2],
-            env={**os.environ, "COLUMNS": "200", "LMCACHE_TEST_FAULT_TRIGGER": str(self.trigger_path)})
-        if self.fault != "loop":  # the loop dies on its first request: a readiness ping included
-            self.wait_ready(timeout_s)
+        if self.fault == "loop":  # the loop dies on its first request: a readiness ping included
+            self.spawn()
+            return self
+        super().start(timeout_s)
         return self
 
     def exit_code_within(self, timeout_s: float) -> tuple[int, float]:
