@@ -13,8 +13,12 @@ For hash mode (vLLM block hashes) and token mode (prompt token ids), 1k and 16k 
   lookups/s vs 64 echo frames sent, then 64 received;
 - ``check_lookup_result`` on a pending lookup (the server stopped with SIGSTOP).
 ``--profile`` prints where the time of the hash-mode 1k-token submit -> result goes (cProfile).
+``--cpu`` prints, for the echo, a lookup and a lookup after an end (hash mode, the first token
+count), the CPU time and context switches per round trip of each process, all their threads
+together (Linux: /proc/PID/task/*/schedstat): unlike wall time on a busy 2-core machine, barely
+moved by others' load.
 
-Usage: python scripts/bench_scheduler_lookup.py [--iters 2000] [--profile]
+Usage: python scripts/bench_scheduler_lookup.py [--iters 2000] [--profile] [--cpu]
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 16384])
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--cpu", action="store_true")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="lmcache-bench-lookup-"))
     echo = subprocess.Popen([sys.executable, "-c", ECHO, f"ipc://{workdir}/echo.sock"],
@@ -62,7 +67,8 @@ def main() -> None:
                                str(workdir / "bench.yaml")], stdout=(workdir / "log").open("wb"),
                               stderr=subprocess.STDOUT)
     try:
-        run(args, f"ipc://{workdir}/server.sock", f"ipc://{workdir}/echo.sock")
+        run(args, f"ipc://{workdir}/server.sock", f"ipc://{workdir}/echo.sock",
+            {"client": os.getpid(), "server": server.pid, "echo": echo.pid})
     finally:
         server.send_signal(signal.SIGCONT)
         server.send_signal(signal.SIGTERM)
@@ -70,7 +76,7 @@ def main() -> None:
         server.wait(30)
 
 
-def run(args: argparse.Namespace, server_url: str, echo_url: str) -> None:
+def run(args: argparse.Namespace, server_url: str, echo_url: str, pids: dict[str, int]) -> None:
     import msgspec
     import torch
     from blake3 import blake3
@@ -136,12 +142,21 @@ def run(args: argparse.Namespace, server_url: str, echo_url: str) -> None:
                 INFLIGHT / (statistics.median(samples) * 1e-6) for samples in interleaved_samples(
                     lambda frames=frames: echo_many(echo, frames),
                     lambda keys=keys: lookup_many(scheduler, keys), max(10, args.iters // 40)))
+            if args.cpu and mode == "hash" and n_tokens == args.tokens[0]:
+                cpu_rows = [(name, cpu_per_call(fn, args.iters, pids)) for name, fn in (
+                    ("echo", echo_once), ("lookup", lookup), ("lookup after end", lookup_after_end))]
             print(f"{mode + ' mode, ' + str(n_tokens) + ' tokens':24s} {echo_us:8.1f} "
                   f"{lookup_us:8.1f} {lookup_us / echo_us:5.2f}x {spin_us:8.1f} "
                   f"{spin_us / echo2_us:5.2f}x {after_end_us:9.1f} {after_end_us / echo3_us:5.2f}x"
                   f"   {echo_rate:10.0f} "
                   f"{lookup_rate:13.0f} {lookup_rate / echo_rate:5.2f}x")
     print("targets: lookup <= 1.5x the echo; 64 in flight >= 0.5x the echo's rate")
+    if args.cpu:
+        print(f"\nCPU us and context switches per round trip, hash mode, {args.tokens[0]} tokens, "
+              f"{args.iters} round trips (all threads of each process)")
+        for name, per in cpu_rows:
+            print(f"{name:18s} " + "  ".join(f"{proc} {cpu:6.1f} us {switches:4.2f} sw"
+                                            for proc, (cpu, switches) in per.items()))
 
     pid = scheduler.mq_client.ping().pid
     os.kill(pid, signal.SIGSTOP)
@@ -204,6 +219,30 @@ def lookup_many(scheduler, keys) -> None:
             scheduler.mq_client.wait(scheduler._lookups[left[0]], 1.0)
     for request_id in ids:
         scheduler.cleanup_lookup_result(request_id)
+
+
+def schedstat(pid: int) -> tuple[int, int]:
+    """CPU ns and context switches of all of ``pid``'s threads so far (exited ones are lost)."""
+    cpu = switches = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "schedstat").read_text().split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        cpu, switches = cpu + int(fields[0]), switches + int(fields[2])
+    return cpu, switches
+
+
+def cpu_per_call(fn, n: int, pids: dict[str, int]) -> dict[str, tuple[float, float]]:
+    """Per call of ``fn`` (n calls after n/10 warm-up), each process's CPU us and switches."""
+    for _ in range(max(1, n // 10)):
+        fn()
+    before = {name: schedstat(pid) for name, pid in pids.items()}
+    for _ in range(n):
+        fn()
+    after = {name: schedstat(pid) for name, pid in pids.items()}
+    return {name: ((after[name][0] - before[name][0]) / n / 1000,
+                   (after[name][1] - before[name][1]) / n) for name in pids}
 
 
 def echo_many(sock, frames) -> None:
