@@ -333,6 +333,16 @@ def test_waiting_on_an_ended_session_sends_it_at_once(ranks, scheduler, no_lone_
     assert server_stats(scheduler).engine.locks_held == 0
 
 
+def test_closing_sends_the_ended_sessions_still_waiting_to_ride(server, ranks, scheduler,
+                                                                no_lone_releases):
+    closing = LMCacheMPSchedulerAdapter(server.url, zmq.Context.instance(), "tiny", 2, 0, BLOCK)
+    stored_and_looked_up(ranks, closing, "closing", 200)
+    released = closing.end_session("closing")
+    closing.close()
+    assert released.result(0).released == 2 * 2  # answered before the socket closed
+    assert server_stats(scheduler).engine.locks_held == 0
+
+
 def test_a_refused_lookup_still_releases_the_sessions_riding_on_it(tmp_path, make_server,
                                                                    make_worker, no_lone_releases):
     """The server refuses a lookup before its handler runs (too many keys): the sessions that

@@ -41,6 +41,8 @@ LOOKUP_POLL_INTERVAL_S = 10e-6
 #: (scripts/bench_scheduler_lookup.py, "after end"). A scheduler with nothing more to look up
 #: still releases within this.
 RELEASE_RIDE_S = 0.005
+#: How long ``close`` waits for the answers to the ended sessions it sends.
+CLOSE_FLUSH_S = 1.0
 
 
 class LMCacheMPSchedulerAdapter:
@@ -316,9 +318,14 @@ class LMCacheMPSchedulerAdapter:
         return self.mq_client.submit(op, request)
 
     def close(self) -> None:
-        with self._ending_lock:  # the ended sessions that waited to ride go out first
+        """Close the connection. Ended sessions still waiting to ride go out first, and are
+        waited for (``CLOSE_FLUSH_S`` in all): closed at once, the socket would drop them."""
+        with self._ending_lock:
             ending, self._ending = self._ending, {}
             self._send_alone_locked(ending)
+        deadline = time.monotonic() + CLOSE_FLUSH_S
+        for released in ending.values():
+            self.mq_client.wait(released, max(0.0, deadline - time.monotonic()))
         self.mq_client.close()
 
     shutdown = close
