@@ -59,8 +59,11 @@ class ChunkKey(NamedTuple):
 
 #: A piece's head range: ``(head_lo, head_hi)``.
 HeadRange = tuple[int, int]
-_LAYOUT_RE = re.compile(r"^([a-z0-9_]{1,24}):([1-9]\d{0,4})x(?:([1-9]\d{0,4})x|(mla))([1-9]\d{0,5})"
-                        r"(?:\+g(\d{1,2})of([1-9]\d?)(?:s([1-9]\d{0,6}))?)?$")
+_LAYOUT_RE = re.compile(
+    r"^(?P<dtype>[a-z0-9_]{1,24}):(?P<layers>[1-9]\d{0,4})x"
+    r"(?:(?P<heads>[1-9]\d{0,4})x|(?P<mla>mla)|(?P<state>state))(?P<size>[1-9]\d{0,5})"
+    r"(?:\+g(?P<index>\d{1,2})of(?P<count>[1-9]\d?)"
+    r"(?:s(?P<tokens>[1-9]\d{0,6})|m(?P<world>[1-9]\d{0,4}))?)?$")
 _OPAQUE_RE = re.compile(r"^ranks(\d{1,5})$")
 
 #: What a KV-cache group of a hybrid model holds per token (vLLM's ``kv_cache_spec`` kinds).
@@ -71,11 +74,14 @@ MAX_GROUPS = 64
 
 class LayoutGroup(NamedTuple):
     """The group a hybrid model's layout fingerprint names: group ``position`` of ``groups``; for
-    a sliding-window group the tokens its pieces hold (the tail of each chunk), else 0."""
+    a sliding-window group the tokens its pieces hold (the tail of each chunk), else 0; for a
+    Mamba-state group the world size its ranks' states are split for (each rank's state is its
+    own piece, never read at another TP size), else 0."""
 
     position: int
     groups: int
     piece_tokens: int
+    state_world: int = 0
 
 
 def layout_key(dtype: str, num_layers: int, kv_heads: int, head_size: int, mla: bool,
@@ -86,13 +92,17 @@ def layout_key(dtype: str, num_layers: int, kv_heads: int, head_size: int, mla: 
 
     A group of a hybrid model adds ``+gINDEXofCOUNT`` (and ``sTOKENS`` for a sliding-window group:
     its pieces hold the last TOKENS tokens of each chunk), so groups of identical tensor shapes
-    (Gemma-3's) never share keys; a single-group model's fingerprint is as it always was."""
+    (Gemma-3's) never share keys; a single-group model's fingerprint is as it always was. A
+    Mamba-state group is ``dtype:LAYERSxstateBYTES+gINDEXofCOUNTmWORLD`` (``head_size``: a state
+    block's bytes; one piece per rank of ``WORLD``)."""
     dtype = dtype.removeprefix("torch.")
-    heads = "mla" if mla else f"{kv_heads}x"
+    heads = "state" if group is not None and group.state_world else (
+        "mla" if mla else f"{kv_heads}x")
     base = f"{dtype}:{num_layers}x{heads}{head_size}"
     if group is None:
         return base
-    tail = f"s{group.piece_tokens}" if group.piece_tokens else ""
+    tail = (f"s{group.piece_tokens}" if group.piece_tokens
+            else f"m{group.state_world}" if group.state_world else "")
     return f"{base}+g{group.position}of{group.groups}{tail}"
 
 
@@ -100,9 +110,10 @@ def layout_key(dtype: str, num_layers: int, kv_heads: int, head_size: int, mla: 
 def layout_group(layout: str) -> LayoutGroup | None:
     """The group a fingerprint names (``layout_key``'s ``group``); None for a single-group one."""
     match = _LAYOUT_RE.match(layout)
-    if match is None or match.group(6) is None:
+    if match is None or match["index"] is None:
         return None
-    return LayoutGroup(int(match.group(6)), int(match.group(7)), int(match.group(8) or 0))
+    return LayoutGroup(int(match["index"]), int(match["count"]), int(match["tokens"] or 0),
+                       int(match["world"] or 0))
 
 
 class GroupPiece(NamedTuple):
@@ -147,8 +158,10 @@ def opaque_layout(world_size: int) -> str:
 def layout_heads(layout: str) -> int:
     """How many heads a layout's pieces divide (1 for MLA); ValueError for a malformed one."""
     match = _LAYOUT_RE.match(layout)
-    if match is not None:
-        return 1 if match.group(4) else int(match.group(3))
+    if match is not None and (match["state"] is None) == (match["world"] is None):
+        if match["state"]:  # Mamba state: one piece per rank of its world size
+            return int(match["world"])
+        return 1 if match["mla"] else int(match["heads"])
     opaque = _OPAQUE_RE.match(layout)
     if opaque is not None and int(opaque.group(1)) > 0:
         return int(opaque.group(1))
@@ -159,7 +172,14 @@ def layout_heads(layout: str) -> int:
 def is_mla(layout: str) -> bool:
     """Whether the layout is MLA (one piece serves every rank)."""
     match = _LAYOUT_RE.match(layout)
-    return match is not None and match.group(4) is not None
+    return match is not None and match["mla"] is not None
+
+
+@functools.lru_cache(maxsize=1024)
+def is_state(layout: str) -> bool:
+    """Whether the layout is a Mamba-state group's (each rank's piece its own, no cross-TP)."""
+    match = _LAYOUT_RE.match(layout)
+    return match is not None and match["state"] is not None
 
 
 def rank_heads(layout: str, world_size: int, rank: int) -> HeadRange:
@@ -195,7 +215,7 @@ def candidate_ranges(layout: str, heads: HeadRange) -> tuple[HeadRange, ...]:
     """The head ranges of the pieces that may hold part of ``heads``: those each TP size that
     divides the layout's heads would have stored, overlapping ``heads``; ``heads`` itself first,
     then wider pieces before narrower ones. Opaque layouts only ever hold their own ranges."""
-    if _OPAQUE_RE.match(layout) or is_mla(layout):
+    if _OPAQUE_RE.match(layout) or is_mla(layout) or is_state(layout):
         return (heads,)
     total = layout_heads(layout)
     lo, hi = heads

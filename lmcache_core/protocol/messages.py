@@ -155,9 +155,12 @@ class RegisterKVCacheRequest(Message):
     group: KVGroup | None = None
 
     def __post_init__(self) -> None:
-        if self.group is not None and self.group.block_size != self.block_size:
-            raise ValueError(f"group {self.group.index}'s block size {self.group.block_size} is "
-                             f"not the registration's {self.block_size}")
+        # A Mamba group's tensors hold one state per block of ``group.block_size`` tokens, shared
+        # as rows (``block_size`` 1); attention groups' tensors are in tokens per block.
+        group = self.group
+        if group is not None and group.kind != "mamba" and group.block_size != self.block_size:
+            raise ValueError(f"group {group.index}'s block size {group.block_size} is not the "
+                             f"registration's {self.block_size}")
 
 
 class UnregisterKVCacheRequest(Message):

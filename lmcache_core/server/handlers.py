@@ -153,18 +153,17 @@ class CacheHandlers:
         """The tokens of each chunk this registration's pieces hold: the chunk's, or for a
         sliding-window group its last ``piece_blocks`` blocks' (``keys.group_piece``).
         IncompatibleError naming the sizes when the chunk size is no multiple of the group's
-        block size; mamba state is refused (not supported yet)."""
+        block size. A Mamba group's piece is one state row (the state at the chunk's end)."""
         chunk_size, group = self.config.chunk_size, request.group
         if group is None:
             return chunk_size
-        if group.kind == "mamba":
-            raise IncompatibleError(f"KV cache group {group.index} is Mamba state, which this "
-                                    f"server does not store yet")
         if chunk_size % group.block_size:
             raise IncompatibleError(
                 f"the lmcache chunk size {chunk_size} is not a multiple of KV cache group "
                 f"{group.index}'s ({group.kind}) block size {group.block_size}: every group's "
                 f"block size must divide the chunk size")
+        if group.kind == "mamba":
+            return request.block_size  # one block of state rows
         piece = group_piece(chunk_size, group.block_size, group.kind, group.window_tokens)
         return piece.piece_blocks * group.block_size
 

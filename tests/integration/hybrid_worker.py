@@ -31,7 +31,7 @@ from lmcache_core.integration.vllm.vllm_multi_process_adapter import (
     LMCacheMPWorkerAdapter,
     LoadStoreOp,
 )
-from lmcache_core.kv.share import allocate_shared_kv_caches
+from lmcache_core.kv.share import allocate_shared_kv_caches, release_shared_kv_caches
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo's tests
 from tests.integration import kv_worker
@@ -47,10 +47,18 @@ def main() -> None:
     count = len(groups)
     per_group = spec["layers_per_group"]
     shape = [2, spec["num_blocks"], spec["block_size"], spec["heads"], spec["head_dim"]]
-    names = [f"model.layers.{i}.attn" for i in range(count * per_group)]
-    caches, segment = allocate_shared_kv_caches(len(names), shape, torch.float16,
-                                                layer_names=names)
-    specs = [KVCacheGroupSpec(layer_names=names[g::count], kind=group["kind"],
+    mamba = [group["kind"] == "mamba" for group in groups]
+    names = [[f"model.layers.{g + count * i}.{'mixer' if mamba[g] else 'attn'}"
+              for i in range(per_group)] for g in range(count)]
+    attention = [name for g, group in enumerate(names) if not mamba[g] for name in group]
+    caches, segment = allocate_shared_kv_caches(len(attention), shape, torch.float16,
+                                                layer_names=attention)
+    states = [name for g, group in enumerate(names) if mamba[g] for name in group]
+    if states:  # vLLM 0.32's form: one int8 tensor per Mamba layer, a state block per row
+        state_caches, state_segment = allocate_shared_kv_caches(
+            len(states), [spec["num_blocks"], 1, 1, STATE_BYTES], torch.int8, layer_names=states)
+        caches.update(state_caches)
+    specs = [KVCacheGroupSpec(layer_names=names[g], kind=group["kind"],
                               block_size=group.get("block_size", spec["block_size"]),
                               window_tokens=group.get("window_tokens", 0))
              for g, group in enumerate(groups)]
@@ -61,21 +69,34 @@ def main() -> None:
     except LMCacheError as exc:
         reply({"ready": False, "error": f"{type(exc).__name__}: {exc}"})
         adapter.shutdown()
+        release_shared_kv_caches()
         return
-    layers = [[caches[name] for name in group.layer_names] for group in specs]
+    # a Mamba layer viewed as [1, num_blocks, ...]: blocks on dim 1, as the attention layers'
+    layers = [[caches[name].unsqueeze(0) if mamba[g] else caches[name]
+               for name in group.layer_names] for g, group in enumerate(specs)]
     reply({"ready": True, "chunk_size": adapter.chunk_size, "shm_name": segment.name,
+           "shm_names": [segment.name] + ([state_segment.name] if states else []),
            "instance_ids": adapter.group_instance_ids,
            "pieces": [list(p) for p in adapter.group_pieces or []]})
     kv_worker.serve(adapter, lambda command: handle(adapter, layers, command))
     del segment
+    if states:
+        del state_segment
 
 
 #: Logical blocks of the seeded cache (tables are at most this long).
 LOGICAL_BLOCKS = 32
+#: Bytes of one Mamba layer's state block (conv and ssm state together, as vLLM 0.32 pads them).
+STATE_BYTES = 96
 
 
-def model_blocks(layer_index: int, seed: int) -> torch.Tensor:
-    """This rank's head slice of the logical blocks of a seeded all-heads cache."""
+def model_blocks(layer_index: int, seed: int, mamba: bool = False) -> torch.Tensor:
+    """This rank's head slice of the logical blocks of a seeded all-heads cache (of a Mamba
+    layer: this rank's own seeded state blocks, ``[1, blocks, 1, 1, STATE_BYTES]``)."""
+    if mamba:
+        gen = torch.Generator().manual_seed(seed * 1000 + layer_index + 7919 * SPEC["rank"])
+        return torch.randint(-100, 100, (1, LOGICAL_BLOCKS, 1, 1, STATE_BYTES), generator=gen,
+                             dtype=torch.int8)
     gen = torch.Generator().manual_seed(seed * 1000 + layer_index)
     heads = SPEC["heads"]
     full = torch.randint(-100, 100, (2, LOGICAL_BLOCKS, SPEC["block_size"],
@@ -90,7 +111,7 @@ def handle(adapter: LMCacheMPWorkerAdapter, layers: list[list[torch.Tensor]], c:
     if cmd == "fill_model":
         for g, (group_layers, table) in enumerate(zip(layers, tables, strict=True)):
             for i, layer in enumerate(group_layers):
-                want = model_blocks(g * 100 + i, c["seed"])
+                want = model_blocks(g * 100 + i, c["seed"], group_layers[i].dtype == torch.int8)
                 real = [j for j, block in enumerate(table) if block]
                 layer[:, [table[j] for j in real]] = want[:, real]
         return {"ok": True}
@@ -99,7 +120,7 @@ def handle(adapter: LMCacheMPWorkerAdapter, layers: list[list[torch.Tensor]], c:
         for g, (group_layers, table, positions) in enumerate(
                 zip(layers, tables, c["positions"], strict=True)):
             for i, layer in enumerate(group_layers):
-                want = model_blocks(g * 100 + i, c["seed"])
+                want = model_blocks(g * 100 + i, c["seed"], group_layers[i].dtype == torch.int8)
                 got = layer[:, [table[j] for j in positions]]
                 equal = equal and torch.equal(got, want[:, positions])
         null_untouched = all(not layer[:, 0].any() for group in layers for layer in group)

@@ -178,8 +178,9 @@ class WorkerProcess:
         reaped it and did so already)."""
         self.proc.kill()
         self.proc.wait(5)
-        with contextlib.suppress(OSError):
-            os.unlink(f"/dev/shm/{self.hello['shm_name']}")
+        for name in self.hello.get("shm_names", [self.hello["shm_name"]]):
+            with contextlib.suppress(OSError):
+                os.unlink(f"/dev/shm/{name}")
 
 
 def process_state(pid: int) -> str:

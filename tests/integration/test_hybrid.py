@@ -8,7 +8,7 @@ a chunk size that no group's block size divides is refused at registration."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -124,12 +124,15 @@ def needed_pieces(n: int, stored_by: int = 2) -> int:
 Node = tuple[ServerProcess, dict[int, list[WorkerProcess]]]
 
 
-def start_node(tmp: Path, config: dict, name: str) -> Iterator[Node]:
-    """A server and a hybrid engine at TP=1 and at TP=2 on it; all killed at the end."""
+def start_node(tmp: Path, config: dict, name: str,
+               make: Callable[[str, int], list[WorkerProcess]] | None = None) -> Iterator[Node]:
+    """A server and a hybrid engine (``make``, else ``engine``) at TP=1 and at TP=2 on it; all
+    killed at the end."""
+    make = make or engine
     server = ServerProcess(tmp, config, name=name).start()
     made: dict[int, list[WorkerProcess]] = {}
     try:
-        made = {1: engine(server.url, 1), 2: engine(server.url, 2)}
+        made = {1: make(server.url, 1), 2: make(server.url, 2)}
         yield server, made
     finally:
         for workers in made.values():
@@ -342,3 +345,79 @@ def test_through_redis_another_server_loads_the_hybrid_chunks_at_tp1(tmp_path):
         server_a.kill()
         server_b.kill()
         redis_server.stop()
+
+
+# ---------------------------------------------------------------- Mamba state (Granite-4-like)
+
+MAMBA_MODEL = "granite-like"
+#: Full attention and Mamba state (vLLM 0.32's form: one int8 tensor per layer, a block a row).
+MAMBA_GROUPS = [{"kind": "full"}, {"kind": "mamba"}]
+
+
+def mamba_engine(url: str, world_size: int) -> list[WorkerProcess]:
+    made = in_parallel(*(lambda r=r: WorkerProcess(
+        url, rank=r, world_size=world_size, model=MAMBA_MODEL, heads=HEADS // world_size,
+        head_dim=16, script="hybrid_worker.py", groups=MAMBA_GROUPS, layers_per_group=2)
+        for r in range(world_size)))
+    return [w for w in made if isinstance(w, WorkerProcess)]
+
+
+def state_table(first: int, n: int, live: list[int] | None = None) -> list[int]:
+    """A Mamba group's block table in vLLM's align mode: only the state blocks at the chunks'
+    ends (``live``: those chunks; default all) are real, the rest null."""
+    live = list(range(n)) if live is None else live
+    return [first + j if j % PER_CHUNK == PER_CHUNK - 1 and j // PER_CHUNK in live else 0
+            for j in range(n * PER_CHUNK)]
+
+
+@pytest.fixture(scope="module")
+def mamba_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    yield from start_node(tmp_path_factory.mktemp("hybrid_mamba"), POOL, "mamba", mamba_engine)
+
+
+def mamba_store(workers: list[WorkerProcess], toks: list[int], seed: int,
+                live: list[int] | None = None) -> None:
+    tables = [list(range(1, 1 + N * PER_CHUNK)), state_table(1, N, live)]
+    for worker in workers:
+        worker("fill_model", tables=tables, seed=seed)
+        result = worker("store", req=f"mstore-{seed}", keys=toks, tables=tables)
+        assert result["finished"] and not result["failed"], result
+
+
+def mamba_load_and_check(workers: list[WorkerProcess], request_id: str, toks: list[int],
+                         seed: int, n: int) -> None:
+    """Each rank loads the full group's chunks and the one state block at the hit's end."""
+    tables = [list(range(30, 30 + n * PER_CHUNK)), [0] * (n * PER_CHUNK - 1) + [29 + n * PER_CHUNK]]
+    for worker in workers:
+        worker("zero", tables=tables)
+        result = worker("retrieve", req=request_id, keys=toks[:n * CHUNK], tables=tables)
+        assert result["finished"] and not result["failed"] and not result["failed_recving"]
+        # the stored logical state block at the end of chunk n - 1, read back at the hit's end
+        stored_at = n * PER_CHUNK - 1
+        check = worker("check_model", tables=[tables[0], tables[1]], seed=seed,
+                       positions=[list(range(n * PER_CHUNK)), [stored_at]])
+        assert check == {"equal": True, "null_untouched": True}
+
+
+def test_mamba_state_at_the_hits_end_loads_byte_exact(mamba_node):
+    server, made = mamba_node
+    assert made[1][0].hello["pieces"] == [[4, 4, 0], [4, 1, 1]]
+    seed = 21
+    toks = tokens(N, seed)
+    mamba_store(made[1], toks, seed)
+    assert lookup(server.url, 1, "m1", toks, MAMBA_MODEL) == N * CHUNK
+    mamba_load_and_check(made[1], "m1", toks, seed, N)
+    # each rank's state is its own: TP=1 pieces never serve TP=2 (the full group's alone could)
+    assert lookup(server.url, 2, "m2-miss", toks, MAMBA_MODEL) == 0
+    mamba_store(made[2], toks, seed)
+    assert lookup(server.url, 2, "m2", toks, MAMBA_MODEL) == N * CHUNK
+    mamba_load_and_check(made[2], "m2", toks, seed, N)
+
+
+def test_a_prompt_without_the_state_at_a_chunks_end_is_a_miss_at_that_chunk(mamba_node):
+    server, made = mamba_node
+    seed = 22
+    toks = tokens(N, seed)
+    mamba_store(made[1], toks, seed, live=[0, 1])  # the state after chunk 2 was never live
+    assert lookup(server.url, 1, "m-short", toks, MAMBA_MODEL) == 2 * CHUNK
+    mamba_load_and_check(made[1], "m-short", toks, seed, 2)

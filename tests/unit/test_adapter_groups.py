@@ -60,8 +60,21 @@ def test_group_caches_pick_each_groups_layers_and_refuse_what_cannot_be_stored()
     assert [list(g) for g in group_caches(caches, [full])] == [["l2", "l0"]]
     with pytest.raises(IncompatibleError, match="names layers not given"):
         group_caches(caches, [KVCacheGroupSpec(["l9"], "full", 16)])
-    with pytest.raises(IncompatibleError, match="Mamba state"):
-        group_caches(caches, [full, KVCacheGroupSpec(["l1"], "mamba", 16)])
     with pytest.raises(IncompatibleError, match="list of tensors"):
         group_caches({**caches, "m": [layer, layer]},
                      [KVCacheGroupSpec(["m"], "sliding", 16, 40)])
+
+
+def test_a_mamba_layer_is_shared_as_rows_of_state_blocks():
+    page = torch.zeros(6, 1, 1, 40, dtype=torch.int8)  # vLLM 0.32: the padded page per block
+    mamba = KVCacheGroupSpec(["m"], "mamba", 128)
+    (rows,) = group_caches({"m": page}, [mamba])
+    assert rows["m"].shape == (6, 1, 40) and rows["m"].data_ptr() == page.data_ptr()
+    assert group_caches({"m": [page]}, [mamba])[0]["m"].shape == (6, 1, 40)
+    conv, ssm = torch.zeros(6, 3, 8), torch.zeros(6, 2, 4, 4)
+    with pytest.raises(IncompatibleError, match="2 tensors"):
+        group_caches({"m": [conv, ssm]}, [mamba])
+    # the state at each chunk's end: the chunk's last block; a load needs only the last chunk's
+    state = group_piece(256, 128, "mamba")
+    assert piece_blocks([0, 3, 0, 7], 2, state, retrieve=False) == ([0, 1], [3, 7])
+    assert piece_blocks([0, 0, 0, 7], 2, state, retrieve=True) == ([1], [7])

@@ -114,11 +114,18 @@ def test_group_fingerprints_name_the_group_and_leave_single_group_ones_as_they_w
     assert layout_key("bfloat16", 4, 8, 64, False, LayoutGroup(1, 3, 256)) != sliding
     assert layout_key("bfloat16", 4, 8, 64, False) == "bfloat16:4x8x64"  # as ever
     assert layout_group("bfloat16:4x8x64") is None and layout_group("ranks2") is None
-    assert layout_group(full) == (0, 3, 0) and layout_group(sliding) == (2, 3, 256)
+    assert layout_group(full) == (0, 3, 0, 0) and layout_group(sliding) == (2, 3, 256, 0)
+    # Mamba state: rows of state bytes, one piece per rank of its world size (never cross-TP)
+    state = layout_key("int8", 2, 0, 39296, False, LayoutGroup(0, 2, 0, 2))
+    assert state == "int8:2xstate39296+g0of2m2" and layout_group(state) == (0, 2, 0, 2)
+    assert layout_heads(state) == 2 and world_heads(state, 2) == ((0, 1), (1, 2))
+    assert not is_mla(state) and candidate_ranges(state, (0, 1)) == ((0, 1),)
     assert layout_heads(sliding) == 8 and world_heads(sliding, 2) == ((0, 4), (4, 8))
     assert layout_heads(layout_key("bfloat16", 61, 1, 576, True, LayoutGroup(0, 2, 0))) == 1
     for bad in ("bf16:4x8x64+g", "bf16:4x8x64+g1", "bf16:4x8x64+g1of0", "bf16:4x8x64+g1of3s0",
-                "bf16:4x8x64+g100of3", "bf16:4x8x64+g1of3s", "bf16:4x8x64g1of3"):
+                "bf16:4x8x64+g100of3", "bf16:4x8x64+g1of3s", "bf16:4x8x64g1of3",
+                "int8:2xstate64", "int8:2xstate64+g0of2", "bf16:4x8x64+g0of2m2",
+                "int8:2xstate64+g0of2m0"):
         with pytest.raises(ValueError):
             layout_heads(bad)
 

@@ -48,24 +48,41 @@ class KVCacheGroupSpec:
 
 def group_caches(kv_caches: Mapping[str, torch.Tensor | list[torch.Tensor]],
                  groups: Sequence[KVCacheGroupSpec]) -> list[dict[str, torch.Tensor]]:
-    """Each group's layers (its tensors, in its order); IncompatibleError for a layer that was
-    not given or a group this server cannot take (Mamba state: a list of tensors per layer)."""
+    """Each group's layers (its tensors, in its order; a Mamba group's as ``state_rows``);
+    IncompatibleError for a layer that was not given, or given as a list of tensors where one
+    is needed."""
     out: list[dict[str, torch.Tensor]] = []
     for index, group in enumerate(groups):
-        if group.kind == "mamba":
-            raise IncompatibleError(f"KV cache group {index} is Mamba state, which lmcache does "
-                                    f"not store yet")
         missing = [name for name in group.layer_names if name not in kv_caches]
         if missing or not group.layer_names:
             raise IncompatibleError(f"KV cache group {index} names layers not given to "
                                     f"register_kv_caches: {missing[:4] or 'none at all'}")
         layers: dict[str, Any] = {name: kv_caches[name] for name in group.layer_names}
-        if any(isinstance(t, list | tuple) for t in layers.values()):
+        if group.kind == "mamba":
+            layers = {name: state_rows(index, t) for name, t in layers.items()}
+        elif any(isinstance(t, list | tuple) for t in layers.values()):
             raise IncompatibleError(f"KV cache group {index} ({group.kind}) has a layer given as "
-                                    f"a list of tensors (Mamba state); only full and sliding "
-                                    f"attention groups are stored")
+                                    f"a list of tensors: attention layers are one tensor each")
         out.append(layers)
     return out
+
+
+def state_rows(index: int, state: Any) -> torch.Tensor:
+    """A Mamba layer's state as ``[num_blocks, 1, bytes]`` rows (one state block a row, shared
+    as an MLA-shaped view: the server copies whole rows). vLLM 0.32 gives one tensor per layer
+    (the padded page of conv and ssm state); a list of several (conv, ssm of other widths) is
+    refused: one tensor per layer is what a row view can take."""
+    if isinstance(state, list | tuple):
+        if len(state) != 1:
+            raise IncompatibleError(
+                f"KV cache group {index} (mamba) gives a layer as {len(state)} tensors (conv and "
+                f"ssm state apart): lmcache stores Mamba state given as one tensor per layer")
+        state = state[0]
+    try:
+        return state.view(state.shape[0], 1, -1)
+    except RuntimeError as exc:  # a block's state is not contiguous
+        raise IncompatibleError(f"KV cache group {index} (mamba): a block's state of shape "
+                                f"{list(state.shape)} is not one contiguous row: {exc}") from None
 
 
 def group_pieces(chunk_size: int, groups: Sequence[KVCacheGroupSpec]) -> list[GroupPiece]:

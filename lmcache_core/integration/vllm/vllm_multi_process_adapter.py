@@ -197,7 +197,8 @@ class LMCacheMPWorkerAdapter:
         its own reference count (the server opening a handle sent before would release a count
         that the earlier opening already released)."""
         wrapped = wrap_kv_caches(kv_caches)
-        expected = group.block_size if group is not None else self._conn.vllm_block_size
+        expected = self._conn.vllm_block_size if group is None else (
+            1 if group.kind == "mamba" else group.block_size)  # Mamba: rows of state blocks
         if wrapped.block_size != expected:
             what = (f"KV cache group {group.index} was declared with block_size={expected}"
                     if group is not None else
