@@ -26,6 +26,8 @@ import contextlib
 import gc
 import importlib
 import json
+import multiprocessing
+import multiprocessing.context
 import os
 import runpy
 import selectors
@@ -306,6 +308,18 @@ def spawn(argv: Sequence[str], *, fresh: bool = False,
     if fresh or os.environ.get("LMCACHE_TEST_EXEC") == "1":
         return subprocess.Popen([sys.executable, *argv], text=True, **popen)
     return _SERVER.spawn(argv, **popen)
+
+
+def mp_context() -> multiprocessing.context.BaseContext:
+    """The multiprocessing context for the tests' children driven over a ``Pipe``: its fork
+    server, which preloads ``PRELOAD`` once and forks each child from that clean interpreter (no
+    state of the test's process, as with spawn, without importing torch again); spawn itself
+    under ``LMCACHE_TEST_EXEC=1``."""
+    if os.environ.get("LMCACHE_TEST_EXEC") == "1":
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(PRELOAD))
+    return context
 
 
 def prestart() -> None:

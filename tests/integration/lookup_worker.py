@@ -1,19 +1,22 @@
 """A stand-in vLLM worker for the async lookup tests: a CacheEngine and a lookup server in a child.
 
-Started with multiprocessing's spawn (a fresh interpreter, as vLLM's workers are) and driven through
-a ``Pipe``: ``("stats",)``, ``("locks", id)``, ``("free", id)``, ``("release",)``, ``("close",)``.
-Lookup ids that start with ``gate-`` wait until ``release`` before the engine answers (a slow worker).
+Started by multiprocessing (``tests.forkserver.mp_context``: forked from its fork server, a clean
+interpreter that imported torch once; no state of the test's process, as vLLM's workers have
+none of the scheduler's) and driven through a ``Pipe``: ``("stats",)``, ``("locks", id)``,
+``("free", id)``, ``("release",)``, ``("close",)``. Lookup ids that start with ``gate-`` wait
+until ``release`` before the engine answers (a slow worker).
 """
 
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import threading
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
+
+from tests import forkserver
 
 MODEL = "tiny"
 GATE_PREFIX = "gate-"
@@ -73,7 +76,7 @@ class LookupWorker:
 
     def __init__(self, runtime_dir: str, engine_id: str, worker_id: int, world_size: int,
                  tokens: list[int], chunk_size: int, num_chunks: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = forkserver.mp_context()
         self.conn, child = ctx.Pipe()
         self.worker_id = worker_id
         self.closed = False  # "close" was sent: the child is exiting

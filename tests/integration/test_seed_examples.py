@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import shutil
 import tempfile
@@ -24,6 +23,7 @@ import torch
 import zmq
 from blake3 import blake3
 
+from tests import forkserver
 from tests.harness import wait_until
 from tests.integration.servers import ServerProcess
 
@@ -94,7 +94,7 @@ def lookup_worker_main(conn: Connection, runtime_dir: str) -> None:
 
 class LookupWorker:
     def __init__(self, runtime_dir: str) -> None:
-        ctx = mp.get_context("spawn")  # a fresh interpreter, as vLLM's workers are
+        ctx = forkserver.mp_context()  # a clean interpreter's child, as vLLM's workers are
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=lookup_worker_main, args=(child, runtime_dir), daemon=True,
                                 name="seed-lookup-worker")
