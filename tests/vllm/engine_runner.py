@@ -5,7 +5,8 @@ Usage: python tests/vllm/engine_runner.py SPEC.json OUT.json
 Run as its own process per engine (vLLM keeps process-global state). SPEC:
 ``{"model": dir, "connector": {"url": ..., "extra": {...}} | null, "prefix_caching": bool,
 "kv_connector": {"name": ..., "extra": {...}} | null (another connector, by vLLM's name),
-"num_blocks": int | null, "max_model_len": int | null, "server_pid": int | null,
+"num_blocks": int | null, "max_model_len": int | null, "llm_args": {...} (more ``LLM`` keyword
+arguments, e.g. ``mamba_cache_mode``), "server_pid": int | null,
 "server_url": str | null, "steps": [...]}`` where a step is one of
 
 - ``{"op": "generate", "name", "prompts": [[ids]], "max_tokens", "salt"?, "kill_server_after_s"?,
@@ -16,8 +17,11 @@ Run as its own process per engine (vLLM keeps process-global state). SPEC:
   wall time each (the time to first token of an in-process engine);
 - ``{"op": "stats", "name"}``: the server's counters;
 - ``{"op": "pause", "s"}``: wait (a benchmark lets background stores finish between rounds);
-- ``{"op": "fault", "kind": "corrupt_loads" | null}``: make every load ask for a chunk the server
-  does not have (so it fails and vLLM must recompute), or stop doing so;
+- ``{"op": "fault", "kind": "corrupt_loads" | "drop_window" | "drop_window_tail" | null}``: make
+  every load ask for a chunk the server does not have (so it fails and vLLM must recompute); or
+  store a hybrid model's chunks without their sliding-window pieces (``drop_window``: every chunk's;
+  ``drop_window_tail``: each store's last chunk's), as if the server had evicted those pieces while
+  the full-attention ones remain; or stop doing so;
 - ``{"op": "restart_server", "name"}``: SIGTERM the server (``server_pid``), start ``lmcache serve
   -c <server_config>`` again (same url, log appended to ``server_log``), and wait until this
   engine's worker has registered with it again by itself; records the time that took and this
@@ -40,7 +44,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 CONNECTOR_MODULE = "lmcache_core.integration.vllm.lmcache_connector"
-FAULTS: dict[str, Any] = {"kind": None, "corrupted": 0}
+FAULTS: dict[str, Any] = {"kind": None, "corrupted": 0, "windows_dropped": 0}
 RESTARTED: list[subprocess.Popen[bytes]] = []  # servers this runner started (stopped at its end)
 
 
@@ -57,9 +61,24 @@ def _install_fault_hook() -> None:
                 if spec.chunk_hashes:
                     spec.chunk_hashes[-1] = os.urandom(32)  # a chunk the server never saw
                     FAULTS["corrupted"] += 1
+        elif FAULTS["kind"] in ("drop_window", "drop_window_tail"):
+            for spec in meta.stores:
+                _drop_window_pieces(self, spec, tail_only=FAULTS["kind"] == "drop_window_tail")
         return meta
 
     lc.LMCacheConnector.build_connector_meta = build_connector_meta  # type: ignore[method-assign]
+
+
+def _drop_window_pieces(connector: Any, spec: Any, tail_only: bool) -> None:
+    """Null the sliding groups' block ids of a store's chunks (all, or its last one): the adapter
+    skips a group's chunk whose ids hold the null block, so only the other groups' pieces land."""
+    if spec.group_block_ids is None or not spec.chunk_hashes:
+        return
+    for group, ids in zip(connector._groups, spec.group_block_ids, strict=True):
+        if group.kind == "sliding":
+            first = len(ids) - len(ids) // len(spec.chunk_hashes) if tail_only else 0
+            ids[first:] = [0] * (len(ids) - first)
+            FAULTS["windows_dropped"] += 1
 
 
 def _server_stats(url: str) -> dict[str, Any]:
@@ -155,8 +174,12 @@ def main(spec_path: str, out_path: str) -> int:
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
               max_model_len=spec.get("max_model_len", 4096),
               enable_prefix_caching=bool(spec.get("prefix_caching")),
-              num_gpu_blocks_override=spec.get("num_blocks"), kv_transfer_config=kv_config, seed=0)
+              num_gpu_blocks_override=spec.get("num_blocks"), kv_transfer_config=kv_config, seed=0,
+              **spec.get("llm_args", {}))
     out["startup_s"] = time.perf_counter() - t0
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler  # in-process engine core
+    out["kv_cache_groups"] = [type(g.kv_cache_spec).__name__
+                              for g in scheduler.kv_cache_config.kv_cache_groups]
 
     def prompts(step: dict[str, Any]) -> list[Any]:
         extra = {"cache_salt": step["salt"]} if step.get("salt") else {}

@@ -1,6 +1,6 @@
 """vLLM's real scheduler + our connector (both roles) + a synthetic model, against ``lmcache serve``.
 
-Usage: python tests/vllm/scheduler_harness.py SERVER_URL OUT.json
+Usage: python tests/vllm/scheduler_harness.py SERVER_URL OUT.json MODEL_DIR [hybrid]
 
 For vLLM builds that cannot run a model on this machine (the newest PyPI ``vllm`` is a CUDA build:
 installed with ``--no-deps`` and run with ``VLLM_TARGET_DEVICE=cpu``), this drives the real
@@ -10,12 +10,20 @@ pool). The "model" writes each scheduled token's K/V as a pure function of (toke
 the blocks the way vLLM's CPU kernel does, and samples the next token from the K values it reads
 back from the request's blocks. So a token sampled after a load is right only if the load put the
 right bytes in the right blocks: outputs are checked against the same function computed directly.
+
+``hybrid``: two KV cache groups, as vLLM's hybrid KV cache manager makes them: layer 0 full
+attention, layer 1 a sliding window of ``WINDOW`` tokens (its blocks behind the window freed by the
+scheduler); the model samples from every position's K of layer 0 and the window's K of layer 1, so
+a load must fill both groups' blocks. A load made to fail (its last chunk's hash replaced) must be
+reported per request (``failed_recving``): the scheduler raises RuntimeError for block-level load
+errors of a multi-group model.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import struct
 import sys
 from typing import Any
 
@@ -27,32 +35,43 @@ CHUNK = 256
 VOCAB = 1024
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 HEADS, DIM = 4, 64
+WINDOW = 128  # hybrid: layer 1's sliding window
 
 
 def kv_value(token: int, position: int) -> float:
-    return float((token * 31 + position * 7) % 997) / 997.0
+    """A token's K (V is its negation), as float32 holds it: sampling reads it back exactly."""
+    exact = float((token * 31 + position * 7) % 997) / 997.0
+    return float(struct.unpack("f", struct.pack("f", exact))[0])
 
 
 def next_token(values: list[float]) -> int:
     return int(sum(v * (i % 13 + 1) for i, v in enumerate(values)) * 1000) % (VOCAB - 3) + 3
 
 
-def expected(prompt: list[int], max_tokens: int) -> list[int]:
+def expected(prompt: list[int], max_tokens: int, hybrid: bool = False) -> list[int]:
     tokens = list(prompt)
     out = []
     for _ in range(max_tokens):
-        tok = next_token([kv_value(t, p) for p, t in enumerate(tokens)])
+        values = [kv_value(t, p) for p, t in enumerate(tokens)]
+        if hybrid:  # and layer 1's window: the tokens the next one attends to
+            values += values[max(0, len(tokens) - WINDOW + 1):]
+        tok = next_token(values)
         out.append(tok)
         tokens.append(tok)
     return out
 
 
-def _kv_cache_config(vllm_config: Any) -> Any:
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+def _kv_cache_config(vllm_config: Any, hybrid: bool) -> Any:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-    spec = FullAttentionSpec(block_size=vllm_config.cache_config.block_size, num_kv_heads=HEADS,
-                             head_size=DIM, dtype=torch.float32)
+    block_size = vllm_config.cache_config.block_size
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=HEADS, head_size=DIM,
+                             dtype=torch.float32)
     specs = [dict.fromkeys(LAYERS, spec)]
+    if hybrid:
+        specs = [{LAYERS[0]: spec, LAYERS[1]: SlidingWindowSpec(
+            block_size=block_size, num_kv_heads=HEADS, head_size=DIM, dtype=torch.float32,
+            sliding_window=WINDOW)}]
     budget = [64 * vllm_config.cache_config.block_size * HEADS * DIM * 2 * 4 * len(LAYERS)]
     try:  # vLLM >= 0.33: planning split out, global groups computed first
         from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
@@ -69,7 +88,7 @@ def _kv_cache_config(vllm_config: Any) -> Any:
 class Engine:
     """The scheduler, both connector roles, and the synthetic model, stepped together."""
 
-    def __init__(self, url: str, model_dir: str) -> None:
+    def __init__(self, url: str, model_dir: str, hybrid: bool = False) -> None:
         from vllm.config import KVTransferConfig
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.engine.arg_utils import EngineArgs
@@ -90,19 +109,26 @@ class Engine:
                           kv_transfer_config=kv, block_size=128)
         self.vllm_config = args.create_engine_config()
         self.vllm_config.cache_config.kv_cache_layout = "LBHNC"  # the CPU backend's (see kv_views)
-        self.kv_cache_config = _kv_cache_config(self.vllm_config)
+        self.hybrid = hybrid
+        self.kv_cache_config = _kv_cache_config(self.vllm_config, hybrid)
+        groups = self.kv_cache_config.kv_cache_groups
+        assert len(groups) == (2 if hybrid else 1), groups
+        # each layer's group (vLLM orders the groups by kind, not by layer)
+        self.group_of = {name: g for g, group in enumerate(groups) for name in group.layer_names}
         self.vllm_config.cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks
         self.worker = LMCacheConnector(self.vllm_config, KVConnectorRole.WORKER,
                                        self.kv_cache_config)
         with self.worker.get_mem_pool_context():
             self.kv_caches = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"),
-                                               KVCacheLayout.LBHNC, [128])
+                                               KVCacheLayout.LBHNC, [128] * len(groups))
         self.worker.register_kv_caches(self.kv_caches)
         self.scheduler = Scheduler(
             vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
             structured_output_manager=StructuredOutputManager(self.vllm_config), block_size=128)
         self.block_size = 128
-        self.blocks: dict[str, list[int]] = {}
+        self.blocks: dict[str, list[list[int]]] = {}  # per request, per group
+        self.corrupt: set[str] = set()  # requests whose load is made to fail
+        self.failed_recving: set[str] = set()  # reported by the connector
         self.tokens: dict[str, list[int]] = {}
         self.outputs: dict[str, list[int]] = {}
         self.cached: dict[str, int] = {}
@@ -114,21 +140,29 @@ class Engine:
         nb, h, bs, c = t.shape
         return t.view(nb, h, 2 * bs, c // 2)[block]
 
+    def _block(self, rid: str, layer: str, p: int) -> int:
+        block = self.blocks[rid][self.group_of[layer]][p // self.block_size]
+        assert block != 0, f"{rid}: position {p} of {layer} is in the null block"
+        return block
+
     def _write(self, rid: str, start: int, end: int) -> None:
         for p in range(start, end):
-            block, slot = self.blocks[rid][p // self.block_size], p % self.block_size
+            slot = p % self.block_size
             v = kv_value(self.tokens[rid][p], p)
             for layer in LAYERS:
-                rows = self._kv_rows(layer, block)
+                rows = self._kv_rows(layer, self._block(rid, layer, p))
                 rows[:, slot].fill_(v)
                 rows[:, self.block_size + slot].fill_(-v)
 
     def _read(self, rid: str, end: int) -> list[float]:
-        out = []
-        for p in range(end):
-            block, slot = self.blocks[rid][p // self.block_size], p % self.block_size
-            out.append(float(self._kv_rows(LAYERS[-1], block)[HEADS - 1, slot, DIM - 1]))
-        return out
+        def k(layer: str, p: int) -> float:
+            rows = self._kv_rows(layer, self._block(rid, layer, p))
+            return float(rows[HEADS - 1, p % self.block_size, DIM - 1])
+
+        if not self.hybrid:
+            return [k(LAYERS[-1], p) for p in range(end)]
+        return ([k(LAYERS[0], p) for p in range(end)]
+                + [k(LAYERS[1], p) for p in range(max(0, end - WINDOW + 1), end)])
 
     # -------------------------------------------------------------- the engine loop
 
@@ -145,17 +179,21 @@ class Engine:
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         so = self.scheduler.schedule()
+        for spec in so.kv_connector_metadata.loads:
+            if spec.request_id in self.corrupt and spec.chunk_hashes:
+                spec.chunk_hashes[-1] = os.urandom(32)  # a chunk the server never saw
         for new in so.scheduled_new_reqs:
-            self.blocks[new.req_id] = list(new.block_ids[0])
+            self.blocks[new.req_id] = [list(ids) for ids in new.block_ids]
             self.cached.setdefault(new.req_id, new.num_computed_tokens)
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             ids = cached.new_block_ids[i]
             if ids:
                 if rid in cached.resumed_req_ids:
-                    self.blocks[rid] = list(ids[0])
+                    self.blocks[rid] = [list(group) for group in ids]
                 else:
-                    self.blocks[rid] += list(ids[0])
+                    for mine, added in zip(self.blocks[rid], ids, strict=True):
+                        mine += list(added)
         computed = {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
         computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         self.worker.bind_connector_metadata(so.kv_connector_metadata)
@@ -174,15 +212,17 @@ class Engine:
                 sampled.append([])
         self.worker.start_load_kv(None)  # async loads start after the forward, as in vLLM
         self.worker.wait_for_save()
-        sending, recving = self.worker.get_finished(so.finished_req_ids)
+        results = self.worker.get_transfer_results(so.finished_req_ids)
         invalid = self.worker.get_block_ids_with_load_errors()
+        self.failed_recving |= results.failed_recving
         self.worker.clear_connector_metadata()
         output = ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled,
-            kv_connector_output=KVConnectorOutput(finished_sending=sending,
-                                                  finished_recving=recving,
-                                                  invalid_block_ids=invalid))
+            kv_connector_output=KVConnectorOutput(
+                finished_sending=results.finished_sending or None,
+                finished_recving=results.finished_recving or None,
+                failed_recving=results.failed_recving, invalid_block_ids=invalid))
         self.scheduler.update_from_output(so, output)
         for rid in req_ids:  # drop tokens the scheduler did not keep (stop conditions)
             request = self.scheduler.requests.get(rid)
@@ -204,22 +244,29 @@ class Engine:
         self.worker.shutdown()
 
 
-def main(url: str, out_path: str, model_dir: str) -> int:
+def main(url: str, out_path: str, model_dir: str, mode: str = "") -> int:
     import random
 
     import vllm
 
+    hybrid = mode == "hybrid"
     rng = random.Random(3)
     a = [rng.randrange(3, VOCAB) for _ in range(1000)]
     prompts = {"A": a, "B": a[:768] + [rng.randrange(3, VOCAB) for _ in range(200)],
                "C": [rng.randrange(3, VOCAB) for _ in range(600)]}
-    engine = Engine(url, model_dir)
-    result: dict[str, Any] = {"vllm": vllm.__version__, "requests": {}}
+    if hybrid:  # D's load of A's 3 chunks is made to fail
+        prompts["D"] = a[:768] + [rng.randrange(3, VOCAB) for _ in range(150)]
+    engine = Engine(url, model_dir, hybrid)
+    engine.corrupt.add("D")
+    result: dict[str, Any] = {"vllm": vllm.__version__, "requests": {},
+                              "groups": [type(g.kv_cache_spec).__name__
+                                         for g in engine.kv_cache_config.kv_cache_groups]}
     for rid, prompt in prompts.items():  # one at a time: B must find A's stored chunks
         engine.add(rid, prompt, 8)
         engine.run()
         result["requests"][rid] = {"tokens": engine.outputs[rid], "cached": engine.cached[rid],
-                                   "expected": expected(prompt, 8)}
+                                   "expected": expected(prompt, 8, hybrid)}
+    result["failed_recving"] = sorted(engine.failed_recving)
     engine.close()
     with open(out_path, "w") as f:
         json.dump(result, f)
@@ -227,4 +274,4 @@ def main(url: str, out_path: str, model_dir: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2], sys.argv[3]))
+    sys.exit(main(*sys.argv[1:]))

