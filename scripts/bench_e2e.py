@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Time to first token with a real vLLM engine: what a user of lmcache buys, beside its floors.
 
-Two workloads on a random-weight Llama made locally (no download), one prompt at a time:
+Two workloads on a random-weight Llama made locally (no download), one prompt at a time (or, with
+``--model gemma3``, a random-weight Gemma-3-style hybrid: sliding-window and full-attention layers,
+which vLLM's hybrid KV cache manager splits into KV cache groups):
 
 - **docs** (long-document QA): round 1 asks a question about each of ``--docs`` documents of
   ``--doc-tokens`` tokens; round 2 asks a new question about each. Round 2 is the reuse round.
@@ -30,6 +32,7 @@ anything else moves these by tens of percent; compare ratios within one run only
 Usage (the vLLM env that scripts/test-vllm makes):
   ~/.cache/lmcache-vllm-venv/bin/python scripts/bench_e2e.py [--docs 4 --doc-tokens 2048]
       [--users 4 --turns 4] [--engines full,vllm,ours,lmcache] [--json out.json]
+      [--model gemma3 --workloads docs --engines full,vllm,ours]
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.vllm.tiny_model import tiny_llama  # noqa: E402  (the repository's root, above)
+from tests.vllm.tiny_model import tiny_gemma3, tiny_llama  # noqa: E402  (the root, above)
 
 RUNNER = ROOT / "tests" / "vllm" / "engine_runner.py"
 CHUNK = 256
@@ -63,6 +66,14 @@ MODEL: dict[str, Any] = {  # a 4-layer Llama; KV of a 256-token chunk: 4 MiB (fl
     "num_hidden_layers": 4, "hidden_size": 512, "intermediate_size": 1024,
     "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": VOCAB,
     "max_position_embeddings": 16384, "initializer_range": 0.2, "seed": 4321, "dtype": "float32",
+}
+#: ``--model gemma3``: 6 layers, every third full attention, the others a 512-token window (so a
+#: 2048-token document's sliding layers keep a quarter of its KV); the same widths as MODEL.
+GEMMA3: dict[str, Any] = {
+    "num_hidden_layers": 6, "hidden_size": 512, "intermediate_size": 1024,
+    "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": VOCAB,
+    "max_position_embeddings": 16384, "sliding_window": 512, "full_every": 3, "tied": False,
+    "initializer_range": 0.2, "seed": 4321, "dtype": "float32",
 }
 LMCACHE_OVERLAY = Path(os.path.expanduser("~/.cache/lmcache-vllm-venv-lmcache-0.5.6"))
 LMCACHE_PYTHON = Path(os.path.expanduser("~/.cache/lmcache-0.5.6-venv/bin/python"))
@@ -83,6 +94,8 @@ def main() -> None:
     parser.add_argument("--workloads", default="docs,chat")
     parser.add_argument("--lmcache-python", type=Path, default=LMCACHE_PYTHON)
     parser.add_argument("--json", type=Path, help="write every TTFT sample here")
+    parser.add_argument("--model", choices=["llama", "gemma3"], default="llama",
+                        help="gemma3: the hybrid (sliding window + full attention) model")
     args = parser.parse_args()
     engines = [e for e in args.engines.split(",") if e]
     if "lmcache" in engines and not lmcache_available(args.lmcache_python):
@@ -90,10 +103,14 @@ def main() -> None:
               f"{args.lmcache_python}; scripts/test-lmcache installs both)")
         engines.remove("lmcache")
     work = Path(tempfile.mkdtemp(prefix="lmcache-bench-e2e-"))
-    model = tiny_llama(spec=MODEL, name="bench-e2e-llama")
+    if args.model == "gemma3":
+        model, shape = tiny_gemma3(spec=GEMMA3, name="bench-e2e-gemma3"), GEMMA3
+        kind = f"random Gemma-3-style hybrid (window {GEMMA3['sliding_window']}, every third full)"
+    else:
+        model, shape, kind = tiny_llama(spec=MODEL, name="bench-e2e-llama"), MODEL, "random Llama"
     print(f"{time.strftime('%Y-%m-%d %H:%M')}  {os.cpu_count()} cores, load average "
-          f"{os.getloadavg()[0]:.1f}; model: random Llama, {MODEL['num_hidden_layers']} layers, "
-          f"{MODEL['num_key_value_heads']} KV heads x {MODEL['head_dim']}, float32; chunk {CHUNK}")
+          f"{os.getloadavg()[0]:.1f}; model: {kind}, {shape['num_hidden_layers']} layers, "
+          f"{shape['num_key_value_heads']} KV heads x {shape['head_dim']}, float32; chunk {CHUNK}")
     samples: dict[str, Any] = {}
     for workload in args.workloads.split(","):
         steps, blocks, max_len = (docs_workload(args) if workload == "docs"
