@@ -262,18 +262,36 @@ _Covers = list[list[list[Piece]] | None]
 def _group_covers(index: PieceIndex, model_name: str, group: GroupTarget,
                   chunk_hashes: Sequence[bytes], stop_at_miss: bool) -> _Covers:
     """Each chunk's covering pieces in ``group`` (for full attention only the covered prefix:
-    ``stop_at_miss``)."""
+    ``stop_at_miss``). The one-range case checks the first piece inline, as ``find_hits``."""
     chunks_of = index.chunks.get
+    layout, ranges = group.layout, group.ranges
+    lo, hi = ranges[0]
+    single = len(ranges) == 1
     out: _Covers = []
+    append = out.append
     for chunk_hash in chunk_hashes:
-        pieces = chunks_of((model_name, group.layout, chunk_hash))
-        covers = [cover(pieces, lo, hi) for lo, hi in group.ranges] if pieces else [None]
-        if any(c is None for c in covers):
-            if stop_at_miss:
-                break
-            out.append(None)
+        pieces = chunks_of((model_name, layout, chunk_hash))
+        covers: list[list[Piece]] | None = None
+        if not pieces:
+            pass
+        elif single and pieces[0].key.head_lo <= lo and pieces[0].key.head_hi >= hi:
+            covers = [[pieces[0]]]
         else:
-            out.append(covers)  # type: ignore[arg-type]  # none is None here
+            covers = _cover_all(pieces, ranges)
+        if covers is None and stop_at_miss:
+            break
+        append(covers)
+    return out
+
+
+def _cover_all(pieces: Sequence[Piece], ranges: Sequence[HeadRange]) -> list[list[Piece]] | None:
+    """The pieces covering each range, in ``ranges`` order; None if one is not covered."""
+    out: list[list[Piece]] = []
+    for lo, hi in ranges:
+        covering = cover(pieces, lo, hi)
+        if covering is None:
+            return None
+        out.append(covering)
     return out
 
 
@@ -296,7 +314,7 @@ def find_group_hits(index: PieceIndex, model_name: str, groups: Sequence[GroupTa
     chunk by chunk in prefix order (so ``touch_hits`` touches the prefix's tail first)."""
     limit = len(chunk_hashes)
     covers: list[_Covers] = []
-    for group in groups:  # full groups first cut the limit, so windows are walked no further
+    for group in groups:  # a full group's first miss cuts how far the groups after it are walked
         full = group.window_chunks == 0
         found = _group_covers(index, model_name, group, chunk_hashes[:limit], stop_at_miss=full)
         limit = min(limit, len(found)) if full else limit
@@ -305,16 +323,19 @@ def find_group_hits(index: PieceIndex, model_name: str, groups: Sequence[GroupTa
     for group, found in zip(groups, covers, strict=True):
         if group.window_chunks:
             count = min(count, _window_reach(found, group.window_chunks, count))
-    held: Held = {}
+    held: Held = {heads: {} for group in groups for heads in group.ranges}
+    # (from which position, its layout, its ranges' dicts, its covers) per group
+    parts = [(count - group.window_chunks if group.window_chunks else 0, group.layout,
+              [held[heads] for heads in group.ranges], found)
+             for group, found in zip(groups, covers, strict=True)]
     for position in range(count):
         chunk_hash = chunk_hashes[position]
-        for group, found in zip(groups, covers, strict=True):
-            if group.window_chunks and position < count - group.window_chunks:
-                continue
-            chunk = (model_name, group.layout, chunk_hash)
-            for heads, pieces in zip(group.ranges, found[position] or (), strict=True):
-                held.setdefault(heads, {})[chunk] = pieces
-    return Hits(count, held)
+        for start, layout, per_range, found in parts:
+            if position >= start:
+                chunk = (model_name, layout, chunk_hash)
+                for chunks, pieces in zip(per_range, found[position] or (), strict=True):
+                    chunks[chunk] = pieces
+    return Hits(count, {heads: chunks for heads, chunks in held.items() if chunks})
 
 
 def touch_hits(index: PieceIndex, hits: Hits) -> None:
