@@ -313,12 +313,41 @@ def test_hits_are_attributed_to_host_memory(hybrid: Any) -> None:
         CacheHitSource.HOST: 512}
 
 
-def test_mamba_and_chunked_local_models_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_chunked_local_and_mamba_without_state_checkpoints_are_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(lc, "LMCacheMPSchedulerAdapter", FakeSchedulerAdapter)
-    for name, why in (("MambaSpec", "Mamba"), ("ChunkedLocalAttentionSpec", "chunked-local")):
-        vllm_config, kv_cache_config = _config([_spec("FullAttentionSpec"), _spec(name)])
-        with pytest.raises(ValueError, match=f"group 1 \\({name}\\): .*{why}"):
+    for group, why in ((_spec("ChunkedLocalAttentionSpec"),
+                        "ChunkedLocalAttentionSpec\\): .*chunked-local"),
+                       (_spec("MambaSpec", mamba_cache_mode="none"),
+                        "MambaSpec\\) with mamba_cache_mode='none'")):
+        vllm_config, kv_cache_config = _config([_spec("FullAttentionSpec"), group])
+        with pytest.raises(ValueError, match=f"group 1 \\({why}"):
             lc.LMCacheConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+
+
+def test_mamba_states_are_stored_for_prompt_chunks_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's align mode (hma_facts.md): one live state block, at the current position."""
+    monkeypatch.setattr(lc, "LMCacheMPSchedulerAdapter", FakeSchedulerAdapter)
+    vllm_config, kv_cache_config = _config([_spec("MambaSpec", mamba_cache_mode="align"),
+                                            _spec("FullAttentionSpec")])
+    conn = lc.LMCacheConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    req = _request("r", TOKENS[:600])
+    conn._scheduler.answers["r"] = 0
+    conn.get_num_new_matched_tokens(req, 0)
+    groups = ([0, 0, 0, 7, 8], [1, 2, 3, 4, 5])
+    conn.update_state_after_alloc(req, _group_blocks(*groups), 0)
+    out = _output(scheduled={"r": 600})
+    out.scheduled_new_reqs = [SimpleNamespace(req_id="r", block_ids=groups, num_computed_tokens=0)]
+    meta = conn.build_connector_meta(out)
+    (store,) = meta.stores
+    assert store.group_block_ids == [[0, 0, 0, 7], [1, 2, 3, 4]] and meta.window_stores
+    req.all_token_ids = TOKENS[:800]  # decode crossed chunk 2's end (768): its state is not stored
+    out = _output(scheduled={"r": 1})
+    out.scheduled_cached_reqs = SimpleNamespace(
+        req_ids=["r"], resumed_req_ids=set(), num_computed_tokens=[767],
+        new_block_ids=[([9], [6])])
+    (store,) = conn.build_connector_meta(out).stores
+    assert store.group_block_ids == [[0, 0], [5, 6]]
 
 
 def test_metadata_is_picklable() -> None:

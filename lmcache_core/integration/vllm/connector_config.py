@@ -1,9 +1,9 @@
 """What the connector reads from its settings and from vLLM's config, and the setups it refuses.
 
 The lmcache client config from ``kv_connector_extra_config``; the model's KV cache groups (full
-attention, MLA, sliding window; Mamba state and chunked-local attention are refused with a message
-that says so); the attention backend of the model's layers; no GPU KV cache that vLLM's sleep mode
-allocates. Part of :mod:`.lmcache_connector`.
+attention, MLA, sliding window, Mamba state in vLLM's ``align`` or ``all`` cache mode; chunked-local
+attention is refused with a message that says so); the attention backend of the model's layers;
+no GPU KV cache that vLLM's sleep mode allocates. Part of :mod:`.lmcache_connector`.
 """
 
 from __future__ import annotations
@@ -26,12 +26,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger("lmcache_core.integration.vllm.lmcache_connector")
 #: vLLM KV cache specs the connector stores, by the kind of group they make.
 SPEC_KINDS: dict[str, GroupKind] = {"FullAttentionSpec": "full", "MLAAttentionSpec": "full",
-                                    "SlidingWindowSpec": "sliding"}
+                                    "SlidingWindowSpec": "sliding", "MambaSpec": "mamba"}
 SUPPORTED_SPECS = tuple(SPEC_KINDS)
 _NOT_YET = {
-    "MambaSpec": "Mamba / linear-attention state is not stored by the lmcache server yet",
     "ChunkedLocalAttentionSpec": "chunked-local attention (Llama 4) is not supported yet",
 }
+#: vLLM's Mamba cache modes that keep the state at block boundaries (a chunk's end state is then
+#: the chunk's last block); "none" keeps only the running state, which no later request can use.
+MAMBA_CACHE_MODES = ("align", "all")
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,12 @@ def _group_info(index: int, group: Any, block_size: int) -> KVGroupInfo:
     if len(kinds) != 1:
         raise ValueError(f"KV cache group {index} mixes {', '.join(sorted(names))}")
     (kind,) = kinds
+    mode = getattr(spec, "mamba_cache_mode", "align")
+    if kind == "mamba" and mode not in MAMBA_CACHE_MODES:
+        raise ValueError(
+            f"LMCacheConnector cannot cache KV cache group {index} (MambaSpec) with "
+            f"mamba_cache_mode={mode!r}: it keeps no state at block boundaries. Start vLLM with "
+            "prefix caching and --mamba-cache-mode align.")
     window = int(getattr(spec, "sliding_window", 0) or 0) if kind == "sliding" else 0
     return KVGroupInfo(index, kind, int(getattr(spec, "block_size", 0) or block_size), window,
                        tuple(getattr(group, "layer_names", ()) or ()))

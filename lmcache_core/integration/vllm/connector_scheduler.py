@@ -200,14 +200,29 @@ class ConnectorSchedulerSide(KVConnectorBase_V1, SupportsHMA):
         if complete <= start:
             return
         tracker.ensure_hashes(complete, size)
-        meta.stores.append(self._spec(
-            tracker, start, complete, ttl_s=hints.ttl_s, pin=hints.pin, priority=hints.priority,
-            cache_salt=getattr(tracker.request, "cache_salt", None)))
-        # Stored in the step that computes them: a sliding window's blocks may be freed from the
-        # next step on (the adapter skips a group's chunk whose blocks are already null).
-        meta.window_stores |= any(g.kind == "sliding" for g in self._groups)
+        spec = self._spec(tracker, start, complete, ttl_s=hints.ttl_s, pin=hints.pin,
+                          priority=hints.priority,
+                          cache_salt=getattr(tracker.request, "cache_salt", None))
+        self._prompt_states_only(tracker, start, spec)
+        meta.stores.append(spec)
+        # Stored in the step that computes them: a sliding window's blocks (and a Mamba group's
+        # state blocks) may be freed from the next step on (the adapter skips a group's chunk
+        # whose blocks are already null).
+        meta.window_stores |= any(g.kind != "full" for g in self._groups)
         tracker.stored_chunks = complete
         self._with_stores.add(tracker.request.request_id)
+
+    def _prompt_states_only(self, tracker: _Tracker, start: int, spec: TransferSpec) -> None:
+        """A Mamba group stores the state of chunks that end within the prompt only (their ids
+        past it nulled, so the adapter skips them): the end-of-chunk state of a prefill step in
+        vLLM's align mode is tested with a real engine, a decode step's is not."""
+        if spec.group_block_ids is None:
+            return
+        in_prompt = max(0, int(tracker.request.num_prompt_tokens) // self._chunk_size - start)
+        for group, ids, bpc in zip(self._groups, spec.group_block_ids, self._group_bpc,
+                                   strict=True):
+            if group.kind == "mamba":
+                ids[in_prompt * bpc:] = [0] * max(0, len(ids) - in_prompt * bpc)
 
     def _spec(self, tracker: _Tracker, start: int, end: int, **fields: Any) -> TransferSpec:
         """Chunks [start, end) of the request: their hashes and each group's blocks of them."""

@@ -104,10 +104,10 @@ class ConnectorWorkerSide(KVConnectorBase_V1):
         else:
             # One registration per group: layers of different groups may share one tensor (vLLM
             # overlays the groups; a block id belongs to one group at a time).
-            self._group_views = [
-                self._canonical_views({n: kv_caches[n] for n in g.layer_names}, backend, g.index)
-                for g in self._groups]
-            self._views = self._group_views[0]
+            self._group_views = [self._group_layer_views(kv_caches, backend, g)
+                                 for g in self._groups]
+            self._views = next(v for g, v in zip(self._groups, self._group_views, strict=True)
+                               if g.kind != "mamba")
         first = next(iter(kv_caches.values()))
         self._kv_device = first.device
         logger.info("lmcache: %d KV layers in %d group(s), %s: %s -> %s layout, %s-token blocks",
@@ -115,6 +115,16 @@ class ConnectorWorkerSide(KVConnectorBase_V1):
                     f"shape {list(first.shape)} stride {list(first.stride())}",
                     self._views.layout, "/".join(str(v.block_size) for v in self._group_views))
         self._register()
+
+    def _group_layer_views(self, kv_caches: dict[str, torch.Tensor], backend: str | None,
+                           group: KVGroupInfo) -> KVViews:
+        """One group's layers: attention as canonical views; a Mamba group's state tensors as
+        vLLM gives them (one per layer, a state block per row: the adapter takes them so)."""
+        layers = {name: kv_caches[name] for name in group.layer_names}
+        if group.kind != "mamba":
+            return self._canonical_views(layers, backend, group.index)
+        return KVViews("mla", layers, group.block_size, 1,
+                       "Mamba state, one tensor per layer (a state block per row)")
 
     def _canonical_views(self, kv_caches: dict[str, torch.Tensor], backend: str | None,
                          group: int) -> KVViews:

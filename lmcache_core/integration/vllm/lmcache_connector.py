@@ -42,14 +42,15 @@ How a request goes (vLLM's semantics):
   ``handle_preemptions`` waits for a preempted request's stores before vLLM reuses its blocks.
 
 Hybrid models (``SupportsHMA``): vLLM keeps its hybrid KV cache manager on, and block ids come one
-list per KV cache group. Full-attention, MLA and sliding-window groups are supported: each group is
-registered as its own KV cache (a chunk is one piece per group; a sliding group's piece is the
-window's blocks at the chunk's end), stores take each group's blocks of the chunks a step completes
-in that step (null blocks skipped; a sliding window's are waited for before the next forward pass,
-as vLLM may free them), and a failed load of a multi-group model is reported per request
-(``get_transfer_results().failed_recving``), so vLLM recomputes it. Mamba state and chunked-local
-attention groups are refused at start with a clear message. Hits are reported as host-memory hits
-(``CacheHitSource.HOST``). The KV layout is read from the tensors and the attention backend
+list per KV cache group. Full-attention, MLA, sliding-window and Mamba (``align``/``all`` cache
+mode) groups are supported: each group is registered as its own KV cache (a chunk is one piece per
+group; a sliding group's piece is the window's blocks at the chunk's end, a Mamba group's the state
+there, for chunks that end within the prompt), stores take each group's blocks of the chunks a step
+completes in that step (null blocks skipped; a sliding window's and a Mamba state's are waited for
+before the next forward pass, as vLLM may free them), and a failed load of a multi-group model is
+reported per request (``get_transfer_results().failed_recving``), so vLLM recomputes it.
+Chunked-local attention groups are refused at start with a clear message. Hits are reported as
+host-memory hits (``CacheHitSource.HOST``). The KV layout is read from the tensors and the attention backend
 (:mod:`.kv_views`). On CPU hosts the KV cache is allocated in POSIX shared memory from the start
 (``get_mem_pool_context``), so the server maps it; on GPU hosts CUDA IPC handles are sent. Either
 way a server that restarts gets the KV caches registered again by the worker's heartbeat, without
