@@ -34,7 +34,7 @@ from lmcache_core.storage.pool import MemoryPool
 from lmcache_core.storage.remote import RemoteTier, glob_escape
 from lmcache_core.transport.client import MessageQueueClient
 from tests.harness import wait_until
-from tests.integration.servers import TINY, RedisServer, ServerProcess, freeze
+from tests.integration.servers import TINY, RedisServer, ServerProcess, WorkerProcess, freeze
 from tests.integration.test_cli import Result, cli
 
 CHUNK = 64  # tokens: the servers' chunk size
@@ -44,14 +44,17 @@ PIECE_BYTES = 2 * 2 * CHUNK * 4 * 32 * 2  # K and V, 2 layers, 64 tokens, 4 head
 runner = CliRunner()
 
 
-def store_bench(cfg: Path, tokens: Path) -> list[list[int]]:
-    """One CPU worker stores one prompt of 4 chunks (and looks it up); its prompts."""
-    result = cli("store-bench", "-c", str(cfg), "--gpus", "cpu", "--chunks", "4", "--rounds", "1",
-                 "--warmup", "0", "--lookups", "1", "--tokens-out", str(tokens), "--json")
-    assert result.code == 0, result.err
-    prompts: list[list[int]] = json.loads(tokens.read_text())["prompts"]
-    assert len(prompts) == 1 and len(prompts[0]) == 4 * CHUNK
-    return prompts
+def store_prompt(worker: WorkerProcess, tokens: Path) -> list[int]:
+    """The worker stores one prompt of 4 chunks, written to ``tokens`` as ``lookup --tokens``
+    reads it. (A worker process, not ``store-bench``: that one spawns an interpreter importing
+    torch, 15-60 s on a busy machine; test_cli.py runs it and reads its --tokens-out.)"""
+    prompt = [(7919 * 3 + i * 37) % 32000 for i in range(4 * CHUNK)]
+    stored = list(range(4 * CHUNK // 16))  # the worker's 16-token blocks
+    worker("fill", blocks=stored, seed=3)
+    result = worker("store", req="prompt", keys=prompt, blocks=stored)
+    assert result["finished"] and not result["failed"], result
+    tokens.write_text(json.dumps({"prompts": [prompt]}))
+    return prompt
 
 
 def run_json(*args: str) -> dict[str, Any]:
@@ -84,12 +87,13 @@ def totals(listing: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def test_after_a_restart_lookup_and_inspect_chunks_report_the_disk(
-        make_server: Callable[..., ServerProcess], tmp_path: Path) -> None:
+        make_server: Callable[..., ServerProcess], make_worker: Callable[..., WorkerProcess],
+        tmp_path: Path) -> None:
     server = make_server({"disk": {"path": str(tmp_path / "disk"), "max_size": "64MiB",
                                    "write_through": True}}, name="d")
     tokens = tmp_path / "tok.json"
     cfg = server.config_path
-    store_bench(cfg, tokens)
+    store_prompt(make_worker(server.url), tokens)
     [row] = lookup(cfg, tokens)["prompts"]
     assert tier_counts(row) == (4, 4, 0, 0)  # all in memory, and written behind to disk
     wait_until(lambda: totals(inspect(cfg, "--tier", "disk"))["disk"]["pieces"] == 4)
@@ -156,13 +160,14 @@ def test_after_a_restart_lookup_and_inspect_chunks_report_the_disk(
 
 @pytest.mark.redis
 def test_a_second_server_on_the_same_redis_reports_its_chunks(
-        make_server: Callable[..., ServerProcess], redis_up: RedisServer, tmp_path: Path) -> None:
+        make_server: Callable[..., ServerProcess], make_worker: Callable[..., WorkerProcess],
+        redis_up: RedisServer, tmp_path: Path) -> None:
     redis_srv = redis_up
     remote = {"url": redis_srv.url, "timeout_ms": 200, "retry_interval_s": 0.2}
     srv_a = make_server({"remote": remote}, name="a")
     srv_b = make_server({"remote": remote}, name="b")
     tokens = tmp_path / "tok.json"
-    store_bench(srv_a.config_path, tokens)
+    store_prompt(make_worker(srv_a.url), tokens)
     a_cfg, b_cfg = srv_a.config_path, srv_b.config_path
     wait_until(lambda: totals(inspect(a_cfg, "--tier", "remote"))["remote"]["pieces"] == 4)
 
