@@ -313,7 +313,7 @@ def test_http_url_in_use_is_one_error_line_and_exit_1(tmp_path: Path) -> None:
         port = taken.getsockname()[1]
         srv = ServerProcess(tmp_path, {"server": {"http_url": f"http://127.0.0.1:{port}"}})
         with pytest.raises(RuntimeError, match="server exited 1"):
-            srv.start(timeout_s=20)
+            srv.start(timeout_s=60)  # a hang bound only: it exits in ~1 s
     assert f"cannot listen on http://127.0.0.1:{port} (server.http_url)" in srv.log()
     assert "Traceback" not in srv.log()
 
