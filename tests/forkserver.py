@@ -87,7 +87,15 @@ def serve(sock_path: str) -> list[str]:
 def _fork(conn: socket.socket, children: dict[int, tuple[int, socket.socket]],
           sel: selectors.BaseSelector, listener: socket.socket) -> list[str] | None:
     message, fds, _, _ = socket.recv_fds(conn, _MAX_REQUEST, 3)
-    request = json.loads(message)
+    try:
+        request = json.loads(message)
+    except ValueError:  # a requester that died before sending (or sent garbage): not ours to die of
+        request = None
+    if request is None or len(fds) != 3:
+        for fd in fds:
+            os.close(fd)
+        conn.close()
+        return None
     pid = os.fork()
     if pid == 0:
         sel.close()
