@@ -48,6 +48,9 @@ def _alive(ref: weakref.ref[Any]) -> bool:
     return ref() is not None
 
 
+pytestmark = pytest.mark.usefixtures("own_objects_gc")  # _alive's collections stay cheap
+
+
 # ---------------------------------------------------------------- finding 1: event lifetime
 
 

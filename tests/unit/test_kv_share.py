@@ -33,9 +33,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.fixture(autouse=True)
-def _release() -> Iterator[None]:
+def _release(own_objects_gc: None) -> Iterator[None]:
     yield
-    gc.collect()
+    gc.collect()  # of this test's objects only (own_objects_gc)
     release_shared_kv_caches()
 
 
