@@ -124,11 +124,13 @@ class Engine:
         self.worker.register_kv_caches(self.kv_caches)
         self.scheduler = Scheduler(
             vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
-            structured_output_manager=StructuredOutputManager(self.vllm_config), block_size=128)
+            structured_output_manager=StructuredOutputManager(self.vllm_config), block_size=128,
+            log_stats=True)  # its connector prefix-cache stats say where our hits came from
         self.block_size = 128
         self.blocks: dict[str, list[list[int]]] = {}  # per request, per group
         self.corrupt: set[str] = set()  # requests whose load is made to fail
         self.failed_recving: set[str] = set()  # reported by the connector
+        self.hits_by_source: dict[str, int] = {}
         self.tokens: dict[str, list[int]] = {}
         self.outputs: dict[str, list[int]] = {}
         self.cached: dict[str, int] = {}
@@ -223,11 +225,19 @@ class Engine:
                 finished_sending=results.finished_sending or None,
                 finished_recving=results.finished_recving or None,
                 failed_recving=results.failed_recving, invalid_block_ids=invalid))
-        self.scheduler.update_from_output(so, output)
+        for engine_output in self.scheduler.update_from_output(so, output).values():
+            self._count_hit_sources(engine_output.scheduler_stats)
         for rid in req_ids:  # drop tokens the scheduler did not keep (stop conditions)
             request = self.scheduler.requests.get(rid)
             if request is not None and len(request.all_token_ids) < len(self.tokens[rid]):
                 self.tokens[rid] = list(request.all_token_ids)
+
+    def _count_hit_sources(self, stats: Any) -> None:
+        """vLLM's prompt_tokens_cached_by_source: each step's connector hits by cache tier."""
+        hits = getattr(getattr(stats, "connector_prefix_cache_stats", None), "hits_by_source", {})
+        for source, tokens in (hits or {}).items():
+            name = str(getattr(source, "value", source))
+            self.hits_by_source[name] = self.hits_by_source.get(name, 0) + tokens
 
     def run(self, max_steps: int = 2000) -> None:
         import time
@@ -267,6 +277,7 @@ def main(url: str, out_path: str, model_dir: str, mode: str = "") -> int:
         result["requests"][rid] = {"tokens": engine.outputs[rid], "cached": engine.cached[rid],
                                    "expected": expected(prompt, 8, hybrid)}
     result["failed_recving"] = sorted(engine.failed_recving)
+    result["hits_by_source"] = engine.hits_by_source
     engine.close()
     with open(out_path, "w") as f:
         json.dump(result, f)

@@ -47,6 +47,9 @@ def _check(result: dict[str, Any], hybrid: bool = False) -> None:
     for name, req in requests.items():
         assert req["tokens"] == req["expected"], name
     assert [requests[n]["cached"] for n in "ABC"] == [0, 768, 0]
+    # vLLM's prompt_tokens_cached_by_source: our hits are host memory's (B's 3 chunks, and D's,
+    # counted when admitted, before its load failed)
+    assert result["hits_by_source"] == {"host": 768 * (2 if hybrid else 1)}
     if hybrid:
         assert result["groups"] == ["FullAttentionSpec", "SlidingWindowSpec"]
         assert result["failed_recving"] == ["D"]  # per request, and recomputed from the start

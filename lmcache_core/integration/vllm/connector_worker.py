@@ -72,7 +72,7 @@ class ConnectorWorkerSide(KVConnectorBase_V1):
     _group_views: list[KVViews]  # a hybrid model's views, one per KV cache group
     _groups: list[KVGroupInfo]
     _failed_loads: set[str]  # hybrid: requests whose load failed, not yet reported
-    _window_stores: list[str]  # requests whose stores read sliding-window blocks this step
+    _window_stores: list[str]  # requests whose stores read window or Mamba state blocks this step
     _mem_pool: _SharedKVAllocation | None
     _kv_device: torch.device | None
     _events: InflightEvents
