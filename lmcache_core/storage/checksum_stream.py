@@ -226,9 +226,11 @@ class PieceChecksums:
         self._lane, self._parts = None, []
         if lane is None:
             return
-        for part in parts:
-            part.cancel()
-        _, late = wait(parts, timeout=LANE_TIMEOUT_S)
+        # Only the part already running is waited for: a cancelled one counts as done for
+        # ``wait`` only once the lane's thread reaches it, i.e. after whatever runs before it
+        # (another store's part, possibly stuck) - the failed store would wait that out.
+        running = [part for part in parts if not part.cancel()]
+        _, late = wait(running, timeout=LANE_TIMEOUT_S)
         if late:
             logger.warning("store checksums: the hashing lane did not finish in %g s after a "
                            "failed store; retired", LANE_TIMEOUT_S)

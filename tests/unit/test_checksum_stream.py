@@ -223,7 +223,12 @@ def test_a_failed_store_cancels_its_queued_parts_and_waits_only_for_its_running_
         failed = lanes.begin(slots, 64)  # the same lane (given back by finish)
         failed.written(0, 64)
         part = failed._parts[0]
-        failed.abandon()  # returns at once: its part never started, it is cancelled
+        # It returns while the lane is still stuck in the other store's part: its own part never
+        # started, it is cancelled (not waited for behind that part).
+        abandoning = threading.Thread(target=failed.abandon)
+        abandoning.start()
+        abandoning.join(5)
+        assert not abandoning.is_alive() and not stuck.release.is_set()
         assert part.cancelled()
     finally:
         stuck.release.set()
