@@ -66,8 +66,12 @@ TtlSeconds = Annotated[float, msgspec.Meta(ge=MIN_TTL_S, le=MAX_TTL_S)]
 Priority = Annotated[int, msgspec.Meta(ge=MIN_PRIORITY, le=MAX_PRIORITY)]
 
 
-class Message(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Base of every request payload."""
+class Message(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """Base of every request payload.
+
+    Fields left at their defaults are not encoded: a field added later (``RegisterKVCacheRequest.
+    group``, ``LookupRequest.ended``) goes on the wire only when a client uses it, so a newer client
+    keeps working against an older server (which refuses unknown fields) for everything else."""
 
     def num_keys(self) -> int:
         """How many chunk keys this request names (checked against the server's limit)."""
