@@ -306,28 +306,25 @@ class ConnectorWorkerSide(KVConnectorBase_V1):
 
     def _wait_for_window_stores(self) -> None:
         pending, self._window_stores = self._window_stores, []
-        if not pending or self._worker is None:
-            return
-        deadline = time.monotonic() + self._config.timeouts.request_s
-        for request_id in pending:
-            for future in self._worker.store_futures(request_id):
-                try:
-                    future.result(max(0.0, deadline - time.monotonic()))
-                except Exception as exc:  # failed or timed out: the chunk was not made visible
-                    logger.warning("lmcache: window store of %s: %s", request_id, exc)
+        self._wait_for_stores(pending, "window store")
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """vLLM frees a preempted request's blocks without asking: finish its stores first."""
-        preempted = getattr(kv_connector_metadata, "preempted", None)
-        if not preempted or self._worker is None:
+        self._wait_for_stores(getattr(kv_connector_metadata, "preempted", None) or (),
+                              "store of preempted")
+
+    def _wait_for_stores(self, request_ids: Iterable[str], what: str) -> None:
+        """Wait, within one request timeout for all, for the stores sent for ``request_ids``; a
+        store that failed or timed out is logged (its chunk was not made visible)."""
+        if self._worker is None:
             return
         deadline = time.monotonic() + self._config.timeouts.request_s
-        for request_id in preempted:
+        for request_id in request_ids:
             for future in self._worker.store_futures(request_id):
                 try:
                     future.result(max(0.0, deadline - time.monotonic()))
-                except Exception as exc:  # failed or timed out: the chunk was not made visible
-                    logger.warning("lmcache: store of preempted %s: %s", request_id, exc)
+                except Exception as exc:
+                    logger.warning("lmcache: %s %s: %s", what, request_id, exc)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         stores: set[str] = set()
