@@ -65,7 +65,7 @@ from lmcache_core.errors import IncompatibleError, PinLimitError, ProtocolError
 from lmcache_core.events import KVEventSink
 from lmcache_core.keys import ChunkKey, HeadRange
 from lmcache_core.stats import EngineStats
-from lmcache_core.storage.checksum_stream import LANE_TIMEOUT_S
+from lmcache_core.storage.checksum_lanes import LANE_TIMEOUT_S
 from lmcache_core.storage.integrity import ABANDONED, PENDING
 from lmcache_core.storage.pool import MemoryPool
 

@@ -2,7 +2,7 @@
 store drop the ones that fail (memory corruption), so they are never served nor written to a tier.
 
 Every piece gets its checksum (``storage.integrity``: xxh3-64 of its bytes) right after its store's
-bytes are in (taken off the store's reply path: ``storage.checksum_stream``; ``PENDING`` meanwhile),
+bytes are in (taken off the store's reply path: ``storage.checksum_lanes``; ``PENDING`` meanwhile),
 or from the record it was loaded from (verified then); it stays on the ``Piece``. The guard waits
 for a pending one (``PieceStore.wait_checksums``, bounded) and checks it
 
@@ -29,7 +29,7 @@ from lmcache_core.engine.plans import RetrievePlan
 from lmcache_core.engine.store import PieceStore
 from lmcache_core.keys import ChunkKey
 from lmcache_core.storage import integrity
-from lmcache_core.storage.checksum_stream import LANE_TIMEOUT_S
+from lmcache_core.storage.checksum_lanes import LANE_TIMEOUT_S
 
 
 class IntegrityGuard:

@@ -30,8 +30,7 @@ head ranges) into this cache's heads; the copies live in :mod:`.heads`.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
-from functools import partial
+from collections.abc import Sequence
 
 import torch
 
@@ -42,11 +41,6 @@ from lmcache_core.kv.tensors import check_uniform_layers, span_elems
 from lmcache_core.protocol.messages import KVLayoutName
 
 BlockIds = Sequence[int] | torch.Tensor
-# ``written(i, n)``: slot ``i``'s first ``n`` bytes are in (see ``BlockCopier.gather``).
-Written = Callable[[int, int], None]
-# A gather that reports its progress copies in parts of about this many bytes (a part still in the
-# CPU's cache when a checksum reads it; more, smaller copies would cost more calls).
-REPORT_BYTES = 4 << 20
 
 
 def stack_layers(layers: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -190,13 +184,9 @@ class BlockCopier:
 
     # ------------------------------------------------------------------ copies
 
-    def gather(self, block_ids: BlockIds, slots: Sequence[torch.Tensor],
-               written: Written | None = None) -> None:
+    def gather(self, block_ids: BlockIds, slots: Sequence[torch.Tensor]) -> None:
         """Copy chunk ``i``'s blocks (``block_ids[i*bpc:(i+1)*bpc]``) of every layer into
-        ``slots[i]``. ``written(i, n)``, when given, is told as soon as slot ``i``'s first ``n``
-        bytes are in, in parts of about ``REPORT_BYTES`` (a smaller layer group is one part; a
-        checksum can start on them); copies from a GPU land only at the stream's end and report
-        nothing."""
+        ``slots[i]``."""
         flats = [self._slot_bytes(s) for s in slots]
         index = self.index(block_ids, len(flats))
         plan = self._native
@@ -205,7 +195,7 @@ class BlockCopier:
             for i, flat in enumerate(flats):
                 out = plan.slot_view(flat)
                 if out.device == self._device:
-                    plan.gather(index[i], out, None if written is None else partial(written, i))
+                    plan.gather(index[i], out)
                     continue
                 if staging is None:
                     staging = plan.empty_slot(self._device)
@@ -338,26 +328,10 @@ class _Plan:
     def empty_slot(self, device: torch.device) -> torch.Tensor:
         return torch.empty(self.slot_shape, dtype=self.dtype, device=device)
 
-    def gather(self, index: torch.Tensor, out: torch.Tensor,
-               written: Callable[[int], None] | None = None) -> None:
-        """Gather the blocks ``index`` into the slot view ``out``; with ``written``, in parts of
-        about ``REPORT_BYTES`` (split along a leading dim when a group is bigger), each reported
-        with the slot's bytes written so far (the parts fill the slot in address order)."""
-        if written is None:
-            for group, view in enumerate(self.views):
-                torch.index_select(view, self.block_dim, index, out=out[group])
-            return
-        done = 0
+    def gather(self, index: torch.Tensor, out: torch.Tensor) -> None:
+        """Gather the blocks ``index`` into the slot view ``out``."""
         for group, view in enumerate(self.views):
-            target = out[group]
-            rows = target.shape[0] if self.block_dim else 1
-            step = max(1, rows * REPORT_BYTES // max(1, target.nbytes)) if self.block_dim else 1
-            for lo in range(0, rows, step):
-                part = target[lo:lo + step] if self.block_dim else target
-                source = view[lo:lo + step] if self.block_dim else view
-                torch.index_select(source, self.block_dim, index, out=part)
-                done += part.nbytes
-                written(done)
+            torch.index_select(view, self.block_dim, index, out=out[group])
 
     def scatter(self, src: torch.Tensor, index: torch.Tensor) -> None:
         for group, view in enumerate(self.views):

@@ -18,7 +18,7 @@ import torch
 
 from lmcache_core.errors import IncompatibleError, NotRegisteredError, ProtocolError
 from lmcache_core.keys import LayoutGroup, layout_key
-from lmcache_core.kv.copy import BlockCopier, BlockIds, Written
+from lmcache_core.kv.copy import BlockCopier, BlockIds
 from lmcache_core.kv.cuda_ipc import StorageKey, open_cuda_tensor, require_cuda
 from lmcache_core.kv.layout import kv_geometry
 from lmcache_core.kv.shm import SegmentFile, SharedSegment
@@ -152,11 +152,9 @@ class MappedKVCache:
 
     # ------------------------------------------------------------------ copies
 
-    def gather(self, block_ids: BlockIds, slots: Sequence[torch.Tensor],
-               written: Written | None = None) -> None:
-        """Copy chunk ``i``'s blocks of every layer into ``slots[i]`` (flat uint8 tensors),
-        telling ``written`` the progress (``BlockCopier.gather``)."""
-        self._live().gather(block_ids, slots, written)
+    def gather(self, block_ids: BlockIds, slots: Sequence[torch.Tensor]) -> None:
+        """Copy chunk ``i``'s blocks of every layer into ``slots[i]`` (flat uint8 tensors)."""
+        self._live().gather(block_ids, slots)
 
     def scatter(self, slots: Sequence[torch.Tensor], block_ids: BlockIds) -> None:
         """Copy ``slots[i]`` into chunk ``i``'s blocks of every layer."""

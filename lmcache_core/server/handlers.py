@@ -37,8 +37,9 @@ from lmcache_core.server.layouts import LayoutResolver
 from lmcache_core.server.pins import PinHandlers
 from lmcache_core.server.registry import KVRegistry, Registration
 from lmcache_core.stats import EventStats, GroupStats, ServerStats, TransportStats
-from lmcache_core.storage.checksum_stream import LANE_TIMEOUT_S, ChecksumLanes, PieceChecksums
+from lmcache_core.storage.checksum_lanes import LANE_TIMEOUT_S, ChecksumLanes, PieceChecksums
 from lmcache_core.storage.pool import process_rss_bytes
+from lmcache_core.transport.routes import AfterReply
 from lmcache_core.transport.server import Route
 
 if TYPE_CHECKING:
@@ -174,13 +175,16 @@ class CacheHandlers:
 
     # ------------------------------------------------------------------ data path
 
-    def store(self, request: m.StoreRequest, _client: bytes) -> m.StoreReply:
+    def store(self, request: m.StoreRequest, _client: bytes) -> m.StoreReply | AfterReply:
+        """Copy the request's chunks in and commit them. A store big enough to hash on a lane
+        returns its reply with the hash to start once that reply is out (``AfterReply``)."""
         with self.registry.lease(request.instance_id) as reg:
             per_chunk = self._check_blocks(reg, request.chunk_hashes, request.block_ids)
             keys = self._keys(reg, request.chunk_hashes)
             plan = self.engine.begin_store(keys, reg.mapped.chunk_bytes, Retention(
                 request.ttl_s, request.pin, request.priority), request.tenant)
             sums: PieceChecksums | None = None
+            start_hash: Callable[[], None] | None = None
             ok = stalled = False
             try:
                 if plan.writes:
@@ -193,40 +197,36 @@ class CacheHandlers:
                 raise
             finally:
                 if not stalled:  # a late copy may still write its slots: they stay reserved
-                    self._commit(plan, ok, sums)
-        return m.StoreReply(stored=len(plan.writes), already_present=plan.already_present,
-                            skipped_full=plan.skipped_full, skipped_quota=plan.skipped_quota,
-                            pin_refused=plan.pin_refused)
+                    start_hash = self._commit(plan, ok, sums)
+        reply = m.StoreReply(stored=len(plan.writes), already_present=plan.already_present,
+                             skipped_full=plan.skipped_full, skipped_quota=plan.skipped_quota,
+                             pin_refused=plan.pin_refused)
+        return reply if start_hash is None else AfterReply(reply, start_hash)
 
     def _gather(self, reg: Registration, block_ids: Sequence[int], plan: StorePlan,
                 per_chunk: int, event_handle: bytes) -> PieceChecksums:
-        """Copy the plan's chunks into their slots; the pieces' checksums, being taken (for a big
-        store on a lane thread, part by part while the gather goes on: ``checksum_stream``).
-        A failed gather stops its hash before its slots are freed."""
+        """Copy the plan's chunks into their slots; their pieces' checksums to take."""
         slots = [w[2] for w in plan.writes]
         blocks = _chunk_blocks(block_ids, [w[0] for w in plan.writes], per_chunk)
-        sums = self.checksum_lanes.begin(slots, reg.mapped.chunk_bytes)
-        try:
-            with reg.copy_stream.run(event_handle, self.event_timeout_s):
-                reg.mapped.gather(blocks, slots, sums.written if sums.streaming else None)
-        except BaseException:
-            sums.abandon()
-            raise
-        return sums
+        with reg.copy_stream.run(event_handle, self.event_timeout_s):
+            reg.mapped.gather(blocks, slots)
+        return self.checksum_lanes.begin(slots, reg.mapped.chunk_bytes)
 
-    def _commit(self, plan: StorePlan, ok: bool, sums: PieceChecksums | None) -> None:
-        """Make the store's pieces visible (or free them when not ``ok``). Their checksums are
-        taken before for a small store; for others the reply does not wait for them: the pieces
-        commit as pending and the lane records the digests when they are in (whatever relies on
-        them waits: ``PieceStore.wait_checksums``)."""
+    def _commit(self, plan: StorePlan, ok: bool,
+                sums: PieceChecksums | None) -> Callable[[], None] | None:
+        """Make the store's pieces visible (or free them when not ``ok``). A small store's
+        checksums are taken before; for others the reply does not wait for them: the pieces
+        commit as pending, and what is returned starts their hash (``checksum_lanes``), to be
+        called once the reply is out; the lane records the digests (whatever relies on them
+        waits: ``PieceStore.wait_checksums``)."""
         if not ok or sums is None or not sums.deferred:
             if ok and sums is not None:
                 plan.checksums = sums.digests()
             self.engine.finish_store(plan, ok)
-            return
+            return None
         self.engine.finish_store(plan, checksums_pending=True)
         engine = self.engine
-        sums.finish(lambda digests: engine.record_checksums(plan, digests))
+        return sums.finish(lambda digests: engine.record_checksums(plan, digests))
 
     def retrieve(self, request: m.RetrieveRequest, _client: bytes) -> m.RetrieveReply:
         """Copy the found chunks into the worker's blocks, within the load deadline.

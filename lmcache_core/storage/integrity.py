@@ -8,7 +8,7 @@ a piece may hold instead of one:
 
 * ``NONE`` (0): none was recorded (a piece loaded from a record without one, say); ``matches``
   passes it.
-* ``PENDING``: it is being taken, right after the piece's store (``checksum_stream``): whoever
+* ``PENDING``: it is being taken, right after the store's reply (``checksum_lanes``): whoever
   relies on it (a tier write, a verified retrieve) waits for it (``PieceStore.wait_checksums``).
 * ``ABANDONED``: it could not be taken (the hash was stuck, or the server stopped first); the piece
   is dropped, and never written to a tier nor served as verified.

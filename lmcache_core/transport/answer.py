@@ -10,8 +10,8 @@ an ``ErrorReply`` for ours, LMCache's own failure for LMCache's.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 from lmcache_core.errors import LMCacheError, LMCacheTimeoutError, ServerError, clip
 from lmcache_core.log_budget import LogBudget
@@ -24,7 +24,7 @@ from lmcache_core.protocol.codec import (
     error_reply,
     rejection_frames,
 )
-from lmcache_core.transport.routes import LATER, Job, Wire
+from lmcache_core.transport.routes import LATER, AfterReply, Job, Wire
 
 
 class OurWire:
@@ -54,16 +54,24 @@ class OurWire:
         return encode_reply(head.uid_frame, head.op_frame, error_reply(exc))
 
 
-def serve(job: Job, rejections: LogBudget,
-          failures: LogBudget) -> tuple[list[bytes] | None, str]:
-    """Run ``job``'s handler: the reply frames (None: sent later by the handler) and the error's
-    code ("" for a result). Typed errors are logged to ``rejections``, anything else to
-    ``failures``."""
+class Answer(NamedTuple):
+    """What ``serve`` made of a request: its reply ``frames`` (None: sent later by the handler),
+    the error's ``code`` ("" for a result), and what to run once the reply is sent (``then``,
+    from an ``AfterReply`` result)."""
+
+    frames: list[bytes] | None
+    code: str
+    then: Callable[[], None] | None = None
+
+
+def serve(job: Job, rejections: LogBudget, failures: LogBudget) -> Answer:
+    """Run ``job``'s handler and encode what came of it. Typed errors are logged to
+    ``rejections``, anything else to ``failures``."""
     head, wire = job.head, job.wire
     if job.expired:
         late = LMCacheTimeoutError(f"{op_name(head)}: what it waits for (the worker's CUDA "
                                    "event) did not complete in time; nothing was copied")
-        return wire.error(head, late), late.code.value
+        return Answer(wire.error(head, late), late.code.value)
     try:
         payload = job.payload if job.payload is not None else wire.decode(head)
         if job.route.before is not None and not job.acked:  # (an acked one's ran as admitted)
@@ -71,12 +79,15 @@ def serve(job: Job, rejections: LogBudget,
         result = job.route.handler(payload, job.identity)
     except LMCacheError as exc:
         rejections.log(logging.INFO, "%s failed: %s", op_name(head), clip(str(exc)))
-        return wire.error(head, exc), exc.code.value
+        return Answer(wire.error(head, exc), exc.code.value)
     except Exception as exc:
         error = ServerError(f"{type(exc).__name__}: {clip(str(exc))}")
         failures.log(logging.ERROR, "%s raised", op_name(head), exc_info=True)
-        return wire.error(head, error), error.code.value
-    return (None if result is LATER else wire.reply(head, result)), ""
+        return Answer(wire.error(head, error), error.code.value)
+    then = None
+    if isinstance(result, AfterReply):
+        result, then = result
+    return Answer(None if result is LATER else wire.reply(head, result), "", then)
 
 
 def refusal(wire: Wire, head: Any, frames: Sequence[bytes], exc: LMCacheError) -> list[bytes]:

@@ -34,6 +34,16 @@ Before = Callable[[Any, bytes], None]
 LATER = object()
 
 
+class AfterReply(NamedTuple):
+    """A handler's ``result`` with work to start once its reply is sent (or, with no reply to
+    send, once it is answered): ``then()`` runs on the loop thread, so it must only hand work
+    off. E.g. a store's checksums: started before the reply, the hash takes a core the reply
+    needs on a small host."""
+
+    result: Any
+    then: Callable[[], None]
+
+
 class Head(Protocol):
     """What the pipeline reads of any request before its payload is decoded."""
 

@@ -52,7 +52,7 @@ from lmcache_core.protocol.codec import Limits
 from lmcache_core.protocol.ops import RequestType
 from lmcache_core.stats import TransportStats
 from lmcache_core.supervision import Supervisor
-from lmcache_core.transport.answer import OurWire, refusal, serve
+from lmcache_core.transport.answer import Answer, OurWire, refusal, serve
 from lmcache_core.transport.gate import Gate
 from lmcache_core.transport.listen import bind_router, remove_ipc_file
 from lmcache_core.transport.peers import PeerWatch
@@ -90,7 +90,7 @@ class MessageQueueServer:
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         #: Claimed in order: others first (``add_wire``: LMCache's clients), ours last.
         self.wires: list[Wire] = [OurWire(self.limits)]
-        self._done: deque[tuple[list[bytes], str, int]] = deque()  # (frames, error code, size)
+        self._done: deque[tuple[list[bytes], Answer, int]] = deque()  # (frames to send, ..., size)
         self._posted: deque[list[bytes]] = deque()  # late replies (``post``), sent by the loop
         self._in_flight = 0
         self._queued_bytes = 0  # payload bytes of the jobs in flight (loop thread only)
@@ -295,20 +295,22 @@ class MessageQueueServer:
         self._jobs.put(job)
 
     def _reply_now(self, job: Job) -> None:
-        frames, code = self._answer(job)
-        if code:
-            self.counters.error(code)
-        if frames is not None:
-            self._send([job.identity, *frames])
+        answer = self._answer(job)
+        if answer.code:
+            self.counters.error(answer.code)
+        if answer.frames is not None:
+            self._send([job.identity, *answer.frames])
+        self._then(answer)
 
     def _work(self) -> None:
         """A worker thread: serve queued jobs until a None arrives."""
         while (job := self._jobs.get()) is not None:
             if self._park(job):
                 continue
-            frames, code = self._answer(job)
+            answer = self._answer(job)
+            frames = answer.frames
             out = [job.identity, *frames] if frames is not None and not job.acked else []
-            self._done.append((out, code, job.head.size))
+            self._done.append((out, answer, job.head.size))
             self._waker.wake()
 
     def _park(self, job: Job) -> bool:
@@ -342,27 +344,38 @@ class MessageQueueServer:
         while self._posted:
             self._send(self._posted.popleft())
         while self._done:
-            frames, code, size = self._done.popleft()
+            frames, answer, size = self._done.popleft()
             self._in_flight -= 1
             self._queued_bytes -= size
-            if code:
-                self.counters.error(code)
+            if answer.code:
+                self.counters.error(answer.code)
             if frames:  # empty: its reply went already (an ack) or goes later
                 self._send(frames)
+            self._then(answer)
 
-    def _answer(self, job: Job) -> tuple[list[bytes] | None, str]:
+    def _then(self, answer: Answer) -> None:
+        """Start what the handler left for after its reply (``AfterReply``); a bug there costs
+        only that request's follow-up, never the loop."""
+        if answer.then is None:
+            return
+        try:
+            answer.then()
+        except Exception:
+            self._failures.log(logging.ERROR, "the work after a reply raised", exc_info=True)
+
+    def _answer(self, job: Job) -> Answer:
         """``answer.serve`` (the error boundary), timed for ``observe`` when there is one."""
         observe = self._observe
         if observe is None:
             return serve(job, self._rejections, self._failures)
         start = time.perf_counter()
-        frames, code = serve(job, self._rejections, self._failures)
+        answer = serve(job, self._rejections, self._failures)
         try:
-            observe(job.head.op, time.perf_counter() - start, code)
+            observe(job.head.op, time.perf_counter() - start, answer.code)
         except Exception:
             self._failures.log(logging.ERROR, "observing %s raised", _op_name(job.head.op),
                                exc_info=True)
-        return frames, code
+        return answer
 
     def _send(self, frames: list[bytes]) -> None:
         assert self._socket is not None

@@ -26,7 +26,7 @@ from lmcache_core.keys import ChunkKey, chain_hashes, layout_key
 from lmcache_core.kv.mapped import MappedKVCache
 from lmcache_core.protocol import messages as m
 from lmcache_core.server.app import CacheServer
-from lmcache_core.storage import checksum_stream, integrity, record
+from lmcache_core.storage import checksum_lanes, integrity, record
 from lmcache_core.storage.disk import file_name
 from lmcache_core.storage.remote_keys import redis_key
 from lmcache_core.transport.client import MessageQueueClient
@@ -152,34 +152,26 @@ def test_a_store_failing_between_two_chunk_copies_leaves_nothing_visible(
         server.stop()
 
 
-class GatedHasher:
-    """xxh3_64 whose ``update`` first waits for ``gate`` (at most 10 s): a hash held back."""
-
-    gate = threading.Event()
-
-    def __init__(self) -> None:
-        self._real = REAL_XXH3_64()
-
-    def update(self, part: object) -> None:
-        GatedHasher.gate.wait(10)
-        self._real.update(part)
-
-    def intdigest(self) -> int:
-        return self._real.intdigest()
+REAL_CHECKSUM = checksum_lanes.checksum
 
 
-REAL_XXH3_64 = checksum_stream.xxhash.xxh3_64
+def gated_checksum(buffer: object) -> int:
+    """The lanes' checksum, held back until ``GATE`` opens (at most 10 s): a hash held back."""
+    GATE[0].wait(10)
+    return REAL_CHECKSUM(buffer)
+
+
+GATE = [threading.Event()]
 
 
 @pytest.fixture
 def gated(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
-    """Every store's pieces hashed on a lane, part by part, each part held until the gate opens."""
-    GatedHasher.gate = threading.Event()
-    monkeypatch.setattr(checksum_stream, "MAX_INLINE_BYTES", 0)
-    monkeypatch.setattr(checksum_stream, "MIN_STREAMED_BYTES", 0)
-    monkeypatch.setattr(checksum_stream.xxhash, "xxh3_64", GatedHasher)
-    yield GatedHasher.gate
-    GatedHasher.gate.set()
+    """Every store's pieces hashed on a lane (none inline), each held until the gate opens."""
+    GATE[0] = threading.Event()
+    monkeypatch.setattr(checksum_lanes, "MAX_INLINE_BYTES", 0)
+    monkeypatch.setattr(checksum_lanes, "checksum", gated_checksum)
+    yield GATE[0]
+    GATE[0].set()
 
 
 def stored(tmp: Path, n_chunks: int, seed: int) -> tuple[CacheServer, WorkerProcess, list[int]]:

@@ -17,6 +17,7 @@ from lmcache_core.errors import (
 from lmcache_core.protocol import RequestType, ops
 from lmcache_core.protocol import messages as m
 from lmcache_core.transport import MessageQueueClient, MessageQueueServer, Route
+from lmcache_core.transport.routes import AfterReply
 from tests.harness import wait_until
 
 
@@ -319,3 +320,42 @@ def test_call_later_runs_on_the_io_thread_once_due(server):
         wait_until(lambda: ran, 5.0, "call_later never ran")
         assert ran[0][0] == "io-under-test" and ran[0][1] >= 0.05
     assert len(ran) == 1
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_work_after_a_reply_starts_once_the_reply_is_sent_and_its_failure_costs_nothing_else(
+        tmp_path, blocking):
+    """``AfterReply``: ``then`` runs on the loop thread after the reply went out. Here ``then``
+    waits for the client to have the reply: run before the send, it would wait in vain and the
+    client would get nothing. A ``then`` that raises is logged; the server keeps serving."""
+    client_has_reply = threading.Event()
+    seen: list[bool] = []
+
+    def then() -> None:
+        seen.append(client_has_reply.wait(30))
+
+    def broken_then() -> None:
+        raise RuntimeError("follow-up bug")
+
+    def store(p, _c):
+        return AfterReply(m.StoreReply(stored=len(p.chunk_hashes)),
+                          then if p.instance_id == 1 else broken_then)
+
+    srv = MessageQueueServer(f"ipc://{tmp_path}/s.sock", {
+        RequestType.PING: Route(_ping),
+        RequestType.STORE: Route(store, blocking=blocking)}, workers=1)
+    srv.start()
+    try:
+        with MessageQueueClient(srv.bound_url) as client:
+            reply = client.request_async(m.StoreRequest(
+                instance_id=1, chunk_hashes=[b"x", b"y"], block_ids=[0, 1])).result(20)
+            assert reply == m.StoreReply(stored=2)
+            client_has_reply.set()
+            wait_until(lambda: seen == [True])
+            assert client.request_async(m.StoreRequest(
+                instance_id=2, chunk_hashes=[b"z"], block_ids=[0])).result(20).stored == 1
+            assert client.wait_until_reachable(10)  # the broken follow-up stopped nothing
+    finally:
+        client_has_reply.set()
+        srv.stop(1.0)
+    assert srv.counters.errors == 0  # a follow-up's failure is not the request's

@@ -40,7 +40,7 @@ from lmcache_core.server.handlers import CacheHandlers
 from lmcache_core.server.lmcache import translate as t
 from lmcache_core.server.lmcache.prefetch_status import DEFERRED, PrefetchResults
 from lmcache_core.server.lmcache.registrations import DialectRegistrations, registration_request
-from lmcache_core.transport.routes import LATER, Route, silent_route
+from lmcache_core.transport.routes import LATER, AfterReply, Route, silent_route
 
 logger = logging.getLogger(__name__)
 #: The event handle of a reply whose copies were synchronous (no device work to wait for).
@@ -137,7 +137,7 @@ class LMCacheFrontEnd:
     # ------------------------------------------------------------------ data path
 
     def store(self, key: w.IPCCacheServerKey, instance_id: int, groups: list[list[int]],
-              event: bytes, *, client: bytes) -> tuple[bytes, bool]:
+              event: bytes, *, client: bytes) -> tuple[bytes, bool] | AfterReply:
         chunk = self.handlers.config.chunk_size
         reg = self._registration("store", key, instance_id, client)
         if isinstance(reg, tuple):
@@ -147,11 +147,14 @@ class LMCacheFrontEnd:
                                       _event_of(reg, event))
         except ValueError:
             return _FAILED
-        if request.chunk_hashes:
-            try:
-                self.handlers.store(request, client)
-            except LMCacheError as exc:  # e.g. reaped meanwhile: in-band, so the client goes on
-                return self._failed("store", instance_id, exc)
+        if not request.chunk_hashes:
+            return _NO_EVENT, True
+        try:
+            stored = self.handlers.store(request, client)
+        except LMCacheError as exc:  # e.g. reaped meanwhile: in-band, so the client goes on
+            return self._failed("store", instance_id, exc)
+        if isinstance(stored, AfterReply):  # its checksums start once this reply is out
+            return AfterReply((_NO_EVENT, True), stored.then)
         return _NO_EVENT, True
 
     def retrieve(self, key: w.IPCCacheServerKey, instance_id: int, groups: list[list[int]],
