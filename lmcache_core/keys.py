@@ -123,11 +123,15 @@ class GroupPiece(NamedTuple):
     a chunk's piece holds, the chunk's last ones: all of them for full attention; for a sliding
     window of ``W`` tokens ``min(bpc, cdiv(W - 1, B))``, since resuming at a boundary needs only
     the ``W - 1`` tokens before it. ``window_chunks``: the chunks whose pieces resuming at chunk
-    ``N`` needs: 0 for every chunk before ``N`` (full), else those of ``[max(0, N - wc), N)``."""
+    ``N`` needs: 0 for every chunk before ``N`` (full), else those of ``[max(0, N - wc), N)``.
+    ``window_blocks``: the blocks before ``N`` resuming needs, ``cdiv(W - 1, B)`` (1 for Mamba's
+    state, 0 for full: all). When it exceeds ``bpc`` and is no multiple of it, the oldest needed
+    piece is needed only in part: its last ``window_blocks % bpc`` blocks."""
 
     blocks_per_chunk: int
     piece_blocks: int
     window_chunks: int
+    window_blocks: int = 0
 
 
 def group_piece(chunk_size: int, block_size: int, kind: GroupKind,
@@ -141,11 +145,11 @@ def group_piece(chunk_size: int, block_size: int, kind: GroupKind,
     if kind == "full":
         return GroupPiece(bpc, bpc, 0)
     if kind == "mamba":  # the state at the chunk's end: its last block, of the last chunk only
-        return GroupPiece(bpc, 1, 1)
+        return GroupPiece(bpc, 1, 1, 1)
     if window_tokens <= 0:
         raise ValueError(f"a sliding-window group needs a positive window, got {window_tokens}")
     window_blocks = max(1, -(-(window_tokens - 1) // block_size))
-    return GroupPiece(bpc, min(bpc, window_blocks), -(-window_blocks // bpc))
+    return GroupPiece(bpc, min(bpc, window_blocks), -(-window_blocks // bpc), window_blocks)
 
 
 def opaque_layout(world_size: int) -> str:

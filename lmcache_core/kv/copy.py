@@ -202,13 +202,28 @@ class BlockCopier:
                 plan.gather(index[i], staging)
                 out.copy_(staging, non_blocking=True)
 
-    def scatter(self, slots: Sequence[torch.Tensor], block_ids: BlockIds) -> None:
-        """Copy ``slots[i]`` into chunk ``i``'s blocks of every layer, in place."""
+    def scatter(self, slots: Sequence[torch.Tensor], block_ids: BlockIds,
+                skip_blocks: int = 0) -> None:
+        """Copy ``slots[i]`` into chunk ``i``'s blocks of every layer, in place.
+
+        ``skip_blocks``: the first chunk's leading blocks left as they are (a partial piece:
+        its slot's first ``skip_blocks`` blocks are not copied, and their ids not used), e.g.
+        where vLLM gave its null block for blocks behind a sliding window. The copy is still
+        one op per layer group: the slot and the ids are narrowed, never looped over."""
         flats = [self._slot_bytes(s) for s in slots]
-        self._scatter_flats(flats, self.index(block_ids, len(flats)))
+        index = self.index(block_ids, len(flats))
+        self._scatter_flats(flats, index, self.check_skip(skip_blocks, len(flats)))
+
+    def check_skip(self, skip_blocks: int, n_chunks: int) -> int:
+        """``skip_blocks`` once checked: fewer than a chunk's blocks, none without a chunk."""
+        if not 0 <= skip_blocks < self._bpc or (skip_blocks and not n_chunks):
+            raise ProtocolError(f"skip_blocks {skip_blocks} must be in [0, {self._bpc}) (the "
+                                f"first chunk's leading blocks), and 0 without chunks")
+        return skip_blocks
 
     def scatter_heads(self, chunks: Sequence[Sequence[tuple[torch.Tensor, int, int]]],
-                      heads: tuple[int, int], block_ids: BlockIds) -> None:
+                      heads: tuple[int, int], block_ids: BlockIds,
+                      skip_blocks: int = 0) -> None:
         """Copy chunk ``i``, made of the pieces ``chunks[i] = [(piece slot, piece_lo, piece_hi),
         ...]`` that together cover this cache's head range ``heads = (a, b)`` of the model's KV
         heads, into chunk ``i``'s blocks (``block_ids[i*bpc:(i+1)*bpc]``) of every layer.
@@ -222,10 +237,11 @@ class BlockCopier:
         the cache (strided views, no reassembly buffer; see :mod:`.heads`); a piece of exactly
         ``[a, b)`` takes the :meth:`scatter` path. MLA caches (no head dim) raise
         IncompatibleError: their one piece serves every rank through :meth:`scatter`.
+        ``skip_blocks`` as for :meth:`scatter`.
         """
         if self._heads is None:
             self._heads = self._head_copier()
-        self._heads.scatter(chunks, heads, block_ids)
+        self._heads.scatter(chunks, heads, block_ids, skip_blocks)
 
     def _head_copier(self) -> HeadCopier:
         """Views ``[*lead, NB, bs, H, D]`` of the cache with the heads dim kept."""
@@ -238,8 +254,9 @@ class BlockCopier:
         views = [t.transpose(0, 1) if flashinfer else t for t in layers]  # [2, NB, bs, H, D]
         return HeadCopier(self, views, 1)
 
-    def _scatter_flats(self, flats: list[torch.Tensor], index: torch.Tensor) -> None:
-        """``scatter`` of checked flat slots with a validated ``index``."""
+    def _scatter_flats(self, flats: list[torch.Tensor], index: torch.Tensor,
+                       skip_blocks: int = 0) -> None:
+        """``scatter`` of checked flat slots with a validated ``index`` (and ``skip_blocks``)."""
         plan = self._scatter_plan(flats)
         staging: torch.Tensor | None = None
         with torch.inference_mode():
@@ -249,7 +266,7 @@ class BlockCopier:
                     if staging is None:
                         staging = plan.empty_slot(self._device)
                     src = staging.copy_(src, non_blocking=True)
-                plan.scatter(src, index[i])
+                plan.scatter(src, index[i], 0 if i else skip_blocks)
 
     def _scatter_plan(self, flats: list[torch.Tensor]) -> _Plan:
         wide = self._wide
@@ -333,9 +350,16 @@ class _Plan:
         for group, view in enumerate(self.views):
             torch.index_select(view, self.block_dim, index, out=out[group])
 
-    def scatter(self, src: torch.Tensor, index: torch.Tensor) -> None:
+    def scatter(self, src: torch.Tensor, index: torch.Tensor, skip: int = 0) -> None:
+        """Scatter the slot view ``src`` into the blocks ``index``, but its first ``skip``
+        blocks (narrowed views: still one ``index_copy_`` per group)."""
+        if skip:
+            index = index[skip:]
         for group, view in enumerate(self.views):
-            view.index_copy_(self.block_dim, index, src[group])
+            part = src[group]
+            if skip:
+                part = part.narrow(self.block_dim, skip, part.shape[self.block_dim] - skip)
+            view.index_copy_(self.block_dim, index, part)
 
 
 # Widest first (see the module docstring).

@@ -63,7 +63,9 @@ class BlockCopierLike(Protocol):
     @property
     def blocks_per_chunk(self) -> int: ...
     def index(self, block_ids: BlockIds, n_chunks: int) -> torch.Tensor: ...
-    def _scatter_flats(self, flats: list[torch.Tensor], index: torch.Tensor) -> None: ...
+    def check_skip(self, skip_blocks: int, n_chunks: int) -> int: ...
+    def _scatter_flats(self, flats: list[torch.Tensor], index: torch.Tensor,
+                       skip_blocks: int = 0) -> None: ...
 
 Piece = tuple[torch.Tensor, int, int]
 
@@ -102,12 +104,15 @@ class HeadCopier:
         self._force_staging = False  # tests: stage on the KV device even when slots are there
 
     def scatter(self, chunks: Sequence[Sequence[Piece]], heads: tuple[int, int],
-                block_ids: BlockIds) -> None:
+                block_ids: BlockIds, skip_blocks: int = 0) -> None:
+        """``BlockCopier.scatter_heads``; ``skip_blocks``: the first chunk's leading blocks
+        are not copied (its sources and block ids narrowed)."""
         a = self._check_heads(heads)
         if isinstance(chunks, (str, bytes)) or not isinstance(chunks, Sequence):
             raise ProtocolError("chunks must be a sequence of piece lists")
         plans = [self._resolve(pieces, a, i) for i, pieces in enumerate(chunks)]
         index = self._copier.index(block_ids, len(plans))
+        skip_blocks = self._copier.check_skip(skip_blocks, len(plans))
         device = self._copier.device
         stage_bytes = max((_stage_size(segs) for segs in plans
                            if not self._whole(segs) and self._must_stage(segs)), default=0)
@@ -115,14 +120,15 @@ class HeadCopier:
                    if stage_bytes else None)
         with torch.inference_mode():
             for i, segs in enumerate(plans):
+                skip = 0 if i else skip_blocks
                 if self._whole(segs):  # the piece is exactly this rank's heads: plain scatter
                     self._copier._scatter_flats([segs[0].flat[: self._copier.chunk_bytes]],
-                                                index[i: i + 1])
+                                                index[i: i + 1], skip)
                     continue
                 if staging is not None and self._must_stage(segs):
                     segs = _stage(segs, staging)
                 for run in _runs(segs):
-                    self._copy_run(run, index[i])
+                    self._copy_run(run, index[i], skip)
 
     # ------------------------------------------------------------------ validation
 
@@ -199,8 +205,9 @@ class HeadCopier:
     def _must_stage(self, segs: list[_Segment]) -> bool:
         return self._force_staging or any(s.flat.device != self._copier.device for s in segs)
 
-    def _copy_run(self, run: list[_Segment], index: torch.Tensor) -> None:
-        """One ``index_copy_`` per group for segments fused into one strided source view."""
+    def _copy_run(self, run: list[_Segment], index: torch.Tensor, skip: int = 0) -> None:
+        """One ``index_copy_`` per group for segments fused into one strided source view (but
+        the first ``skip`` blocks: the source and ``index`` narrowed)."""
         first = run[0]
         n, width, dim = len(run), first.width, self._dim
         step = run[1].flat.data_ptr() - first.flat.data_ptr() if n > 1 else 0
@@ -239,7 +246,9 @@ class HeadCopier:
             dst_shape[self._block_dim] = view.shape[self._block_dim]
             src = _strided(first.flat, src_addr, shape, src_strides, unit)
             dst = _strided(view, dst_addr, dst_shape, dst_strides, unit)
-            dst.index_copy_(self._block_dim, index, src)
+            if skip:
+                src = src.narrow(self._block_dim, skip, bpc - skip)
+            dst.index_copy_(self._block_dim, index[skip:] if skip else index, src)
 
 
 def _runs(segs: list[_Segment]) -> list[list[_Segment]]:

@@ -156,15 +156,18 @@ class MappedKVCache:
         """Copy chunk ``i``'s blocks of every layer into ``slots[i]`` (flat uint8 tensors)."""
         self._live().gather(block_ids, slots)
 
-    def scatter(self, slots: Sequence[torch.Tensor], block_ids: BlockIds) -> None:
-        """Copy ``slots[i]`` into chunk ``i``'s blocks of every layer."""
-        self._live().scatter(slots, block_ids)
+    def scatter(self, slots: Sequence[torch.Tensor], block_ids: BlockIds,
+                skip_blocks: int = 0) -> None:
+        """Copy ``slots[i]`` into chunk ``i``'s blocks of every layer, but the first chunk's
+        leading ``skip_blocks`` (``BlockCopier.scatter``)."""
+        self._live().scatter(slots, block_ids, skip_blocks)
 
     def scatter_heads(self, chunks: Sequence[Sequence[tuple[torch.Tensor, int, int]]],
-                      heads: tuple[int, int], block_ids: BlockIds) -> None:
+                      heads: tuple[int, int], block_ids: BlockIds,
+                      skip_blocks: int = 0) -> None:
         """Copy chunk ``i``, held as pieces ``chunks[i]`` of other head ranges, into its blocks
         (``BlockCopier.scatter_heads``: this cache holds heads ``heads`` of the model)."""
-        self._live().scatter_heads(chunks, heads, block_ids)
+        self._live().scatter_heads(chunks, heads, block_ids, skip_blocks)
 
     def _live(self) -> BlockCopier:
         """The copier, once every segment is checked still whole: a worker that truncated its

@@ -208,6 +208,10 @@ class RetrieveRequest(Message):
     #: server's ``timeouts.load_ms``, 0 for no deadline. Chunks it did not reach in time are
     #: answered in ``RetrieveReply.missing`` (and counted in ``late``).
     deadline_ms: DeadlineMs | None = None
+    #: The first chunk's leading block ids that are not copied (fewer than a chunk's blocks): a
+    #: sliding window's oldest piece of which resuming needs only the last blocks, the others
+    #: being vLLM's null block (freed behind the window).
+    skip_blocks: Annotated[int, msgspec.Meta(ge=0, le=2**16)] = 0
 
     def num_keys(self) -> int:
         return len(self.chunk_hashes)

@@ -13,7 +13,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from lmcache_core import __version__
 from lmcache_core.config import LMCacheConfig
@@ -58,6 +58,24 @@ def _chunk_blocks(block_ids: Sequence[int], indices: Sequence[int], per_chunk: i
     for i in indices:
         out += block_ids[i * per_chunk:(i + 1) * per_chunk]
     return out
+
+
+class _Blocks(NamedTuple):
+    """A retrieve's block ids: ``per_chunk`` a chunk, the first chunk's leading
+    ``skip_blocks`` not written (``RetrieveRequest.skip_blocks``)."""
+
+    ids: Sequence[int]
+    per_chunk: int
+    skip_blocks: int = 0
+
+    def of(self, indices: Sequence[int]) -> list[int]:
+        """The block ids of the chunks at ``indices``."""
+        return _chunk_blocks(self.ids, indices, self.per_chunk)
+
+    def skip_for(self, indices: Sequence[int]) -> int:
+        """The leading blocks a copy of the chunks at ``indices`` (increasing) leaves out: the
+        request's ``skip_blocks`` when its first chunk is among them."""
+        return self.skip_blocks if indices and indices[0] == 0 else 0
 
 
 class CacheHandlers:
@@ -241,7 +259,8 @@ class CacheHandlers:
         deadline_s = self.load_deadline_s(request)
         started = time.monotonic()
         with self.registry.lease(request.instance_id) as reg:
-            per_chunk = self._check_blocks(reg, request.chunk_hashes, request.block_ids)
+            per_chunk = self._check_blocks(reg, request.chunk_hashes, request.block_ids,
+                                           request.skip_blocks)
             plan = self.engine.begin_retrieve(reg.model_name, reg.layout, reg.heads,
                                               request.chunk_hashes, request.lookup_id)
             copied: int | None = None
@@ -253,13 +272,12 @@ class CacheHandlers:
                                                           else deadline_s)
                 if plan.found:
                     with reg.copy_stream.run(request.event_handle, self.event_timeout_s):
+                        blocks = _Blocks(request.block_ids, per_chunk, request.skip_blocks)
                         if deadline_s is None and not self.copy_delay_s:
-                            self._scatter(reg, plan, range(len(plan.found)), request.block_ids,
-                                          per_chunk)
+                            self._scatter(reg, plan, range(len(plan.found)), blocks)
                         else:
                             until = math.inf if deadline_s is None else started + deadline_s
-                            copied = self._scatter_until(reg, plan, request.block_ids,
-                                                         per_chunk, until)
+                            copied = self._scatter_until(reg, plan, blocks, until)
             except CopiesStalledError as exc:
                 stalled = True
                 self._copies_stalled(exc)
@@ -275,23 +293,24 @@ class CacheHandlers:
 
     @staticmethod
     def _scatter(reg: Registration, plan: RetrievePlan, positions: Sequence[int],
-                 block_ids: Sequence[int], per_chunk: int) -> None:
+                 blocks: _Blocks) -> None:
         """Copy ``plan.found[p]`` for ``p`` in ``positions`` into their blocks: chunks held as one
         piece of exactly this rank's heads in one scatter, the others (pieces stored by another
-        tensor-parallel size) by head-range copies."""
+        tensor-parallel size) by head-range copies; the request's first chunk without its
+        ``skip_blocks`` leading blocks."""
         exact = [p for p in positions if plan.is_exact(p)]
         other = [p for p in positions if not plan.is_exact(p)]
         if exact:
             indices = [plan.found[p][0] for p in exact]
-            reg.mapped.scatter([plan.found[p][1][0][0] for p in exact],
-                               _chunk_blocks(block_ids, indices, per_chunk))
+            reg.mapped.scatter([plan.found[p][1][0][0] for p in exact], blocks.of(indices),
+                               blocks.skip_for(indices))
         if other:
             indices = [plan.found[p][0] for p in other]
             reg.mapped.scatter_heads([plan.found[p][1] for p in other], plan.heads,
-                                     _chunk_blocks(block_ids, indices, per_chunk))
+                                     blocks.of(indices), blocks.skip_for(indices))
 
-    def _scatter_until(self, reg: Registration, plan: RetrievePlan, block_ids: Sequence[int],
-                       per_chunk: int, deadline: float) -> int:
+    def _scatter_until(self, reg: Registration, plan: RetrievePlan, blocks: _Blocks,
+                       deadline: float) -> int:
         """Copy ``plan.found`` chunk by chunk while ``deadline`` (monotonic) is not reached;
         returns how many were copied (a prefix). Each copy is complete before the next check."""
         delay_s = self.copy_delay_s
@@ -301,7 +320,7 @@ class CacheHandlers:
                 return done
             if delay_s:
                 time.sleep(delay_s)  # server.test_copy_delay_ms: test-only fault injection
-            self._scatter(reg, plan, (done,), block_ids, per_chunk)
+            self._scatter(reg, plan, (done,), blocks)
             reg.copy_stream.synchronize(self.event_timeout_s)  # no-op on CPU
         return len(plan.found)
 
@@ -360,16 +379,20 @@ class CacheHandlers:
         return [ChunkKey(model, layout, lo, hi, h) for h in hashes]
 
     @staticmethod
-    def _check_blocks(reg: Registration, hashes: Sequence[bytes], block_ids: Sequence[int]) -> int:
-        """Blocks per chunk, once the request's block ids are checked whole (count and range)
-        before anything is copied: a retrieve copies chunk by chunk, and some paths (pieces of
-        other TP sizes) check ids only as they copy, so a bad id late in the list would leave
-        the earlier chunks written."""
+    def _check_blocks(reg: Registration, hashes: Sequence[bytes], block_ids: Sequence[int],
+                      skip_blocks: int = 0) -> int:
+        """Blocks per chunk, once the request's block ids are checked whole (count and range,
+        and the first chunk's ``skip_blocks``) before anything is copied: a retrieve copies
+        chunk by chunk, and some paths (pieces of other TP sizes) check ids only as they copy,
+        so a bad id late in the list would leave the earlier chunks written."""
         per_chunk: int = reg.mapped.blocks_per_chunk
         if len(block_ids) != len(hashes) * per_chunk:
             raise ProtocolError(
                 f"{len(hashes)} chunks need {len(hashes) * per_chunk} block ids "
                 f"({per_chunk} per chunk), got {len(block_ids)}")
+        if skip_blocks and (skip_blocks >= per_chunk or not hashes):
+            raise ProtocolError(f"skip_blocks {skip_blocks} must be fewer than a chunk's "
+                                f"{per_chunk} blocks, and 0 without chunks")
         if block_ids and (min(block_ids) < 0 or max(block_ids) >= reg.mapped.num_blocks):
             raise ProtocolError(f"block ids must be in [0, {reg.mapped.num_blocks}) for this KV "
                                 f"cache, got {min(block_ids)}..{max(block_ids)}")

@@ -58,20 +58,27 @@ def store_tables(first: int, n: int) -> list[list[int]]:
     return [full, windowed, full]
 
 
+def skipped_blocks(window: int, n: int) -> int:
+    """The blocks vLLM (0.32's ``SlidingWindowManager``) allocates as its null block for a load
+    of ``n`` chunks: those wholly before the window of the next token."""
+    return max(0, n * CHUNK - window + 1) // BLOCK
+
+
 def load_tables(first: int, n: int) -> list[list[int]]:
-    """The tables of a load of ``n`` chunks: real blocks only where each group needs them (the
-    full group: all; the 40-token window: the last 3 blocks; the 100-token window: the last 2
-    chunks); null elsewhere, as vLLM allocates a hybrid request's blocks."""
+    """The tables of a load of ``n`` chunks as vLLM allocates a hybrid request's blocks: real
+    blocks only where each group needs them (the full group: all; the 40-token window: the last
+    3; the 100-token window: the last 7, so of its older piece only the last 3 blocks), null
+    before."""
     full = list(range(first, first + n * PER_CHUNK))
-    short = [b if j >= n * PER_CHUNK - 3 else 0 for j, b in enumerate(full)]
-    long = [b if j >= (n - 2) * PER_CHUNK else 0 for j, b in enumerate(full)]
+    short = [b if j >= skipped_blocks(40, n) else 0 for j, b in enumerate(full)]
+    long = [b if j >= skipped_blocks(100, n) else 0 for j, b in enumerate(full)]
     return [full, short, long]
 
 
 def loaded_positions(n: int) -> list[list[int]]:
     blocks = n * PER_CHUNK
-    return [list(range(blocks)), list(range(blocks - 3, blocks)),
-            list(range(max(0, blocks - 2 * PER_CHUNK), blocks))]
+    return [list(range(blocks)), list(range(skipped_blocks(40, n), blocks)),
+            list(range(skipped_blocks(100, n), blocks))]
 
 
 def store(workers: list[WorkerProcess], toks: list[int], seed: int, n: int = N) -> None:
@@ -150,7 +157,7 @@ def test_each_group_registers_on_its_own_under_its_own_fingerprint(node):
     server, made = node
     hello = made[2][0].hello
     assert len(set(hello["instance_ids"])) == 3
-    assert hello["pieces"] == [[4, 4, 0], [4, 3, 1], [4, 4, 2]]
+    assert hello["pieces"] == [[4, 4, 0, 0], [4, 3, 1, 3], [4, 4, 2, 7]]
     info = server_info(server.url)
     assert {row.model_name: row.registered for row in info.models}[MODEL] == 9  # 3 workers x 3
 
@@ -236,6 +243,27 @@ def test_a_retrieve_is_all_or_nothing_across_groups_and_reported_per_request(nod
     bad[1][-1] = 0
     result = worker("retrieve", req="null", keys=toks, tables=bad)
     assert result["failed_recving"] == ["null"] and "null block" in result["failed"]
+
+
+def test_a_window_wider_than_a_chunk_loads_only_the_needed_part_of_its_oldest_piece(node):
+    """The 100-token window needs 7 blocks, its pieces are whole chunks: of chunk N - 2's piece
+    only the last 3 blocks; vLLM's null block stands for the first, which stays unwritten. A
+    null block among the 7 needed is a failed load, never a partial one."""
+    server, made = node
+    seed = 9
+    toks = tokens(N, seed)
+    store(made[1], toks, seed)
+    tables = load_tables(30, N)
+    assert tables[2][:6] == [0] * 5 + [35]  # vLLM's skipped blocks: chunk 1's first is null
+    assert lookup(server.url, 1, "wide", toks, MODEL) == N * CHUNK
+    load_and_check(made[1], "wide", toks, seed)  # and block 0 untouched
+    before = stats(server.url).engine.retrieved_chunks
+    bad = load_tables(30, N)
+    bad[2][skipped_blocks(100, N)] = 0  # the oldest block the window needs
+    assert lookup(server.url, 1, "wide-null", toks, MODEL) == N * CHUNK
+    result = made[1][0]("retrieve", req="wide-null", keys=toks, tables=bad)
+    assert result["failed_recving"] == ["wide-null"] and "null block" in result["failed"]
+    assert stats(server.url).engine.retrieved_chunks == before  # nothing was sent
 
 
 def test_a_chunk_size_no_group_block_size_divides_is_refused_at_registration(node):
@@ -401,7 +429,7 @@ def mamba_load_and_check(workers: list[WorkerProcess], request_id: str, toks: li
 
 def test_mamba_state_at_the_hits_end_loads_byte_exact(mamba_node):
     server, made = mamba_node
-    assert made[1][0].hello["pieces"] == [[4, 4, 0], [4, 1, 1]]
+    assert made[1][0].hello["pieces"] == [[4, 4, 0, 0], [4, 1, 1, 1]]
     seed = 21
     toks = tokens(N, seed)
     mamba_store(made[1], toks, seed)

@@ -10,6 +10,7 @@ from lmcache_core.integration.vllm.adapter_groups import (
     KVCacheGroupSpec,
     group_caches,
     group_pieces,
+    load_skip,
     piece_blocks,
 )
 from lmcache_core.keys import group_piece
@@ -39,8 +40,24 @@ def test_a_retrieve_of_a_sliding_group_takes_only_the_windows_last_chunks():
     assert piece_blocks(TABLE, 3, SHORT, retrieve=True) == ([2], [10, 11, 12])
     assert piece_blocks(TABLE, 3, LONG, retrieve=True) == ([1, 2], TABLE[4:])
     assert piece_blocks(TABLE, 1, LONG, retrieve=True) == ([0], TABLE[:4])
-    # a retrieve keeps null ids (the adapter then fails the request: nothing lands in block 0)
+    # a retrieve keeps null ids (load_skip decides: nothing lands in block 0)
     assert piece_blocks([0] * 12, 3, SHORT, retrieve=True) == ([2], [0, 0, 0])
+
+
+def test_a_load_leaves_out_the_null_blocks_resuming_does_not_need():
+    # LONG: a 100-token window of 16-token blocks needs cdiv(99, 16) = 7 blocks, its pieces are
+    # whole chunks: of the older chunk's piece only the last 3 blocks; vLLM gives null for the
+    # first (vLLM 0.32: (3 * 64 - 100 + 1) // 16 = 5 blocks skipped of 12)
+    table = [0] * 5 + list(range(6, 13))
+    _, blocks = piece_blocks(table, 3, LONG, retrieve=True)
+    assert blocks == [0, 6, 7, 8, 9, 10, 11, 12] and load_skip(blocks, LONG) == 1
+    assert load_skip(TABLE[4:], LONG) == 0  # real ids are written, needed or not
+    assert load_skip([0, 0, 7, 8, 9, 10, 11, 12], LONG) is None  # a needed block is null
+    assert load_skip([5, 0, 7, 8, 9, 10, 11, 12], LONG) is None  # a null past a real one
+    assert load_skip([0, 0, 0, 0], LONG) is None  # one chunk: all of it is needed
+    assert load_skip([10, 11, 12], SHORT) == 0 and load_skip([0, 11, 12], SHORT) is None
+    assert load_skip([1, 2, 3, 4], FULL) == 0 and load_skip([0, 2, 3, 4], FULL) is None
+    assert load_skip([], LONG) == 0
 
 
 def test_every_groups_block_size_must_divide_the_chunk_size():

@@ -131,15 +131,16 @@ def test_group_fingerprints_name_the_group_and_leave_single_group_ones_as_they_w
 
 
 @pytest.mark.parametrize(("chunk", "block", "kind", "window", "piece"), [
-    (256, 16, "full", 0, (16, 16, 0)),
-    (256, 16, "sliding", 1024, (16, 16, 4)),   # Gemma-3: 1023 tokens = 64 blocks = 4 chunks
-    (256, 16, "sliding", 128, (16, 8, 1)),     # 127 tokens: the chunk's last 8 blocks
-    (256, 16, "sliding", 129, (16, 8, 1)),     # 128 tokens: still 8 blocks
-    (256, 16, "sliding", 130, (16, 9, 1)),
-    (256, 16, "sliding", 257, (16, 16, 1)),    # W <= C + 1: one chunk
-    (256, 16, "sliding", 258, (16, 16, 2)),
-    (64, 64, "sliding", 4096, (1, 1, 64)),
-    (256, 16, "mamba", 0, (16, 1, 1)),         # the state at the chunk's end
+    (256, 16, "full", 0, (16, 16, 0, 0)),
+    (256, 16, "sliding", 1024, (16, 16, 4, 64)),  # Gemma-3: 1023 tokens = 64 blocks = 4 chunks
+    (256, 16, "sliding", 128, (16, 8, 1, 8)),     # 127 tokens: the chunk's last 8 blocks
+    (256, 16, "sliding", 129, (16, 8, 1, 8)),     # 128 tokens: still 8 blocks
+    (256, 16, "sliding", 130, (16, 9, 1, 9)),
+    (256, 16, "sliding", 257, (16, 16, 1, 16)),   # W <= C + 1: one chunk
+    (256, 16, "sliding", 258, (16, 16, 2, 17)),   # 2 chunks, the older one's last block only
+    (256, 128, "sliding", 300, (2, 2, 2, 3)),     # 3 blocks: the older chunk's last one
+    (64, 64, "sliding", 4096, (1, 1, 64, 64)),
+    (256, 16, "mamba", 0, (16, 1, 1, 1)),         # the state at the chunk's end
 ])
 def test_group_pieces(chunk, block, kind, window, piece):
     assert group_piece(chunk, block, kind, window) == piece

@@ -271,3 +271,45 @@ def test_rows_too_narrow_for_wide_copies() -> None:
     copier.gather([5, 1], [slot])
     want = torch.stack([t[[5, 1]].reshape(1, 2, 3) for t in layers])
     assert torch.equal(slot.view(torch.bfloat16).view(2, 1, 2, 3), want)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("one_storage", [True, False])
+@pytest.mark.parametrize("allow_wide", [True, False])
+@pytest.mark.parametrize("skip", [1, BPC - 1])
+def test_partial_first_chunk_scatter(layout: KVLayoutName, one_storage: bool, allow_wide: bool,
+                                     skip: int) -> None:
+    """``skip_blocks``: the first chunk's leading blocks are not written (vLLM's null block
+    stands there for blocks behind a sliding window); every other block is, byte-exact."""
+    planes = 1 if layout == "mla" else 2
+    g = torch.Generator().manual_seed(21)
+    raw = torch.randint(0, 256, (L, planes, NB, BS, H * D * 2), generator=g, dtype=torch.uint8)
+    src = _layers(layout, raw.view(torch.bfloat16), one_storage)
+    ids = _ids(22, 3)
+    slots = _slots(BlockCopier(src, layout, CHUNK), 3)
+    BlockCopier(src, layout, CHUNK).gather(ids, slots)
+
+    dst = [torch.zeros_like(t) for t in src]
+    load = [0] * skip + ids[skip:]  # the skipped ids are vLLM's null block, never written
+    BlockCopier(dst, layout, CHUNK, allow_wide=allow_wide).scatter(slots, load, skip_blocks=skip)
+    block_dim = 1 if layout == "flash_attn" else 0
+    written = torch.tensor(ids[skip:])
+    untouched = torch.tensor(sorted(set(range(NB)) - set(ids[skip:])))
+    for s_layer, d_layer in zip(src, dst, strict=True):
+        assert torch.equal(s_layer.index_select(block_dim, written).view(torch.uint8),
+                           d_layer.index_select(block_dim, written).view(torch.uint8))
+        assert not d_layer.index_select(block_dim, untouched).view(torch.uint8).any()
+
+
+def test_partial_scatter_checks_skip_before_writing() -> None:
+    data = _canonical(seed=23)
+    layers = _layers("flash_attn", data, True)
+    copier = BlockCopier(layers, "flash_attn", CHUNK)
+    slots = _slots(copier, 2, fill=7)
+    before = [t.clone() for t in layers]
+    for bad in (-1, BPC):
+        with pytest.raises(ProtocolError, match=f"skip_blocks {bad} must be in"):
+            copier.scatter(slots, _ids(24, 2), skip_blocks=bad)
+    with pytest.raises(ProtocolError, match="0 without chunks"):
+        copier.scatter([], [], skip_blocks=1)
+    assert all(torch.equal(a, b) for a, b in zip(layers, before, strict=True))

@@ -245,3 +245,48 @@ def test_mla_is_incompatible() -> None:
     slot = torch.zeros(copier.chunk_bytes, dtype=torch.uint8)
     with pytest.raises(IncompatibleError, match="no head dim"):
         copier.scatter_heads([[(slot, 0, 1)]], (0, 1), [0, 1, 2, 3])
+
+
+@pytest.mark.parametrize(("heads", "store_tp", "read_tp"), [(8, 2, 1), (8, 1, 2), (8, 2, 2)])
+@pytest.mark.parametrize("layout", ["flash_attn", "flashinfer"])
+@pytest.mark.parametrize("stacked", [True, False])
+@pytest.mark.parametrize("staged", [False, True])
+def test_partial_first_chunk_cross_tp(heads: int, store_tp: int, read_tp: int,
+                                      layout: KVLayoutName, stacked: bool, staged: bool) -> None:
+    """``skip_blocks`` through the head-range copies (fused runs, the exact-heads path, the
+    device path's staging): the first chunk's leading blocks are not written, the rest are."""
+    skip = BPC - 1
+    data = _data(heads, torch.bfloat16, seed=31)
+    chunks = _store(data, layout, store_tp, "pool")
+    per = heads // read_tp
+    load = [0] * skip + LOAD_IDS[skip:]  # block 0 stands for vLLM's null block
+    for rank in range(read_tp):
+        lo, hi = rank * per, (rank + 1) * per
+        layers = _blank(per, torch.bfloat16, layout)
+        before = [t.clone() for t in layers]
+        copier = _copier(layers, layout, stacked)
+        copier._heads = copier._head_copier()
+        copier._heads._force_staging = staged
+        copier.scatter_heads(chunks, (lo, hi), load, skip_blocks=skip)
+        want = _cache(data, layout, lo, hi)
+        block_dim = 0 if layout == "flashinfer" else 1
+        written = torch.tensor(LOAD_IDS[skip:])
+        untouched = torch.tensor(sorted(set(range(NB)) - set(LOAD_IDS[skip:])))
+        for got, ref, old in zip(layers, want, before, strict=True):
+            assert torch.equal(got.index_select(block_dim, written).view(torch.uint8),
+                               ref.index_select(block_dim, torch.tensor(STORE_IDS[skip:]))
+                               .view(torch.uint8))
+            assert torch.equal(got.index_select(block_dim, untouched).view(torch.uint8),
+                               old.index_select(block_dim, untouched).view(torch.uint8))
+
+
+def test_partial_cross_tp_checks_skip_before_writing() -> None:
+    data = _data(8, torch.bfloat16, seed=32)
+    chunks = _store(data, "flash_attn", 2, "apart")
+    layers = _blank(8, torch.bfloat16, "flash_attn")
+    before = [t.clone() for t in layers]
+    with pytest.raises(ProtocolError, match=f"skip_blocks {BPC} must be in"):
+        _copier(layers, "flash_attn", True).scatter_heads(chunks, (0, 8), LOAD_IDS,
+                                                          skip_blocks=BPC)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # random bytes: NaNs too
+               for a, b in zip(layers, before, strict=True))

@@ -1,6 +1,6 @@
 """vLLM's real scheduler + our connector (both roles) + a synthetic model, against ``lmcache serve``.
 
-Usage: python tests/vllm/scheduler_harness.py SERVER_URL OUT.json MODEL_DIR [hybrid]
+Usage: python tests/vllm/scheduler_harness.py SERVER_URL OUT.json MODEL_DIR [hybrid|hybrid-wide]
 
 For vLLM builds that cannot run a model on this machine (the newest PyPI ``vllm`` is a CUDA build:
 installed with ``--no-deps`` and run with ``VLLM_TARGET_DEVICE=cpu``), this drives the real
@@ -12,8 +12,10 @@ back from the request's blocks. So a token sampled after a load is right only if
 right bytes in the right blocks: outputs are checked against the same function computed directly.
 
 ``hybrid``: two KV cache groups, as vLLM's hybrid KV cache manager makes them: layer 0 full
-attention, layer 1 a sliding window of ``WINDOW`` tokens (its blocks behind the window freed by the
-scheduler); the model samples from every position's K of layer 0 and the window's K of layer 1, so
+attention, layer 1 a sliding window of ``WINDOWS[mode]`` tokens (its blocks behind the window freed
+by the scheduler; ``hybrid-wide``: 300 tokens, wider than a chunk but not a whole number of chunks,
+so a load needs only the last block of its older chunk's piece and vLLM gives null for the other);
+the model samples from every position's K of layer 0 and the window's K of layer 1, so
 a load must fill both groups' blocks. A load made to fail (its last chunk's hash replaced) must be
 reported per request (``failed_recving``): the scheduler raises RuntimeError for block-level load
 errors of a multi-group model.
@@ -35,7 +37,8 @@ CHUNK = 256
 VOCAB = 1024
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 HEADS, DIM = 4, 64
-WINDOW = 128  # hybrid: layer 1's sliding window
+#: Layer 1's sliding window per mode (128: one block; 300: 3 blocks, the pieces whole chunks).
+WINDOWS = {"hybrid": 128, "hybrid-wide": 300}
 
 
 def kv_value(token: int, position: int) -> float:
@@ -48,30 +51,30 @@ def next_token(values: list[float]) -> int:
     return int(sum(v * (i % 13 + 1) for i, v in enumerate(values)) * 1000) % (VOCAB - 3) + 3
 
 
-def expected(prompt: list[int], max_tokens: int, hybrid: bool = False) -> list[int]:
+def expected(prompt: list[int], max_tokens: int, window: int = 0) -> list[int]:
     tokens = list(prompt)
     out = []
     for _ in range(max_tokens):
         values = [kv_value(t, p) for p, t in enumerate(tokens)]
-        if hybrid:  # and layer 1's window: the tokens the next one attends to
-            values += values[max(0, len(tokens) - WINDOW + 1):]
+        if window:  # and layer 1's window: the tokens the next one attends to
+            values += values[max(0, len(tokens) - window + 1):]
         tok = next_token(values)
         out.append(tok)
         tokens.append(tok)
     return out
 
 
-def _kv_cache_config(vllm_config: Any, hybrid: bool) -> Any:
+def _kv_cache_config(vllm_config: Any, window: int) -> Any:
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     block_size = vllm_config.cache_config.block_size
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=HEADS, head_size=DIM,
                              dtype=torch.float32)
     specs = [dict.fromkeys(LAYERS, spec)]
-    if hybrid:
+    if window:
         specs = [{LAYERS[0]: spec, LAYERS[1]: SlidingWindowSpec(
             block_size=block_size, num_kv_heads=HEADS, head_size=DIM, dtype=torch.float32,
-            sliding_window=WINDOW)}]
+            sliding_window=window)}]
     budget = [64 * vllm_config.cache_config.block_size * HEADS * DIM * 2 * 4 * len(LAYERS)]
     try:  # vLLM >= 0.33: planning split out, global groups computed first
         from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
@@ -88,7 +91,7 @@ def _kv_cache_config(vllm_config: Any, hybrid: bool) -> Any:
 class Engine:
     """The scheduler, both connector roles, and the synthetic model, stepped together."""
 
-    def __init__(self, url: str, model_dir: str, hybrid: bool = False) -> None:
+    def __init__(self, url: str, model_dir: str, window: int = 0) -> None:
         from vllm.config import KVTransferConfig
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.engine.arg_utils import EngineArgs
@@ -109,10 +112,10 @@ class Engine:
                           kv_transfer_config=kv, block_size=128)
         self.vllm_config = args.create_engine_config()
         self.vllm_config.cache_config.kv_cache_layout = "LBHNC"  # the CPU backend's (see kv_views)
-        self.hybrid = hybrid
-        self.kv_cache_config = _kv_cache_config(self.vllm_config, hybrid)
+        self.window = window
+        self.kv_cache_config = _kv_cache_config(self.vllm_config, window)
         groups = self.kv_cache_config.kv_cache_groups
-        assert len(groups) == (2 if hybrid else 1), groups
+        assert len(groups) == (2 if window else 1), groups
         # each layer's group (vLLM orders the groups by kind, not by layer)
         self.group_of = {name: g for g, group in enumerate(groups) for name in group.layer_names}
         self.vllm_config.cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks
@@ -134,6 +137,7 @@ class Engine:
         self.tokens: dict[str, list[int]] = {}
         self.outputs: dict[str, list[int]] = {}
         self.cached: dict[str, int] = {}
+        self.loads: dict[str, list[list[int]]] = {}  # each request's load: its blocks per group
 
     # -------------------------------------------------------------- the synthetic model
 
@@ -161,10 +165,10 @@ class Engine:
             rows = self._kv_rows(layer, self._block(rid, layer, p))
             return float(rows[HEADS - 1, p % self.block_size, DIM - 1])
 
-        if not self.hybrid:
+        if not self.window:
             return [k(LAYERS[-1], p) for p in range(end)]
         return ([k(LAYERS[0], p) for p in range(end)]
-                + [k(LAYERS[1], p) for p in range(max(0, end - WINDOW + 1), end)])
+                + [k(LAYERS[1], p) for p in range(max(0, end - self.window + 1), end)])
 
     # -------------------------------------------------------------- the engine loop
 
@@ -182,6 +186,9 @@ class Engine:
 
         so = self.scheduler.schedule()
         for spec in so.kv_connector_metadata.loads:
+            if spec.chunk_hashes:
+                self.loads.setdefault(spec.request_id, [list(ids) for ids in
+                                                        spec.group_block_ids or [spec.block_ids]])
             if spec.request_id in self.corrupt and spec.chunk_hashes:
                 spec.chunk_hashes[-1] = os.urandom(32)  # a chunk the server never saw
         for new in so.scheduled_new_reqs:
@@ -259,14 +266,14 @@ def main(url: str, out_path: str, model_dir: str, mode: str = "") -> int:
 
     import vllm
 
-    hybrid = mode == "hybrid"
+    window = WINDOWS.get(mode, 0)
     rng = random.Random(3)
     a = [rng.randrange(3, VOCAB) for _ in range(1000)]
     prompts = {"A": a, "B": a[:768] + [rng.randrange(3, VOCAB) for _ in range(200)],
                "C": [rng.randrange(3, VOCAB) for _ in range(600)]}
-    if hybrid:  # D's load of A's 3 chunks is made to fail
+    if window:  # D's load of A's 3 chunks is made to fail
         prompts["D"] = a[:768] + [rng.randrange(3, VOCAB) for _ in range(150)]
-    engine = Engine(url, model_dir, hybrid)
+    engine = Engine(url, model_dir, window)
     engine.corrupt.add("D")
     result: dict[str, Any] = {"vllm": vllm.__version__, "requests": {},
                               "groups": [type(g.kv_cache_spec).__name__
@@ -275,8 +282,9 @@ def main(url: str, out_path: str, model_dir: str, mode: str = "") -> int:
         engine.add(rid, prompt, 8)
         engine.run()
         result["requests"][rid] = {"tokens": engine.outputs[rid], "cached": engine.cached[rid],
-                                   "expected": expected(prompt, 8, hybrid)}
+                                   "expected": expected(prompt, 8, window)}
     result["failed_recving"] = sorted(engine.failed_recving)
+    result["loads"] = engine.loads
     result["hits_by_source"] = engine.hits_by_source
     engine.close()
     with open(out_path, "w") as f:

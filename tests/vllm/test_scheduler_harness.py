@@ -80,3 +80,22 @@ def test_installed_vllm_scheduler_hybrid(tmp_path: Path) -> None:
 
 def test_newest_vllm_scheduler_hybrid(tmp_path: Path) -> None:
     _check(_newest(tmp_path, "hybrid"), hybrid=True)
+
+
+def _check_wide(result: dict[str, Any]) -> None:
+    """A 300-token window at 128-token blocks and 256-token chunks: resuming at chunk 3 needs
+    blocks 3-5, its pieces are whole chunks (chunks 1 and 2's), and vLLM gives its null block
+    for block 2 (and 0-1): the load leaves it out, and B's tokens come out right (the harness's
+    model reads every windowed position's K from the loaded blocks)."""
+    _check(result, hybrid=True)
+    sliding = result["loads"]["B"][1]  # chunks 0-2 of the sliding group, as vLLM allocated them
+    assert sliding[:3] == [0, 0, 0] and 0 not in sliding[3:], sliding
+    assert "B" not in result["failed_recving"]
+
+
+def test_installed_vllm_scheduler_wide_window(tmp_path: Path) -> None:
+    _check_wide(_run(tmp_path, {}, "hybrid-wide"))
+
+
+def test_newest_vllm_scheduler_wide_window(tmp_path: Path) -> None:
+    _check_wide(_newest(tmp_path, "hybrid-wide"))

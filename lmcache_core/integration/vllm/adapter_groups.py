@@ -6,7 +6,10 @@ size, and gives block ids as one list per group. The adapter registers each grou
 cache (its layers, its block size, a ``KVGroup`` descriptor) and picks, per chunk, the blocks each
 group's piece holds (``keys.group_piece``): every block of the chunk for full attention, the chunk's
 last ``piece_blocks`` for a sliding window. Block id 0 is vLLM's null block (blocks that left the
-window): a group's chunk naming it is not stored, and a load into it fails the request.
+window): a group's chunk naming it is not stored. A load leaves out the null blocks at the start of
+a sliding window's oldest piece when resuming does not need them (``load_skip``: a window wider than
+a chunk but not a whole number of chunks needs only that piece's last blocks, and vLLM allocates
+only those); a null block where resuming needs KV fails the request.
 
 Part of :mod:`.vllm_multi_process_adapter`, which re-exports ``KVCacheGroupSpec``.
 """
@@ -102,8 +105,8 @@ def piece_blocks(block_ids: Sequence[int], n_chunks: int, piece: GroupPiece, *,
     for a store every chunk, for a retrieve every chunk of full attention but only the last
     ``window_chunks`` of a sliding window (what resuming after them needs); each chunk's last
     ``piece_blocks`` ids. A store leaves out chunks whose blocks include the null block (vLLM
-    freed them); a retrieve keeps them (``has_null`` tells the caller to fail the request)."""
-    bpc, per_piece, window = piece
+    freed them); a retrieve keeps them (``load_skip`` tells which it may leave out)."""
+    bpc, per_piece, window = piece.blocks_per_chunk, piece.piece_blocks, piece.window_chunks
     first = max(0, n_chunks - window) if retrieve and window else 0
     chunks: list[int] = []
     blocks: list[int] = []
@@ -116,5 +119,15 @@ def piece_blocks(block_ids: Sequence[int], n_chunks: int, piece: GroupPiece, *,
     return chunks, blocks
 
 
-def has_null(blocks: Sequence[int]) -> bool:
-    return NULL_BLOCK in blocks
+def load_skip(blocks: Sequence[int], piece: GroupPiece) -> int | None:
+    """How many leading ids of a group's retrieve (``piece_blocks(..., retrieve=True)``) stay
+    unwritten (``RetrieveRequest.skip_blocks``): the null blocks vLLM put where a sliding
+    window's oldest piece reaches back past the last ``window_blocks`` that resuming needs.
+    None when a block resuming needs is null: that load cannot be made (never a partial one).
+    Real ids are always written, needed or not: vLLM may cache them by their hashes."""
+    need = len(blocks) if not piece.window_blocks else min(len(blocks), piece.window_blocks)
+    spare = len(blocks) - need  # fewer than a piece's blocks (window_chunks rounds up)
+    skip = 0
+    while skip < spare and blocks[skip] == NULL_BLOCK:
+        skip += 1
+    return None if NULL_BLOCK in blocks[skip:] else skip

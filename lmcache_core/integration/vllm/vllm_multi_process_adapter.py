@@ -45,7 +45,7 @@ from lmcache_core.integration.vllm.adapter_groups import (
     KVCacheGroupSpec,
     group_caches,
     group_pieces,
-    has_null,
+    load_skip,
     piece_blocks,
 )
 from lmcache_core.integration.vllm.scheduler_adapter import (
@@ -279,17 +279,27 @@ class LMCacheMPWorkerAdapter:
         handle = _event_handle(event)
         for request_id, op in zip(request_ids, ops, strict=True):
             parts = self._parts([op], True)
-            # vLLM's null block exists with groups (HMA); a single-group cache's block 0 is real
-            if self.group_pieces is not None and any(has_null(b) for _, _, b in parts):
-                self._fail(request_id, "a load into vLLM's null block 0 (out of the window)",
-                           self._retrieves)
+            skips = self._load_skips(parts)
+            if skips is None:
+                self._fail(request_id, "a block the load needs is vLLM's null block 0 (out of "
+                           "the window)", self._retrieves)
                 continue
-            for instance_id, hashes, blocks in parts:
+            for (instance_id, hashes, blocks), skip in zip(parts, skips, strict=True):
                 payload = m.RetrieveRequest(instance_id=instance_id, chunk_hashes=hashes,
                                             block_ids=blocks, event_handle=handle,
                                             lookup_id=request_id, request_ids=[request_id],
-                                            deadline_ms=self.load_deadline_ms)
+                                            deadline_ms=self.load_deadline_ms, skip_blocks=skip)
                 self._submit(RETRIEVE, payload, [request_id], blocks, self._retrieves)
+
+    def _load_skips(self, parts: list[_Part]) -> list[int] | None:
+        """Each part's leading null blocks left unwritten (``adapter_groups.load_skip``); None
+        when a block a group needs is null. vLLM's null block exists with groups (HMA) only: a
+        single-group cache's block 0 is real."""
+        if self.group_pieces is None:
+            return [0] * len(parts)
+        skips = [load_skip(blocks, piece)
+                 for (_, _, blocks), piece in zip(parts, self.group_pieces, strict=True)]
+        return None if None in skips else [s for s in skips if s is not None]
 
     def _parts(self, ops: list[LoadStoreOp], retrieve: bool) -> list[_Part]:
         """The request(s) these ops make: one of every whole chunk's blocks, or with groups one
