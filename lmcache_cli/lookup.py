@@ -8,7 +8,8 @@ a look from the shell leaves the cache as it was. The keys' layout fingerprint i
 else the config's model shape (``model.num_layers``, ``num_kv_heads``, ``head_dim``, ``dtype``,
 ``use_mla``), which the server tries beside the layouts of its registered workers and resident
 pieces: after a restart nothing is registered or resident, yet the disk and Redis hold that
-layout. Never imports torch.
+layout. A hybrid model (its workers registered KV-cache groups) is counted as its lookups count it:
+a chunk when every group can be restored at its end. Never imports torch.
 """
 
 from __future__ import annotations
@@ -176,9 +177,10 @@ def lookup(
                 tiers = reply.tiers
             rows.append(_row(i, prompt, len(hashes), chunk_size, reply, elapsed_ms))
     if as_json:
+        groups = next((row["groups"] for row in rows if row["groups"] is not None), None)
         print_json({"url": cfg.server.url, "model": cfg.model.name, "world_size": cfg.world_size,
                     "chunk_size": chunk_size, "layout": request_layout or hint, "tiers": tiers,
-                    "prompts": rows})
+                    **({"groups": groups} if groups is not None else {}), "prompts": rows})
         return
     _render(rows, cfg.server.url, cfg.model.name, cfg.world_size, chunk_size, tiers)
 
@@ -211,6 +213,7 @@ def _row(i: int, prompt: list[int], full: int, chunk_size: int, reply: Any,
             "remote_chunks": reply.remote_chunks if reply is not None else 0,
             "remote": reply.remote if reply is not None else "",
             "layout": reply.layout if reply is not None else None,
+            "groups": reply.groups if reply is not None else None,
             "lookup_ms": None if elapsed_ms is None else round(elapsed_ms, 3)}
 
 
@@ -242,9 +245,11 @@ def _render(rows: list[dict[str, Any]], url: str, model: str, world_size: int,
     from rich.table import Table
 
     layouts = sorted({row["layout"] for row in rows if row["layout"]})
+    groups = next((row["groups"] for row in rows if row["groups"] is not None), None)
+    shape = (f"layout {', '.join(layouts) or '-'}" if groups is None
+             else f"hybrid, {len(groups) or 'incomplete'} KV-cache groups")
     table = Table(title=escape(f"lookup on {url}: model {model}, world size {world_size}, "
-                               f"chunk size {chunk_size}, layout {', '.join(layouts) or '-'}"),
-                  title_justify="left")
+                               f"chunk size {chunk_size}, {shape}"), title_justify="left")
     tier_columns = [("memory_chunks", "in memory")] + [
         (field, name) for tier, field, name in (("disk", "disk_chunks", "on disk"),
                                                 ("remote", "remote_chunks", "in Redis"))
@@ -262,6 +267,13 @@ def _render(rows: list[dict[str, Any]], url: str, model: str, world_size: int,
                       "-" if row["lookup_ms"] is None else f"{row['lookup_ms']:.2f} ms",
                       style=style)
     console.print(table)
+    if groups:
+        console.print(escape(f"a chunk counts when every KV-cache group can be restored at its end "
+                             f"(as the model's lookups count): {', '.join(groups)}"),
+                      highlight=False)
+    elif groups is not None:
+        console.print("[yellow]the model's registered workers do not cover every KV-cache group: "
+                      "nothing can be restored (its lookups miss too)[/]", highlight=False)
     for state, note in _REMOTE_NOTES.items():
         hit_by = [str(row["prompt"]) for row in rows if row["remote"] == state]
         if hit_by:

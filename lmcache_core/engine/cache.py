@@ -137,6 +137,12 @@ class CacheEngine:
         """``PieceStore.held``: leading chunks covered, touching nothing."""
         return self.store.held(model_name, layout, ranges, chunk_hashes)
 
+    def held_groups(self, model_name: str, groups: Sequence[GroupTarget],
+                    chunk_hashes: Sequence[bytes]) -> int:
+        """``PieceStore.held_groups``: a hybrid model's leading chunks restorable from memory,
+        touching nothing."""
+        return self.store.held_groups(model_name, groups, chunk_hashes)
+
     def layouts(self, model_name: str) -> list[str]:
         """The layouts of ``model_name`` that have resident pieces."""
         return self.store.layouts(model_name)

@@ -295,8 +295,10 @@ def _cover_all(pieces: Sequence[Piece], ranges: Sequence[HeadRange]) -> list[lis
     return out
 
 
-def _window_reach(covers: _Covers, window: int, limit: int) -> int:
-    """The largest ``n <= limit`` whose last ``min(window, n)`` chunks are all covered."""
+def window_reach(covers: Sequence[object | None], window: int, limit: int) -> int:
+    """The largest ``n <= limit`` whose last ``min(window, n)`` chunks are all covered (not
+    None in ``covers``; a sliding window's reach: ``find_group_hits``, ``TieredStorage``'s
+    peek)."""
     run = 0
     best = 0
     for n in range(1, limit + 1):  # run: covered chunks ending at chunk n - 1
@@ -322,7 +324,7 @@ def find_group_hits(index: PieceIndex, model_name: str, groups: Sequence[GroupTa
     count = limit
     for group, found in zip(groups, covers, strict=True):
         if group.window_chunks:
-            count = min(count, _window_reach(found, group.window_chunks, count))
+            count = min(count, window_reach(found, group.window_chunks, count))
     held: Held = {heads: {} for group in groups for heads in group.ranges}
     # (from which position, its layout, its ranges' dicts, its covers) per group
     parts = [(count - group.window_chunks if group.window_chunks else 0, group.layout,

@@ -193,6 +193,13 @@ class PieceStore:
         with self._mutex:
             return find_hits(self.index, model_name, layout, ranges, chunk_hashes).count
 
+    def held_groups(self, model_name: str, groups: Sequence[GroupTarget],
+                    chunk_hashes: Sequence[bytes]) -> int:
+        """``held`` for a hybrid model: the leading chunks at whose end every group can be
+        restored from resident pieces (``index.find_group_hits``), touching nothing."""
+        with self._mutex:
+            return find_group_hits(self.index, model_name, groups, chunk_hashes).count
+
     def uncovered(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
                   chunk_hashes: Sequence[bytes]) -> list[list[HeadRange]]:
         """Per chunk, the ranges of ``ranges`` that resident pieces do not cover."""

@@ -34,7 +34,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-from lmcache_core.engine.index import GroupTarget
+from lmcache_core.engine.index import GroupTarget, window_reach
 from lmcache_core.engine.store import PieceStore
 from lmcache_core.engine.verify import IntegrityGuard
 from lmcache_core.keys import ChunkKey, HeadRange, candidate_ranges
@@ -300,43 +300,47 @@ class TieredStorage:
         """How many leading chunks memory, disk and Redis cover together for ``ranges``, and in
         which tier each is (``TierCounts``); Redis is asked at most once (one pipelined STRLEN),
         for at most about ``timeout_s``. Loads, locks, touches and counts nothing."""
+        return self.peek_groups(model_name, [GroupTarget(layout, tuple(ranges), 0)],
+                                chunk_hashes, timeout_s)
+
+    def peek_groups(self, model_name: str, groups: Sequence[GroupTarget],
+                    chunk_hashes: Sequence[bytes], timeout_s: float = 1.0) -> TierCounts:
+        """``peek`` for a hybrid model's KV-cache groups: the leading ``N`` chunks at whose end
+        every group can be restored from the tiers together (the rule of
+        ``index.find_group_hits``: a full group's chunks ``[0, N)``, a sliding window's of
+        ``[max(0, N - wc), N)``), each counted in the slowest tier a piece it needs is in.
+        Redis is asked once for every group together."""
         deadline = time.monotonic() + timeout_s
-        counts = TierCounts()
-        plan, counts.remote = self._peek_plan(
-            model_name, layout, chunk_hashes,
-            self._store.uncovered(model_name, layout, ranges, chunk_hashes))
-        probes = list(dict.fromkeys(key for _, _, keys in plan for key in keys))
+        plans: list[_PeekPlan] = []
+        state = ""
+        for group in groups:
+            wanted = self._store.uncovered(model_name, group.layout, group.ranges, chunk_hashes)
+            plan, planned = self._peek_plan(model_name, group.layout, chunk_hashes, wanted,
+                                            stop_at_miss=not group.window_chunks)
+            plans.append(plan)
+            state = state or planned
+        probes = list(dict.fromkeys(key for plan in plans for _, _, keys in plan for key in keys))
         in_redis: dict[ChunkKey, int] = {}
         if probes:
-            counts.remote, in_redis = self._peek_remote(probes, deadline)
-        for wanted, on_disk, keys in plan:
-            if not wanted:
-                counts.memory += 1
-            elif not keys:  # the disk covers what memory does not
-                counts.disk += 1
-            else:
-                available = dict(on_disk)
-                for key in keys:
-                    if key in in_redis:
-                        available.setdefault((key.head_lo, key.head_hi),
-                                             (key, in_redis[key], False))
-                if pick_pieces(available, wanted) is None:
-                    break
-                counts.remote_chunks += 1
-        return counts
+            asked, in_redis = self._peek_remote(probes, deadline)
+            # a cut plan's count may go on past what was asked: say so, unless Redis failed
+            state = state if state == "cut" and asked == "asked" else asked
+        levels = [_chunk_tiers(plan, in_redis, len(chunk_hashes)) for plan in plans]
+        return _count_tiers(groups, levels, len(chunk_hashes), state)
 
     def _peek_plan(self, model_name: str, layout: str, hashes: Sequence[bytes],
-                   wanted: list[list[HeadRange]]
-                   ) -> tuple[list[tuple[list[HeadRange], dict[HeadRange, Load], list[ChunkKey]]],
-                              str]:
+                   wanted: list[list[HeadRange]], stop_at_miss: bool = True
+                   ) -> tuple[_PeekPlan, str]:
         """Per leading chunk: the ranges memory lacks, the disk's pieces of it, and the Redis keys
-        to probe when the disk does not cover those ranges (none: it does); it stops at the first
-        chunk no tier can hold. With the Redis state so far ("down", "cut" or "")."""
+        to probe when the disk does not cover those ranges (none: it does); with
+        ``stop_at_miss`` it stops at the first chunk no tier can hold (a sliding window's group
+        goes on: its earlier chunks may be gone). With the Redis state so far ("down", "cut" or
+        "")."""
         disk, remote = self.disk, self.remote
         ask_redis = remote is not None and not remote.down
         state = "down" if remote is not None and remote.down else ""
         budget = PROBE_BUDGET
-        plan: list[tuple[list[HeadRange], dict[HeadRange, Load], list[ChunkKey]]] = []
+        plan: _PeekPlan = []
         for chunk_hash, ranges in zip(hashes, wanted, strict=True):
             on_disk: dict[HeadRange, Load] = {}
             probes: list[ChunkKey] = []
@@ -344,11 +348,11 @@ class TieredStorage:
                 on_disk = {(key.head_lo, key.head_hi): (key, nbytes, True)
                            for key, nbytes in disk.pieces_of(model_name, layout, chunk_hash)}
             if ranges and pick_pieces(on_disk, ranges) is None:
-                if not ask_redis:
+                if not ask_redis and stop_at_miss:
                     break
                 probes = [ChunkKey(model_name, layout, lo, hi, chunk_hash)
                           for heads in ranges for lo, hi in candidate_ranges(layout, heads)
-                          if (lo, hi) not in on_disk]
+                          if (lo, hi) not in on_disk] if ask_redis else []
                 budget -= len(probes)
                 if budget < 0:
                     return plan, "cut"
@@ -418,6 +422,55 @@ class TieredStorage:
             if tier is not None:
                 out.update(flat(tier.stats()))
         return out
+
+
+#: The tiers a peek counts a chunk in, fastest first (``TierCounts``' fields in that order).
+MEMORY, DISK, REMOTE = 0, 1, 2
+#: A peek's plan of one layout: per leading chunk, (ranges memory lacks, the disk's pieces of
+#: it, the Redis keys to probe).
+_PeekPlan = list[tuple[list[HeadRange], dict[HeadRange, Load], list[ChunkKey]]]
+
+
+def _chunk_tiers(plan: _PeekPlan, in_redis: dict[ChunkKey, int], n: int) -> list[int | None]:
+    """Per chunk of the ``n``, the slowest tier its pieces in ``plan`` need, None when no tier
+    covers it (a chunk past the plan's end included)."""
+    out: list[int | None] = []
+    for wanted, on_disk, keys in plan:
+        if not wanted:
+            out.append(MEMORY)
+        elif pick_pieces(on_disk, wanted) is not None:
+            out.append(DISK)
+        else:
+            available = dict(on_disk)
+            for key in keys:
+                if key in in_redis:
+                    available.setdefault((key.head_lo, key.head_hi), (key, in_redis[key], False))
+            out.append(REMOTE if pick_pieces(available, wanted) is not None else None)
+    return out + [None] * (n - len(out))
+
+
+def _count_tiers(groups: Sequence[GroupTarget], tiers: list[list[int | None]], n: int,
+                 state: str) -> TierCounts:
+    """The hit of ``find_group_hits``' rule over each group's per-chunk tiers, each of its
+    chunks counted in the slowest tier a group needs it from."""
+    reach = n
+    for group, found in zip(groups, tiers, strict=True):
+        if not group.window_chunks:  # full attention: every chunk before the hit's end
+            reach = min(reach, next((i for i, t in enumerate(found) if t is None), n))
+    for group, found in zip(groups, tiers, strict=True):
+        if group.window_chunks:
+            reach = min(reach, window_reach(found, group.window_chunks, reach))
+    counts = TierCounts(remote=state)
+    for position in range(reach):  # within the reach, every chunk a group needs has a tier
+        slowest = max(found[position] or MEMORY for group, found in zip(groups, tiers, strict=True)
+                      if not group.window_chunks or position >= reach - group.window_chunks)
+        if slowest == MEMORY:
+            counts.memory += 1
+        elif slowest == DISK:
+            counts.disk += 1
+        else:
+            counts.remote_chunks += 1
+    return counts
 
 
 def pick_pieces(available: dict[HeadRange, Load], ranges: Sequence[HeadRange]) -> list[Load] | None:

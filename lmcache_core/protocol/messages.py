@@ -461,3 +461,7 @@ class PeekReply(Reply):
     remote_chunks: int = 0
     remote: str = ""
     tiers: list[str] = msgspec.field(default_factory=list)  # lower tiers configured
+    #: A hybrid model's KV-cache group layouts, counted together (``layout`` is "" then): a
+    #: chunk counts when every group can be restored at its end, as the model's lookups count;
+    #: [] while its registered workers do not cover every group (a miss, as for a lookup).
+    groups: list[str] | None = None

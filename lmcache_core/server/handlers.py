@@ -446,6 +446,10 @@ class CacheHandlers:
         is loaded, locked, touched or counted; Redis is asked once per layout, in the budget."""
         tiers = self.engine.tiers
         names = [name for name in ("disk", "remote") if getattr(self.config, name) is not None]
+        if request.layout is None:
+            groups = self.layouts.groups(request.model_name, request.world_size)
+            if groups is not None:
+                return self._peek_groups(request, groups, names)
         best: tuple[tuple[int, int, bool], m.PeekReply] | None = None
         deadline = time.monotonic() + self.tier_budget_s
         for layout, ranges in self._peek_targets(request):
@@ -462,6 +466,23 @@ class CacheHandlers:
             if best is None or rank > best[0]:
                 best = (rank, reply)
         return best[1] if best is not None else m.PeekReply(layout="", hit_chunks=0, tiers=names)
+
+    def _peek_groups(self, request: m.PeekRequest, groups: list[GroupTarget],
+                     names: list[str]) -> m.PeekReply:
+        """A hybrid model's peek: the chunks at whose end every KV-cache group can be restored,
+        as its lookup counts them (``TieredStorage.peek_groups``), in the registered workers'
+        groups (``groups`` names their layouts; none while those do not cover every group)."""
+        layouts = [group.layout for group in groups]
+        if not groups:
+            return m.PeekReply(layout="", hit_chunks=0, tiers=names, groups=layouts)
+        tiers, model, hashes = self.engine.tiers, request.model_name, request.chunk_hashes
+        if tiers is None:
+            counts = TierCounts(memory=self.engine.held_groups(model, groups, hashes))
+        else:
+            counts = tiers.peek_groups(model, groups, hashes, self.tier_budget_s)
+        return m.PeekReply(layout="", hit_chunks=counts.hits, memory_chunks=counts.memory,
+                           disk_chunks=counts.disk, remote_chunks=counts.remote_chunks,
+                           remote=counts.remote, tiers=names, groups=layouts)
 
     def _peek_targets(self, request: m.PeekRequest) -> list[tuple[str, tuple[HeadRange, ...]]]:
         """The layouts a peek counts in, each with its ranks' head ranges (layouts whose heads do

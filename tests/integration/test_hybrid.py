@@ -7,6 +7,7 @@ a chunk size that no group's block size divides is refused at registration."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -266,6 +267,70 @@ def test_a_window_wider_than_a_chunk_loads_only_the_needed_part_of_its_oldest_pi
     assert stats(server.url).engine.retrieved_chunks == before  # nothing was sent
 
 
+def peek(url: str, world_size: int, prompts: list[list[int]]) -> list[dict]:
+    """``lmcache lookup --json``'s rows for ``prompts`` of the hybrid model."""
+    shown = cli("lookup", "--url", url, "--model", MODEL, "--world-size", str(world_size),
+                "--tokens", "-", "--json", stdin=json.dumps(prompts))
+    assert shown.code == 0, shown.err
+    return list(json.loads(shown.out)["prompts"])
+
+
+GROUP_LAYOUTS = ["float16:2x4x16+g0of3", "float16:2x4x16+g1of3s48", "float16:2x4x16+g2of3s64"]
+
+
+def test_lmcache_lookup_counts_a_hybrid_prefix_as_its_lookup_does(node):
+    """``lmcache lookup`` (PEEK) counts the chunks at whose end every group can be restored, the
+    same count as the lookup, and locks, loads and counts nothing."""
+    server, made = node
+    seed = 10
+    whole = tokens(N, seed)
+    store(made[1], whole, seed)
+    cut = tokens(2, seed + 1)  # the long window's chunk 1 is never stored: resuming at 2 fails
+    tables = store_tables(1, 2)
+    tables[2][PER_CHUNK:] = [0] * PER_CHUNK
+    made[1][0]("fill_model", tables=tables, seed=seed + 1)
+    assert not made[1][0]("store", req="s-cut", keys=cut, tables=tables)["failed"]
+    before = stats(server.url).engine
+    rows = peek(server.url, 1, [whole, cut, tokens(2, seed + 2)])
+    assert [(r["hit_chunks"], r["memory_chunks"]) for r in rows] == [(N, N), (1, 1), (0, 0)]
+    assert all(r["groups"] == GROUP_LAYOUTS and r["layout"] == "" for r in rows)
+    after = stats(server.url).engine
+    assert (after.lookups, after.lookup_hit_chunks) == (before.lookups, before.lookup_hit_chunks)
+    assert peek(server.url, 2, [whole])[0]["hit_chunks"] == N  # TP=1 pieces serve TP=2 ranks
+    assert lookup(server.url, 1, "peeked", whole, MODEL) == N * CHUNK
+    assert lookup(server.url, 1, "peeked-cut", cut, MODEL) == CHUNK
+    load_and_check(made[1], "peeked", whole, seed)  # (its retrieve releases the locks)
+    shown = cli("lookup", "--url", server.url, "--model", MODEL, "--world-size", "1",
+                "--tokens", "-", stdin=json.dumps(whole))
+    assert shown.code == 0, shown.err
+    assert "hybrid, 3 KV-cache groups" in shown.out and GROUP_LAYOUTS[2] in shown.out, shown.out
+
+
+def test_lmcache_lookup_of_a_hybrid_model_without_all_its_groups_registered_is_a_miss(node):
+    server, _ = node
+    caches, segment = allocate_shared_kv_caches(1, [2, 8, BLOCK, 4, 16], torch.float16)
+    try:  # group 1 of 2 alone: nothing can be restored, as the model's lookups say
+        wrapped = wrap_kv_caches(caches)
+        request = m.RegisterKVCacheRequest(
+            instance_id=78, model_name="half-registered", world_size=1, kv_rank=0,
+            block_size=BLOCK, layout=wrapped.layout, layers=wrapped.layers, pid=os.getpid(),
+            group=m.KVGroup(index=1, count=2, kind="sliding", block_size=BLOCK, window_tokens=40))
+        with MessageQueueClient(server.url, connect_timeout_s=2) as client:
+            client.request(request)
+            shown = cli("lookup", "--url", server.url, "--model", "half-registered",
+                        "--tokens", "-", "--json", stdin=json.dumps(tokens(1, 12)))
+            assert shown.code == 0, shown.err
+            row = json.loads(shown.out)["prompts"][0]
+            assert (row["hit_chunks"], row["groups"]) == (0, [])
+            shown = cli("lookup", "--url", server.url, "--model", "half-registered",
+                        "--tokens", "-", stdin=json.dumps(tokens(1, 12)))
+            assert "hybrid, incomplete KV-cache groups" in shown.out, shown.out
+            assert "do not cover every KV-cache group" in shown.out, shown.out
+            client.request(m.UnregisterKVCacheRequest(instance_id=78))
+    finally:
+        release_shared_kv_caches(segment)
+
+
 def test_a_chunk_size_no_group_block_size_divides_is_refused_at_registration(node):
     server, _ = node
     with pytest.raises(RuntimeError, match=r"chunk size 64 is not a multiple of every KV cache "
@@ -322,6 +387,20 @@ def test_through_the_disk_tier_only_the_windows_pieces_load(disk_node):
     load_and_check(made[1], "disk1", toks, seed)
 
 
+def test_lmcache_lookup_counts_a_hybrid_prefix_on_disk_and_loads_nothing(disk_node):
+    server, made = disk_node
+    seed = 13
+    toks = tokens(N, seed)
+    before = store_on_disk_only(server, made[2], toks, seed)
+    (row,) = peek(server.url, 1, [toks])
+    assert (row["hit_chunks"], row["memory_chunks"], row["disk_chunks"]) == (N, 0, N)
+    assert stats(server.url).disk.loaded_chunks == before.disk.loaded_chunks
+    assert lookup(server.url, 1, "peek-disk", toks, MODEL) == N * CHUNK  # loads what it needs
+    (row,) = peek(server.url, 1, [toks])
+    assert (row["hit_chunks"], row["memory_chunks"], row["disk_chunks"]) == (N, N, 0)
+    load_and_check(made[1], "peek-disk", toks, seed)
+
+
 def test_window_pieces_removed_from_disk_make_a_miss_at_that_chunk(disk_node):
     server, made = disk_node
     seed = 5
@@ -363,6 +442,9 @@ def test_through_redis_another_server_loads_the_hybrid_chunks_at_tp1(tmp_path):
         toks = tokens(N, seed)
         store(on_a, toks, seed)
         wait_until(lambda: stats(server_a.url).remote.written_chunks >= stored_pieces(N))
+        (row,) = peek(server_b.url, 1, [toks])  # counted in Redis, nothing loaded
+        assert (row["hit_chunks"], row["remote_chunks"], row["remote"]) == (N, N, "asked")
+        assert stats(server_b.url).remote.loaded_chunks == 0
         assert lookup(server_b.url, 1, "redis1", toks, MODEL) == N * CHUNK
         assert stats(server_b.url).remote.loaded_chunks == needed_pieces(N)
         load_and_check(on_b, "redis1", toks, seed)
