@@ -163,3 +163,42 @@ def test_second_process_attaches_and_writes(name: str) -> None:
     assert int(mine[1000:1100].sum()) == 4200 and int(mine[-1]) == 9
     assert os.path.exists(segment_path(name))  # the attacher's exit did not unlink it
     seg.unlink()
+
+
+def _minor_faults_writing_every_page(t: torch.Tensor) -> int:
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    t[::4096] = 7  # one byte in each page
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+def test_populate_maps_every_page_so_writes_take_no_fault(name: str) -> None:
+    """What a server does to a worker's segment it maps (kv.mapped): the pages already exist
+    (created, reserved) but this mapping's page tables are empty, so every first write faults;
+    after populate none does (a few stray faults of other allocations are allowed)."""
+    pages = 1024
+    owner = SharedSegment.create(name, pages * 4096)
+    cold = SharedSegment.attach(name)
+    assert _minor_faults_writing_every_page(cold.tensor(torch.uint8, [pages * 4096])) >= pages // 2
+    warm = SharedSegment.attach(name)
+    assert warm.populate() is True
+    view = warm.tensor(torch.uint8, [pages * 4096])
+    assert _minor_faults_writing_every_page(view) < pages // 10
+    assert int(owner.tensor(torch.uint8, [pages * 4096])[4096 * 5]) == 7  # contents shared
+    del view
+    for seg in (cold, warm, owner):
+        seg.close()
+    owner.unlink()
+
+
+def test_populate_stops_when_asked_or_closed(name: str) -> None:
+    import threading
+
+    seg = SharedSegment.create(name, 8192)
+    stop = threading.Event()
+    stop.set()
+    assert seg.populate(stop) is False
+    seg.close()
+    assert seg.populate() is False  # closed: nothing mapped to populate
+    seg.unlink()
