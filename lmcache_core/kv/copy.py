@@ -4,10 +4,11 @@ A chunk slot holds ``[num_layers, planes, chunk_tokens, width]`` (see :mod:`.lay
 ``torch.index_select(..., out=slot_view)`` (gather) and ``index_copy_`` (scatter) on zero-copy
 views: one op per chunk when every layer is an equally strided view into one storage (the layers
 are then one strided tensor ``[num_layers, ...]``), else one op per (chunk, layer). There is no
-Python loop over blocks. Block ids are validated for the whole request before anything is copied,
-so a bad id raises ProtocolError and writes nothing.
+Python loop over blocks but for scatters into vLLM's CPU layout (below). Block ids are validated
+for the whole request before anything is copied, so a bad id raises ProtocolError and writes
+nothing.
 
-Two CPU-specific choices, both measured (single thread, Llama-8B chunk):
+CPU-specific choices, all measured (single thread, a Llama-8B chunk unless said):
 
 - ``index_select(dim=1)`` into a contiguous ``out`` takes ATen's dim-1 path, which first makes the
   whole *source* contiguous: for a non-contiguous view (flashinfer's ``[2, NB, ...]`` permute) that
@@ -15,6 +16,11 @@ Two CPU-specific choices, both measured (single thread, Llama-8B chunk):
 - Scatters reinterpret rows as the widest element (16 bytes) their strides allow: ``index_copy_``
   moves element by element, so 8x fewer elements make it ~2x faster. Bytes are moved, never
   interpreted, so any bit pattern survives.
+- A scatter into blocks that are not contiguous (vLLM's CPU backend: a block is ``[heads, K|V,
+  tokens, dim]`` in memory, the canonical chunk ``[K|V, tokens, heads, dim]``) is one ``copy_`` per
+  block: ``index_copy_`` took 0.5-1.3 GB/s there, ``copy_`` of the same strided block 2.5-5 GB/s
+  (its loops follow the strides; 16 MiB of a Gemma-3-like chunk, 1-2 threads). So the Python
+  loop over blocks is there, on that path only (a CPU chunk has few blocks: 2 of 128 tokens).
 
 One-byte float types (float8) are copied through a ``uint8`` view: some torch versions admitted
 here have no float8 ``index_select``/``index_copy_`` kernels, and the bytes are only moved.
@@ -332,6 +338,15 @@ class _Plan:
         self.block_dim = block_dim
         self.slot_shape = slot_shape
         self.dtype = views[0].dtype
+        first = views[0]
+        # One block of one layer and plane (the leading dims fixed): one contiguous run in every
+        # layout but vLLM's CPU one, whose runs are a head's tokens.
+        run = first.select(block_dim, 0)[(0,) * block_dim] if first.shape[block_dim] else None
+        #: Scatter block by block with ``copy_`` (see the module docstring): CPU blocks whose
+        #: layer-and-plane part is not contiguous. On a GPU one ``index_copy_`` kernel beats a
+        #: launch per block.
+        self.per_block = (first.device.type == "cpu" and run is not None
+                          and not run.is_contiguous())
 
     @classmethod
     def build(cls, views: list[torch.Tensor], block_dim: int, bpc: int) -> _Plan:
@@ -352,9 +367,17 @@ class _Plan:
 
     def scatter(self, src: torch.Tensor, index: torch.Tensor, skip: int = 0) -> None:
         """Scatter the slot view ``src`` into the blocks ``index``, but its first ``skip``
-        blocks (narrowed views: still one ``index_copy_`` per group)."""
+        blocks (narrowed views: still one ``index_copy_`` per group; block by block on the
+        ``per_block`` path)."""
         if skip:
             index = index[skip:]
+        if self.per_block:
+            dim = self.block_dim
+            for group, view in enumerate(self.views):
+                source = src[group]
+                for j, block in enumerate(index.tolist(), start=skip):
+                    view.select(dim, block).copy_(source.select(dim, j))
+            return
         for group, view in enumerate(self.views):
             part = src[group]
             if skip:
