@@ -11,6 +11,9 @@ obeys JSON-line commands on stdin, answering one JSON line each on stdout:
   {"cmd": "store"|"retrieve", "req": id, "keys": tokens-or-hex-hashes, "blocks": [...]}
       -> {"finished": bool, "failed": reason-or-null}     (waits for get_finished, bounded)
       a store may add "ttl_s", "pin", "priority" (retention); it answers "pin_refused" too
+  {"cmd": "submit_retrieve", "req": id, "keys": [...], "blocks": [...]}   (does not wait)
+  {"cmd": "wait_for_retrieves", "wait_s": s} -> {"answered": bool, "retrieves": [...]}
+      the adapter's wait_for_retrieves, then get_finished's finished retrieves at once
   {"cmd": "batch_store", "reqs": [...], "keys": [[...]...], "blocks": [[...]...]}
       may add "salts": [...] (each request's cache_salt)
   {"cmd": "quit"}
@@ -152,6 +155,13 @@ def handle(adapter: LMCacheMPWorkerAdapter, layers: list[torch.Tensor], c: dict)
     if cmd == "submit_store":  # submit without waiting (for get_finished ordering tests)
         adapter.submit_store_request(c["req"], LoadStoreOp(keys(c["keys"]), c["blocks"]), None)
         return {"ok": True}
+    if cmd == "submit_retrieve":  # submit without waiting (for wait_for_retrieves tests)
+        adapter.submit_retrieve_request(c["req"], LoadStoreOp(keys(c["keys"]), c["blocks"]), None)
+        return {"ok": True}
+    if cmd == "wait_for_retrieves":  # the adapter's wait, then one get_finished right after it
+        answered = adapter.wait_for_retrieves(c["wait_s"])
+        _, retrieves = adapter.get_finished(set())
+        return {"answered": answered, "retrieves": sorted(retrieves or [])}
     return {"error": f"unknown command {cmd}"}
 
 

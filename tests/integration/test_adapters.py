@@ -509,6 +509,35 @@ def test_a_retrieve_past_its_deadline_reports_exactly_the_unloaded_chunks(tmp_pa
         srv.kill()
 
 
+def test_wait_for_retrieves_blocks_until_a_load_is_answered(tmp_path):
+    """What a vLLM step that computes nothing waits on: with no retrieve in flight it returns
+    False at once; while the server copies (test_copy_delay_ms: 100 ms a chunk, so no reply can
+    come within 50 ms) a short wait returns False; a long one returns True as soon as the reply
+    is in, and get_finished reports the load right after it, with no polling loop between."""
+    n = 4
+    srv = ServerProcess(tmp_path, {"server": {"test_copy_delay_ms": 100}}).start()
+    worker = WorkerProcess(srv.url, num_blocks=64)
+    scheduler = LMCacheMPSchedulerAdapter(srv.url, zmq.Context.instance(), "tiny", 1, 0, BLOCK)
+    try:
+        toks = tokens(n, seed=7)
+        worker("fill", blocks=blocks(0, n), seed=3)
+        assert worker("store", req="w", keys=toks, blocks=blocks(0, n))["finished"]
+        want = worker("digest", blocks=blocks(0, n))["digest"]
+        assert worker("wait_for_retrieves", wait_s=5.0) == {"answered": False, "retrieves": []}
+        assert wait_lookup(scheduler, "w1", toks) == n * CHUNK
+        worker("submit_retrieve", req="w1", keys=toks, blocks=blocks(n, n))
+        assert worker("wait_for_retrieves", wait_s=0.05) == {"answered": False,
+                                                                "retrieves": []}
+        assert worker("wait_for_retrieves", wait_s=20.0) == {"answered": True,
+                                                                "retrieves": ["w1"]}
+        assert worker("digest", blocks=blocks(n, n))["digest"] == want
+        scheduler.end_session("w1").result(5)
+    finally:
+        scheduler.close()
+        worker.close()
+        srv.kill()
+
+
 def test_min_hit_tokens_declines_short_loads_and_releases_their_locks(server, ranks):
     """A hit whose load (past what the engine computed) is under min_hit_tokens reports 0 and its
     locks are released at once; a load long enough is kept (and stays locked)."""

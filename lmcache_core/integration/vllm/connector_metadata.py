@@ -45,11 +45,17 @@ class LMCacheConnectorMetadata(KVConnectorMetadata):
         self.window_stores: bool = False
         """Some store reads sliding-window blocks, which vLLM may free and reuse from the next
         step on: the worker waits for those stores before that step's forward pass."""
+        self.idle: bool = False
+        """The step computes nothing (no token scheduled): with loads in flight, the worker waits
+        for one to land before reporting (bounded by the load deadline) instead of returning at
+        once, so vLLM does not spin through empty steps polling it, taking a core from the
+        server's copy, and schedules the loaded request in the very next step."""
 
     def __repr__(self) -> str:
         loads = [(s.request_id, len(s.chunk_hashes)) for s in self.loads]
         stores = [(s.request_id, len(s.chunk_hashes)) for s in self.stores]
-        return f"LMCacheConnectorMetadata(loads={loads}, stores={stores}, preempted={sorted(self.preempted)})"
+        return (f"LMCacheConnectorMetadata(loads={loads}, stores={stores}, "
+                f"preempted={sorted(self.preempted)}, idle={self.idle})")
 
 
 def per_block_hashes(chunk_hashes: list[bytes], blocks_per_chunk: int) -> list[bytes]:

@@ -51,6 +51,13 @@ if TYPE_CHECKING:
 # The connector's one logger, named as before the split, so logging configured for it still applies.
 logger = logging.getLogger("lmcache_core.integration.vllm.lmcache_connector")
 
+#: The longest a step that computes nothing waits for a load in flight to land (less when the load
+#: deadline is shorter). Waiting, vLLM does not spin through empty steps (on a 2-core host that
+#: spin took a core from the server's copy) and schedules the loaded request in the next step.
+#: Bounded well below the deadline: a request that arrives meanwhile is scheduled after the wait,
+#: and a slow load costs one empty step per wait, not a spin.
+IDLE_WAIT_S = 0.02
+
 
 class ConnectorWorkerSide(KVConnectorBase_V1):
     """``LMCacheConnector``'s methods that vLLM calls in each worker process."""
@@ -326,9 +333,24 @@ class ConnectorWorkerSide(KVConnectorBase_V1):
                 except Exception as exc:
                     logger.warning("lmcache: %s %s: %s", what, request_id, exc)
 
+    def _wait_if_idle(self) -> None:
+        """In a step that computes nothing, wait (at most ``IDLE_WAIT_S``, or the load deadline if
+        shorter) until some request's load has been answered, unless there is a load failure to
+        report already."""
+        meta = self._connector_metadata
+        if (self._worker is None or not isinstance(meta, LMCacheConnectorMetadata)
+                or not meta.idle or self._loads_failed_to_submit):
+            return
+        deadline_ms = self._worker.load_deadline_ms
+        if deadline_ms is None:
+            deadline_ms = self._config.timeouts.load_ms
+        wait_s = min(IDLE_WAIT_S, deadline_ms / 1000) if deadline_ms else IDLE_WAIT_S
+        self._worker.wait_for_retrieves(wait_s)
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         stores: set[str] = set()
         loads: set[str] = set()
+        self._wait_if_idle()
         self._events.release_answered()
         if self._worker is not None:
             s, r = self._worker.get_finished(set(finished_req_ids))

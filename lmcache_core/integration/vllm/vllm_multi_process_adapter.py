@@ -21,7 +21,7 @@ import os
 import random
 import socket
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import zmq
@@ -93,6 +93,10 @@ _Registration = tuple[int, dict[str, Any], m.KVGroup | None]
 _Part = tuple[int, list[bytes], list[int]]
 #: How many failed requests' reasons ``failed_stores`` and ``failed_retrieves`` each keep.
 MAX_FAILURES_KEPT = 1024
+
+
+def _answered(state: _RequestState) -> bool:
+    return all(t.future.query() for t in state.transfers)
 
 
 class LMCacheMPWorkerAdapter:
@@ -395,6 +399,31 @@ class LMCacheMPWorkerAdapter:
                                "store" if book is self._stores else "retrieve", request_id, reason)
                 break
         return True
+
+    def wait_for_retrieves(self, timeout_s: float) -> bool:
+        """Block until every retrieve of some request in flight has been answered (True; at once
+        when one already has), or ``timeout_s`` passed, or none is in flight (False). For a caller
+        with nothing else to do until a load lands (vLLM's step that computes nothing): its
+        replies are received on this thread (``MessageQueueClient.wait``), no polling loop."""
+        pending = list(self._retrieves.values())
+        if not pending:
+            return False
+        if any(_answered(state) for state in pending):
+            return True
+        woken: MessagingFuture[None] = MessagingFuture("a retrieve answered")
+
+        def check_of(state: _RequestState) -> Callable[[MessagingFuture[Any]], None]:
+            def check(_future: MessagingFuture[Any]) -> None:
+                if _answered(state):
+                    woken.set_result(None)  # once; a later call is a no-op
+            return check
+
+        for state in pending:
+            check = check_of(state)
+            for transfer in state.transfers:
+                if not transfer.future.query():  # one done since is called back at once
+                    transfer.future.add_done_callback(check)
+        return self.mq_client.wait(woken, timeout_s)
 
     def store_futures(self, request_id: str) -> list[MessagingFuture[Any]]:
         """The futures of the stores still tracked for ``request_id`` (until ``get_finished``
