@@ -95,3 +95,22 @@ def test_a_mamba_layer_is_shared_as_rows_of_state_blocks():
     state = group_piece(256, 128, "mamba")
     assert piece_blocks([0, 3, 0, 7], 2, state, retrieve=False) == ([0, 1], [3, 7])
     assert piece_blocks([0, 0, 0, 7], 2, state, retrieve=True) == ([1], [7])
+
+
+def test_a_hybrid_load_is_cut_into_even_requests() -> None:
+    """A Gemma-3-like hit (8 full-attention chunks, 2 of each sliding group, 2 blocks a chunk):
+    the full group's retrieve becomes two of 4 chunks, so two copy threads share the work; every
+    chunk stays in exactly one request, with its own blocks, a skip with its first chunk's
+    request; small loads are left whole."""
+    from lmcache_core.integration.vllm.vllm_multi_process_adapter import split_parts
+
+    hashes = [bytes([i]) for i in range(12)]
+    parts = [(1, hashes[:2], [10, 11, 12, 13]), (2, hashes[2:4], [20, 21, 22, 23]),
+             (3, hashes[4:], list(range(100, 116)))]
+    out = split_parts(parts, [1, 0, 1])
+    assert [(iid, len(h), skip) for (iid, h, _), skip in out] == [
+        (1, 2, 1), (2, 2, 0), (3, 4, 1), (3, 4, 0)]
+    assert out[2][0] == (3, hashes[4:8], list(range(100, 108)))
+    assert out[3][0] == (3, hashes[8:], list(range(108, 116)))
+    small = [(1, hashes[:1], [1, 2]), (2, hashes[1:3], [3, 4, 5, 6])]
+    assert split_parts(small, [0, 0]) == [(small[0], 0), (small[1], 0)]

@@ -95,6 +95,29 @@ _Part = tuple[int, list[bytes], list[int]]
 MAX_FAILURES_KEPT = 1024
 
 
+def split_parts(parts: list[_Part], skips: list[int]) -> list[tuple[_Part, int]]:
+    """A hybrid load's per-group retrieves (each with its leading blocks to skip, of its first
+    chunk) cut into requests of at most ``ceil(chunks / 3)`` of its chunks (never fewer than 2 a
+    request), so the server's copy threads share the work evenly: a Gemma-3-like hit loads 8
+    chunks of its full-attention group and 2 of each sliding one, and its one request of 8 kept
+    one copy thread busy long after the others were done. A chunk is in exactly one request
+    (which releases its lock); the skip stays with the first; all-or-nothing stays per vLLM
+    request (each of its requests must succeed)."""
+    total = sum(len(hashes) for _, hashes, _ in parts)
+    most = max(2, -(-total // 3))
+    out: list[tuple[_Part, int]] = []
+    for (instance_id, hashes, blocks), skip in zip(parts, skips, strict=True):
+        if len(hashes) <= most:
+            out.append(((instance_id, hashes, blocks), skip))
+            continue
+        per_chunk = len(blocks) // len(hashes)
+        for start in range(0, len(hashes), most):
+            out.append(((instance_id, hashes[start:start + most],
+                         blocks[start * per_chunk:(start + most) * per_chunk]),
+                        skip if start == 0 else 0))
+    return out
+
+
 def _answered(state: _RequestState) -> bool:
     return all(t.future.query() for t in state.transfers)
 
@@ -277,7 +300,8 @@ class LMCacheMPWorkerAdapter:
 
         With one vLLM request the lookup id is that request's id; several requests in one batch
         are sent one retrieve each (a retrieve releases the locks of one lookup); with groups,
-        one per group, all under the request's lookup id (its lookup locked every group's)."""
+        one or more per group (``split_parts``), all under the request's lookup id (its lookup
+        locked every group's chunks; each retrieve releases the locks of the chunks it reads)."""
         if len(request_ids) != len(ops):
             raise ValueError(f"{len(request_ids)} request ids but {len(ops)} ops")
         handle = _event_handle(event)
@@ -288,7 +312,9 @@ class LMCacheMPWorkerAdapter:
                 self._fail(request_id, "a block the load needs is vLLM's null block 0 (out of "
                            "the window)", self._retrieves)
                 continue
-            for (instance_id, hashes, blocks), skip in zip(parts, skips, strict=True):
+            cut = split_parts(parts, skips) if self.group_pieces is not None else list(
+                zip(parts, skips, strict=True))
+            for (instance_id, hashes, blocks), skip in cut:
                 payload = m.RetrieveRequest(instance_id=instance_id, chunk_hashes=hashes,
                                             block_ids=blocks, event_handle=handle,
                                             lookup_id=request_id, request_ids=[request_id],
