@@ -6,7 +6,8 @@ Run as its own process per engine (vLLM keeps process-global state). SPEC:
 ``{"model": dir, "connector": {"url": ..., "extra": {...}} | null, "prefix_caching": bool,
 "kv_connector": {"name": ..., "extra": {...}} | null (another connector, by vLLM's name),
 "num_blocks": int | null, "max_model_len": int | null, "llm_args": {...} (more ``LLM`` keyword
-arguments, e.g. ``mamba_cache_mode``), "server_pid": int | null,
+arguments, e.g. ``mamba_cache_mode``), "trace_loads": bool (record the worker's
+``get_transfer_results`` calls made with a load in flight, in ``load_trace``), "server_pid": int | null,
 "server_url": str | null, "steps": [...]}`` where a step is one of
 
 - ``{"op": "generate", "name", "prompts": [[ids]], "max_tokens", "salt"?, "kill_server_after_s"?,
@@ -45,6 +46,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 CONNECTOR_MODULE = "lmcache_core.integration.vllm.lmcache_connector"
 FAULTS: dict[str, Any] = {"kind": None, "corrupted": 0, "windows_dropped": 0}
+#: The worker's get_transfer_results calls made while a load was in flight (``trace_loads``).
+LOAD_TRACE: list[dict[str, Any]] = []
 RESTARTED: list[subprocess.Popen[bytes]] = []  # servers this runner started (stopped at its end)
 
 
@@ -67,6 +70,38 @@ def _install_fault_hook() -> None:
         return meta
 
     lc.LMCacheConnector.build_connector_meta = build_connector_meta  # type: ignore[method-assign]
+
+
+def _install_load_trace() -> None:
+    """Record each worker-side ``get_transfer_results`` made with a load in flight: whether the
+    step computed nothing (metadata ``idle``), whether it waited (``wait_for_retrieves`` calls),
+    how long it took and whether it reported a load."""
+    from lmcache_core.integration.vllm import lmcache_connector as lc
+    from lmcache_core.integration.vllm import vllm_multi_process_adapter as vma
+
+    waits = [0]
+    original_wait = vma.LMCacheMPWorkerAdapter.wait_for_retrieves
+
+    def wait_for_retrieves(self: Any, timeout_s: float) -> bool:
+        waits[0] += 1
+        return original_wait(self, timeout_s)
+
+    original = lc.LMCacheConnector.get_transfer_results
+
+    def get_transfer_results(self: Any, finished_req_ids: set[str]) -> Any:
+        in_flight = self._worker is not None and bool(self._worker._retrieves)
+        idle = bool(getattr(self._connector_metadata, "idle", False))
+        waits[0] = 0
+        start = time.perf_counter()
+        out = original(self, finished_req_ids)
+        if in_flight:
+            LOAD_TRACE.append({"idle": idle, "waits": waits[0],
+                               "took_s": time.perf_counter() - start,
+                               "reported": sorted(out.finished_recving)})
+        return out
+
+    vma.LMCacheMPWorkerAdapter.wait_for_retrieves = wait_for_retrieves  # type: ignore[method-assign]
+    lc.LMCacheConnector.get_transfer_results = get_transfer_results  # type: ignore[method-assign]
 
 
 def _drop_window_pieces(connector: Any, spec: Any, tail_only: bool) -> None:
@@ -166,6 +201,9 @@ def main(spec_path: str, out_path: str) -> int:
                                      kv_connector_extra_config=spec["kv_connector"]["extra"])
     elif spec.get("connector"):
         _install_fault_hook()
+        if spec.get("trace_loads"):
+            _install_load_trace()
+            out["load_trace"] = LOAD_TRACE
         kv_config = KVTransferConfig(
             kv_connector="LMCacheConnector", kv_connector_module_path=CONNECTOR_MODULE,
             kv_role="kv_both", kv_load_failure_policy="recompute",

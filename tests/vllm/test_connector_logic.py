@@ -123,8 +123,10 @@ def test_hit_is_loaded_then_only_new_chunks_are_stored(conn: Any) -> None:
     assert load.chunk_hashes == chain_hashes(TOKENS, CHUNK)[:2]
     assert load.block_ids == blocks[:4] and load.invalid_block_ids == []
     assert not meta.stores
+    assert meta.idle  # nothing computed in this step: the worker may wait for the load
     # the load finished; vLLM schedules the rest of the prompt (512..1000)
     meta = conn.build_connector_meta(_output(new=[("r", blocks, 512)], scheduled={"r": 488}))
+    assert not meta.idle
     (store,) = meta.stores
     assert store.chunk_hashes == chain_hashes(TOKENS, CHUNK)[2:3]  # chunk 2 only
     assert store.block_ids == blocks[4:6]

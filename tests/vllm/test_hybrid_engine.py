@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from lmcache_core.integration.vllm.connector_worker import IDLE_WAIT_S
 from tests.integration.servers import ServerProcess
 from tests.vllm.test_engine import EXTRA, _run_engine
 from tests.vllm.tiny_model import CHUNK, SERVER, TINY_GEMMA3, tiny_gemma3, tiny_granite_hybrid
@@ -90,7 +91,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         common = {"model": model, "connector": {"url": server.url, "extra": EXTRA},
                   "server_url": server.url}
         first = _run_engine(tmp, "first", {**common, "steps": FIRST})
-        second = _run_engine(tmp, "second", {**common, "steps": SECOND})
+        second = _run_engine(tmp, "second", {**common, "steps": SECOND, "trace_loads": True})
     finally:
         server.kill()
     return {"baseline": baseline, "first": first, "second": second, "server_log": server.log()}
@@ -127,6 +128,20 @@ def test_failed_load_is_reported_per_request_and_recomputed(runs: dict[str, Any]
     assert _delta(second, "after_B", "after_D", "lookup_hit_chunks") == 3
     assert "block-level load failures" not in second["log"]  # vLLM's RuntimeError for HMA
     assert _tokens(second, "D") == _tokens(base, "D")
+
+
+def test_a_step_that_computes_nothing_waits_for_the_load(runs: dict[str, Any]) -> None:
+    """While a load is in flight and nothing else runs, each of vLLM's empty steps waits in
+    get_transfer_results for it (not a spin of empty steps polling it): every idle call either
+    reported a load or waited IDLE_WAIT_S out (a lower bound only: the wait's timeout); a step
+    that computes something never waits. B's, D's and X2's loads were reported so."""
+    trace = runs["second"]["load_trace"]
+    idle = [call for call in trace if call["idle"]]
+    assert idle and all(call["waits"] == 1 for call in idle)
+    assert all(call["reported"] or call["took_s"] >= 0.9 * IDLE_WAIT_S for call in idle)
+    assert all(call["waits"] == 0 for call in trace if not call["idle"])
+    reported = {request for call in idle for request in call["reported"]}
+    assert len(reported) >= 3
 
 
 def test_missing_window_pieces_cut_the_hit(runs: dict[str, Any]) -> None:

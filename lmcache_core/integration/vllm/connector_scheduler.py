@@ -147,7 +147,8 @@ class ConnectorSchedulerSide(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = LMCacheConnectorMetadata()
         meta.preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
-        meta.idle = scheduler_output.total_num_scheduled_tokens == 0
+        # vLLM's total_num_scheduled_tokens == 0, from the dict every vLLM version has
+        meta.idle = not any(scheduler_output.num_scheduled_tokens.values())
         for tracker in self._trackers.values():
             if tracker.state != "load" or tracker.load is None:
                 continue
