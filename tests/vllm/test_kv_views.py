@@ -119,3 +119,21 @@ def test_cpu_layout_scatters_block_by_block_byte_exact(wide: bool) -> None:
     for dst, src in ((5, 4), (3, 1), (0, 2), (1, 0)):
         assert torch.equal(raw[:, dst], before[:, src])
     assert raw[:, 2].count_nonzero() == 0 and raw[:, 4].count_nonzero() == 0
+
+
+def test_cpu_layout_block_by_block_scatter_skips_leading_blocks() -> None:
+    """skip_blocks (a sliding window's partial oldest piece) on the block-by-block path: the
+    first chunk's first block is neither read nor written, the rest land where they should."""
+    raw = _raw()
+    kv = canonical_kv_views({f"l{i}": raw[i] for i in range(L)}, backend="CPU_ATTN",
+                            num_kv_heads=H, head_size=D, vllm_block_size=BS)
+    copier = BlockCopier(list(kv.views.values()), kv.layout, CHUNK)
+    assert copier._native.per_block
+    slots = [torch.empty(copier.chunk_bytes, dtype=torch.uint8) for _ in range(2)]
+    copier.gather([4, 1, 2, 0], slots)
+    before = raw.clone()
+    raw.zero_()
+    copier.scatter(slots, [5, 3, 0, 1], skip_blocks=1)
+    assert raw[:, 5].count_nonzero() == 0  # skipped
+    for dst, src in ((3, 1), (0, 2), (1, 0)):
+        assert torch.equal(raw[:, dst], before[:, src])
