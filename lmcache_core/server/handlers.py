@@ -226,7 +226,8 @@ class CacheHandlers:
         """Copy the plan's chunks into their slots; their pieces' checksums to take."""
         slots = [w[2] for w in plan.writes]
         blocks = _chunk_blocks(block_ids, [w[0] for w in plan.writes], per_chunk)
-        with reg.copy_stream.run(event_handle, self.event_timeout_s):
+        with self.checksum_lanes.copies.running(), \
+                reg.copy_stream.run(event_handle, self.event_timeout_s):  # (GPU: synced inside)
             reg.mapped.gather(blocks, slots)
         return self.checksum_lanes.begin(slots, reg.mapped.chunk_bytes)
 
@@ -271,7 +272,8 @@ class CacheHandlers:
                     self.engine.integrity.verify_retrieve(plan, LANE_TIMEOUT_S if deadline_s is None
                                                           else deadline_s)
                 if plan.found:
-                    with reg.copy_stream.run(request.event_handle, self.event_timeout_s):
+                    with self.checksum_lanes.copies.running(), \
+                            reg.copy_stream.run(request.event_handle, self.event_timeout_s):
                         blocks = _Blocks(request.block_ids, per_chunk, request.skip_blocks)
                         if deadline_s is None and not self.copy_delay_s:
                             self._scatter(reg, plan, range(len(plan.found)), blocks)

@@ -14,7 +14,7 @@ import torch
 from lmcache_core.storage import checksum_lanes
 from lmcache_core.storage.checksum_lanes import ChecksumLanes
 from lmcache_core.storage.integrity import checksum
-from tests.harness import FakeClock
+from tests.harness import FakeClock, wait_until
 
 REAL_CHECKSUM = checksum_lanes.checksum
 
@@ -195,3 +195,43 @@ def test_after_close_stores_hash_inline_and_a_late_start_hashes_where_it_is_call
     assert lanes._all == []
     late = lanes.begin(slots, 96)
     assert not late.deferred and late.digests() == [checksum(slots[0][:96])]
+
+
+def test_a_hash_lets_the_copies_running_finish_first(deferred: None,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hybrid store's first group hashed beside the next groups' gathers slowed them; the hash
+    starts once no copy runs (here: it sees none running when it reads the slots)."""
+    monkeypatch.setattr(checksum_lanes, "YIELD_S", 30.0)
+    lanes = ChecksumLanes()
+    copies_seen: list[int] = []
+
+    def observed(buffer: object) -> int:
+        copies_seen.append(lanes.copies._running)
+        return REAL_CHECKSUM(buffer)
+
+    monkeypatch.setattr(checksum_lanes, "checksum", observed)
+    slots = _pieces(2)
+    try:
+        on_digests, got = _receiver()
+        with lanes.copies.running():
+            lanes.begin(slots, 96).finish(on_digests)()
+            wait_until(lambda: len(lanes.copies._idle._waiters) == 1)  # type: ignore[attr-defined]
+        assert got.result(10) == [REAL_CHECKSUM(s[:96]) for s in slots]
+        assert copies_seen == [0, 0]
+    finally:
+        lanes.close()
+
+
+def test_a_hash_waits_for_copies_at_most_yield_s(deferred: None,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream of copies never starves a hash: it goes ahead after YIELD_S."""
+    monkeypatch.setattr(checksum_lanes, "YIELD_S", 0.05)
+    lanes = ChecksumLanes()
+    slots = _pieces(1)
+    try:
+        with lanes.copies.running():  # a copy that outlasts the hash
+            on_digests, got = _receiver()
+            lanes.begin(slots, 96).finish(on_digests)()
+            assert got.result(30) == [checksum(slots[0][:96])]
+    finally:
+        lanes.close()
