@@ -295,10 +295,30 @@ def _cover_all(pieces: Sequence[Piece], ranges: Sequence[HeadRange]) -> list[lis
     return out
 
 
-def window_reach(covers: Sequence[object | None], window: int, limit: int) -> int:
+def group_reach(groups: Sequence[GroupTarget], covers: Sequence[Sequence[object | None]],
+                limit: int) -> int:
+    """A hybrid model's hit over each group's per-chunk covers (None, or past its end: missing),
+    the rule of ``find_group_hits`` and ``TieredStorage.peek_groups``: the largest ``N <= limit``
+    such that every full-attention group covers chunks ``[0, N)`` and every sliding-window group
+    its last ``window_chunks`` before ``N`` (``window_needed``)."""
+    reach = limit
+    for group, found in zip(groups, covers, strict=True):
+        if not group.window_chunks:
+            reach = min(reach, next((i for i, c in enumerate(found) if c is None), len(found)))
+    for group, found in zip(groups, covers, strict=True):
+        if group.window_chunks:
+            reach = min(reach, _window_reach(found, group.window_chunks, reach))
+    return reach
+
+
+def window_needed(group: GroupTarget, reach: int) -> int:
+    """The first chunk a hit of ``reach`` chunks needs of ``group`` (0 for full attention)."""
+    return max(0, reach - group.window_chunks) if group.window_chunks else 0
+
+
+def _window_reach(covers: Sequence[object | None], window: int, limit: int) -> int:
     """The largest ``n <= limit`` whose last ``min(window, n)`` chunks are all covered (not
-    None in ``covers``; a sliding window's reach: ``find_group_hits``, ``TieredStorage``'s
-    peek)."""
+    None in ``covers``)."""
     run = 0
     best = 0
     for n in range(1, limit + 1):  # run: covered chunks ending at chunk n - 1
@@ -321,13 +341,10 @@ def find_group_hits(index: PieceIndex, model_name: str, groups: Sequence[GroupTa
         found = _group_covers(index, model_name, group, chunk_hashes[:limit], stop_at_miss=full)
         limit = min(limit, len(found)) if full else limit
         covers.append(found)
-    count = limit
-    for group, found in zip(groups, covers, strict=True):
-        if group.window_chunks:
-            count = min(count, window_reach(found, group.window_chunks, count))
+    count = group_reach(groups, covers, limit)
     held: Held = {heads: {} for group in groups for heads in group.ranges}
     # (from which position, its layout, its ranges' dicts, its covers) per group
-    parts = [(count - group.window_chunks if group.window_chunks else 0, group.layout,
+    parts = [(window_needed(group, count), group.layout,
               [held[heads] for heads in group.ranges], found)
              for group, found in zip(groups, covers, strict=True)]
     for position in range(count):

@@ -34,7 +34,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-from lmcache_core.engine.index import GroupTarget, window_reach
+from lmcache_core.engine.index import GroupTarget, group_reach, window_needed
 from lmcache_core.engine.store import PieceStore
 from lmcache_core.engine.verify import IntegrityGuard
 from lmcache_core.keys import ChunkKey, HeadRange, candidate_ranges
@@ -453,17 +453,11 @@ def _count_tiers(groups: Sequence[GroupTarget], tiers: list[list[int | None]], n
                  state: str) -> TierCounts:
     """The hit of ``find_group_hits``' rule over each group's per-chunk tiers, each of its
     chunks counted in the slowest tier a group needs it from."""
-    reach = n
-    for group, found in zip(groups, tiers, strict=True):
-        if not group.window_chunks:  # full attention: every chunk before the hit's end
-            reach = min(reach, next((i for i, t in enumerate(found) if t is None), n))
-    for group, found in zip(groups, tiers, strict=True):
-        if group.window_chunks:
-            reach = min(reach, window_reach(found, group.window_chunks, reach))
+    reach = group_reach(groups, tiers, n)
     counts = TierCounts(remote=state)
     for position in range(reach):  # within the reach, every chunk a group needs has a tier
         slowest = max(found[position] or MEMORY for group, found in zip(groups, tiers, strict=True)
-                      if not group.window_chunks or position >= reach - group.window_chunks)
+                      if position >= window_needed(group, reach))
         if slowest == MEMORY:
             counts.memory += 1
         elif slowest == DISK:

@@ -49,6 +49,15 @@ from lmcache_core.protocol.messages import KVLayoutName
 BlockIds = Sequence[int] | torch.Tensor
 
 
+def check_skip(skip_blocks: int, blocks_per_chunk: int, n_chunks: int) -> int:
+    """``skip_blocks`` (a copy's first chunk's leading blocks left out) once checked: fewer than a
+    chunk's blocks, none without a chunk; ProtocolError otherwise."""
+    if not 0 <= skip_blocks < blocks_per_chunk or (skip_blocks and not n_chunks):
+        raise ProtocolError(f"skip_blocks {skip_blocks} must be in [0, {blocks_per_chunk}) (the "
+                            f"first chunk's leading blocks), and 0 without chunks")
+    return skip_blocks
+
+
 def stack_layers(layers: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """One zero-copy ``[num_layers, *shape]`` view of the layers, or None if impossible.
 
@@ -221,11 +230,8 @@ class BlockCopier:
         self._scatter_flats(flats, index, self.check_skip(skip_blocks, len(flats)))
 
     def check_skip(self, skip_blocks: int, n_chunks: int) -> int:
-        """``skip_blocks`` once checked: fewer than a chunk's blocks, none without a chunk."""
-        if not 0 <= skip_blocks < self._bpc or (skip_blocks and not n_chunks):
-            raise ProtocolError(f"skip_blocks {skip_blocks} must be in [0, {self._bpc}) (the "
-                                f"first chunk's leading blocks), and 0 without chunks")
-        return skip_blocks
+        """``check_skip`` for this cache's chunks."""
+        return check_skip(skip_blocks, self._bpc, n_chunks)
 
     def scatter_heads(self, chunks: Sequence[Sequence[tuple[torch.Tensor, int, int]]],
                       heads: tuple[int, int], block_ids: BlockIds,
@@ -372,10 +378,10 @@ class _Plan:
         if skip:
             index = index[skip:]
         if self.per_block:
-            dim = self.block_dim
+            dim, blocks = self.block_dim, index.tolist()
             for group, view in enumerate(self.views):
                 source = src[group]
-                for j, block in enumerate(index.tolist(), start=skip):
+                for j, block in enumerate(blocks, start=skip):
                     view.select(dim, block).copy_(source.select(dim, j))
             return
         for group, view in enumerate(self.views):

@@ -24,7 +24,6 @@ within its namespace: whoever cleans up after a dead owner needs to know the pid
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import mmap
 import os
@@ -36,6 +35,7 @@ from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from lmcache_core.errors import IncompatibleError, NotRegisteredError, ProtocolError
+from lmcache_core.kv.madvise import populate_step
 from lmcache_core.kv.tensors import contiguous_stride, span_elems
 
 if TYPE_CHECKING:
@@ -43,7 +43,6 @@ if TYPE_CHECKING:
 
 SHM_DIR = "/dev/shm"
 MAX_NAME_LEN = 200
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 #: One ``madvise`` call of :meth:`SharedSegment.populate` (a few ms; the GIL released): a stop,
 #: or a close that should unmap, waits at most one step.
 POPULATE_STEP = 8 << 20
@@ -321,14 +320,12 @@ class SharedSegment:
             if mapping is None or (stop is not None and stop.is_set()):
                 return False
             length = min(POPULATE_STEP, self._nbytes - offset)
-            failed = _madvise(address + offset, length, _MADV_POPULATE_WRITE) != 0
-            del mapping  # not held between steps (see close)
-            if failed:
-                err = ctypes.get_errno()
-                if err == errno.EINVAL and offset == 0:
+            try:
+                if not populate_step(address + offset, length, offset == 0,
+                                     f" of {self._name!r}"):
                     return None
-                raise OSError(err, f"madvise(MADV_POPULATE_WRITE) of {self._name!r}: "
-                                   f"{os.strerror(err)}")
+            finally:
+                del mapping  # not held between steps (see close)
         return True
 
     # ------------------------------------------------------------------ teardown
@@ -362,19 +359,6 @@ class SharedSegment:
         return f"SharedSegment({self._name!r}, {self._nbytes} bytes, {role}, {state})"
 
 
-_LIBC: ctypes.CDLL | None = None
-
-
-def _madvise(address: int, length: int, advice: int) -> int:
-    """``madvise`` through ctypes, which releases the GIL for the call (``mmap.madvise`` does
-    not). The same as ``storage/pages.py``'s for the pool (kv/ comes before storage/)."""
-    global _LIBC
-    if _LIBC is None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.madvise.restype = ctypes.c_int
-        _LIBC = libc
-    return int(_LIBC.madvise(address, length, advice))
 
 
 def _map(fd: int, nbytes: int) -> mmap.mmap:

@@ -29,6 +29,7 @@ from lmcache_core.engine import (
 from lmcache_core.engine.tiered import TierCounts
 from lmcache_core.errors import CopiesStalledError, IncompatibleError, ProtocolError
 from lmcache_core.keys import ChunkKey, HeadRange, group_piece, is_mla, rank_heads
+from lmcache_core.kv.copy import check_skip
 from lmcache_core.kv.cuda_events import open_ipc_event
 from lmcache_core.kv.mapped import MappedKVCache
 from lmcache_core.protocol import messages as m
@@ -392,9 +393,7 @@ class CacheHandlers:
             raise ProtocolError(
                 f"{len(hashes)} chunks need {len(hashes) * per_chunk} block ids "
                 f"({per_chunk} per chunk), got {len(block_ids)}")
-        if skip_blocks and (skip_blocks >= per_chunk or not hashes):
-            raise ProtocolError(f"skip_blocks {skip_blocks} must be fewer than a chunk's "
-                                f"{per_chunk} blocks, and 0 without chunks")
+        check_skip(skip_blocks, per_chunk, len(hashes))
         if block_ids and (min(block_ids) < 0 or max(block_ids) >= reg.mapped.num_blocks):
             raise ProtocolError(f"block ids must be in [0, {reg.mapped.num_blocks}) for this KV "
                                 f"cache, got {min(block_ids)}..{max(block_ids)}")

@@ -2,14 +2,13 @@
 
 An unpinned pool is one private anonymous ``mmap`` (so a large pool starts at once); its pages
 fault in on first write unless populated ahead of use with ``MADV_POPULATE_WRITE`` (Linux >= 5.14),
-issued here a step at a time through ctypes so the GIL is released. After the populate the mapping
-may be advised ``MADV_HUGEPAGE``. ``storage/pool.py`` decides when; this module only does it.
+issued here a step at a time (``kv/madvise.py``: through ctypes, the GIL released). After the
+populate the mapping may be advised ``MADV_HUGEPAGE``. ``storage/pool.py`` decides when; this module
+only does it.
 """
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import logging
 import mmap
 import os
@@ -20,10 +19,10 @@ from pathlib import Path
 import torch
 
 from lmcache_core.errors import ConfigError
+from lmcache_core.kv.madvise import populate_step
 from lmcache_core.storage.pinned import pin_exact
 
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 POPULATE_STEP = 64 << 20  # one madvise call (GIL released): a stop is seen within one step
 _THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -88,11 +87,8 @@ def populate_write(address: int, start: int, end: int, stop: threading.Event | N
         if stop is not None and stop.is_set():
             return False
         length = min(POPULATE_STEP, end - offset)
-        if _libc_madvise(address + offset, length, _MADV_POPULATE_WRITE) != 0:
-            err = ctypes.get_errno()
-            if err == errno.EINVAL and offset == 0:
-                return None
-            raise OSError(err, f"madvise(MADV_POPULATE_WRITE): {os.strerror(err)}")
+        if not populate_step(address + offset, length, offset == 0, ""):
+            return None
         progress(offset + length)
     return True
 
@@ -108,19 +104,6 @@ def advise_huge_pages(mapping: mmap.mmap) -> bool:
     return True
 
 
-_LIBC: ctypes.CDLL | None = None
-
-
-def _libc_madvise(address: int, length: int, advice: int) -> int:
-    """``madvise`` through ctypes, which releases the GIL for the call (``mmap.madvise`` does
-    not: populating gigabytes would stall every other thread of the server)."""
-    global _LIBC
-    if _LIBC is None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.madvise.restype = ctypes.c_int
-        _LIBC = libc
-    return int(_LIBC.madvise(address, length, advice))
 
 
 def process_rss_bytes() -> int:
