@@ -42,6 +42,8 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "f
 DTypeName = Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "uint8"]
 Positive = Annotated[int, msgspec.Meta(gt=0)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+#: At most 100 ms: the scheduler waits this long per step at worst.
+LookupWaitUs = Annotated[int, msgspec.Meta(ge=0, le=100_000)]
 ENV_PREFIX = "LMCACHE_"
 URL_ENV = "LMCACHE_URL"
 DEFAULT_HTTP_URL = "http://127.0.0.1:9464"
@@ -187,6 +189,11 @@ class TimeoutConfig(_Section):
     connect_s: TimeoutS = 5.0
     request_s: TimeoutS = 30.0
     lookup_ms: TimeoutMs = 2000
+    # How long vLLM's scheduler may wait, in the step that sends a request's lookup, for the
+    # answer (all lookups of one step share it). Answered in time, the request's load starts
+    # in that step instead of the next one; otherwise it is asked again next step, as with 0
+    # (never wait). A lookup round trip to a local server takes 0.1-0.5 ms.
+    lookup_wait_us: LookupWaitUs = 1000
     lock_ttl_s: TimeoutS = 300.0
     # A retrieve's deadline (server side, from when a copy thread takes it up; a request's
     # deadline_ms overrides it): chunks not reached in time are not copied and are answered

@@ -95,6 +95,9 @@ MEANINGS: dict[str, str] = {
                           "of it); a scheduler lookup unanswered this long is a miss",
     "timeouts.lock_ttl_s": "a lookup's chunk locks are released this long after it took them, if no "
                            "retrieve or free came first",
+    "timeouts.lookup_wait_us": "vLLM connector: how long the scheduler may wait, per step, for the "
+                               "answers to the lookups it sends in it (answered in time, the "
+                               "load starts that step, not the next); `0`: never waits",
     "timeouts.load_ms": "each retrieve's [load deadline](architecture.md#bounded-loads) (a request's "
                         "`deadline_ms` overrides it); `0`: none (one batched copy)",
     "disk.path": "L2: one checksummed file per chunk in this directory; no disk tier unless set",

@@ -37,18 +37,22 @@ EVENTS: list[tuple[float, str]] = []
 
 
 SERVER_PID = [0]
-TICK_MS = 1000.0 / os.sysconf("SC_CLK_TCK")
+#: Both processes' thread CPU snapshots at a hit's first retrieve submit (the load's window).
+LOAD_START: dict[str, dict[str, float]] = {}
+LOAD_CPU = [False]  # --load-cpu
+DETAIL = [False]  # --engine-detail
 
 
 def cpu_ms(pid: int | str, tid: int | str | None = None) -> float:
-    """A process's (or one of its threads') CPU time so far, user + system."""
-    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    """A process's (or one of its threads') CPU time so far, from the scheduler's nanosecond
+    count (``/proc/.../schedstat``; ``stat``'s ticks are 10 ms, too coarse for one hit)."""
+    if tid is None:
+        return sum(threads(pid).values())
     try:
-        with open(path) as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+        with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+            return int(f.read().split()[0]) / 1e6
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) * TICK_MS
 
 
 def minflt(pid: int | str) -> int:
@@ -59,16 +63,27 @@ def minflt(pid: int | str) -> int:
         return 0
 
 
-def threads() -> dict[str, float]:
+def threads(pid: int | str = "self") -> dict[str, float]:
+    """CPU ms so far of each of a process's threads, by ``name/tid``."""
     out: dict[str, float] = {}
-    for tid in os.listdir("/proc/self/task"):
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
         try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
                 name = f.read().strip()
         except OSError:
             continue
-        out[f"{name}/{tid}"] = cpu_ms("self", tid)
+        out[f"{name}/{tid}"] = cpu_ms(pid, tid)
     return out
+
+
+def busiest(before: dict[str, float], after: dict[str, float], top: int = 6) -> str:
+    """The threads that ran most between two ``threads()`` snapshots, as ``name/tid ms``."""
+    busy = sorted(((after[k] - before.get(k, 0.0), k) for k in after), reverse=True)
+    return ", ".join(f"{k} {v:.1f}" for v, k in busy[:top] if v >= 0.05)
 
 
 def cpu_note() -> str:
@@ -90,6 +105,16 @@ def wrap(cls: Any, name: str, describe: Any = None) -> None:
     setattr(cls, name, wrapper)
 
 
+def load_window_cpu() -> str:
+    """The CPU each process's busiest threads used since the load's first submit."""
+    if not LOAD_START:
+        return ""
+    out = (f"\n            load window cpu ms: engine: {busiest(LOAD_START['engine'], threads())}"
+           f"\n            server: {busiest(LOAD_START['server'], threads(SERVER_PID[0]))}")
+    LOAD_START.clear()
+    return out
+
+
 def patch_connector() -> None:
     from lmcache_core.integration.vllm import vllm_multi_process_adapter as vma
     from lmcache_core.integration.vllm.lmcache_connector import LMCacheConnector
@@ -103,11 +128,14 @@ def patch_connector() -> None:
     wrap(LMCacheConnector, "wait_for_save", lambda a, o: "")
     wrap(LMCacheConnector, "get_transfer_results",
          lambda a, o: (f"recv={sorted(o.finished_recving)} failed={sorted(o.failed_recving)}"
+                       + load_window_cpu()
                        if (o.finished_recving or o.failed_recving) else "(nothing)"))
 
     original = vma.LMCacheMPWorkerAdapter._submit
 
     def _submit(self: Any, op: Any, payload: Any, request_ids: Any, blocks: Any, book: Any) -> None:
+        if LOAD_CPU[0] and not LOAD_START:  # before ``sent``: reading /proc takes ~3 ms
+            LOAD_START.update(engine=threads(), server=threads(SERVER_PID[0]))
         sent = time.perf_counter()
         original(self, op, payload, request_ids, blocks, book)
         transfer = book[request_ids[0]].transfers[-1]
@@ -138,6 +166,14 @@ def patch_engine() -> None:
         return out, executed
 
     EngineCore.step = step  # type: ignore[method-assign]
+    if DETAIL[0]:
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.executor.abstract import Executor
+
+        wrap(Scheduler, "schedule", lambda a, o: f"({o.total_num_scheduled_tokens} tokens)")
+        wrap(Scheduler, "update_from_output", lambda a, o: "")
+        wrap(Executor, "execute_model", lambda a, o: "")
+        wrap(Executor, "sample_tokens", lambda a, o: "")
 
 
 def main() -> None:
@@ -146,9 +182,16 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=3)
     parser.add_argument("--doc-tokens", type=int, default=2048)
     parser.add_argument("--steps", action="store_true", help="print every step, idle ones too")
+    parser.add_argument("--engine-detail", action="store_true",
+                        help="also time the scheduler's schedule/update and the executor's calls")
+    parser.add_argument("--load-cpu", action="store_true",
+                        help="print each thread's CPU time in the load's window (reading /proc "
+                             "for it delays the first retrieve by ~3 ms)")
     parser.add_argument("--server-threads", type=int, default=0,
                         help="OMP_NUM_THREADS for the server (default: torch's own)")
     args = parser.parse_args()
+    LOAD_CPU[0] = args.load_cpu
+    DETAIL[0] = args.engine_detail
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -188,21 +231,20 @@ def main() -> None:
                 time.sleep(2.0)
             for i, prompt in enumerate(prompts):
                 EVENTS.clear()
-                before, server_before = threads(), cpu_ms(SERVER_PID[0]) if server else 0.0
+                before, server_before = threads(), threads(SERVER_PID[0]) if server else {}
                 faults = minflt("self"), minflt(SERVER_PID[0]) if server else 0
                 start = time.perf_counter()
                 (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params,
                                       use_tqdm=False)
                 took = (time.perf_counter() - start) * 1e3
                 after = threads()
-                busy = sorted(((after[k] - before.get(k, 0.0), k) for k in after), reverse=True)
-                server_cpu = cpu_ms(SERVER_PID[0]) - server_before if server else 0.0
+                server_busy = busiest(server_before, threads(SERVER_PID[0])) if server else ""
                 faults = (minflt("self") - faults[0],
                           minflt(SERVER_PID[0]) - faults[1] if server else 0)
                 print(f"\nround {r + 1} prompt {i}: {took:.1f} ms, cached {out.num_cached_tokens}, "
                       f"load {os.getloadavg()[0]:.2f}")
-                print("  cpu ms by thread: " + ", ".join(f"{k} {v:.0f}" for v, k in busy[:6] if v)
-                      + (f"; server {server_cpu:.0f}" if server else "")
+                print("  cpu ms by thread: " + busiest(before, after)
+                      + (f"; server: {server_busy}" if server else "")
                       + f"; page faults: engine {faults[0]}, server {faults[1]}")
                 if r == 0:
                     continue

@@ -34,6 +34,12 @@ class FakeSchedulerAdapter:
         self.ended: list[str] = []
         self.computed: dict[str, int] = {}  # num_computed_tokens each check passed
         self.kwargs = kwargs
+        # What a wait for an answer finds: answers that come in during it, and how long it takes
+        # (on the connector's wait clock, a FakeClock the test installs).
+        self.arriving: dict[str, int] = {}
+        self.waits: list[tuple[str, float]] = []
+        self.wait_takes_s = 0.0
+        self.clock: FakeClock | None = None
 
     def num_blocks_per_chunk(self) -> int:
         return BPC
@@ -44,6 +50,15 @@ class FakeSchedulerAdapter:
     def check_lookup_result(self, request_id: str, num_computed_tokens: int = 0) -> int | None:
         self.computed[request_id] = num_computed_tokens
         return self.answers.get(request_id)
+
+    def wait_lookup_result(self, request_id: str, timeout_s: float) -> bool:
+        self.waits.append((request_id, timeout_s))
+        if request_id in self.arriving:
+            self.answers[request_id] = self.arriving.pop(request_id)
+            return True
+        if self.clock is not None:
+            self.clock.now += min(self.wait_takes_s, timeout_s)
+        return False
 
     def cleanup_lookup_result(self, request_id: str) -> None:
         self.lookups.pop(request_id, None)
@@ -56,6 +71,14 @@ class FakeSchedulerAdapter:
 
     def close(self) -> None:
         pass
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def _config(groups: list[Any] | None = None) -> tuple[Any, Any]:
@@ -132,6 +155,43 @@ def test_hit_is_loaded_then_only_new_chunks_are_stored(conn: Any) -> None:
     assert store.block_ids == blocks[4:6]
     assert conn.request_finished(req, blocks) == (True, None)
     assert sched.ended == ["r"]
+
+
+def test_a_lookup_answered_within_the_steps_wait_loads_in_that_step(conn: Any) -> None:
+    sched: FakeSchedulerAdapter = conn._scheduler
+    sched.arriving["r"] = 2 * CHUNK  # the server answers while the scheduler waits
+    assert conn.get_num_new_matched_tokens(_request("r", TOKENS), 0) == (2 * CHUNK, True)
+    assert sched.waits == [("r", 1e-3)]  # timeouts.lookup_wait_us: 1000
+
+
+def test_the_lookup_wait_is_one_budget_per_step_and_only_where_the_lookup_is_sent(
+        conn: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    sched: FakeSchedulerAdapter = conn._scheduler
+    clock = sched.clock = FakeClock()
+    monkeypatch.setattr(conn, "_wait_clock", clock)
+    sched.wait_takes_s = 0.0006  # no answer comes: each wait takes this long
+    a, b, c = (_request(r, TOKENS) for r in "abc")
+    assert conn.get_num_new_matched_tokens(a, 0) == (None, False)
+    assert conn.get_num_new_matched_tokens(b, 0) == (None, False)
+    assert conn.get_num_new_matched_tokens(c, 0) == (None, False)
+    # a waited 0.6 ms, b the 0.4 ms left, c not at all: the step waited 1 ms in all
+    assert [r for r, _ in sched.waits] == ["a", "b"]
+    assert sched.waits[1][1] == pytest.approx(0.0004)
+    conn.build_connector_meta(_output())  # the next step: a fresh budget
+    assert conn.get_num_new_matched_tokens(a, 0) == (None, False)  # asked again: no wait
+    assert conn.get_num_new_matched_tokens(_request("d", TOKENS), 0) == (None, False)
+    assert [r for r, _ in sched.waits] == ["a", "b", "d"]
+    assert sched.waits[2][1] == pytest.approx(0.001)
+
+
+def test_lookup_wait_us_0_never_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lc, "LMCacheMPSchedulerAdapter", FakeSchedulerAdapter)
+    vllm_config, kv_cache_config = _config()
+    vllm_config.kv_transfer_config.kv_connector_extra_config["lookup_wait_us"] = 0
+    conn = lc.LMCacheConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    conn._scheduler.arriving["r"] = CHUNK
+    assert conn.get_num_new_matched_tokens(_request("r", TOKENS), 0) == (None, False)
+    assert conn._scheduler.waits == []
 
 
 def test_vllm_hit_inside_a_chunk_loads_nothing_and_frees_the_locks(conn: Any) -> None:

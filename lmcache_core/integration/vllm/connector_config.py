@@ -57,6 +57,7 @@ def _client_config(extra: dict[str, Any]) -> LMCacheConfig:
         "timeouts.request_s": extra.get("request_timeout_s"),
         "timeouts.lookup_ms": (int(float(extra["lookup_timeout_s"]) * 1000)
                                if extra.get("lookup_timeout_s") is not None else None),
+        "timeouts.lookup_wait_us": extra.get("lookup_wait_us"),
     }
     return load_config(extra.get("config_file"), overrides)
 

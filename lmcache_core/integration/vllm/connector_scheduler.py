@@ -1,6 +1,7 @@
 """The scheduler-side half of ``LMCacheConnector``: lookups, and the loads and stores of each step.
 
-``get_num_new_matched_tokens`` looks a request's complete chunks up once, without blocking;
+``get_num_new_matched_tokens`` looks a request's complete chunks up once (waiting for the answer
+only within the step's small ``lookup_wait_us`` budget);
 ``update_state_after_alloc`` settles what to load; ``build_connector_meta`` sends the step's loads
 and the stores of every chunk it completes; ``request_finished_all_groups`` ends the request's
 session on the server. Block ids are kept per KV cache group (one list per group, as vLLM's hybrid
@@ -12,6 +13,7 @@ KV cache manager gives them); a single-group model is the case of one group.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -56,6 +58,9 @@ class ConnectorSchedulerSide(KVConnectorBase_V1, SupportsHMA):
     _with_stores: set[str]
     _orphan_loads: list[str]
     _uncacheable_logged: set[str]
+    _lookup_wait_s: float  # timeouts.lookup_wait_us: what a step may wait for its lookups
+    _lookup_wait_left_s: float  # what is left of it in this step
+    _wait_clock = staticmethod(time.perf_counter)  # what the budget is measured on (tests: fake)
 
     def _tracker(self, request: Request) -> _Tracker:
         from vllm.v1.request import RequestStatus
@@ -98,8 +103,11 @@ class ConnectorSchedulerSide(KVConnectorBase_V1, SupportsHMA):
         hashes = tracker.ensure_hashes(n_chunks, size)[:n_chunks]
         self._scheduler.maybe_submit_lookup_request(request.request_id,
                                                     per_block_hashes(hashes, self._bpc))
-        tracker.looked_up = True
+        sent_now, tracker.looked_up = not tracker.looked_up, True
         hit_tokens = self._scheduler.check_lookup_result(request.request_id, num_computed_tokens)
+        if hit_tokens is None and sent_now and self._wait_for_lookup(request.request_id):
+            hit_tokens = self._scheduler.check_lookup_result(request.request_id,
+                                                             num_computed_tokens)
         if hit_tokens is None:
             return None, False  # still waiting for the server: vLLM asks again next step
         tracker.hit_chunks = min(hit_tokens // size, n_chunks)
@@ -112,6 +120,18 @@ class ConnectorSchedulerSide(KVConnectorBase_V1, SupportsHMA):
             return 0, False
         tracker.load = (num_computed_tokens // size, tracker.hit_chunks)
         return hit - num_computed_tokens, True
+
+    def _wait_for_lookup(self, request_id: str) -> bool:
+        """Wait for the lookup just sent, within what is left of this step's budget: answered
+        now, the request's load starts this step, not the next (a step of a busy engine is tens
+        of ms; a local server answers in well under one). True if it was answered."""
+        assert self._scheduler is not None
+        if self._lookup_wait_left_s <= 0:
+            return False
+        start = self._wait_clock()
+        answered = self._scheduler.wait_lookup_result(request_id, self._lookup_wait_left_s)
+        self._lookup_wait_left_s -= self._wait_clock() - start
+        return answered
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -145,6 +165,7 @@ class ConnectorSchedulerSide(KVConnectorBase_V1, SupportsHMA):
         self._scheduler.cleanup_lookup_result(request.request_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        self._lookup_wait_left_s = self._lookup_wait_s  # the step's lookups are all sent
         meta = LMCacheConnectorMetadata()
         meta.preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
         # vLLM's total_num_scheduled_tokens == 0, from the dict every vLLM version has

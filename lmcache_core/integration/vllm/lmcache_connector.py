@@ -12,7 +12,9 @@ Load it with::
 
 ``kv_connector_extra_config`` keys (all optional): ``url`` (the server), ``config_file`` (an lmcache
 YAML config; its ``server.url`` and ``timeouts`` apply), ``connect_timeout_s``,
-``request_timeout_s``, ``lookup_timeout_s``, ``heartbeat_s``, ``load_deadline_ms`` (each load's
+``request_timeout_s``, ``lookup_timeout_s``, ``lookup_wait_us`` (how long the scheduler may wait, per
+step, for the answers to the lookups it sends in it; default: ``timeouts.lookup_wait_us``, 1000;
+0: never waits), ``heartbeat_s``, ``load_deadline_ms`` (each load's
 deadline on the server; default: the server's ``timeouts.load_ms``; 0: none; chunks past it are
 reported as load errors and recomputed), ``min_hit_tokens`` (a hit whose load would bring fewer
 tokens than this, past vLLM's own prefix-cache hit, is declined and its locks released; default
@@ -26,8 +28,10 @@ hints for its stores (``lmcache.ttl_s``, ``lmcache.pin``, ``lmcache.priority``,
 How a request goes (vLLM's semantics):
 
 - Scheduler, ``get_num_new_matched_tokens``: the prompt's complete chunks are hashed (LMCache's
-  blake3 prefix chain over token ids, so hits survive engine restarts) and looked up once, without
-  blocking: ``None`` while the answer is out, so vLLM asks again next step. Hits are locked on the
+  blake3 prefix chain over token ids, so hits survive engine restarts) and looked up once. The
+  step that sends the lookup waits for its answer for at most its share of ``lookup_wait_us`` (1 ms
+  a step), so a local server's answer lets the load start in that step; a later answer gives
+  ``None``, and vLLM asks again next step (never blocking longer). Hits are locked on the
   server until they are loaded or the request ends. A hit past vLLM's own prefix-cache hit is loaded
   asynchronously (``True``); vLLM parks the request until the worker reports the load finished.
 - ``build_connector_meta``: loads for newly allocated requests, and stores of every chunk that the
@@ -171,6 +175,8 @@ class LMCacheConnector(ConnectorSchedulerSide, ConnectorWorkerSide):
                 self._url, self._context, self._model_name, self._world_size, 0,
                 self._block_size, lookup_timeout_s=timeouts.lookup_ms / 1000.0,
                 min_hit_tokens=self._config.min_hit_tokens, **common)
+            self._lookup_wait_s = timeouts.lookup_wait_us / 1e6
+            self._lookup_wait_left_s = self._lookup_wait_s
             self._chunk_size = self._scheduler.chunk_size
             self._bpc = self._scheduler.num_blocks_per_chunk()
             self._group_bpc = [self._blocks_per_chunk(g.block_size) for g in self._groups]

@@ -182,6 +182,18 @@ class LMCacheMPSchedulerAdapter:
             return 0
         return hit
 
+    def wait_lookup_result(self, request_id: str, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` for the answer to this request's lookup, receiving it on
+        this thread (no hop); True once ``check_lookup_result`` has it. The adapter's one call
+        that blocks: a caller bounds it (the connector gives all the lookups a step sends one
+        small budget, ``timeouts.lookup_wait_us``). True at once for an id with no lookup."""
+        future = self._lookups.get(request_id)
+        if future is None or future.query():
+            return True
+        if timeout_s <= 0:
+            return False
+        return self.mq_client.wait(future, timeout_s)
+
     def _give_up(self, request_id: str, lookup: MessagingFuture[m.LookupReply]) -> int:
         """The lookup passed ``lookup_timeout_s``: 0 for the scheduler from now on (it recomputes),
         and whatever it locks is released behind it (nobody will load those chunks)."""
