@@ -207,7 +207,8 @@ def _tier_total(total: dict[str, Any]) -> str:
 
 def _group_cell(layout: str) -> str:
     """A hybrid model's piece: its KV-cache group and what it holds ("1/3 sliding: last 48
-    tokens", "0/3 full", "1/2 mamba: state at the end (TP=2)"); "" for a single-group model's."""
+    tokens", "0/3 full", "1/2 mamba: state at the end (TP=2)", "1/2 local: attention chunks of
+    8192"); "" for a single-group model's."""
     from lmcache_core.keys import layout_group
 
     group = layout_group(layout)
@@ -216,6 +217,8 @@ def _group_cell(layout: str) -> str:
     where = f"{group.position}/{group.groups}"
     if group.state_world:
         return f"{where} mamba: state at the end (TP={group.state_world})"
+    if group.local_tokens:
+        return f"{where} local: attention chunks of {group.local_tokens}"
     return f"{where} sliding: last {group.piece_tokens} tokens" if group.piece_tokens else \
         f"{where} full"
 

@@ -63,11 +63,12 @@ _LAYOUT_RE = re.compile(
     r"^(?P<dtype>[a-z0-9_]{1,24}):(?P<layers>[1-9]\d{0,4})x"
     r"(?:(?P<heads>[1-9]\d{0,4})x|(?P<mla>mla)|(?P<state>state))(?P<size>[1-9]\d{0,5})"
     r"(?:\+g(?P<index>\d{1,2})of(?P<count>[1-9]\d?)"
-    r"(?:s(?P<tokens>[1-9]\d{0,6})|m(?P<world>[1-9]\d{0,4}))?)?$")
+    r"(?:s(?P<tokens>[1-9]\d{0,6})|m(?P<world>[1-9]\d{0,4})|c(?P<local>[1-9]\d{0,7}))?)?$")
 _OPAQUE_RE = re.compile(r"^ranks(\d{1,5})$")
 
-#: What a KV-cache group of a hybrid model holds per token (vLLM's ``kv_cache_spec`` kinds).
-GroupKind = Literal["full", "sliding", "mamba"]
+#: What a KV-cache group of a hybrid model holds per token (vLLM's ``kv_cache_spec`` kinds;
+#: "local": chunked-local attention, Llama 4's ``ChunkedLocalAttentionSpec``).
+GroupKind = Literal["full", "sliding", "mamba", "local"]
 #: The most KV-cache groups one model may register (vLLM's hybrids have a handful).
 MAX_GROUPS = 64
 
@@ -76,12 +77,14 @@ class LayoutGroup(NamedTuple):
     """The group a hybrid model's layout fingerprint names: group ``position`` of ``groups``; for
     a sliding-window group the tokens its pieces hold (the tail of each chunk), else 0; for a
     Mamba-state group the world size its ranks' states are split for (each rank's state is its
-    own piece, never read at another TP size), else 0."""
+    own piece, never read at another TP size), else 0; for a chunked-local attention group its
+    attention chunk's tokens (its KV, and every later layer's, depends on it), else 0."""
 
     position: int
     groups: int
     piece_tokens: int
     state_world: int = 0
+    local_tokens: int = 0
 
 
 def layout_key(dtype: str, num_layers: int, kv_heads: int, head_size: int, mla: bool,
@@ -91,7 +94,9 @@ def layout_key(dtype: str, num_layers: int, kv_heads: int, head_size: int, mla: 
     ``bfloat16:32x8x128``. Engines whose chunk bytes differ in meaning never share a fingerprint.
 
     A group of a hybrid model adds ``+gINDEXofCOUNT`` (and ``sTOKENS`` for a sliding-window group:
-    its pieces hold the last TOKENS tokens of each chunk), so groups of identical tensor shapes
+    its pieces hold the last TOKENS tokens of each chunk; ``cTOKENS`` for a chunked-local
+    attention group of TOKENS-token attention chunks, so engines of other attention chunk sizes
+    never share its keys), so groups of identical tensor shapes
     (Gemma-3's) never share keys; a single-group model's fingerprint is as it always was. A
     Mamba-state group is ``dtype:LAYERSxstateBYTES+gINDEXofCOUNTmWORLD`` (``head_size``: a state
     block's bytes; one piece per rank of ``WORLD``)."""
@@ -102,7 +107,8 @@ def layout_key(dtype: str, num_layers: int, kv_heads: int, head_size: int, mla: 
     if group is None:
         return base
     tail = (f"s{group.piece_tokens}" if group.piece_tokens
-            else f"m{group.state_world}" if group.state_world else "")
+            else f"m{group.state_world}" if group.state_world
+            else f"c{group.local_tokens}" if group.local_tokens else "")
     return f"{base}+g{group.position}of{group.groups}{tail}"
 
 
@@ -113,31 +119,60 @@ def layout_group(layout: str) -> LayoutGroup | None:
     if match is None or match["index"] is None:
         return None
     return LayoutGroup(int(match["index"]), int(match["count"]), int(match["tokens"] or 0),
-                       int(match["world"] or 0))
+                       int(match["world"] or 0), int(match["local"] or 0))
 
 
 class GroupPiece(NamedTuple):
     """What one chunk's piece of a KV-cache group holds, and what resuming needs of them.
 
     ``blocks_per_chunk``: the group's blocks in a chunk (``C / B``). ``piece_blocks``: the blocks
-    a chunk's piece holds, the chunk's last ones: all of them for full attention; for a sliding
-    window of ``W`` tokens ``min(bpc, cdiv(W - 1, B))``, since resuming at a boundary needs only
-    the ``W - 1`` tokens before it. ``window_chunks``: the chunks whose pieces resuming at chunk
-    ``N`` needs: 0 for every chunk before ``N`` (full), else those of ``[max(0, N - wc), N)``.
-    ``window_blocks``: the blocks before ``N`` resuming needs, ``cdiv(W - 1, B)`` (1 for Mamba's
-    state, 0 for full: all). When it exceeds ``bpc`` and is no multiple of it, the oldest needed
-    piece is needed only in part: its last ``window_blocks % bpc`` blocks."""
+    a chunk's piece holds, the chunk's last ones: all of them for full and chunked-local
+    attention; for a sliding window of ``W`` tokens ``min(bpc, cdiv(W - 1, B))``, since resuming
+    at a boundary needs only the ``W - 1`` tokens before it. ``window_chunks``: the chunks whose
+    pieces resuming at chunk ``N`` needs, for a sliding window (and Mamba): those of
+    ``[max(0, N - wc), N)``; else 0. ``window_blocks``: the blocks before ``N`` resuming needs,
+    ``cdiv(W - 1, B)`` (1 for Mamba's state, 0 for full: all). When it exceeds ``bpc`` and is no
+    multiple of it, the oldest needed piece is needed only in part: its last
+    ``window_blocks % bpc`` blocks. ``local_blocks``: a chunked-local group's attention chunk
+    in blocks (``A / B``; else 0): resuming at ``N`` needs the blocks from the start of the
+    attention chunk ``N`` lies in (none when ``N`` starts one), so its oldest needed piece is
+    needed in part when ``A`` is no multiple of ``C`` (``needed_blocks``, ``first_needed``)."""
 
     blocks_per_chunk: int
     piece_blocks: int
     window_chunks: int
     window_blocks: int = 0
+    local_blocks: int = 0
+
+    def needed_blocks(self, end: int) -> int:
+        """How many of the group's blocks before chunk ``end`` resuming there needs (the last
+        ones): all for full attention."""
+        blocks = end * self.blocks_per_chunk
+        if self.local_blocks:
+            return blocks % self.local_blocks
+        return min(blocks, self.window_blocks) if self.window_blocks else blocks
+
+    def first_needed(self, end: int) -> int:
+        """The first chunk whose piece resuming at chunk ``end`` needs (``end``: none)."""
+        if self.local_blocks:
+            return local_start(end, self.local_blocks, self.blocks_per_chunk)
+        return end - -(-self.needed_blocks(end) // self.blocks_per_chunk)
+
+
+def local_start(end: int, local_blocks: int, blocks_per_chunk: int) -> int:
+    """The chunk a chunked-local group's attention chunk holding the boundary at chunk ``end``
+    starts in: the first chunk resuming there needs (``end`` itself when the boundary starts an
+    attention chunk: nothing before it is attended to). One rule for the adapter
+    (``GroupPiece.first_needed``) and the lookups (``index.window_needed``)."""
+    return end * blocks_per_chunk // local_blocks * local_blocks // blocks_per_chunk
 
 
 def group_piece(chunk_size: int, block_size: int, kind: GroupKind,
                 window_tokens: int = 0) -> GroupPiece:
-    """The ``GroupPiece`` of a group; ValueError (naming the sizes) when the chunk size is not a
-    multiple of the block size, or a sliding window is not positive."""
+    """The ``GroupPiece`` of a group (``window_tokens``: a sliding window's tokens, or a
+    chunked-local group's attention chunk size); ValueError (naming the sizes) when the chunk
+    size is not a multiple of the block size, a sliding window is not positive, or an attention
+    chunk is no positive multiple of the block size."""
     if block_size <= 0 or chunk_size <= 0 or chunk_size % block_size:
         raise ValueError(f"chunk size {chunk_size} is not a multiple of the block size "
                          f"{block_size}")
@@ -146,6 +181,11 @@ def group_piece(chunk_size: int, block_size: int, kind: GroupKind,
         return GroupPiece(bpc, bpc, 0)
     if kind == "mamba":  # the state at the chunk's end: its last block, of the last chunk only
         return GroupPiece(bpc, 1, 1, 1)
+    if kind == "local":
+        if window_tokens <= 0 or window_tokens % block_size:
+            raise ValueError(f"a chunked-local group's attention chunk size {window_tokens} is "
+                             f"not a positive multiple of its block size {block_size}")
+        return GroupPiece(bpc, bpc, 0, 0, window_tokens // block_size)
     if window_tokens <= 0:
         raise ValueError(f"a sliding-window group needs a positive window, got {window_tokens}")
     window_blocks = max(1, -(-(window_tokens - 1) // block_size))

@@ -301,9 +301,9 @@ class GroupStats(msgspec.Struct, kw_only=True):
 
     index: int
     count: int
-    kind: str  # full | sliding | mamba
+    kind: str  # full | sliding | mamba | local
     block_size: int
-    window_tokens: int = 0
+    window_tokens: int = 0  # a sliding window's tokens, a local group's attention chunk's
     layout: str = ""
 
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 from lmcache_core.engine.lifecycle import State
-from lmcache_core.keys import ChunkKey, HeadRange
+from lmcache_core.keys import ChunkKey, HeadRange, local_start
 
 ChunkId = tuple[str, str, bytes]  # (model, layout, chunk hash): ``ChunkKey.chunk``
 
@@ -246,13 +246,23 @@ def _find_hits_ranges(index: PieceIndex, model_name: str, layout: str,
 
 class GroupTarget(NamedTuple):
     """One KV-cache group of a hybrid model as a lookup counts it: its layout fingerprint, every
-    rank's head range in it, and the chunks resuming at a boundary ``N`` needs of it:
-    ``window_chunks`` 0 for all of ``[0, N)`` (full attention), else ``[max(0, N - wc), N)``
-    (a sliding window: ``keys.group_piece``)."""
+    rank's head range in it, and the chunks resuming at a boundary ``N`` needs of it
+    (``keys.group_piece``): all of ``[0, N)`` for full attention (``window_chunks`` 0, no
+    ``local_blocks``); ``[max(0, N - wc), N)`` for a sliding window (and Mamba state); for
+    chunked-local attention of ``local_blocks`` blocks an attention chunk (``blocks_per_chunk``
+    a chunk), those from the one its attention chunk at ``N`` starts in (``keys.local_start``:
+    none when ``N`` starts one)."""
 
     layout: str
     ranges: tuple[HeadRange, ...]
     window_chunks: int
+    local_blocks: int = 0
+    blocks_per_chunk: int = 1
+
+    @property
+    def full(self) -> bool:
+        """Whether resuming needs every chunk before the boundary (full attention)."""
+        return not self.window_chunks and not self.local_blocks
 
 
 #: Per chunk of a prefix, the pieces covering each range (in ``ranges`` order), None if one is not.
@@ -299,31 +309,43 @@ def group_reach(groups: Sequence[GroupTarget], covers: Sequence[Sequence[object 
                 limit: int) -> int:
     """A hybrid model's hit over each group's per-chunk covers (None, or past its end: missing),
     the rule of ``find_group_hits`` and ``TieredStorage.peek_groups``: the largest ``N <= limit``
-    such that every full-attention group covers chunks ``[0, N)`` and every sliding-window group
-    its last ``window_chunks`` before ``N`` (``window_needed``)."""
+    such that every full-attention group covers chunks ``[0, N)`` and every other group the
+    chunks from ``window_needed(group, N)`` to ``N``. Those groups' rules are not monotone in
+    ``N`` (an attention chunk's start needs nothing, the chunk after it one piece), so their
+    reaches are taken again until all of them hold at one ``N`` (one pass, nearly always)."""
     reach = limit
     for group, found in zip(groups, covers, strict=True):
-        if not group.window_chunks:
+        if group.full:
             reach = min(reach, next((i for i, c in enumerate(found) if c is None), len(found)))
-    for group, found in zip(groups, covers, strict=True):
-        if group.window_chunks:
-            reach = min(reach, _window_reach(found, group.window_chunks, reach))
-    return reach
+    tails = [(group, found) for group, found in zip(groups, covers, strict=True)
+             if not group.full]
+    while True:
+        lowest = reach
+        for group, found in tails:
+            lowest = _tail_reach(found, group, lowest)
+        if lowest == reach:
+            return reach
+        reach = lowest
 
 
 def window_needed(group: GroupTarget, reach: int) -> int:
-    """The first chunk a hit of ``reach`` chunks needs of ``group`` (0 for full attention)."""
+    """The first chunk a hit of ``reach`` chunks needs of ``group`` (0 for full attention;
+    ``reach``: none)."""
+    if group.local_blocks:
+        return local_start(reach, group.local_blocks, group.blocks_per_chunk)
     return max(0, reach - group.window_chunks) if group.window_chunks else 0
 
 
-def _window_reach(covers: Sequence[object | None], window: int, limit: int) -> int:
-    """The largest ``n <= limit`` whose last ``min(window, n)`` chunks are all covered (not
-    None in ``covers``)."""
+def _tail_reach(covers: Sequence[object | None], group: GroupTarget, limit: int) -> int:
+    """The largest ``n <= limit`` whose chunks ``group`` needs (from ``window_needed``) are all
+    covered (not None in ``covers``)."""
+    local, per_chunk, window = group.local_blocks, group.blocks_per_chunk, group.window_chunks
     run = 0
     best = 0
     for n in range(1, limit + 1):  # run: covered chunks ending at chunk n - 1
         run = run + 1 if covers[n - 1] is not None else 0
-        if run >= min(window, n):
+        # window_needed inline (a lookup's per-chunk loop): the chunks needed before n
+        if run >= (n - local_start(n, local, per_chunk) if local else min(window, n)):
             best = n
     return best
 
@@ -331,13 +353,14 @@ def _window_reach(covers: Sequence[object | None], window: int, limit: int) -> i
 def find_group_hits(index: PieceIndex, model_name: str, groups: Sequence[GroupTarget],
                     chunk_hashes: Sequence[bytes]) -> Hits:
     """A hybrid model's hit: the largest ``N`` such that every full-attention group covers chunks
-    ``[0, N)`` and every sliding-window group its pieces of ``[max(0, N - wc), N)``, for every
+    ``[0, N)`` and every other group its pieces of ``[window_needed(group, N), N)`` (a sliding
+    window's last chunks, a chunked-local group's from its attention chunk's start), for every
     rank's range; ``held`` holds exactly those pieces (nothing of a window's earlier chunks),
     chunk by chunk in prefix order (so ``touch_hits`` touches the prefix's tail first)."""
     limit = len(chunk_hashes)
     covers: list[_Covers] = []
     for group in groups:  # a full group's first miss cuts how far the groups after it are walked
-        full = group.window_chunks == 0
+        full = group.full
         found = _group_covers(index, model_name, group, chunk_hashes[:limit], stop_at_miss=full)
         limit = min(limit, len(found)) if full else limit
         covers.append(found)

@@ -53,7 +53,7 @@ Item = tuple[ChunkKey, int, int]
 #: Redis keys one tiered lookup may probe (pieces of every TP split of every missing range):
 #: bounds the work a request of many chunks and ranks can cause.
 PROBE_BUDGET = 8192
-#: How often a hybrid lookup moves its reach back to a chunk a sliding window lacks (each try
+#: How often a hybrid lookup moves its reach back to a chunk a window (sliding, local) lacks (each try
 #: asks the tiers once more: bounded).
 MAX_WINDOW_TRIES = 4
 #: Spill ahead of eviction: the disk writer keeps this share of the pool's bytes saved.
@@ -122,7 +122,8 @@ class TieredStorage:
                       timeout_s: float = 1.0, readers: int = 1, shared: int = 1) -> int:
         """``lookup`` for a hybrid model (``PieceStore.lookup_groups``): after the memory lookup,
         the full-attention groups' runs of chunks the tiers can cover set how far the hit may
-        reach; each sliding-window group then needs only its window before that reach (never
+        reach; each other group then needs only its window before that reach (a sliding
+        window's last chunks, a chunked-local group's from its attention chunk's start: never
         all its chunks), and where a window cannot be covered the reach falls back to the
         chunk it lacks (``_plan_windows``). What the hit needs is loaded, then counted again."""
         store = self._store
@@ -133,7 +134,7 @@ class TieredStorage:
         deadline = time.monotonic() + timeout_s
         reach = len(chunk_hashes)
         full: list[list[list[Load]]] = []
-        for group in (g for g in groups if not g.window_chunks):
+        for group in (g for g in groups if g.full):
             planned = self._plan_loads(model_name, group.layout, group.ranges,
                                        chunk_hashes[hits:], deadline)
             reach = min(reach, hits + len(planned))
@@ -156,13 +157,14 @@ class TieredStorage:
     def _plan_windows(self, model_name: str, groups: Sequence[GroupTarget],
                       chunk_hashes: Sequence[bytes], reach: int, deadline: float
                       ) -> tuple[list[Load], int | None]:
-        """The sliding-window groups' pieces resuming at chunk ``reach`` needs, and None; or, when
-        some window cannot be covered, the first chunk one lacks (no reach past it but before
-        its window's end can be restored either)."""
+        """The pieces of the groups other than full attention that resuming at chunk ``reach``
+        needs (``window_needed``), and None; or, when some window cannot be covered, the first
+        chunk one lacks (no reach past it but before its window's end can be restored either;
+        at it the window needs only covered chunks: those it found before the one it lacks)."""
         loads: list[Load] = []
         short: int | None = None
-        for group in (g for g in groups if g.window_chunks):
-            start = max(0, reach - group.window_chunks)
+        for group in (g for g in groups if not g.full):
+            start = window_needed(group, reach)
             planned = self._plan_loads(model_name, group.layout, group.ranges,
                                        chunk_hashes[start:reach], deadline)
             if len(planned) < reach - start:
@@ -307,8 +309,8 @@ class TieredStorage:
                     chunk_hashes: Sequence[bytes], timeout_s: float = 1.0) -> TierCounts:
         """``peek`` for a hybrid model's KV-cache groups: the leading ``N`` chunks at whose end
         every group can be restored from the tiers together (the rule of
-        ``index.find_group_hits``: a full group's chunks ``[0, N)``, a sliding window's of
-        ``[max(0, N - wc), N)``), each counted in the slowest tier a piece it needs is in.
+        ``index.find_group_hits``: a full group's chunks ``[0, N)``, another's of
+        ``[window_needed(group, N), N)``), each counted in the slowest tier a piece it needs is in.
         Redis is asked once for every group together."""
         deadline = time.monotonic() + timeout_s
         plans: list[_PeekPlan] = []
@@ -316,7 +318,7 @@ class TieredStorage:
         for group in groups:
             wanted = self._store.uncovered(model_name, group.layout, group.ranges, chunk_hashes)
             plan, planned = self._peek_plan(model_name, group.layout, chunk_hashes, wanted,
-                                            stop_at_miss=not group.window_chunks)
+                                            stop_at_miss=group.full)
             plans.append(plan)
             state = state or planned
         probes = list(dict.fromkeys(key for plan in plans for _, _, keys in plan for key in keys))

@@ -119,27 +119,35 @@ class TensorDescriptor(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
 KVLayoutName = Literal["flash_attn", "flashinfer", "mla"]
 
 
-#: A sliding window's tokens: far above any model's (Gemma-3: 1024; gpt-oss: 128).
+#: A sliding window's or an attention chunk's tokens: far above any model's (Gemma-3's window:
+#: 1024; gpt-oss's: 128; Llama 4's attention chunk: 8192).
 MAX_WINDOW_TOKENS = 2**24
 
 
 class KVGroup(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Which KV-cache group of a hybrid model (vLLM's ``kv_cache_groups[index]``) a registration
-    holds: its kind, its block size and, for a sliding window, the window's tokens. Each group is
-    registered on its own (its layers only) and files its chunks under its own fingerprint."""
+    holds: its kind, its block size and, for a sliding window, the window's tokens (for
+    chunked-local attention, "local", its attention chunk's tokens: a multiple of the block
+    size, as vLLM's are). Each group is registered on its own (its layers only) and files its
+    chunks under its own fingerprint."""
 
     index: Annotated[int, msgspec.Meta(ge=0, lt=MAX_GROUPS)]
     count: Annotated[int, msgspec.Meta(ge=1, le=MAX_GROUPS)]
     kind: GroupKind
     block_size: Annotated[int, msgspec.Meta(ge=1, le=2**16)]
+    #: A sliding window's tokens, or a chunked-local group's attention chunk size; else 0.
     window_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_WINDOW_TOKENS)] = 0
 
     def __post_init__(self) -> None:  # a ValueError here is a typed ProtocolError on the wire
         if self.index >= self.count:
             raise ValueError(f"group index {self.index} is outside its count {self.count}")
-        if (self.kind == "sliding") != (self.window_tokens > 0):
+        if (self.kind in ("sliding", "local")) != (self.window_tokens > 0):
             raise ValueError(f"a {self.kind} group has window_tokens {self.window_tokens}: "
-                             f"sliding-window groups need a positive window, others none")
+                             f"sliding-window and chunked-local groups need a positive window, "
+                             f"others none")
+        if self.kind == "local" and self.window_tokens % self.block_size:
+            raise ValueError(f"a chunked-local group's attention chunk of {self.window_tokens} "
+                             f"tokens is no multiple of its block size {self.block_size}")
 
 
 class RegisterKVCacheRequest(Message):

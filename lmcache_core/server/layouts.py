@@ -69,7 +69,8 @@ class LayoutResolver:
                                 group.window_tokens)
             try:
                 out.append(GroupTarget(layout, world_heads(layout, world_size),
-                                       piece.window_chunks))
+                                       piece.window_chunks, piece.local_blocks,
+                                       piece.blocks_per_chunk))
             except ValueError:
                 return []
         return out

@@ -111,14 +111,15 @@ class Registration:
 def layout_group_of(request: RegisterKVCacheRequest, mapped: Any) -> LayoutGroup | None:
     """The group tag of a registration's fingerprint: its index, count and, for a sliding
     window, the tokens its pieces hold (the mapping's copier was opened for one piece), for
-    Mamba state its world size; None for a single-group model, whose fingerprints stay as they
-    always were."""
+    Mamba state its world size, for chunked-local attention its attention chunk size; None for
+    a single-group model, whose fingerprints stay as they always were."""
     group = request.group
     if group is None:
         return None
     tokens = int(mapped.chunk_size) if group.kind == "sliding" else 0
     world = request.world_size if group.kind == "mamba" else 0
-    return LayoutGroup(group.index, group.count, tokens, world)
+    local = group.window_tokens if group.kind == "local" else 0
+    return LayoutGroup(group.index, group.count, tokens, world, local)
 
 
 def _is_local(request: RegisterKVCacheRequest) -> bool:

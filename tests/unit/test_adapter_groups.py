@@ -50,14 +50,47 @@ def test_a_load_leaves_out_the_null_blocks_resuming_does_not_need():
     # first (vLLM 0.32: (3 * 64 - 100 + 1) // 16 = 5 blocks skipped of 12)
     table = [0] * 5 + list(range(6, 13))
     _, blocks = piece_blocks(table, 3, LONG, retrieve=True)
-    assert blocks == [0, 6, 7, 8, 9, 10, 11, 12] and load_skip(blocks, LONG) == 1
-    assert load_skip(TABLE[4:], LONG) == 0  # real ids are written, needed or not
-    assert load_skip([0, 0, 7, 8, 9, 10, 11, 12], LONG) is None  # a needed block is null
-    assert load_skip([5, 0, 7, 8, 9, 10, 11, 12], LONG) is None  # a null past a real one
-    assert load_skip([0, 0, 0, 0], LONG) is None  # one chunk: all of it is needed
-    assert load_skip([10, 11, 12], SHORT) == 0 and load_skip([0, 11, 12], SHORT) is None
-    assert load_skip([1, 2, 3, 4], FULL) == 0 and load_skip([0, 2, 3, 4], FULL) is None
-    assert load_skip([], LONG) == 0
+    assert blocks == [0, 6, 7, 8, 9, 10, 11, 12] and load_skip(blocks, LONG, 3) == 1
+    assert load_skip(TABLE[4:], LONG, 3) == 0  # real ids are written, needed or not
+    assert load_skip([0, 0, 7, 8, 9, 10, 11, 12], LONG, 3) is None  # a needed block is null
+    assert load_skip([5, 0, 7, 8, 9, 10, 11, 12], LONG, 3) is None  # a null past a real one
+    assert load_skip([0, 0, 0, 0], LONG, 1) is None  # one chunk: all of it is needed
+    assert load_skip([10, 11, 12], SHORT, 3) == 0 and load_skip([0, 11, 12], SHORT, 3) is None
+    assert load_skip([1, 2, 3, 4], FULL, 1) == 0 and load_skip([0, 2, 3, 4], FULL, 1) is None
+    assert load_skip([], LONG, 0) == 0
+
+
+LOCAL = group_piece(64, 16, "local", 96)    # attention chunks of 1.5 chunks (6 blocks)
+LOCAL_2 = group_piece(64, 16, "local", 128)  # attention chunks of 2 chunks
+LOCAL_3 = group_piece(64, 16, "local", 192)  # attention chunks of 3 chunks
+
+
+def test_a_retrieve_of_a_local_group_takes_the_chunks_from_its_attention_chunks_start():
+    assert piece_blocks(TABLE, 3, LOCAL, retrieve=False) == ([0, 1, 2], TABLE)  # stores: all
+    assert piece_blocks(TABLE, 3, LOCAL, retrieve=True) == ([], [])  # 192 starts one: nothing
+    assert piece_blocks(TABLE, 2, LOCAL, retrieve=True) == ([1], TABLE[4:8])  # [96, 128)
+    assert piece_blocks(TABLE, 1, LOCAL, retrieve=True) == ([0], TABLE[:4])
+    assert piece_blocks(TABLE, 3, LOCAL_2, retrieve=True) == ([2], TABLE[8:])  # [128, 192)
+    assert piece_blocks(TABLE, 2, LOCAL_2, retrieve=True) == ([], [])
+    assert piece_blocks(TABLE, 3, LOCAL_3, retrieve=True) == ([], [])
+    assert piece_blocks(TABLE, 2, LOCAL_3, retrieve=True) == ([0, 1], TABLE[:8])
+    # a load after vLLM's own hit of chunk 1: its position in the request decides
+    assert piece_blocks(TABLE, 2, LOCAL_2, retrieve=True, first_chunk=1) == ([1], TABLE[4:8])
+    assert piece_blocks(TABLE, 2, LOCAL_2, retrieve=True, first_chunk=2) == ([], [])
+    assert piece_blocks(TABLE, 1, LOCAL_3, retrieve=True, first_chunk=1) == ([0], TABLE[:4])
+
+
+def test_a_local_load_leaves_out_the_null_blocks_before_its_attention_chunk():
+    # resuming at 128 needs [96, 128): chunk 1's last 2 blocks; vLLM nulls the 6 blocks before 96
+    table = [0] * 6 + [7, 8]
+    chunks, blocks = piece_blocks(table, 2, LOCAL, retrieve=True)
+    assert (chunks, blocks) == ([1], [0, 0, 7, 8]) and load_skip(blocks, LOCAL, 2) == 2
+    assert load_skip([0, 0, 0, 8], LOCAL, 2) is None  # a block of [96, 128) is null
+    assert load_skip([5, 6, 7, 8], LOCAL, 2) == 0
+    assert load_skip([0, 2, 3, 4], LOCAL, 1) is None  # [0, 64): all needed
+    assert load_skip([0, 10, 11, 12], LOCAL_2, 3) is None  # [128, 192): all of chunk 2
+    # vLLM's own hit held chunk 0; the load of chunk 1 (to 128) needs all of it
+    assert load_skip([0, 6, 7, 8], LOCAL_3, 2) is None
 
 
 def test_every_groups_block_size_must_divide_the_chunk_size():
@@ -68,6 +101,10 @@ def test_every_groups_block_size_must_divide_the_chunk_size():
         group_pieces(64, specs)
     assert group_pieces(96, specs) == [group_piece(96, 16, "full"),
                                        group_piece(96, 48, "sliding", 40)]
+    with pytest.raises(IncompatibleError, match="attention chunk size 100 is not a positive "
+                                                "multiple of its block size 16"):
+        group_pieces(64, [KVCacheGroupSpec(["a"], "full", 16),
+                          KVCacheGroupSpec(["b"], "local", 16, 100)])
 
 
 def test_group_caches_pick_each_groups_layers_and_refuse_what_cannot_be_stored():

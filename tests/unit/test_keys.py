@@ -9,6 +9,7 @@ from blake3 import blake3
 from lmcache_core.keys import (
     NONE_HASH,
     ChunkKey,
+    GroupPiece,
     LayoutGroup,
     TokenDatabase,
     block_hash_bytes,
@@ -19,6 +20,7 @@ from lmcache_core.keys import (
     layout_group,
     layout_heads,
     layout_key,
+    local_start,
     rank_heads,
     salt_prefix,
     salted_prefix,
@@ -114,10 +116,10 @@ def test_group_fingerprints_name_the_group_and_leave_single_group_ones_as_they_w
     assert layout_key("bfloat16", 4, 8, 64, False, LayoutGroup(1, 3, 256)) != sliding
     assert layout_key("bfloat16", 4, 8, 64, False) == "bfloat16:4x8x64"  # as ever
     assert layout_group("bfloat16:4x8x64") is None and layout_group("ranks2") is None
-    assert layout_group(full) == (0, 3, 0, 0) and layout_group(sliding) == (2, 3, 256, 0)
+    assert layout_group(full) == (0, 3, 0, 0, 0) and layout_group(sliding) == (2, 3, 256, 0, 0)
     # Mamba state: rows of state bytes, one piece per rank of its world size (never cross-TP)
     state = layout_key("int8", 2, 0, 39296, False, LayoutGroup(0, 2, 0, 2))
-    assert state == "int8:2xstate39296+g0of2m2" and layout_group(state) == (0, 2, 0, 2)
+    assert state == "int8:2xstate39296+g0of2m2" and layout_group(state) == (0, 2, 0, 2, 0)
     assert layout_heads(state) == 2 and world_heads(state, 2) == ((0, 1), (1, 2))
     assert not is_mla(state) and candidate_ranges(state, (0, 1)) == ((0, 1),)
     assert layout_heads(sliding) == 8 and world_heads(sliding, 2) == ((0, 4), (4, 8))
@@ -125,9 +127,21 @@ def test_group_fingerprints_name_the_group_and_leave_single_group_ones_as_they_w
     for bad in ("bf16:4x8x64+g", "bf16:4x8x64+g1", "bf16:4x8x64+g1of0", "bf16:4x8x64+g1of3s0",
                 "bf16:4x8x64+g100of3", "bf16:4x8x64+g1of3s", "bf16:4x8x64g1of3",
                 "int8:2xstate64", "int8:2xstate64+g0of2", "bf16:4x8x64+g0of2m2",
-                "int8:2xstate64+g0of2m0"):
+                "int8:2xstate64+g0of2m0", "bf16:4x8x64+g1of2c0", "bf16:4x8x64+g1of2c",
+                "bf16:4x8x64+g1of2c512s256", "int8:2xstate64+g0of2c512", "bf16:4x8x64+g1of2c" +
+                "9" * 9):
         with pytest.raises(ValueError):
             layout_heads(bad)
+
+
+def test_chunked_local_fingerprints_name_the_attention_chunk_size():
+    local = layout_key("bfloat16", 3, 8, 64, False, LayoutGroup(1, 2, 0, 0, 8192))
+    assert local == "bfloat16:3x8x64+g1of2c8192"
+    assert layout_group(local) == (1, 2, 0, 0, 8192)
+    # engines of other attention chunk sizes compute other KV: never the same keys
+    assert layout_key("bfloat16", 3, 8, 64, False, LayoutGroup(1, 2, 0, 0, 4096)) != local
+    assert layout_heads(local) == 8 and world_heads(local, 2) == ((0, 4), (4, 8))
+    assert (0, 8) in candidate_ranges(local, (0, 4))  # cross-TP, as full attention
 
 
 @pytest.mark.parametrize(("chunk", "block", "kind", "window", "piece"), [
@@ -141,9 +155,11 @@ def test_group_fingerprints_name_the_group_and_leave_single_group_ones_as_they_w
     (256, 128, "sliding", 300, (2, 2, 2, 3)),     # 3 blocks: the older chunk's last one
     (64, 64, "sliding", 4096, (1, 1, 64, 64)),
     (256, 16, "mamba", 0, (16, 1, 1, 1)),         # the state at the chunk's end
+    (256, 16, "local", 8192, (16, 16, 0, 0, 512)),  # Llama 4: whole chunks, 512-block chunks
+    (256, 16, "local", 384, (16, 16, 0, 0, 24)),  # an attention chunk of 1.5 chunks
 ])
 def test_group_pieces(chunk, block, kind, window, piece):
-    assert group_piece(chunk, block, kind, window) == piece
+    assert group_piece(chunk, block, kind, window) == GroupPiece(*piece)
 
 
 def test_group_pieces_refuse_what_cannot_be_cut_into_chunks():
@@ -151,6 +167,37 @@ def test_group_pieces_refuse_what_cannot_be_cut_into_chunks():
         group_piece(256, 48, "full")
     with pytest.raises(ValueError, match="positive window"):
         group_piece(256, 16, "sliding", 0)
+    for bad in (0, 100):
+        with pytest.raises(ValueError, match=f"attention chunk size {bad} is not a positive "
+                                             f"multiple of its block size 16"):
+            group_piece(256, 16, "local", bad)
+
+
+@pytest.mark.parametrize(("chunk", "attention", "end", "first", "blocks"), [
+    (256, 512, 4, 4, 0),    # N a multiple of the attention chunk: nothing is needed
+    (256, 512, 5, 4, 16),   # one chunk into the attention chunk: that chunk
+    (256, 512, 1, 0, 16),   # the first attention chunk
+    (256, 256, 3, 3, 0),    # attention chunk = chunk: never anything
+    (256, 384, 1, 0, 16),   # 1.5 chunks: [0, 256) of [0, 384)
+    (256, 384, 2, 1, 8),    # [384, 512): the second half of chunk 1
+    (256, 384, 3, 3, 0),    # 768 = 2 x 384: nothing
+    (256, 384, 4, 3, 16),   # [768, 1024)
+    (512, 256, 3, 3, 0),    # attention chunks inside a chunk: 1536 starts one
+])
+def test_local_groups_need_their_attention_chunk_from_its_start(chunk, attention, end, first,
+                                                                 blocks):
+    piece = group_piece(chunk, 16, "local", attention)
+    assert piece.first_needed(end) == first and piece.needed_blocks(end) == blocks
+    assert local_start(end, piece.local_blocks, piece.blocks_per_chunk) == first
+
+
+def test_the_other_kinds_need_what_they_always_did():
+    full, slide, state = (group_piece(256, 16, "full"), group_piece(256, 128, "sliding", 300),
+                          group_piece(256, 16, "mamba"))
+    assert (full.first_needed(5), full.needed_blocks(5)) == (0, 80)
+    assert (slide.first_needed(5), slide.needed_blocks(5)) == (3, 3)  # older chunk's last block
+    assert (slide.first_needed(1), slide.needed_blocks(1)) == (0, 2)
+    assert (state.first_needed(5), state.needed_blocks(5)) == (4, 1)
 
 
 def test_candidate_ranges_cover_every_tp_split():

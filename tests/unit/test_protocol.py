@@ -162,6 +162,7 @@ def test_every_wire_integer_and_length_is_bounded(op, payload, where):
 
 REGISTER = msgspec.to_builtins(SAMPLES[RequestType.REGISTER_KV_CACHE])
 SLIDING = {"index": 1, "count": 3, "kind": "sliding", "block_size": 16, "window_tokens": 1024}
+LOCAL = {"index": 1, "count": 2, "kind": "local", "block_size": 16, "window_tokens": 8192}
 
 
 def test_a_registration_names_its_kv_cache_group():
@@ -170,18 +171,26 @@ def test_a_registration_names_its_kv_cache_group():
     assert decoded.group == m.KVGroup(index=1, count=3, kind="sliding", block_size=16,
                                       window_tokens=1024)
     assert SAMPLES[RequestType.REGISTER_KV_CACHE].group is None  # a single-group model
+    local = decode_request(_request("lmc.register_kv_cache", {**REGISTER, "group": LOCAL}))
+    assert local.payload.group == m.KVGroup(index=1, count=2, kind="local", block_size=16,
+                                            window_tokens=8192)  # Llama 4's attention chunk
 
 
 @pytest.mark.parametrize(("group", "where"), [
     ({**SLIDING, "index": 3}, "outside its count"),
     ({**SLIDING, "index": 64, "count": 64}, "index"),
     ({**SLIDING, "count": 65}, "count"),
-    ({**SLIDING, "window_tokens": 0}, "sliding-window groups need a positive window"),
+    ({**SLIDING, "window_tokens": 0}, "sliding group .* need a positive window"),
+    ({**LOCAL, "window_tokens": 0}, "local group .* need a positive window"),
+    ({**LOCAL, "window_tokens": 8200}, "attention chunk of 8200 tokens is no multiple of its "
+                                       "block size 16"),
+    ({**LOCAL, "window_tokens": 2**24 + 16}, "window_tokens"),
+    ({**LOCAL, "kind": "mamba"}, "others none"),
     ({**SLIDING, "kind": "full"}, "others none"),
     ({**SLIDING, "window_tokens": 2**24 + 1}, "window_tokens"),
     ({**SLIDING, "block_size": 32}, "not the registration's 16"),
     ({**SLIDING, "block_size": 0}, "block_size"),
-    ({**SLIDING, "kind": "local"}, "kind"),
+    ({**SLIDING, "kind": "chunked"}, "kind"),
     ({**SLIDING, "extra": 1}, "extra"),
 ])
 def test_a_group_descriptor_is_bounded_and_consistent(group, where):

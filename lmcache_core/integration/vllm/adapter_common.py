@@ -82,7 +82,8 @@ class LoadStoreOp:
     per group: that group's block ids over the same tokens as ``block_hashes`` (from the same
     start, ``chunk_size / block_size`` of the group per chunk; vLLM's null block 0 where it has
     one); ``block_ids`` is not used then. See ``adapter_groups.piece_blocks`` for what each group
-    moves.
+    moves. ``first_chunk``: the request's chunk the op's first is (what a chunked-local group
+    loads depends on where the load ends in the request; 0: from the request's start).
     """
 
     block_hashes: list[bytes]
@@ -92,6 +93,7 @@ class LoadStoreOp:
     pin: bool = False
     priority: int = 0
     group_block_ids: list[list[int]] | None = None
+    first_chunk: int = 0
 
     @property
     def retention(self) -> tuple[float | None, bool, int]:

@@ -1,8 +1,8 @@
 """What the connector reads from its settings and from vLLM's config, and the setups it refuses.
 
 The lmcache client config from ``kv_connector_extra_config``; the model's KV cache groups (full
-attention, MLA, sliding window, Mamba state in vLLM's ``align`` or ``all`` cache mode; chunked-local
-attention is refused with a message that says so); the attention backend of the model's layers;
+attention, MLA, sliding window, chunked-local attention, Mamba state in vLLM's ``align`` or ``all``
+cache mode; other specs are refused with a message naming them); the attention backend of the model's layers;
 no GPU KV cache that vLLM's sleep mode allocates. Part of :mod:`.lmcache_connector`.
 """
 
@@ -26,11 +26,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("lmcache_core.integration.vllm.lmcache_connector")
 #: vLLM KV cache specs the connector stores, by the kind of group they make.
 SPEC_KINDS: dict[str, GroupKind] = {"FullAttentionSpec": "full", "MLAAttentionSpec": "full",
-                                    "SlidingWindowSpec": "sliding", "MambaSpec": "mamba"}
+                                    "SlidingWindowSpec": "sliding", "MambaSpec": "mamba",
+                                    "ChunkedLocalAttentionSpec": "local"}
 SUPPORTED_SPECS = tuple(SPEC_KINDS)
-_NOT_YET = {
-    "ChunkedLocalAttentionSpec": "chunked-local attention (Llama 4) is not supported yet",
-}
 #: vLLM's Mamba cache modes that keep the state at block boundaries (a chunk's end state is then
 #: the chunk's last block); "none" keeps only the running state, which no later request can use.
 MAMBA_CACHE_MODES = ("align", "all")
@@ -45,7 +43,8 @@ class KVGroupInfo:
     block_size: int
     """Tokens per scheduler block of this group (``kv_cache_spec.block_size``)."""
     window_tokens: int
-    """``SlidingWindowSpec.sliding_window`` for a sliding group, else 0."""
+    """``SlidingWindowSpec.sliding_window`` for a sliding group, ``ChunkedLocalAttentionSpec.
+    attention_chunk_size`` for a local one, else 0."""
     layer_names: tuple[str, ...]
 
 
@@ -104,9 +103,9 @@ def _group_info(index: int, group: Any, block_size: int) -> KVGroupInfo:
     names = {type(s).__name__ for s in (inner.values() if inner else [spec])}
     for name in sorted(names):
         if name not in SPEC_KINDS:
-            why = _NOT_YET.get(name, "not a KV cache spec the connector knows")
             raise ValueError(
-                f"LMCacheConnector cannot cache KV cache group {index} ({name}): {why}. "
+                f"LMCacheConnector cannot cache KV cache group {index} ({name}): not a KV cache "
+                f"spec the connector knows. "
                 f"Supported: {', '.join(SUPPORTED_SPECS)}.")
     kinds = {SPEC_KINDS[n] for n in names}
     if len(kinds) != 1:
@@ -118,6 +117,7 @@ def _group_info(index: int, group: Any, block_size: int) -> KVGroupInfo:
             f"LMCacheConnector cannot cache KV cache group {index} (MambaSpec) with "
             f"mamba_cache_mode={mode!r}: it keeps no state at block boundaries. Start vLLM with "
             "prefix caching and --mamba-cache-mode align.")
-    window = int(getattr(spec, "sliding_window", 0) or 0) if kind == "sliding" else 0
+    window = (int(getattr(spec, "sliding_window", 0) or 0) if kind == "sliding"
+              else int(getattr(spec, "attention_chunk_size", 0) or 0) if kind == "local" else 0)
     return KVGroupInfo(index, kind, int(getattr(spec, "block_size", 0) or block_size), window,
                        tuple(getattr(group, "layer_names", ()) or ()))

@@ -24,6 +24,9 @@ class TransferSpec:
     group_block_ids: list[list[int]] | None = None
     """A hybrid model's block ids of the chunks, one list per KV cache group (``C / B_g`` ids per
     chunk, null ids included: the adapter takes each group's piece blocks of them)."""
+    first_chunk: int = 0
+    """The request's chunk the first of these is: a chunked-local group's load needs the
+    chunks from its attention chunk's start, which the position of the load's end tells."""
     fail: bool = False
     """A hybrid load that cannot be done as vLLM counts it: reported failed (vLLM recomputes)."""
     ttl_s: float | None = None

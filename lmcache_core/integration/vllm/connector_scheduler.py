@@ -229,7 +229,8 @@ class ConnectorSchedulerSide(KVConnectorBase_V1, SupportsHMA):
         self._prompt_states_only(tracker, start, spec)
         meta.stores.append(spec)
         # Stored in the step that computes them: a sliding window's blocks (and a Mamba group's
-        # state blocks) may be freed from the next step on (the adapter skips a group's chunk
+        # state blocks, and a chunked-local group's behind its attention chunk) may be freed
+        # from the next step on (the adapter skips a group's chunk
         # whose blocks are already null).
         meta.window_stores |= any(g.kind != "full" for g in self._groups)
         tracker.stored_chunks = complete
@@ -254,10 +255,11 @@ class ConnectorSchedulerSide(KVConnectorBase_V1, SupportsHMA):
         if len(self._groups) == 1:
             bpc = self._group_bpc[0]
             return TransferSpec(request_id, hashes, tracker.block_ids[0][start * bpc:end * bpc],
-                                **fields)
+                                first_chunk=start, **fields)
         per_group = [ids[start * bpc:end * bpc]
                      for ids, bpc in zip(tracker.block_ids, self._group_bpc, strict=True)]
-        return TransferSpec(request_id, hashes, [], group_block_ids=per_group, **fields)
+        return TransferSpec(request_id, hashes, [], group_block_ids=per_group, first_chunk=start,
+                            **fields)
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:

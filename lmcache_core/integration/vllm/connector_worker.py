@@ -226,7 +226,8 @@ class ConnectorWorkerSide(KVConnectorBase_V1):
         return [LoadStoreOp(per_block_hashes(spec.chunk_hashes, self._bpc),
                             expand_block_ids(spec.block_ids, ratio), ttl_s=spec.ttl_s,
                             pin=spec.pin, priority=spec.priority, cache_salt=spec.cache_salt,
-                            group_block_ids=self._kernel_group_ids(spec.group_block_ids))
+                            group_block_ids=self._kernel_group_ids(spec.group_block_ids),
+                            first_chunk=spec.first_chunk)
                 for spec in specs]
 
     def _kernel_group_ids(self, group_ids: list[list[int]] | None) -> list[list[int]] | None:
@@ -305,9 +306,10 @@ class ConnectorWorkerSide(KVConnectorBase_V1):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Called before each step's forward pass: first wait for the last step's stores that
-        read sliding-window blocks. vLLM frees the blocks behind a window when it schedules the
-        next step, and may hand them to another request that this step's forward writes; a store
-        still copying them would read that request's KV."""
+        read sliding-window (or chunked-local) blocks. vLLM frees the blocks behind a window (or
+        before the attention chunk being computed) when it schedules the next step, and may hand
+        them to another request that this step's forward writes; a store still copying them
+        would read that request's KV."""
         self._wait_for_window_stores()
         super().bind_connector_metadata(connector_metadata)
 

@@ -306,8 +306,8 @@ class LMCacheMPWorkerAdapter:
             raise ValueError(f"{len(request_ids)} request ids but {len(ops)} ops")
         handle = _event_handle(event)
         for request_id, op in zip(request_ids, ops, strict=True):
-            parts = self._parts([op], True)
-            skips = self._load_skips(parts)
+            parts, end = self._retrieve_parts(op)
+            skips = self._load_skips(parts, end)
             if skips is None:
                 self._fail(request_id, "a block the load needs is vLLM's null block 0 (out of "
                            "the window)", self._retrieves)
@@ -321,37 +321,52 @@ class LMCacheMPWorkerAdapter:
                                             deadline_ms=self.load_deadline_ms, skip_blocks=skip)
                 self._submit(RETRIEVE, payload, [request_id], blocks, self._retrieves)
 
-    def _load_skips(self, parts: list[_Part]) -> list[int] | None:
-        """Each part's leading null blocks left unwritten (``adapter_groups.load_skip``); None
-        when a block a group needs is null. vLLM's null block exists with groups (HMA) only: a
-        single-group cache's block 0 is real."""
+    def _load_skips(self, parts: list[_Part], end: int) -> list[int] | None:
+        """Each part's leading null blocks left unwritten (``adapter_groups.load_skip``; ``end``:
+        the request's chunk the load ends at); None when a block a group needs is null. vLLM's
+        null block exists with groups (HMA) only: a single-group cache's block 0 is real."""
         if self.group_pieces is None:
             return [0] * len(parts)
-        skips = [load_skip(blocks, piece)
+        skips = [load_skip(blocks, piece, end)
                  for (_, _, blocks), piece in zip(parts, self.group_pieces, strict=True)]
         return None if None in skips else [s for s in skips if s is not None]
 
     def _parts(self, ops: list[LoadStoreOp], retrieve: bool) -> list[_Part]:
         """The request(s) these ops make: one of every whole chunk's blocks, or with groups one
         per group of the blocks its pieces hold (``adapter_groups.piece_blocks``)."""
-        pieces = self.group_pieces
-        if pieces is None:
+        if self.group_pieces is None:
             return [(self.instance_id, *self._flatten(ops))]
         parts: list[_Part] = [(iid, [], []) for iid in self.group_instance_ids]
         for op in ops:
-            per_group = op.group_block_ids
-            if per_group is None or len(per_group) != len(pieces):
-                raise ValueError(f"this worker registered {len(pieces)} KV cache groups: each op "
-                                 f"needs group_block_ids, one list per group")
-            hashes = self._conn.chunk_hashes(op.block_hashes, op.cache_salt)
-            n = min([len(hashes)] + [len(ids) // piece.blocks_per_chunk
-                                     for ids, piece in zip(per_group, pieces, strict=True)])
-            for (_, part_hashes, part_blocks), ids, piece in zip(parts, per_group, pieces,
-                                                                 strict=True):
-                chunks, blocks = piece_blocks(ids, n, piece, retrieve=retrieve)
-                part_hashes += [hashes[c] for c in chunks]
-                part_blocks += blocks
+            self._add_group_parts(parts, op, retrieve)
         return parts
+
+    def _retrieve_parts(self, op: LoadStoreOp) -> tuple[list[_Part], int]:
+        """``_parts`` of one retrieve, and the request's chunk it ends at."""
+        if self.group_pieces is None:
+            return self._parts([op], True), 0
+        parts: list[_Part] = [(iid, [], []) for iid in self.group_instance_ids]
+        return parts, self._add_group_parts(parts, op, True)
+
+    def _add_group_parts(self, parts: list[_Part], op: LoadStoreOp, retrieve: bool) -> int:
+        """Add each group's chunks and blocks of ``op`` to its part; the request's chunk the op
+        ends at."""
+        pieces = self.group_pieces
+        assert pieces is not None
+        per_group = op.group_block_ids
+        if per_group is None or len(per_group) != len(pieces):
+            raise ValueError(f"this worker registered {len(pieces)} KV cache groups: each op "
+                             f"needs group_block_ids, one list per group")
+        hashes = self._conn.chunk_hashes(op.block_hashes, op.cache_salt)
+        n = min([len(hashes)] + [len(ids) // piece.blocks_per_chunk
+                                 for ids, piece in zip(per_group, pieces, strict=True)])
+        for (_, part_hashes, part_blocks), ids, piece in zip(parts, per_group, pieces,
+                                                             strict=True):
+            chunks, blocks = piece_blocks(ids, n, piece, retrieve=retrieve,
+                                          first_chunk=op.first_chunk)
+            part_hashes += [hashes[c] for c in chunks]
+            part_blocks += blocks
+        return op.first_chunk + n
 
     def _flatten(self, ops: Iterable[LoadStoreOp]) -> tuple[list[bytes], list[int]]:
         """Whole chunks only: each op's chunk hashes and the block ids those chunks cover."""
