@@ -1,6 +1,7 @@
 """vLLM's real scheduler + our connector (both roles) + a synthetic model, against ``lmcache serve``.
 
-Usage: python tests/vllm/scheduler_harness.py SERVER_URL OUT.json MODEL_DIR [hybrid|hybrid-wide]
+Usage: python tests/vllm/scheduler_harness.py SERVER_URL OUT.json MODEL_DIR [MODE]
+(MODE: hybrid, hybrid-wide, hybrid-local, hybrid-local-even)
 
 For vLLM builds that cannot run a model on this machine (the newest PyPI ``vllm`` is a CUDA build:
 installed with ``--no-deps`` and run with ``VLLM_TARGET_DEVICE=cpu``), this drives the real
@@ -16,7 +17,11 @@ attention, layer 1 a sliding window of ``WINDOWS[mode]`` tokens (its blocks behi
 by the scheduler; ``hybrid-wide``: 300 tokens, wider than a chunk but not a whole number of chunks,
 so a load needs only the last block of its older chunk's piece and vLLM gives null for the other);
 the model samples from every position's K of layer 0 and the window's K of layer 1, so
-a load must fill both groups' blocks. A load made to fail (its last chunk's hash replaced) must be
+a load must fill both groups' blocks. ``hybrid-local``: layer 1 is chunked-local attention (Llama
+4's) of ``LOCAL[mode]``-token attention chunks, which reads only its own attention chunk's K (640:
+2.5 chunks, so a hit at 768 needs the last block of chunk 2's piece only, vLLM's null block before
+it; ``hybrid-local-even``: 384, so a hit at 768 starts an attention chunk and needs nothing of
+the group). A load made to fail (its last chunk's hash replaced) must be
 reported per request (``failed_recving``): the scheduler raises RuntimeError for block-level load
 errors of a multi-group model.
 """
@@ -39,6 +44,8 @@ LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 HEADS, DIM = 4, 64
 #: Layer 1's sliding window per mode (128: one block; 300: 3 blocks, the pieces whole chunks).
 WINDOWS = {"hybrid": 128, "hybrid-wide": 300}
+#: Layer 1's attention chunk per chunked-local mode (640: 5 blocks; 384: 3 blocks).
+LOCAL = {"hybrid-local": 640, "hybrid-local-even": 384}
 
 
 def kv_value(token: int, position: int) -> float:
@@ -51,21 +58,27 @@ def next_token(values: list[float]) -> int:
     return int(sum(v * (i % 13 + 1) for i, v in enumerate(values)) * 1000) % (VOCAB - 3) + 3
 
 
-def expected(prompt: list[int], max_tokens: int, window: int = 0) -> list[int]:
+def expected(prompt: list[int], max_tokens: int, window: int = 0, local: int = 0) -> list[int]:
     tokens = list(prompt)
     out = []
     for _ in range(max_tokens):
         values = [kv_value(t, p) for p, t in enumerate(tokens)]
         if window:  # and layer 1's window: the tokens the next one attends to
             values += values[max(0, len(tokens) - window + 1):]
+        if local:  # and layer 1's attention chunk, up to the next token
+            values += values[len(tokens) // local * local:]
         tok = next_token(values)
         out.append(tok)
         tokens.append(tok)
     return out
 
 
-def _kv_cache_config(vllm_config: Any, window: int) -> Any:
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+def _kv_cache_config(vllm_config: Any, window: int, local: int) -> Any:
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        SlidingWindowSpec,
+    )
 
     block_size = vllm_config.cache_config.block_size
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=HEADS, head_size=DIM,
@@ -75,6 +88,10 @@ def _kv_cache_config(vllm_config: Any, window: int) -> Any:
         specs = [{LAYERS[0]: spec, LAYERS[1]: SlidingWindowSpec(
             block_size=block_size, num_kv_heads=HEADS, head_size=DIM, dtype=torch.float32,
             sliding_window=window)}]
+    if local:
+        specs = [{LAYERS[0]: spec, LAYERS[1]: ChunkedLocalAttentionSpec(
+            block_size=block_size, num_kv_heads=HEADS, head_size=DIM, dtype=torch.float32,
+            attention_chunk_size=local)}]
     budget = [64 * vllm_config.cache_config.block_size * HEADS * DIM * 2 * 4 * len(LAYERS)]
     try:  # vLLM >= 0.33: planning split out, global groups computed first
         from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
@@ -91,7 +108,7 @@ def _kv_cache_config(vllm_config: Any, window: int) -> Any:
 class Engine:
     """The scheduler, both connector roles, and the synthetic model, stepped together."""
 
-    def __init__(self, url: str, model_dir: str, window: int = 0) -> None:
+    def __init__(self, url: str, model_dir: str, window: int = 0, local: int = 0) -> None:
         from vllm.config import KVTransferConfig
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.engine.arg_utils import EngineArgs
@@ -113,9 +130,10 @@ class Engine:
         self.vllm_config = args.create_engine_config()
         self.vllm_config.cache_config.kv_cache_layout = "LBHNC"  # the CPU backend's (see kv_views)
         self.window = window
-        self.kv_cache_config = _kv_cache_config(self.vllm_config, window)
+        self.local = local
+        self.kv_cache_config = _kv_cache_config(self.vllm_config, window, local)
         groups = self.kv_cache_config.kv_cache_groups
-        assert len(groups) == (2 if window else 1), groups
+        assert len(groups) == (2 if window or local else 1), groups
         # each layer's group (vLLM orders the groups by kind, not by layer)
         self.group_of = {name: g for g, group in enumerate(groups) for name in group.layer_names}
         self.vllm_config.cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks
@@ -165,6 +183,9 @@ class Engine:
             rows = self._kv_rows(layer, self._block(rid, layer, p))
             return float(rows[HEADS - 1, p % self.block_size, DIM - 1])
 
+        if self.local:  # layer 1 reads its attention chunk only: vLLM freed the blocks before
+            return ([k(LAYERS[0], p) for p in range(end)]
+                    + [k(LAYERS[1], p) for p in range(end // self.local * self.local, end)])
         if not self.window:
             return [k(LAYERS[-1], p) for p in range(end)]
         return ([k(LAYERS[0], p) for p in range(end)]
@@ -266,14 +287,14 @@ def main(url: str, out_path: str, model_dir: str, mode: str = "") -> int:
 
     import vllm
 
-    window = WINDOWS.get(mode, 0)
+    window, local = WINDOWS.get(mode, 0), LOCAL.get(mode, 0)
     rng = random.Random(3)
     a = [rng.randrange(3, VOCAB) for _ in range(1000)]
     prompts = {"A": a, "B": a[:768] + [rng.randrange(3, VOCAB) for _ in range(200)],
                "C": [rng.randrange(3, VOCAB) for _ in range(600)]}
-    if window:  # D's load of A's 3 chunks is made to fail
+    if window or local:  # D's load of A's 3 chunks is made to fail
         prompts["D"] = a[:768] + [rng.randrange(3, VOCAB) for _ in range(150)]
-    engine = Engine(url, model_dir, window)
+    engine = Engine(url, model_dir, window, local)
     engine.corrupt.add("D")
     result: dict[str, Any] = {"vllm": vllm.__version__, "requests": {},
                               "groups": [type(g.kv_cache_spec).__name__
@@ -282,7 +303,7 @@ def main(url: str, out_path: str, model_dir: str, mode: str = "") -> int:
         engine.add(rid, prompt, 8)
         engine.run()
         result["requests"][rid] = {"tokens": engine.outputs[rid], "cached": engine.cached[rid],
-                                   "expected": expected(prompt, 8, window)}
+                                   "expected": expected(prompt, 8, window, local)}
     result["failed_recving"] = sorted(engine.failed_recving)
     result["loads"] = engine.loads
     result["hits_by_source"] = engine.hits_by_source

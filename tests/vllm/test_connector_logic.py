@@ -375,16 +375,48 @@ def test_hits_are_attributed_to_host_memory(hybrid: Any) -> None:
         CacheHitSource.HOST: 512}
 
 
-def test_chunked_local_and_mamba_without_state_checkpoints_are_refused(
+def test_unknown_specs_and_mamba_without_state_checkpoints_are_refused(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(lc, "LMCacheMPSchedulerAdapter", FakeSchedulerAdapter)
-    for group, why in ((_spec("ChunkedLocalAttentionSpec"),
-                        "ChunkedLocalAttentionSpec\\): .*chunked-local"),
+    for group, why in ((_spec("EncoderOnlyAttentionSpec"),
+                        "EncoderOnlyAttentionSpec\\): not a KV cache spec the connector knows"),
                        (_spec("MambaSpec", mamba_cache_mode="none"),
                         "MambaSpec\\) with mamba_cache_mode='none'")):
         vllm_config, kv_cache_config = _config([_spec("FullAttentionSpec"), group])
         with pytest.raises(ValueError, match=f"group 1 \\({why}"):
             lc.LMCacheConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+
+
+def test_chunked_local_attention_is_a_local_group_of_its_attention_chunk(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Llama 4: its chunked-local layers' group is stored as kind "local", its attention chunk
+    size the group's window; its stores go out in the step that computes them (vLLM frees the
+    blocks before the attention chunk being computed); a load names its first chunk."""
+    monkeypatch.setattr(lc, "LMCacheMPSchedulerAdapter", FakeSchedulerAdapter)
+    vllm_config, kv_cache_config = _config([
+        _spec("FullAttentionSpec"), _spec("ChunkedLocalAttentionSpec", attention_chunk_size=512)])
+    conn = lc.LMCacheConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    assert [(g.kind, g.window_tokens) for g in conn._groups] == [("full", 0), ("local", 512)]
+    req = _request("r", TOKENS[:600])
+    conn._scheduler.answers["r"] = 0
+    conn.get_num_new_matched_tokens(req, 0)
+    groups = ([1, 2, 3, 4, 5], [6, 7, 8, 9, 10])
+    conn.update_state_after_alloc(req, _group_blocks(*groups), 0)
+    out = _output(scheduled={"r": 600})
+    out.scheduled_new_reqs = [SimpleNamespace(req_id="r", block_ids=groups, num_computed_tokens=0)]
+    meta = conn.build_connector_meta(out)
+    (store,) = meta.stores
+    assert store.group_block_ids == [[1, 2, 3, 4], [6, 7, 8, 9]] and meta.window_stores
+    assert store.first_chunk == 0
+    # after vLLM's own hit of chunk 0, a load of chunks 1-2: what it needs of the local group
+    # (from 512) depends on where it ends in the request, which the worker side reads from it
+    later = _request("q", TOKENS)
+    conn._scheduler.answers["q"] = 3 * CHUNK
+    assert conn.get_num_new_matched_tokens(later, CHUNK) == (2 * CHUNK, True)
+    conn.update_state_after_alloc(later, _group_blocks([1, 2, 3, 4, 5, 6], [0, 0, 0, 0, 7, 8]),
+                                  2 * CHUNK)
+    (load,) = conn.build_connector_meta(_output()).loads
+    assert load.first_chunk == 1 and load.group_block_ids == [[3, 4, 5, 6], [0, 0, 7, 8]]
 
 
 def test_mamba_states_are_stored_for_prompt_chunks_only(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,8 +3,9 @@
 The newest PyPI ``vllm`` is a CUDA build that cannot run a model here; scripts/test-vllm installs it
 with ``--no-deps`` into a separate folder (``LMCACHE_VLLM_NEWEST``) and this test runs its scheduler
 with ``VLLM_TARGET_DEVICE=cpu`` through tests/vllm/scheduler_harness.py (a synthetic model). Each
-runs a single-group model and a hybrid one (a full-attention and a sliding-window group), whose load
-made to fail must be reported per request: the scheduler raises RuntimeError for block-level errors.
+runs a single-group model and hybrid ones (a full-attention group and a sliding-window or a
+chunked-local one), whose load made to fail must be reported per request: the scheduler raises
+RuntimeError for block-level errors.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def _run(tmp: Path, extra_env: dict[str, str], mode: str = "") -> dict[str, Any]
     return dict(json.loads(out.read_text()))
 
 
-def _check(result: dict[str, Any], hybrid: bool = False) -> None:
+def _check(result: dict[str, Any], hybrid: bool = False,
+           second: str = "SlidingWindowSpec") -> None:
     requests = result["requests"]
     for name, req in requests.items():
         assert req["tokens"] == req["expected"], name
@@ -51,7 +53,7 @@ def _check(result: dict[str, Any], hybrid: bool = False) -> None:
     # counted when admitted, before its load failed)
     assert result["hits_by_source"] == {"host": 768 * (2 if hybrid else 1)}
     if hybrid:
-        assert result["groups"] == ["FullAttentionSpec", "SlidingWindowSpec"]
+        assert result["groups"] == ["FullAttentionSpec", second]
         assert result["failed_recving"] == ["D"]  # per request, and recomputed from the start
         assert requests["D"]["cached"] == 0
 
@@ -99,3 +101,24 @@ def test_installed_vllm_scheduler_wide_window(tmp_path: Path) -> None:
 
 def test_newest_vllm_scheduler_wide_window(tmp_path: Path) -> None:
     _check_wide(_newest(tmp_path, "hybrid-wide"))
+
+
+def _check_local(result: dict[str, Any], nulls: int) -> None:
+    """Chunked-local attention (Llama 4's): B's hit of 768 tokens needs the local group's blocks
+    from its attention chunk's start only (640: block 5, the last of chunk 2's piece; 384: 768
+    starts one, nothing), vLLM's null block before it, left out by the load; B's tokens come
+    out right (the harness's model reads layer 1's K of its attention chunk from the blocks)."""
+    _check(result, hybrid=True, second="ChunkedLocalAttentionSpec")
+    local = result["loads"]["B"][1]  # chunks 0-2 of the local group, as vLLM allocated them
+    assert local[:nulls] == [0] * nulls and 0 not in local[nulls:], local
+    assert len(local) == 6 and "B" not in result["failed_recving"]
+
+
+@pytest.mark.parametrize(("mode", "nulls"), [("hybrid-local", 5), ("hybrid-local-even", 6)])
+def test_installed_vllm_scheduler_chunked_local(tmp_path: Path, mode: str, nulls: int) -> None:
+    _check_local(_run(tmp_path, {}, mode), nulls)
+
+
+@pytest.mark.parametrize(("mode", "nulls"), [("hybrid-local", 5), ("hybrid-local-even", 6)])
+def test_newest_vllm_scheduler_chunked_local(tmp_path: Path, mode: str, nulls: int) -> None:
+    _check_local(_newest(tmp_path, mode), nulls)
