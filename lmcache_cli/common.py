@@ -152,3 +152,21 @@ def tenant_table(rows: Sequence[Mapping[str, Any]], pool_bytes: int,
                       "-" if quota is None else human_bytes(quota),
                       f"{100 * used / quota:.0f}%" if quota else "-")
     return table
+
+
+def group_description(layout: str) -> str:
+    """What a hybrid model's pieces of this layout fingerprint are: their KV-cache group and what
+    they hold ("1/3 sliding: last 48 tokens", "0/3 full", "1/2 mamba: state at the end (TP=2)",
+    "1/2 local: attention chunks of 8192"); "" for a single-group model's."""
+    from lmcache_core.keys import layout_group
+
+    group = layout_group(layout)
+    if group is None:
+        return ""
+    where = f"{group.position}/{group.groups}"
+    if group.state_world:
+        return f"{where} mamba: state at the end (TP={group.state_world})"
+    if group.local_tokens:
+        return f"{where} local: attention chunks of {group.local_tokens}"
+    return f"{where} sliding: last {group.piece_tokens} tokens" if group.piece_tokens else \
+        f"{where} full"

@@ -23,6 +23,7 @@ from lmcache_cli.common import (
     connect,
     console,
     fail,
+    group_description,
     human_age,
     human_bytes,
     print_json,
@@ -148,7 +149,7 @@ def _render(chunks: list[Any], info: Any, summary: dict[str, Any], model: str | 
 
     title = escape(f"chunks on {info.url}" + (f" (model {model})" if model else ""))
     table = Table(title=title, title_justify="left", show_footer=False)
-    grouped = any(_group_cell(c.layout) for c in chunks)  # a hybrid model's pieces are listed
+    grouped = any(group_description(c.layout) for c in chunks)  # a hybrid model's pieces are listed
     for name, justify in (("hash", "left"), ("model", "left"), ("layout", "left"),
                           *((("group", "left"),) if grouped else ()),
                           ("heads", "right"), ("tier", "left"), ("size", "right"),
@@ -157,7 +158,7 @@ def _render(chunks: list[Any], info: Any, summary: dict[str, Any], model: str | 
         table.add_column(name, justify=justify)
     for c in chunks:
         table.add_row(c.chunk_hash[:6].hex(), escape(c.model_name), escape(c.layout),
-                      *((_group_cell(c.layout) or "-",) if grouped else ()),
+                      *((group_description(c.layout) or "-",) if grouped else ()),
                       f"{c.head_lo}-{c.head_hi}", c.tier, human_bytes(c.nbytes),
                       str(c.locks) if c.locks else "-", str(c.hits), human_age(c.age_s),
                       *_retention(c), style="bold" if c.locks or c.pinned else "")
@@ -203,24 +204,6 @@ def _tier_total(total: dict[str, Any]) -> str:
     if not total["complete"]:
         return text + " [yellow]count cut short at its budget (--redis-budget-ms)[/]"
     return text
-
-
-def _group_cell(layout: str) -> str:
-    """A hybrid model's piece: its KV-cache group and what it holds ("1/3 sliding: last 48
-    tokens", "0/3 full", "1/2 mamba: state at the end (TP=2)", "1/2 local: attention chunks of
-    8192"); "" for a single-group model's."""
-    from lmcache_core.keys import layout_group
-
-    group = layout_group(layout)
-    if group is None:
-        return ""
-    where = f"{group.position}/{group.groups}"
-    if group.state_world:
-        return f"{where} mamba: state at the end (TP={group.state_world})"
-    if group.local_tokens:
-        return f"{where} local: attention chunks of {group.local_tokens}"
-    return f"{where} sliding: last {group.piece_tokens} tokens" if group.piece_tokens else \
-        f"{where} full"
 
 
 def _retention(c: Any) -> tuple[str, str, str]:

@@ -31,6 +31,7 @@ from lmcache_cli.common import (
     connect,
     console,
     fail,
+    group_description,
     print_json,
 )
 
@@ -268,9 +269,9 @@ def _render(rows: list[dict[str, Any]], url: str, model: str, world_size: int,
                       style=style)
     console.print(table)
     if groups:
+        named = ", ".join(f"{layout} ({group_description(layout)})" for layout in groups)
         console.print(escape(f"a chunk counts when every KV-cache group can be restored at its end "
-                             f"(as the model's lookups count): {', '.join(groups)}"),
-                      highlight=False)
+                             f"(as the model's lookups count): {named}"), highlight=False)
     elif groups is not None:
         console.print("[yellow]the model's registered workers do not cover every KV-cache group: "
                       "nothing can be restored (its lookups miss too)[/]", highlight=False)

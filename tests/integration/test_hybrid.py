@@ -158,7 +158,7 @@ def test_each_group_registers_on_its_own_under_its_own_fingerprint(node):
     server, made = node
     hello = made[2][0].hello
     assert len(set(hello["instance_ids"])) == 3
-    assert hello["pieces"] == [[4, 4, 0, 0], [4, 3, 1, 3], [4, 4, 2, 7]]
+    assert hello["pieces"] == [[4, 4, 0, 0, 0], [4, 3, 1, 3, 0], [4, 4, 2, 7, 0]]
     info = server_info(server.url)
     assert {row.model_name: row.registered for row in info.models}[MODEL] == 9  # 3 workers x 3
 
@@ -511,7 +511,7 @@ def mamba_load_and_check(workers: list[WorkerProcess], request_id: str, toks: li
 
 def test_mamba_state_at_the_hits_end_loads_byte_exact(mamba_node):
     server, made = mamba_node
-    assert made[1][0].hello["pieces"] == [[4, 4, 0, 0], [4, 1, 1, 1]]
+    assert made[1][0].hello["pieces"] == [[4, 4, 0, 0, 0], [4, 1, 1, 1, 0]]
     seed = 21
     toks = tokens(N, seed)
     mamba_store(made[1], toks, seed)

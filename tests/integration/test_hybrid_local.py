@@ -164,6 +164,7 @@ def test_lmcache_lookup_counts_a_local_prefix_as_its_lookup_does(node):
     shown = cli("lookup", "--url", server.url, "--model", MODEL, "--tokens", "-",
                 stdin=json.dumps(toks))
     assert shown.code == 0 and "hybrid, 2 KV-cache groups" in shown.out, shown.out
+    assert f"{LAYOUTS[1]} (1/2 local: attention chunks of 96)" in shown.out, shown.out
 
 
 # ---------------------------------------------------------------- disk

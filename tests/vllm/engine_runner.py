@@ -20,9 +20,9 @@ arguments, e.g. ``mamba_cache_mode``), "trace_loads": bool (record the worker's
 - ``{"op": "pause", "s"}``: wait (a benchmark lets background stores finish between rounds);
 - ``{"op": "fault", "kind": "corrupt_loads" | "drop_window" | "drop_window_tail" | null}``: make
   every load ask for a chunk the server does not have (so it fails and vLLM must recompute); or
-  store a hybrid model's chunks without their sliding-window pieces (``drop_window``: every chunk's;
-  ``drop_window_tail``: each store's last chunk's), as if the server had evicted those pieces while
-  the full-attention ones remain; or stop doing so;
+  store a hybrid model's chunks without their sliding-window (or chunked-local) pieces
+  (``drop_window``: every chunk's; ``drop_window_tail``: each store's last chunk's), as if the
+  server had evicted those pieces while the full-attention ones remain; or stop doing so;
 - ``{"op": "restart_server", "name"}``: SIGTERM the server (``server_pid``), start ``lmcache serve
   -c <server_config>`` again (same url, log appended to ``server_log``), and wait until this
   engine's worker has registered with it again by itself; records the time that took and this
@@ -105,12 +105,13 @@ def _install_load_trace() -> None:
 
 
 def _drop_window_pieces(connector: Any, spec: Any, tail_only: bool) -> None:
-    """Null the sliding groups' block ids of a store's chunks (all, or its last one): the adapter
-    skips a group's chunk whose ids hold the null block, so only the other groups' pieces land."""
+    """Null the sliding (and chunked-local) groups' block ids of a store's chunks (all, or its
+    last one): the adapter skips a group's chunk whose ids hold the null block, so only the other
+    groups' pieces land."""
     if spec.group_block_ids is None or not spec.chunk_hashes:
         return
     for group, ids in zip(connector._groups, spec.group_block_ids, strict=True):
-        if group.kind == "sliding":
+        if group.kind in ("sliding", "local"):
             first = len(ids) - len(ids) // len(spec.chunk_hashes) if tail_only else 0
             ids[first:] = [0] * (len(ids) - first)
             FAULTS["windows_dropped"] += 1

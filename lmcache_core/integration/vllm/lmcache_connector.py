@@ -46,19 +46,21 @@ How a request goes (vLLM's semantics):
   ``handle_preemptions`` waits for a preempted request's stores before vLLM reuses its blocks.
 
 Hybrid models (``SupportsHMA``): vLLM keeps its hybrid KV cache manager on, and block ids come one
-list per KV cache group. Full-attention, MLA, sliding-window and Mamba (``align``/``all`` cache
-mode) groups are supported: each group is registered as its own KV cache (a chunk is one piece per
-group; a sliding group's piece is the window's blocks at the chunk's end, a Mamba group's the state
-there, for chunks that end within the prompt), stores take each group's blocks of the chunks a step
-completes in that step (null blocks skipped; a sliding window's and a Mamba state's are waited for
-before the next forward pass, as vLLM may free them), and a failed load of a multi-group model is
-reported per request (``get_transfer_results().failed_recving``), so vLLM recomputes it.
-Chunked-local attention groups are refused at start with a clear message. Hits are reported as
-host-memory hits (``CacheHitSource.HOST``). The KV layout is read from the tensors and the attention backend
-(:mod:`.kv_views`). On CPU hosts the KV cache is allocated in POSIX shared memory from the start
-(``get_mem_pool_context``), so the server maps it; on GPU hosts CUDA IPC handles are sent. Either
-way a server that restarts gets the KV caches registered again by the worker's heartbeat, without
-restarting the engine (shared-memory names stay linked until the worker exits).
+list per KV cache group. Full-attention, MLA, sliding-window, chunked-local (Llama 4) and Mamba
+(``align``/``all`` cache mode) groups are supported: each group is registered as its own KV cache
+(a chunk is one piece per group; a sliding group's piece is the window's blocks at the chunk's end,
+a chunked-local group's the chunk's blocks, a Mamba group's the state there, for chunks that end
+within the prompt), stores take each group's blocks of the chunks a step completes in that step
+(null blocks skipped; those of every group but full attention are waited for before the next
+forward pass, as vLLM may free them), loads only the blocks resuming needs (a chunked-local group's
+from the start of the attention chunk the load ends in), and a failed load of a multi-group model
+is reported per request (``get_transfer_results().failed_recving``), so vLLM recomputes it. Hits
+are reported as host-memory hits (``CacheHitSource.HOST``). The KV layout is read from the tensors
+and the attention backend (:mod:`.kv_views`). On CPU hosts the KV cache is allocated in POSIX
+shared memory from the start (``get_mem_pool_context``), so the server maps it; on GPU hosts CUDA
+IPC handles are sent. Either way a server that restarts gets the KV caches registered again by the
+worker's heartbeat, without restarting the engine (shared-memory names stay linked until the
+worker exits).
 
 Keys and limits: a request's ``cache_salt`` and LoRA adapter seed its hash chain, so they never
 share chunks with other tenants or adapters; requests with multimodal inputs or prompt embeddings
