@@ -32,7 +32,7 @@ anything else moves these by tens of percent; compare ratios within one run only
 Usage (the vLLM env that scripts/test-vllm makes):
   ~/.cache/lmcache-vllm-venv/bin/python scripts/bench_e2e.py [--docs 4 --doc-tokens 2048]
       [--users 4 --turns 4] [--engines full,vllm,ours,lmcache] [--json out.json]
-      [--model gemma3 --workloads docs --engines full,vllm,ours]
+      [--model gemma3 --workloads docs --engines full,vllm,ours] [--repeat 4]
 """
 
 from __future__ import annotations
@@ -96,6 +96,10 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write every TTFT sample here")
     parser.add_argument("--model", choices=["llama", "gemma3"], default="llama",
                         help="gemma3: the hybrid (sliding window + full attention) model")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run the engines this many times, in turns (the order reversed "
+                             "every other time), and report each run's ratios and their median: "
+                             "this machine drifts by tens of percent between runs a minute apart")
     args = parser.parse_args()
     engines = [e for e in args.engines.split(",") if e]
     if "lmcache" in engines and not lmcache_available(args.lmcache_python):
@@ -115,10 +119,16 @@ def main() -> None:
     for workload in args.workloads.split(","):
         steps, blocks, max_len = (docs_workload(args) if workload == "docs"
                                   else chat_workload(args))
-        results = {engine: run_engine(engine, workload, model, steps, blocks, max_len, work)
-                   for engine in engines}
-        samples[workload] = results
-        report(workload, results)
+        runs: list[dict[str, dict[str, list[float]]]] = []
+        for turn in range(args.repeat):
+            order = engines if turn % 2 == 0 else engines[::-1]  # drift falls on both sides
+            ran = {engine: run_engine(engine, workload, model, steps, blocks, max_len, work)
+                   for engine in order}
+            runs.append({engine: ran[engine] for engine in engines})
+            report(workload if args.repeat == 1 else f"{workload}, run {turn + 1}", runs[-1])
+        if args.repeat > 1:
+            report_runs(workload, runs)
+        samples[workload] = runs[0] if args.repeat == 1 else runs
     if args.json:
         args.json.write_text(json.dumps(samples))
 
@@ -283,6 +293,23 @@ def report(workload: str, results: dict[str, dict[str, list[float]]]) -> None:
         print(f"{step:18s}" + "".join(f"{cell:>24s}" for cell in cells))
     print("floors: a miss step against full (target <= 1.05x), a reuse step against vllm "
           "(target <= 1.1x)")
+
+
+def report_runs(workload: str, runs: list[dict[str, dict[str, list[float]]]]) -> None:
+    """Over repeated runs: per step and engine, each run's ratio of its p50 to the floor of the
+    same run, and their median (drift between runs cancels within each one)."""
+    engines = list(runs[0])
+    print(f"\n{workload}, {len(runs)} runs: each run's ratio of p50 to its floor, and the median")
+    for step in runs[0][engines[0]]:
+        floor_engine = "full" if "miss" in step else "vllm"
+        if floor_engine not in engines:
+            continue
+        for engine in (e for e in engines if e != floor_engine):
+            ratios = [statistics.median(run[engine][step]) / statistics.median(run[floor_engine][step])
+                      for run in runs]
+            print(f"  {step:18s} {engine:8s} vs {floor_engine:5s}: "
+                  + " ".join(f"{r:.2f}x" for r in ratios)
+                  + f"  median {statistics.median(ratios):.2f}x")
 
 
 if __name__ == "__main__":

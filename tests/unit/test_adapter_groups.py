@@ -151,3 +151,14 @@ def test_a_hybrid_load_is_cut_into_even_requests() -> None:
     assert out[3][0] == (3, hashes[8:], list(range(108, 116)))
     small = [(1, hashes[:1], [1, 2]), (2, hashes[1:3], [3, 4, 5, 6])]
     assert split_parts(small, [0, 0]) == [(small[0], 0), (small[1], 0)]
+
+
+def test_split_parts_cuts_a_group_in_parts_that_differ_by_one_chunk_at_most():
+    from lmcache_core.integration.vllm.vllm_multi_process_adapter import split_parts
+
+    hashes = [bytes([i]) for i in range(7)]
+    odd = [(7, hashes, list(range(14)))]
+    cut = split_parts(odd, [0])  # at most ceil(7 / 3) = 3 a request: 3, 2, 2 (not 3, 3, 1)
+    assert [len(h) for (_, h, _), _ in cut] == [3, 2, 2]
+    assert [c for (_, h, _), _ in cut for c in h] == hashes  # every chunk once, in order
+    assert [b for (_, _, b), _ in cut for b in b] == list(range(14))
