@@ -7,6 +7,11 @@ which vLLM's hybrid KV cache manager splits into KV cache groups):
 
 - **docs** (long-document QA): round 1 asks a question about each of ``--docs`` documents of
   ``--doc-tokens`` tokens; round 2 asks a new question about each. Round 2 is the reuse round.
+- **same** (both hits on one engine): ``ours`` only, with vLLM's prefix cache on beside the
+  connector. After a round of misses, each document in turn: vLLM's prefix cache is emptied, a
+  new question is a hit from ``lmcache serve`` (the load also fills vLLM's cache), and the next
+  question a hit from vLLM's own cache. The two hits of a pair are seconds apart in one process,
+  so the machine's drift between runs does not enter their ratio.
 - **chat** (multi-round chat): ``--users`` users take ``--turns`` turns in rotation, each prompt the
   user's whole history plus a new message; vLLM's own KV cache (``--chat-blocks`` blocks) is too
   small to keep every history between a user's turns, so reuse must come from outside the engine.
@@ -17,7 +22,7 @@ Engines (each its own process, through ``tests/vllm/engine_runner.py``):
 full       no connector, no prefix cache: every prompt is prefilled whole
 vllm       vLLM's own prefix cache, no connector: the floor of a hit (KV never leaves the engine)
 ours       this project's connector with ``lmcache serve`` (vLLM's prefix cache off for docs, so
-           every hit comes from the server; on for chat, as one would run it)
+           every hit comes from the server; on for chat and same, as one would run it)
 lmcache    LMCache 0.5.6's connector (vLLM's ``LMCacheMPConnector``) with LMCache's own server,
            when LMCache 0.5.6 is installed beside the vLLM env (``scripts/test-lmcache``) and
            ``--lmcache-python`` can run its server; started with ``--supported-transfer-mode auto``
@@ -117,6 +122,13 @@ def main() -> None:
           f"{shape['num_key_value_heads']} KV heads x {shape['head_dim']}, float32; chunk {CHUNK}")
     samples: dict[str, Any] = {}
     for workload in args.workloads.split(","):
+        if workload == "same":
+            steps, blocks, max_len = same_engine_workload(args)
+            same = [run_engine("ours", workload, model, steps, blocks, max_len, work)
+                    for _ in range(args.repeat)]
+            report_same(same)
+            samples[workload] = same
+            continue
         steps, blocks, max_len = (docs_workload(args) if workload == "docs"
                                   else chat_workload(args))
         runs: list[dict[str, dict[str, list[float]]]] = []
@@ -149,6 +161,43 @@ def docs_workload(args: argparse.Namespace) -> tuple[list[dict[str, Any]], int |
     return steps, None, args.doc_tokens + args.question_tokens + 64
 
 
+#: The ``same`` workload's step names: a hit from lmcache serve, then one from vLLM's own cache.
+FROM_OURS, FROM_VLLM = "hit from lmcache serve", "hit from vLLM's own cache"
+
+
+def same_engine_workload(args: argparse.Namespace) -> tuple[list[dict[str, Any]], int | None, int]:
+    rng = random.Random(13)
+    docs = [fresh(rng, args.doc_tokens) for _ in range(args.docs)]
+    steps: list[dict[str, Any]] = [
+        {"op": "ttft", "name": "round 1 (miss)",
+         "prompts": [doc + fresh(rng, args.question_tokens) for doc in docs]},
+        {"op": "pause", "s": 2.0}]  # the last document's stores land
+    for doc in docs:
+        steps += [{"op": "reset_prefix_cache"},
+                  {"op": "ttft", "name": FROM_OURS,
+                   "prompts": [doc + fresh(rng, args.question_tokens)]},
+                  {"op": "ttft", "name": FROM_VLLM,
+                   "prompts": [doc + fresh(rng, args.question_tokens)]}]
+    return steps, None, args.doc_tokens + args.question_tokens + 64
+
+
+def report_same(runs: list[dict[str, list[float]]]) -> None:
+    """Per run: both hits' TTFT p50 (ms), their ratio, and the median of the per-document ratios
+    (each pair seconds apart); then the median over runs."""
+    print("\nsame (one engine, vLLM's prefix cache and the connector): TTFT p50 in ms")
+    medians = []
+    for i, run in enumerate(runs, 1):
+        ours, own = run[FROM_OURS], run[FROM_VLLM]
+        pairs = [a / b for a, b in zip(ours, own, strict=True)]
+        medians.append(statistics.median(pairs))
+        print(f"  run {i}: {FROM_OURS} {statistics.median(ours) * 1e3:.0f}, {FROM_VLLM} "
+              f"{statistics.median(own) * 1e3:.0f}; per document "
+              + " ".join(f"{r:.2f}x" for r in pairs) + f"; median {medians[-1]:.2f}x "
+              f"(target <= 1.2x)")
+    if len(runs) > 1:
+        print(f"  {len(runs)} runs: median of the runs' medians {statistics.median(medians):.2f}x")
+
+
 def chat_workload(args: argparse.Namespace) -> tuple[list[dict[str, Any]], int | None, int]:
     rng = random.Random(12)
     histories = [fresh(rng, 512) for _ in range(args.users)]  # each user's own system prompt
@@ -174,7 +223,7 @@ def run_engine(engine: str, workload: str, model: Path, steps: list[dict[str, An
     spec: dict[str, Any] = {"model": str(model), "steps": steps, "num_blocks": blocks,
                             "max_model_len": max(max_len, 2048),
                             "prefix_caching": engine == "vllm" or (engine != "full"
-                                                                    and workload == "chat")}
+                                                                    and workload != "docs")}
     env = dict(os.environ, PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
                VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="2")
     server = None

@@ -189,6 +189,8 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=3)
     parser.add_argument("--doc-tokens", type=int, default=2048)
     parser.add_argument("--steps", action="store_true", help="print every step, idle ones too")
+    parser.add_argument("--with-vllm-cache", action="store_true",
+                        help="ours with vLLM's prefix cache on too (emptied before each hit)")
     parser.add_argument("--engine-detail", action="store_true",
                         help="also time the scheduler's schedule/update and the executor's calls")
     parser.add_argument("--load-cpu", action="store_true",
@@ -223,7 +225,8 @@ def main() -> None:
     try:
         llm = LLM(model=str(model), skip_tokenizer_init=True, enforce_eager=True,
                   dtype="float32", max_model_len=4096,
-                  enable_prefix_caching=args.engine == "vllm", kv_transfer_config=kv_config,
+                  enable_prefix_caching=args.engine == "vllm" or args.with_vllm_cache,
+                  kv_transfer_config=kv_config,
                   seed=0)
         rng = random.Random(11)
 
@@ -237,6 +240,9 @@ def main() -> None:
             if r == 1:
                 time.sleep(2.0)
             for i, prompt in enumerate(prompts):
+                if r == 1 and args.with_vllm_cache:  # the hit must come from the server
+                    from tests.vllm.engine_runner import _reset_prefix_cache
+                    _reset_prefix_cache(llm)
                 EVENTS.clear()
                 before, server_before = threads(), threads(SERVER_PID[0]) if server else {}
                 faults = minflt("self"), minflt(SERVER_PID[0]) if server else 0

@@ -15,7 +15,9 @@ arguments, e.g. ``mamba_cache_mode``), "trace_loads": bool (record the worker's
   SIGKILLs the server from a timer while the batch runs; ``kv_transfer_params`` go to every
   request of the step, e.g. ``{"lmcache.pin": true}``);
 - ``{"op": "ttft", "name", "prompts": [[ids]], "salt"?}``: one prompt at a time, one output token,
-  wall time each (the time to first token of an in-process engine);
+  wall time each (the time to first token of an in-process engine); a name used again adds to
+  that name's samples;
+- ``{"op": "reset_prefix_cache"}``: empty vLLM's own prefix cache (not the connector's server);
 - ``{"op": "stats", "name"}``: the server's counters;
 - ``{"op": "pause", "s"}``: wait (a benchmark lets background stores finish between rounds);
 - ``{"op": "fault", "kind": "corrupt_loads" | "drop_window" | "drop_window_tail" | null}``: make
@@ -187,6 +189,22 @@ def _kill(pid: int, start: float, killed_at: list[float]) -> None:
     killed_at.append(time.perf_counter() - start)
 
 
+def _reset_prefix_cache(llm: Any) -> None:
+    """Empty vLLM's prefix cache. Blocks of finished requests whose stores were in flight stay
+    held until an engine step sees the stores done, and a reset fails while any block is held:
+    so a one-token request drives steps until it succeeds (at most 50)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    for _ in range(50):
+        if llm.reset_prefix_cache():
+            return
+        llm.generate([TokensPrompt(prompt_token_ids=[3])],
+                     SamplingParams(temperature=0.0, max_tokens=1, detokenize=False),
+                     use_tqdm=False)
+    raise RuntimeError("vLLM did not reset its prefix cache: its blocks stayed held")
+
+
 def main(spec_path: str, out_path: str) -> int:
     with open(spec_path) as f:
         spec = json.load(f)
@@ -252,14 +270,15 @@ def main(spec_path: str, out_path: str) -> int:
         elif op == "ttft":
             params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
                                     detokenize=False)
-            times, tokens, cached = [], [], []
+            got = out["results"].setdefault(step["name"], {"ttft_s": [], "tokens": [], "cached": []})
             for prompt in prompts(step):
                 start = time.perf_counter()
                 (output,) = llm.generate([prompt], params, use_tqdm=False)
-                times.append(time.perf_counter() - start)
-                tokens.append(list(output.outputs[0].token_ids))
-                cached.append(output.num_cached_tokens)
-            out["results"][step["name"]] = {"ttft_s": times, "tokens": tokens, "cached": cached}
+                got["ttft_s"].append(time.perf_counter() - start)
+                got["tokens"].append(list(output.outputs[0].token_ids))
+                got["cached"].append(output.num_cached_tokens)
+        elif op == "reset_prefix_cache":
+            _reset_prefix_cache(llm)
         elif op == "pause":  # let a connector's background stores finish (benchmarks)
             time.sleep(step["s"])
         elif op == "stats":

@@ -208,6 +208,18 @@ def test_vllm_hit_inside_a_chunk_loads_nothing_and_frees_the_locks(conn: Any) ->
     assert conn.request_finished(req, []) == (False, None)
 
 
+def test_a_vllm_hit_of_every_whole_chunk_is_not_looked_up_nor_stored_again(conn: Any) -> None:
+    sched: FakeSchedulerAdapter = conn._scheduler
+    req = _request("r", TOKENS)  # 3 whole chunks and a tail
+    assert conn.get_num_new_matched_tokens(req, 3 * CHUNK) == (0, False)
+    assert "r" not in sched.lookups and sched.waits == []  # no round trip, no wait
+    conn.update_state_after_alloc(req, _blocks(list(range(8))), 0)
+    meta = conn.build_connector_meta(_output(new=[("r", list(range(8)), 768)], scheduled={"r": 232}))
+    assert not meta.loads and not meta.stores
+    assert conn.request_finished(req, []) == (False, None)
+    assert sched.ended == [] and sched.freed == []  # it locked nothing
+
+
 def test_trimmed_external_tokens_report_the_unloadable_blocks(conn: Any) -> None:
     sched: FakeSchedulerAdapter = conn._scheduler
     req = _request("r", TOKENS)

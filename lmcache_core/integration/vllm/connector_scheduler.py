@@ -100,6 +100,12 @@ class ConnectorSchedulerSide(KVConnectorBase_V1, SupportsHMA):
         n_chunks = len(request.all_token_ids) // size
         if n_chunks == 0:
             return 0, False
+        if num_computed_tokens >= n_chunks * size and not tracker.looked_up:
+            # vLLM's own prefix cache holds every whole chunk: nothing could be loaded, so no
+            # lookup (its round trip, or a step, would only delay this hit), and no store of
+            # what vLLM's cache holds (it was computed or loaded here, and stored or found then).
+            tracker.stored_chunks = n_chunks
+            return 0, False
         hashes = tracker.ensure_hashes(n_chunks, size)[:n_chunks]
         self._scheduler.maybe_submit_lookup_request(request.request_id,
                                                     per_block_hashes(hashes, self._bpc))
@@ -230,8 +236,8 @@ class ConnectorSchedulerSide(KVConnectorBase_V1, SupportsHMA):
         meta.stores.append(spec)
         # Stored in the step that computes them: a sliding window's blocks (and a Mamba group's
         # state blocks, and a chunked-local group's behind its attention chunk) may be freed
-        # from the next step on (the adapter skips a group's chunk
-        # whose blocks are already null).
+        # from the next step on (the adapter skips a group's chunk whose blocks are already
+        # null).
         meta.window_stores |= any(g.kind != "full" for g in self._groups)
         tracker.stored_chunks = complete
         self._with_stores.add(tracker.request.request_id)
