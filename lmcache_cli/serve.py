@@ -73,8 +73,9 @@ def serve(
         return
     _setup_logging(log_level.value)
     from lmcache_core import __version__
-    from lmcache_core.server.app import CacheServer
+    from lmcache_core.server.app import CacheServer, one_thread_per_copy
 
+    one_thread_per_copy()
     with user_errors():
         server = CacheServer(cfg)
         bound = server.start()
