@@ -65,7 +65,8 @@ MEANINGS: dict[str, str] = {
                             "pieces first; a piece under a model quota too must fit both; figures name "
                             "it by its label, never its salt",
     "server.eviction": "eviction policy",
-    "server.workers": "copy threads for store/retrieve",
+    "server.workers": "copy threads for store/retrieve: the server's parallelism (each copies on "
+                      "one torch thread, so no OpenMP team competes with the engine beside it)",
     "server.max_request_bytes": "larger requests get a `too_large` error",
     "server.max_keys_per_request": "requests with more keys get a `too_large` error (a lookup counts "
                                    "one key per rank per chunk)",
