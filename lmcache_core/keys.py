@@ -154,16 +154,25 @@ class GroupPiece(NamedTuple):
 
     def first_needed(self, end: int) -> int:
         """The first chunk whose piece resuming at chunk ``end`` needs (``end``: none)."""
-        if self.local_blocks:
-            return local_start(end, self.local_blocks, self.blocks_per_chunk)
-        return end - -(-self.needed_blocks(end) // self.blocks_per_chunk)
+        return first_needed_chunk(end, self.window_chunks, self.local_blocks,
+                                  self.blocks_per_chunk)
+
+
+def first_needed_chunk(end: int, window_chunks: int, local_blocks: int,
+                       blocks_per_chunk: int) -> int:
+    """The first chunk whose piece resuming at chunk ``end`` needs of a group (``GroupPiece``'s
+    fields): 0 for full attention, ``max(0, end - window_chunks)`` for a sliding window (and
+    Mamba's state), ``local_start`` for chunked-local attention. One rule for the adapter
+    (``GroupPiece.first_needed``) and the lookups (``index.window_needed``)."""
+    if local_blocks:
+        return local_start(end, local_blocks, blocks_per_chunk)
+    return max(0, end - window_chunks) if window_chunks else 0
 
 
 def local_start(end: int, local_blocks: int, blocks_per_chunk: int) -> int:
     """The chunk a chunked-local group's attention chunk holding the boundary at chunk ``end``
     starts in: the first chunk resuming there needs (``end`` itself when the boundary starts an
-    attention chunk: nothing before it is attended to). One rule for the adapter
-    (``GroupPiece.first_needed``) and the lookups (``index.window_needed``)."""
+    attention chunk: nothing before it is attended to)."""
     return end * blocks_per_chunk // local_blocks * local_blocks // blocks_per_chunk
 
 

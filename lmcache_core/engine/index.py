@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 from lmcache_core.engine.lifecycle import State
-from lmcache_core.keys import ChunkKey, HeadRange, local_start
+from lmcache_core.keys import ChunkKey, HeadRange, first_needed_chunk
 
 ChunkId = tuple[str, str, bytes]  # (model, layout, chunk hash): ``ChunkKey.chunk``
 
@@ -331,9 +331,8 @@ def group_reach(groups: Sequence[GroupTarget], covers: Sequence[Sequence[object 
 def window_needed(group: GroupTarget, reach: int) -> int:
     """The first chunk a hit of ``reach`` chunks needs of ``group`` (0 for full attention;
     ``reach``: none)."""
-    if group.local_blocks:
-        return local_start(reach, group.local_blocks, group.blocks_per_chunk)
-    return max(0, reach - group.window_chunks) if group.window_chunks else 0
+    return first_needed_chunk(reach, group.window_chunks, group.local_blocks,
+                              group.blocks_per_chunk)
 
 
 def _tail_reach(covers: Sequence[object | None], group: GroupTarget, limit: int) -> int:
@@ -344,8 +343,7 @@ def _tail_reach(covers: Sequence[object | None], group: GroupTarget, limit: int)
     best = 0
     for n in range(1, limit + 1):  # run: covered chunks ending at chunk n - 1
         run = run + 1 if covers[n - 1] is not None else 0
-        # window_needed inline (a lookup's per-chunk loop): the chunks needed before n
-        if run >= (n - local_start(n, local, per_chunk) if local else min(window, n)):
+        if run >= n - first_needed_chunk(n, window, local, per_chunk):
             best = n
     return best
 

