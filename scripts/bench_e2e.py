@@ -105,6 +105,12 @@ def main() -> None:
                         help="run the engines this many times, in turns (the order reversed "
                              "every other time), and report each run's ratios and their median: "
                              "this machine drifts by tens of percent between runs a minute apart")
+    parser.add_argument("--flush-mib", type=int, default=128,
+                        help="before each timed prompt, read and write this many MiB in the "
+                             "engine's process (untimed), so every hit starts with the CPU's "
+                             "caches cold, as a real one does: a 2048-token document's KV here "
+                             "is 24 MiB, and this VM's L3 of 32 MiB would otherwise keep it "
+                             "from the step before (0: off)")
     args = parser.parse_args()
     engines = [e for e in args.engines.split(",") if e]
     if "lmcache" in engines and not lmcache_available(args.lmcache_python):
@@ -119,18 +125,19 @@ def main() -> None:
         model, shape, kind = tiny_llama(spec=MODEL, name="bench-e2e-llama"), MODEL, "random Llama"
     print(f"{time.strftime('%Y-%m-%d %H:%M')}  {os.cpu_count()} cores, load average "
           f"{os.getloadavg()[0]:.1f}; model: {kind}, {shape['num_hidden_layers']} layers, "
-          f"{shape['num_key_value_heads']} KV heads x {shape['head_dim']}, float32; chunk {CHUNK}")
+          f"{shape['num_key_value_heads']} KV heads x {shape['head_dim']}, float32; chunk {CHUNK}; "
+          f"CPU caches flushed before each prompt: {args.flush_mib or 'no'} MiB")
     samples: dict[str, Any] = {}
     for workload in args.workloads.split(","):
         if workload == "same":
-            steps, blocks, max_len = same_engine_workload(args)
+            steps, blocks, max_len = flushed(same_engine_workload(args), args.flush_mib)
             same = [run_engine("ours", workload, model, steps, blocks, max_len, work)
                     for _ in range(args.repeat)]
             report_same(same)
             samples[workload] = same
             continue
-        steps, blocks, max_len = (docs_workload(args) if workload == "docs"
-                                  else chat_workload(args))
+        steps, blocks, max_len = flushed(docs_workload(args) if workload == "docs"
+                                         else chat_workload(args), args.flush_mib)
         runs: list[dict[str, dict[str, list[float]]]] = []
         for turn in range(args.repeat):
             order = engines if turn % 2 == 0 else engines[::-1]  # drift falls on both sides
@@ -147,11 +154,21 @@ def main() -> None:
 
 # ---------------------------------------------------------------------- workloads
 
+Workload = tuple[list[dict[str, Any]], int | None, int]
+
+
+def flushed(workload: Workload, flush_mib: int) -> Workload:
+    """The workload with the CPU's caches flushed before each timed prompt (``--flush-mib``)."""
+    steps, blocks, max_len = workload
+    return ([dict(s, flush_mib=flush_mib) if s["op"] == "ttft" else s for s in steps],
+            blocks, max_len)
+
+
 def fresh(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, VOCAB) for _ in range(n)]
 
 
-def docs_workload(args: argparse.Namespace) -> tuple[list[dict[str, Any]], int | None, int]:
+def docs_workload(args: argparse.Namespace) -> Workload:
     rng = random.Random(11)
     docs = [fresh(rng, args.doc_tokens) for _ in range(args.docs)]
     rounds = [[doc + fresh(rng, args.question_tokens) for doc in docs] for _ in range(2)]
@@ -165,7 +182,7 @@ def docs_workload(args: argparse.Namespace) -> tuple[list[dict[str, Any]], int |
 FROM_OURS, FROM_VLLM = "hit from lmcache serve", "hit from vLLM's own cache"
 
 
-def same_engine_workload(args: argparse.Namespace) -> tuple[list[dict[str, Any]], int | None, int]:
+def same_engine_workload(args: argparse.Namespace) -> Workload:
     rng = random.Random(13)
     docs = [fresh(rng, args.doc_tokens) for _ in range(args.docs)]
     steps: list[dict[str, Any]] = [
@@ -198,7 +215,7 @@ def report_same(runs: list[dict[str, list[float]]]) -> None:
         print(f"  {len(runs)} runs: median of the runs' medians {statistics.median(medians):.2f}x")
 
 
-def chat_workload(args: argparse.Namespace) -> tuple[list[dict[str, Any]], int | None, int]:
+def chat_workload(args: argparse.Namespace) -> Workload:
     rng = random.Random(12)
     histories = [fresh(rng, 512) for _ in range(args.users)]  # each user's own system prompt
     steps: list[dict[str, Any]] = []
@@ -265,7 +282,10 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start_ours(work: Path, name: str) -> tuple[subprocess.Popen[bytes], str]:
+def start_ours(work: Path, name: str, trace: Path | None = None
+               ) -> tuple[subprocess.Popen[bytes], str]:
+    """``lmcache serve`` for an engine of the benchmark's model; with ``trace``, through
+    ``scripts/server_trace.py`` (its requests and copies timestamped into that file)."""
     from lmcache_core.transport.client import MessageQueueClient
 
     url = f"ipc://{work}/{name}.sock"
@@ -276,7 +296,9 @@ def start_ours(work: Path, name: str) -> tuple[subprocess.Popen[bytes], str]:
               "server": {"url": url, "pool_size": "2GiB", "http_url": "off"}}
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
-    proc = subprocess.Popen([sys.executable, "-m", "lmcache_cli", "serve", "-c", str(path)],
+    launcher = (["-m", "lmcache_cli"] if trace is None
+                else [str(ROOT / "scripts" / "server_trace.py"), str(trace)])
+    proc = subprocess.Popen([sys.executable, *launcher, "serve", "-c", str(path)],
                             stdout=(work / f"{name}.server.log").open("wb"),
                             stderr=subprocess.STDOUT, cwd=ROOT)
     with MessageQueueClient(url, connect_timeout_s=60.0) as client:

@@ -30,6 +30,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from scripts import server_trace  # noqa: E402
 from scripts.bench_e2e import GEMMA3, VOCAB, start_ours  # noqa: E402
 from tests.vllm.tiny_model import tiny_gemma3  # noqa: E402
 
@@ -196,6 +197,9 @@ def main() -> None:
     parser.add_argument("--load-cpu", action="store_true",
                         help="print each thread's CPU time in the load's window (reading /proc "
                              "for it delays the first retrieve by ~3 ms)")
+    parser.add_argument("--server-trace", action="store_true",
+                        help="start the server through scripts/server_trace.py and print its "
+                             "requests, handlers and copies (wall and CPU ms) in each timeline")
     parser.add_argument("--server-threads", type=int, default=0,
                         help="OMP_NUM_THREADS for the server (default: torch's own)")
     args = parser.parse_args()
@@ -208,11 +212,13 @@ def main() -> None:
     model = tiny_gemma3(spec=GEMMA3, name="bench-e2e-gemma3")
     work = Path(tempfile.mkdtemp(prefix="lmcache-profile-hit-"))
     server = None
+    trace: Path | None = None
     kv_config = None
     if args.engine == "ours":
         if args.server_threads:
             os.environ["OMP_NUM_THREADS"] = str(args.server_threads)  # the server inherits it
-        server, url = start_ours(work, "profile")
+        trace = work / "server.trace" if args.server_trace else None
+        server, url = start_ours(work, "profile", trace)
         os.environ.pop("OMP_NUM_THREADS", None)
         SERVER_PID[0] = server.pid
         patch_connector()
@@ -262,6 +268,8 @@ def main() -> None:
                 if r == 0:
                     continue
                 idle = 0
+                if trace is not None:  # the server's events of this prompt
+                    EVENTS.extend(e for e in server_trace.read(trace) if e[0] >= start)
                 for t, what in sorted(EVENTS):
                     if not args.steps and what.startswith("step") and "executed=False" in what:
                         idle += 1

@@ -14,9 +14,11 @@ arguments, e.g. ``mamba_cache_mode``), "trace_loads": bool (record the worker's
   "kv_transfer_params"?}`` (greedy; records tokens, num_cached_tokens and wall time; optionally
   SIGKILLs the server from a timer while the batch runs; ``kv_transfer_params`` go to every
   request of the step, e.g. ``{"lmcache.pin": true}``);
-- ``{"op": "ttft", "name", "prompts": [[ids]], "salt"?}``: one prompt at a time, one output token,
-  wall time each (the time to first token of an in-process engine); a name used again adds to
-  that name's samples;
+- ``{"op": "ttft", "name", "prompts": [[ids]], "salt"?, "flush_mib"?}``: one prompt at a time, one
+  output token, wall time each (the time to first token of an in-process engine); a name used
+  again adds to that name's samples; ``flush_mib``: before each prompt (untimed), read and write
+  a buffer of that many MiB, so the prompt starts with the CPU's caches cold (a benchmark's KV of
+  a few MiB otherwise stays in L3 from the step before, which no real prefix hit gets);
 - ``{"op": "reset_prefix_cache"}``: empty vLLM's own prefix cache (not the connector's server);
 - ``{"op": "stats", "name"}``: the server's counters;
 - ``{"op": "pause", "s"}``: wait (a benchmark lets background stores finish between rounds);
@@ -189,6 +191,21 @@ def _kill(pid: int, start: float, killed_at: list[float]) -> None:
     killed_at.append(time.perf_counter() - start)
 
 
+_FLUSH_BUFFER: list[Any] = []
+
+
+def _flush_cpu_caches(mib: int) -> None:
+    """Read and write ``mib`` MiB (a few times the last-level cache), evicting what the caches
+    held: the KV the step before touched among it. The buffer is made once."""
+    if mib <= 0:
+        return
+    import torch
+
+    if not _FLUSH_BUFFER or _FLUSH_BUFFER[0].numel() != mib << 20:
+        _FLUSH_BUFFER[:] = [torch.zeros(mib << 20, dtype=torch.uint8)]
+    _FLUSH_BUFFER[0].add_(1)
+
+
 def _reset_prefix_cache(llm: Any) -> None:
     """Empty vLLM's prefix cache. Blocks of finished requests whose stores were in flight stay
     held until an engine step sees the stores done, and a reset fails while any block is held:
@@ -272,6 +289,7 @@ def main(spec_path: str, out_path: str) -> int:
                                     detokenize=False)
             got = out["results"].setdefault(step["name"], {"ttft_s": [], "tokens": [], "cached": []})
             for prompt in prompts(step):
+                _flush_cpu_caches(int(step.get("flush_mib", 0)))
                 start = time.perf_counter()
                 (output,) = llm.generate([prompt], params, use_tqdm=False)
                 got["ttft_s"].append(time.perf_counter() - start)

@@ -1,0 +1,94 @@
+"""Run ``lmcache serve`` with its requests and copies timestamped into a trace file.
+
+Usage: python scripts/server_trace.py TRACE_FILE serve -c CONFIG.yaml [more lmcache options]
+
+A measuring tool beside ``scripts/profile_hit.py --server-trace`` (which starts the server through
+it and merges the trace into a hit's timeline): each line of TRACE_FILE is ``EVENT START END
+THREAD CPU_MS DETAIL``, times in seconds of ``time.perf_counter``, which on Linux is
+CLOCK_MONOTONIC and so the same clock in every process of the machine. Events:
+
+- ``dispatch``: the loop thread took one request off the socket and answered or queued it (a lookup
+  is answered there); DETAIL is the request's bytes;
+- ``lookup``, ``store``, ``retrieve``: a handler ran (on the loop or a copy worker); DETAIL is the
+  request's chunks;
+- ``scatter``: one copy of a retrieve's chunks into a worker's blocks (chunk by chunk under a
+  load deadline, else all at once); DETAIL is the chunks copied;
+- ``send``: the loop thread sent a reply.
+
+CPU_MS is the thread's CPU time during the event (``time.thread_time``): beside the wall time it
+tells work from waiting (for the GIL, a core, memory). The wrappers cost a few microseconds each.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TextIO
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _timed(log: TextIO, event: str, function: Callable[..., Any],
+           detail: Callable[..., object]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start, cpu = time.perf_counter(), time.thread_time()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            log.write(f"{event} {start:.6f} {time.perf_counter():.6f} {threading.get_ident()} "
+                      f"{(time.thread_time() - cpu) * 1e3:.3f} {detail(*args)}\n")
+    return wrapper
+
+
+def install(log: TextIO) -> None:
+    """Wrap the server's handlers and its loop's receive and send (before the server is built:
+    the routes bind the handlers when it is)."""
+    from lmcache_core.server.handlers import CacheHandlers
+    from lmcache_core.transport.server import MessageQueueServer
+
+    def chunks(_self: Any, request: Any, *_: Any) -> int:
+        return len(getattr(request, "chunk_hashes", ()))
+
+    for name in ("lookup", "store", "retrieve"):
+        setattr(CacheHandlers, name, _timed(log, name, getattr(CacheHandlers, name), chunks))
+    CacheHandlers._scatter = staticmethod(_timed(  # type: ignore[method-assign]
+        log, "scatter", CacheHandlers._scatter, lambda _reg, _plan, positions, _blocks: len(positions)))
+    MessageQueueServer._dispatch = _timed(  # type: ignore[method-assign]
+        log, "dispatch", MessageQueueServer._dispatch,
+        lambda _self, _identity, frames: sum(len(f) for f in frames))
+    MessageQueueServer._send = _timed(  # type: ignore[method-assign]
+        log, "send", MessageQueueServer._send, lambda _self, frames: len(frames))
+
+
+def read(path: Path) -> list[tuple[float, str]]:
+    """The trace's events as ``(start, text)``, the text naming the wall and CPU time; for
+    ``profile_hit`` to merge into its timeline (lines cut short by a crash are skipped)."""
+    events = []
+    for line in path.read_text().splitlines():
+        parts = line.split(" ", 5)
+        if len(parts) != 6:
+            continue
+        event, start, end, thread, cpu, detail = parts
+        begin = float(start)
+        events.append((begin, f"server {event} ({detail}) {(float(end) - begin) * 1e3:.2f}ms "
+                              f"cpu {float(cpu):.2f}ms thread {int(thread) % 10000:04d}"))
+    return events
+
+
+def main() -> None:
+    if len(sys.argv) < 3:
+        sys.exit(__doc__)
+    log = open(sys.argv[1], "a", buffering=1)  # noqa: SIM115 - open for the process's life
+    sys.path.insert(0, str(ROOT))
+    install(log)
+    from lmcache_cli.main import run
+
+    sys.argv = ["lmcache", *sys.argv[2:]]
+    run()
+
+
+if __name__ == "__main__":
+    main()
