@@ -4,7 +4,7 @@ Usage: python scripts/server_trace.py TRACE_FILE serve -c CONFIG.yaml [more lmca
 
 A measuring tool beside ``scripts/profile_hit.py --server-trace`` (which starts the server through
 it and merges the trace into a hit's timeline): each line of TRACE_FILE is ``EVENT START END
-THREAD CPU_MS DETAIL``, times in seconds of ``time.perf_counter``, which on Linux is
+THREAD CPU QUEUED DETAIL``, times in seconds of ``time.perf_counter``, which on Linux is
 CLOCK_MONOTONIC and so the same clock in every process of the machine. Events:
 
 - ``dispatch``: the loop thread took one request off the socket and answered or queued it (a lookup
@@ -15,8 +15,10 @@ CLOCK_MONOTONIC and so the same clock in every process of the machine. Events:
   load deadline, else all at once); DETAIL is the chunks copied;
 - ``send``: the loop thread sent a reply.
 
-CPU_MS is the thread's CPU time during the event (``time.thread_time``): beside the wall time it
-tells work from waiting (for the GIL, a core, memory). The wrappers cost a few microseconds each.
+After THREAD come two times in ms: CPU, the thread's CPU time during the event
+(``time.thread_time``; a copy stalled on memory counts as CPU), and QUEUED, its time runnable but
+waiting for a core (the kernel's ``/proc/thread-self/schedstat``). Wall time beyond both is time
+blocked (on the GIL, a lock). The wrappers cost tens of microseconds each (two file reads).
 """
 
 from __future__ import annotations
@@ -31,15 +33,26 @@ from typing import Any, TextIO
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _run_delay_ns() -> int:
+    """This thread's time so far waiting for a core while runnable (the kernel's schedstat)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 def _timed(log: TextIO, event: str, function: Callable[..., Any],
            detail: Callable[..., object]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        delay = _run_delay_ns()
         start, cpu = time.perf_counter(), time.thread_time()
         try:
             return function(*args, **kwargs)
         finally:
-            log.write(f"{event} {start:.6f} {time.perf_counter():.6f} {threading.get_ident()} "
-                      f"{(time.thread_time() - cpu) * 1e3:.3f} {detail(*args)}\n")
+            end, cpu = time.perf_counter(), time.thread_time() - cpu
+            log.write(f"{event} {start:.6f} {end:.6f} {threading.get_ident()} {cpu * 1e3:.3f} "
+                      f"{(_run_delay_ns() - delay) / 1e6:.3f} {detail(*args)}\n")
     return wrapper
 
 
@@ -68,13 +81,14 @@ def read(path: Path) -> list[tuple[float, str]]:
     ``profile_hit`` to merge into its timeline (lines cut short by a crash are skipped)."""
     events = []
     for line in path.read_text().splitlines():
-        parts = line.split(" ", 5)
-        if len(parts) != 6:
+        parts = line.split(" ", 6)
+        if len(parts) != 7:
             continue
-        event, start, end, thread, cpu, detail = parts
+        event, start, end, thread, cpu, queued, detail = parts
         begin = float(start)
         events.append((begin, f"server {event} ({detail}) {(float(end) - begin) * 1e3:.2f}ms "
-                              f"cpu {float(cpu):.2f}ms thread {int(thread) % 10000:04d}"))
+                              f"cpu {float(cpu):.2f}ms queued {float(queued):.2f}ms "
+                              f"thread {int(thread) % 10000:04d}"))
     return events
 
 

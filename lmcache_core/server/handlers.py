@@ -79,6 +79,23 @@ class _Blocks(NamedTuple):
         return self.skip_blocks if indices and indices[0] == 0 else 0
 
 
+#: Under a load deadline a retrieve copies runs of chunks of at most this many bytes (at least
+#: one chunk), checking the deadline before each run: so a deadline is overrun by one run's copy
+#: at most, and small chunks are not copied one call each. Chunk by chunk, a hybrid model's 2 MiB
+#: pieces took 1.35x the CPU of one scatter per request in the server (scripts/profile_hit.py
+#: --server-trace: each call's views, id checks and GIL hand-offs), and a Llama-8B chunk is 32
+#: MiB already.
+DEADLINE_RUN_BYTES = 16 << 20
+
+
+def deadline_run(chunk_bytes: int, test_delay: bool = False) -> int:
+    """Chunks per run of a retrieve under a deadline (``DEADLINE_RUN_BYTES``); one with the
+    test-only copy delay, which is a delay per chunk."""
+    if test_delay or chunk_bytes <= 0:
+        return 1
+    return max(1, DEADLINE_RUN_BYTES // chunk_bytes)
+
+
 class CacheHandlers:
     """The op handlers of one server, sharing its engine, registry and config."""
 
@@ -98,6 +115,8 @@ class CacheHandlers:
         self.on_copies_stalled: Callable[[str], None] | None = None
         self.events_stats: Callable[[], EventStats] | None = None  # the KV-event publisher's
         self.checksum_lanes = ChecksumLanes()  # stores' pieces hashed there, off their reply
+        #: What load deadlines are measured on (tests put their own clock here).
+        self.deadline_clock: Callable[[], float] = time.monotonic
 
     def routes(self) -> dict[RequestType, Route]:
         pins = PinHandlers(self.engine, self.layouts)
@@ -252,14 +271,15 @@ class CacheHandlers:
         """Copy the found chunks into the worker's blocks, within the load deadline.
 
         Without a deadline (and without the test-only copy delay) all chunks go in one scatter.
-        With one, the deadline is checked before each chunk: once it passed, the rest are not
-        copied and are answered in ``missing`` (``late`` counts them). A chunk copy that started
-        always finishes (on GPU: is synchronized) before the next check and before the reply, so
-        nothing lands in a block after the client was told it was not loaded. With
+        With one, the deadline is checked before each run of chunks (``deadline_run``): once it
+        passed, the rest are not copied and are answered in ``missing`` (``late`` counts them). A
+        run that started always finishes (on GPU: is synchronized) before the next check and
+        before the reply, so nothing lands in a block after the client was told it was not
+        loaded. With
         ``integrity.verify_on_retrieve`` every found piece is checked against its checksum first:
         a chunk with a corrupt piece is dropped (counted) and answered in ``missing``."""
         deadline_s = self.load_deadline_s(request)
-        started = time.monotonic()
+        started = self.deadline_clock()
         with self.registry.lease(request.instance_id) as reg:
             per_chunk = self._check_blocks(reg, request.chunk_hashes, request.block_ids,
                                            request.skip_blocks)
@@ -314,18 +334,21 @@ class CacheHandlers:
 
     def _scatter_until(self, reg: Registration, plan: RetrievePlan, blocks: _Blocks,
                        deadline: float) -> int:
-        """Copy ``plan.found`` chunk by chunk while ``deadline`` (monotonic) is not reached;
-        returns how many were copied (a prefix). Each copy is complete before the next check."""
+        """Copy ``plan.found`` in runs of chunks (``deadline_run``) while ``deadline``
+        (monotonic) is not reached; returns how many were copied (a prefix). Each run is
+        complete before the next check."""
         delay_s = self.copy_delay_s
-        clock = time.monotonic
-        for done in range(len(plan.found)):
+        run = deadline_run(reg.mapped.chunk_bytes, delay_s > 0)
+        clock = self.deadline_clock
+        found = len(plan.found)
+        for done in range(0, found, run):
             if clock() >= deadline:
                 return done
             if delay_s:
                 time.sleep(delay_s)  # server.test_copy_delay_ms: test-only fault injection
-            self._scatter(reg, plan, (done,), blocks)
+            self._scatter(reg, plan, range(done, min(done + run, found)), blocks)
             reg.copy_stream.synchronize(self.event_timeout_s)  # no-op on CPU
-        return len(plan.found)
+        return found
 
     def _copies_stalled(self, exc: CopiesStalledError) -> None:
         """The GPU did not finish this request's copies in time. They cannot be cancelled and may
