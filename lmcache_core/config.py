@@ -192,8 +192,10 @@ class TimeoutConfig(_Section):
     # How long vLLM's scheduler may wait, in the step that sends a request's lookup, for the
     # answer (all lookups of one step share it). Answered in time, the request's load starts
     # in that step instead of the next one; otherwise it is asked again next step, as with 0
-    # (never wait). A lookup round trip to a local server takes 0.1-0.5 ms.
-    lookup_wait_us: LookupWaitUs = 1000
+    # (never wait). A lookup to a local server is answered in 0.1-0.5 ms on an idle host, 0.9-1.3
+    # ms inside a vLLM engine on a 2-core VM (scripts/profile_hit.py): a 1 ms budget missed 1 in 8
+    # there, and each miss cost the request a whole engine step.
+    lookup_wait_us: LookupWaitUs = 2000
     lock_ttl_s: TimeoutS = 300.0
     # A retrieve's deadline (server side, from when a copy thread takes it up; a request's
     # deadline_ms overrides it): chunks not reached in time are not copied and are answered

@@ -440,7 +440,7 @@ def test_serve_print_config_merges_file_set_and_flags(cfg: str) -> None:
     assert merged["server"]["pool_size"] == 16 * 2**20
     assert merged["server"]["url"] == "tcp://127.0.0.1:7000"
     assert merged["timeouts"] == {**TINY["timeouts"], "lock_ttl_s": 9.5, "lookup_ms": 77,
-                                  "load_ms": 2000, "lookup_wait_us": 1000}  # the defaults
+                                  "load_ms": 2000, "lookup_wait_us": 2000}  # the defaults
     assert merged["model"]["use_mla"] is True and merged["model"]["dtype"] == "bfloat16"
     assert merged["model"]["name"] == TINY["model"]["name"]
 

@@ -161,7 +161,7 @@ def test_a_lookup_answered_within_the_steps_wait_loads_in_that_step(conn: Any) -
     sched: FakeSchedulerAdapter = conn._scheduler
     sched.arriving["r"] = 2 * CHUNK  # the server answers while the scheduler waits
     assert conn.get_num_new_matched_tokens(_request("r", TOKENS), 0) == (2 * CHUNK, True)
-    assert sched.waits == [("r", 1e-3)]  # timeouts.lookup_wait_us: 1000
+    assert sched.waits == [("r", 2e-3)]  # timeouts.lookup_wait_us: 2000
 
 
 def test_the_lookup_wait_is_one_budget_per_step_and_only_where_the_lookup_is_sent(
@@ -169,19 +169,19 @@ def test_the_lookup_wait_is_one_budget_per_step_and_only_where_the_lookup_is_sen
     sched: FakeSchedulerAdapter = conn._scheduler
     clock = sched.clock = FakeClock()
     monkeypatch.setattr(conn, "_wait_clock", clock)
-    sched.wait_takes_s = 0.0006  # no answer comes: each wait takes this long
+    sched.wait_takes_s = 0.0012  # no answer comes: each wait takes this long
     a, b, c = (_request(r, TOKENS) for r in "abc")
     assert conn.get_num_new_matched_tokens(a, 0) == (None, False)
     assert conn.get_num_new_matched_tokens(b, 0) == (None, False)
     assert conn.get_num_new_matched_tokens(c, 0) == (None, False)
-    # a waited 0.6 ms, b the 0.4 ms left, c not at all: the step waited 1 ms in all
+    # a waited 1.2 ms, b the 0.8 ms left, c not at all: the step waited 2 ms in all
     assert [r for r, _ in sched.waits] == ["a", "b"]
-    assert sched.waits[1][1] == pytest.approx(0.0004)
+    assert sched.waits[1][1] == pytest.approx(0.0008)
     conn.build_connector_meta(_output())  # the next step: a fresh budget
     assert conn.get_num_new_matched_tokens(a, 0) == (None, False)  # asked again: no wait
     assert conn.get_num_new_matched_tokens(_request("d", TOKENS), 0) == (None, False)
     assert [r for r, _ in sched.waits] == ["a", "b", "d"]
-    assert sched.waits[2][1] == pytest.approx(0.001)
+    assert sched.waits[2][1] == pytest.approx(0.002)
 
 
 def test_lookup_wait_us_0_never_waits(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,7 +13,7 @@ Load it with::
 ``kv_connector_extra_config`` keys (all optional): ``url`` (the server), ``config_file`` (an lmcache
 YAML config; its ``server.url`` and ``timeouts`` apply), ``connect_timeout_s``,
 ``request_timeout_s``, ``lookup_timeout_s``, ``lookup_wait_us`` (how long the scheduler may wait, per
-step, for the answers to the lookups it sends in it; default: ``timeouts.lookup_wait_us``, 1000;
+step, for the answers to the lookups it sends in it; default: ``timeouts.lookup_wait_us``, 2000;
 0: never waits), ``heartbeat_s``, ``load_deadline_ms`` (each load's
 deadline on the server; default: the server's ``timeouts.load_ms``; 0: none; chunks past it are
 reported as load errors and recomputed), ``min_hit_tokens`` (a hit whose load would bring fewer
@@ -29,7 +29,7 @@ How a request goes (vLLM's semantics):
 
 - Scheduler, ``get_num_new_matched_tokens``: the prompt's complete chunks are hashed (LMCache's
   blake3 prefix chain over token ids, so hits survive engine restarts) and looked up once. The
-  step that sends the lookup waits for its answer for at most its share of ``lookup_wait_us`` (1 ms
+  step that sends the lookup waits for its answer for at most its share of ``lookup_wait_us`` (2 ms
   a step), so a local server's answer lets the load start in that step; a later answer gives
   ``None``, and vLLM asks again next step (never blocking longer). Hits are locked on the
   server until they are loaded or the request ends. A hit past vLLM's own prefix-cache hit is loaded
