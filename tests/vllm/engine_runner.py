@@ -142,11 +142,12 @@ def _wait_until(done: Callable[[], bool], timeout_s: float, what: str) -> float:
 
 
 def _exited(pid: int) -> bool:
-    """Gone, or a zombie (the old server is the test's child, which waits for it only later)."""
+    """Gone, or a zombie (the old server is the test's child, which waits for it only later).
+    Reaped between the open and the read, the read raises ProcessLookupError: gone too."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         return True
 
 
