@@ -200,8 +200,6 @@ def main() -> None:
     parser.add_argument("--server-trace", action="store_true",
                         help="start the server through scripts/server_trace.py and print its "
                              "requests, handlers and copies (wall and CPU ms) in each timeline")
-    parser.add_argument("--server-threads", type=int, default=0,
-                        help="OMP_NUM_THREADS for the server (default: torch's own)")
     args = parser.parse_args()
     LOAD_CPU[0] = args.load_cpu
     DETAIL[0] = args.engine_detail
@@ -212,14 +210,12 @@ def main() -> None:
     model = tiny_gemma3(spec=GEMMA3, name="bench-e2e-gemma3")
     work = Path(tempfile.mkdtemp(prefix="lmcache-profile-hit-"))
     server = None
-    trace: Path | None = None
+    trace: server_trace.TraceTail | None = None
     kv_config = None
     if args.engine == "ours":
-        if args.server_threads:
-            os.environ["OMP_NUM_THREADS"] = str(args.server_threads)  # the server inherits it
-        trace = work / "server.trace" if args.server_trace else None
-        server, url = start_ours(work, "profile", trace)
-        os.environ.pop("OMP_NUM_THREADS", None)
+        path = work / "server.trace"
+        server, url = start_ours(work, "profile", path if args.server_trace else None)
+        trace = server_trace.TraceTail(path) if args.server_trace else None
         SERVER_PID[0] = server.pid
         patch_connector()
         kv_config = KVTransferConfig(
@@ -247,8 +243,8 @@ def main() -> None:
                 time.sleep(2.0)
             for i, prompt in enumerate(prompts):
                 if r == 1 and args.with_vllm_cache:  # the hit must come from the server
-                    from tests.vllm.engine_runner import _reset_prefix_cache
-                    _reset_prefix_cache(llm)
+                    from tests.vllm.engine_runner import reset_prefix_cache
+                    reset_prefix_cache(llm)
                 EVENTS.clear()
                 before, server_before = threads(), threads(SERVER_PID[0]) if server else {}
                 faults = minflt("self"), minflt(SERVER_PID[0]) if server else 0
@@ -269,7 +265,7 @@ def main() -> None:
                     continue
                 idle = 0
                 if trace is not None:  # the server's events of this prompt
-                    EVENTS.extend(e for e in server_trace.read(trace) if e[0] >= start)
+                    EVENTS.extend(e for e in trace.new_events() if e[0] >= start)
                 for t, what in sorted(EVENTS):
                     if not args.steps and what.startswith("step") and "executed=False" in what:
                         idle += 1

@@ -23,6 +23,7 @@ blocked (on the GIL, a lock). The wrappers cost tens of microseconds each (two f
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import time
@@ -33,13 +34,14 @@ from typing import Any, TextIO
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run_delay_ns() -> int:
-    """This thread's time so far waiting for a core while runnable (the kernel's schedstat)."""
+def _run_delay_ns() -> float:
+    """This thread's time so far waiting for a core while runnable (the kernel's schedstat); NaN
+    where the kernel does not keep it, so the trace says "queued nan", never a false 0."""
     try:
         with open("/proc/thread-self/schedstat") as f:
-            return int(f.read().split()[1])
+            return float(f.read().split()[1])
     except (OSError, IndexError, ValueError):
-        return 0
+        return math.nan
 
 
 def _timed(log: TextIO, event: str, function: Callable[..., Any],
@@ -76,11 +78,28 @@ def install(log: TextIO) -> None:
         log, "send", MessageQueueServer._send, lambda _self, frames: len(frames))
 
 
-def read(path: Path) -> list[tuple[float, str]]:
-    """The trace's events as ``(start, text)``, the text naming the wall and CPU time; for
-    ``profile_hit`` to merge into its timeline (lines cut short by a crash are skipped)."""
+class TraceTail:
+    """A trace file read as it grows: each ``new_events`` call parses only the whole lines
+    written since the last one (a line the server is still writing waits for the next call)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+
+    def new_events(self) -> list[tuple[float, str]]:
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        whole = data[:data.rfind(b"\n") + 1]
+        self.offset += len(whole)
+        return parse(whole.decode())
+
+
+def parse(text: str) -> list[tuple[float, str]]:
+    """Trace lines as events ``(start, text)``, the text naming the wall, CPU and queued time;
+    for ``profile_hit`` to merge into its timeline (lines cut short by a crash are skipped)."""
     events = []
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         parts = line.split(" ", 6)
         if len(parts) != 7:
             continue

@@ -275,9 +275,9 @@ class CacheHandlers:
         passed, the rest are not copied and are answered in ``missing`` (``late`` counts them). A
         run that started always finishes (on GPU: is synchronized) before the next check and
         before the reply, so nothing lands in a block after the client was told it was not
-        loaded. With
-        ``integrity.verify_on_retrieve`` every found piece is checked against its checksum first:
-        a chunk with a corrupt piece is dropped (counted) and answered in ``missing``."""
+        loaded. With ``integrity.verify_on_retrieve`` every found piece is checked against its
+        checksum first: a chunk with a corrupt piece is dropped (counted) and answered in
+        ``missing``."""
         deadline_s = self.load_deadline_s(request)
         started = self.deadline_clock()
         with self.registry.lease(request.instance_id) as reg:
@@ -334,8 +334,8 @@ class CacheHandlers:
 
     def _scatter_until(self, reg: Registration, plan: RetrievePlan, blocks: _Blocks,
                        deadline: float) -> int:
-        """Copy ``plan.found`` in runs of chunks (``deadline_run``) while ``deadline``
-        (monotonic) is not reached; returns how many were copied (a prefix). Each run is
+        """Copy ``plan.found`` in runs of chunks (``deadline_run``) while ``deadline`` (on
+        ``deadline_clock``) is not reached; returns how many were copied (a prefix). Each run is
         complete before the next check."""
         delay_s = self.copy_delay_s
         run = deadline_run(reg.mapped.chunk_bytes, delay_s > 0)

@@ -49,9 +49,11 @@ def test_a_traced_server_serves_and_traces_each_request_and_copy(
     kinds = Counter(line.split()[0] for line in lines)
     assert kinds["store"] >= 1 and kinds["retrieve"] >= 1 and kinds["scatter"] >= 1, kinds
     assert kinds["dispatch"] >= kinds["store"] + kinds["retrieve"] and kinds["send"] >= 1, kinds
-    events = server_trace.read(server.trace)
+    tail = server_trace.TraceTail(server.trace)
+    events = tail.new_events()
     assert len(events) == len(lines)
+    assert tail.new_events() == []  # read once: only lines written since come next
     # one clock for both processes: every event lies between this test's start and now
     assert all(started <= start <= time.perf_counter() for start, _ in events)
-    [scatter] = [text for _, text in events if text.startswith("server scatter")][:1]
-    assert "ms cpu" in scatter and "thread" in scatter, scatter
+    scatter = next(text for _, text in events if text.startswith("server scatter"))
+    assert "ms cpu" in scatter and "queued" in scatter and "thread" in scatter, scatter

@@ -35,6 +35,7 @@ arguments, e.g. ``mamba_cache_mode``), "trace_loads": bool (record the worker's
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -192,22 +193,22 @@ def _kill(pid: int, start: float, killed_at: list[float]) -> None:
     killed_at.append(time.perf_counter() - start)
 
 
-_FLUSH_BUFFER: list[Any] = []
-
-
 def _flush_cpu_caches(mib: int) -> None:
     """Read and write ``mib`` MiB (a few times the last-level cache), evicting what the caches
-    held: the KV the step before touched among it. The buffer is made once."""
-    if mib <= 0:
-        return
+    held: the KV the step before touched among it."""
+    if mib > 0:
+        _flush_buffer(mib).add_(1)
+
+
+@functools.cache
+def _flush_buffer(mib: int) -> Any:
+    """The buffer ``_flush_cpu_caches`` walks, made once per size."""
     import torch
 
-    if not _FLUSH_BUFFER or _FLUSH_BUFFER[0].numel() != mib << 20:
-        _FLUSH_BUFFER[:] = [torch.zeros(mib << 20, dtype=torch.uint8)]
-    _FLUSH_BUFFER[0].add_(1)
+    return torch.zeros(mib << 20, dtype=torch.uint8)
 
 
-def _reset_prefix_cache(llm: Any) -> None:
+def reset_prefix_cache(llm: Any) -> None:
     """Empty vLLM's prefix cache. Blocks of finished requests whose stores were in flight stay
     held until an engine step sees the stores done, and a reset fails while any block is held:
     so a one-token request drives steps until it succeeds (at most 50)."""
@@ -297,7 +298,7 @@ def main(spec_path: str, out_path: str) -> int:
                 got["tokens"].append(list(output.outputs[0].token_ids))
                 got["cached"].append(output.num_cached_tokens)
         elif op == "reset_prefix_cache":
-            _reset_prefix_cache(llm)
+            reset_prefix_cache(llm)
         elif op == "pause":  # let a connector's background stores finish (benchmarks)
             time.sleep(step["s"])
         elif op == "stats":
