@@ -4,6 +4,7 @@ work (stores, lookups, retrieves, evictions, errors, a reaped worker, a Redis ou
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -332,7 +333,8 @@ def test_off_serves_no_http_and_sigterm_stops_a_server_with_http(tmp_path: Path,
         while not stop.is_set():
             try:
                 on_scrapes.append(get(base + "/metrics", timeout_s=2)[0])
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
+            except (urllib.error.URLError, http.client.HTTPException, ConnectionError,
+                    TimeoutError):  # the stop may cut a reply mid-body (IncompleteRead)
                 return
 
     scraper = threading.Thread(target=keep_scraping)
