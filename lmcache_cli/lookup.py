@@ -52,7 +52,8 @@ ModelOption = Annotated[str | None, typer.Option(
 LayoutOption = Annotated[str | None, typer.Option(
     "--layout", "-l", metavar="FINGERPRINT",
     help="Count only in this KV layout fingerprint: DTYPE:LAYERSxHEADSxHEAD_DIM (HEADS: KV heads of "
-    "all ranks), or DTYPE:LAYERSxmlaSIZE for MLA, e.g. bfloat16:32x8x128 (default: the config's "
+    "all ranks), or DTYPE:LAYERSxmlaSIZE for MLA, e.g. bfloat16:32x8x128; a CPU engine's adds "
+    "bBLOCK_SIZE (its block order), e.g. float32:32x8x128b128 (default: the config's "
     "model shape, tried beside the layouts the server's workers registered).", show_default=False)]
 WorldSizeOption = Annotated[int | None, typer.Option(
     "--world-size", "-w", min=1, help="Tensor-parallel ranks that must all hold a chunk "
@@ -196,7 +197,8 @@ def layouts_to_send(cfg: Any, layout: str | None) -> tuple[str | None, str | Non
             layout_heads(layout)
         except ValueError:
             fail(f"--layout {layout[:80]!r} is not a KV layout fingerprint: DTYPE:LAYERSxHEADSxHEAD_DIM "
-                 "or DTYPE:LAYERSxmlaSIZE, e.g. bfloat16:32x8x128", EXIT_USAGE)
+                 "or DTYPE:LAYERSxmlaSIZE, e.g. bfloat16:32x8x128 (a CPU engine's: "
+                 "float32:32x8x128b128)", EXIT_USAGE)
         return layout, None
     shape = cfg.model
     return None, layout_key(shape.dtype, shape.num_layers, shape.num_kv_heads, shape.head_dim,

@@ -62,6 +62,7 @@ HeadRange = tuple[int, int]
 _LAYOUT_RE = re.compile(
     r"^(?P<dtype>[a-z0-9_]{1,24}):(?P<layers>[1-9]\d{0,4})x"
     r"(?:(?P<heads>[1-9]\d{0,4})x|(?P<mla>mla)|(?P<state>state))(?P<size>[1-9]\d{0,5})"
+    r"(?:b(?P<block>[1-9]\d{0,5}))?"
     r"(?:\+g(?P<index>\d{1,2})of(?P<count>[1-9]\d?)"
     r"(?:s(?P<tokens>[1-9]\d{0,6})|m(?P<world>[1-9]\d{0,4})|c(?P<local>[1-9]\d{0,7}))?)?$")
 _OPAQUE_RE = re.compile(r"^ranks(\d{1,5})$")
@@ -88,10 +89,15 @@ class LayoutGroup(NamedTuple):
 
 
 def layout_key(dtype: str, num_layers: int, kv_heads: int, head_size: int, mla: bool,
-               group: LayoutGroup | None = None) -> str:
+               group: LayoutGroup | None = None, *, block_tokens: int = 0) -> str:
     """The layout fingerprint of a KV cache: ``dtype:LAYERSxHEADSxHEAD_SIZE`` (``HEADS``: KV heads
     of all tensor-parallel ranks together), or ``dtype:LAYERSxmlaSIZE`` for MLA, e.g.
     ``bfloat16:32x8x128``. Engines whose chunk bytes differ in meaning never share a fingerprint.
+
+    ``block_tokens``: the chunks are in the engine's own block order, blocks of that many tokens
+    (vLLM's CPU backend, the ``cpu_attn`` layout: ``kv/layout.py``), not the canonical token
+    order; it adds ``bTOKENS`` after the head size (``float32:2x8x64b128``), so such chunks are
+    shared only with engines of that layout and block size.
 
     A group of a hybrid model adds ``+gINDEXofCOUNT`` (and ``sTOKENS`` for a sliding-window group:
     its pieces hold the last TOKENS tokens of each chunk; ``cTOKENS`` for a chunked-local
@@ -103,7 +109,7 @@ def layout_key(dtype: str, num_layers: int, kv_heads: int, head_size: int, mla: 
     dtype = dtype.removeprefix("torch.")
     heads = "state" if group is not None and group.state_world else (
         "mla" if mla else f"{kv_heads}x")
-    base = f"{dtype}:{num_layers}x{heads}{head_size}"
+    base = f"{dtype}:{num_layers}x{heads}{head_size}" + (f"b{block_tokens}" if block_tokens else "")
     if group is None:
         return base
     tail = (f"s{group.piece_tokens}" if group.piece_tokens

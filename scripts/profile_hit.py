@@ -197,6 +197,10 @@ def main() -> None:
     parser.add_argument("--load-cpu", action="store_true",
                         help="print each thread's CPU time in the load's window (reading /proc "
                              "for it delays the first retrieve by ~3 ms)")
+    parser.add_argument("--flush-mib", type=int, default=128,
+                        help="read and write this many MiB in this process before each prompt, "
+                             "untimed, so each hit starts with cold CPU caches as in bench_e2e.py "
+                             "(0: off)")
     parser.add_argument("--server-trace", action="store_true",
                         help="start the server through scripts/server_trace.py and print its "
                              "requests, handlers and copies (wall and CPU ms) in each timeline")
@@ -206,6 +210,8 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
+
+    from tests.vllm.engine_runner import flush_cpu_caches, reset_prefix_cache
 
     model = tiny_gemma3(spec=GEMMA3, name="bench-e2e-gemma3")
     work = Path(tempfile.mkdtemp(prefix="lmcache-profile-hit-"))
@@ -243,8 +249,8 @@ def main() -> None:
                 time.sleep(2.0)
             for i, prompt in enumerate(prompts):
                 if r == 1 and args.with_vllm_cache:  # the hit must come from the server
-                    from tests.vllm.engine_runner import reset_prefix_cache
                     reset_prefix_cache(llm)
+                flush_cpu_caches(args.flush_mib)
                 EVENTS.clear()
                 before, server_before = threads(), threads(SERVER_PID[0]) if server else {}
                 faults = minflt("self"), minflt(SERVER_PID[0]) if server else 0

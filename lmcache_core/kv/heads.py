@@ -2,7 +2,8 @@
 
 A chunk stored by TP size W is held as *pieces*: piece ``[lo, hi)`` is the canonical chunk of only
 the model's KV heads ``lo..hi`` (``[num_layers, planes, chunk_tokens, hi - lo, head_dim]``,
-contiguous, exactly what :meth:`BlockCopier.gather` writes for a cache holding those heads). A
+contiguous, exactly what :meth:`BlockCopier.gather` writes for a cache holding those heads; in the
+``cpu_attn`` block order ``[num_layers, blocks, hi - lo, 2 * block_size, head_dim]``). A
 cache holding heads ``[a, b)`` takes, for each head, the first piece (in the given order) that
 covers it; consecutive heads taken from one piece form a *segment*.
 
@@ -88,9 +89,12 @@ class _Segment:
 class HeadCopier:
     """Per-cache views with the heads dim kept, and the head-range scatter (see the module)."""
 
-    def __init__(self, copier: BlockCopierLike, views: list[torch.Tensor], block_dim: int) -> None:
+    def __init__(self, copier: BlockCopierLike, views: list[torch.Tensor], block_dim: int,
+                 row: int = 0) -> None:
         """``views[g]``: group ``g`` (all layers, or one layer) as ``[*lead, NB, bs, H, D]`` in
-        the copy dtype (KV dtype, or uint8 for float8), blocks along ``block_dim``."""
+        the copy dtype (KV dtype, or uint8 for float8), blocks along ``block_dim``. ``row``:
+        the elements of a head's last dim when that is not ``D`` (``cpu_attn``'s views are
+        ``[*lead, NB, H, row]``, a head's whole block as its row)."""
         geometry = copier.geometry
         if geometry.planes != 2 or len(geometry.token_shape) != 2:
             raise IncompatibleError(
@@ -100,6 +104,7 @@ class HeadCopier:
         self._views = views
         self._block_dim = block_dim
         self._heads, self._dim = geometry.token_shape
+        self._dim = row or self._dim
         self._head_bytes = copier.chunk_bytes // self._heads
         self._force_staging = False  # tests: stage on the KV device even when slots are there
 

@@ -5,12 +5,24 @@ Per-layer tensors as vLLM allocates them:
 - ``flash_attn``: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K/V plane first)
 - ``flashinfer``: ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` (block first)
 - ``mla``: ``[num_blocks, block_size, head_dim]`` (one latent plane)
+- ``cpu_attn``: vLLM's CPU backend, ``[num_blocks, heads, block_size, 2 * head_dim]`` nominally,
+  each block contiguous; its kernel reads a (block, head) run as ``block_size`` K rows then
+  ``block_size`` V rows of ``head_dim`` (``integration/vllm/kv_views.py``)
 
 A stored chunk (one pool slot) holds every layer of its tokens contiguously in the canonical order
 ``[num_layers, planes, chunk_tokens, width]``: ``planes`` is 2 (K then V) or 1 for MLA, ``width``
 is ``heads * dim`` (``dim`` for MLA). flash_attn and flashinfer caches of one model therefore give
 byte-identical chunks. :func:`block_view` turns a layer tensor into ``[planes, num_blocks, ...]``
 so that selecting blocks along dim 1 yields exactly that order.
+
+A ``cpu_attn`` chunk is instead in the engine's block order, ``[num_layers, blocks, heads,
+2 * block_size, head_dim]``: each block of each layer is one run of bytes on both sides, so a
+load is a memcpy per block (1.4-2x the transposing copy into that layout on a 2-core VM, two copy
+threads, cold caches: 5.4-7.1 GB/s against 3.0-3.7). The price: its chunks mean something else,
+so their fingerprint names the block size (``keys.layout_key``'s ``block_tokens``) and a CPU
+engine shares chunks only with CPU engines of that block size, not with GPU engines of the model.
+Its pieces of head ranges (cross-TP) are ``[num_layers, blocks, hi - lo, 2 * block_size,
+head_dim]``: each block's heads are contiguous, so a TP rank's chunk is exactly its piece.
 
 Torch-free at import: the functions only call methods of the tensors they are given.
 """
@@ -71,6 +83,8 @@ def detect_layout(tensor_shape: Sequence[int], block_size_hint: int | None = Non
         layout = "flash_attn"
     elif len(shape) == 5 and shape[1] == 2 and shape[0] != 2:
         layout = "flashinfer"
+    elif len(shape) == 4 and shape[3] % 2 == 0:
+        layout = "cpu_attn"
     elif len(shape) == 5 and shape[0] == 2 and shape[1] == 2:
         raise IncompatibleError(
             f"KV cache shape {shape} is ambiguous (flash_attn [2, num_blocks=2, ...] or "
@@ -79,8 +93,9 @@ def detect_layout(tensor_shape: Sequence[int], block_size_hint: int | None = Non
         raise IncompatibleError(
             f"KV cache shape {shape} matches no known layout: expected flash_attn "
             "[2, num_blocks, block_size, num_kv_heads, head_dim], flashinfer "
-            "[num_blocks, 2, block_size, num_kv_heads, head_dim] or mla "
-            "[num_blocks, block_size, head_dim]")
+            "[num_blocks, 2, block_size, num_kv_heads, head_dim], mla "
+            "[num_blocks, block_size, head_dim] or cpu_attn "
+            "[num_blocks, num_kv_heads, block_size, 2 * head_dim]")
     geometry = kv_geometry(shape, layout)
     if block_size_hint is not None and geometry.block_size != block_size_hint:
         raise IncompatibleError(
@@ -98,6 +113,8 @@ def kv_geometry(tensor_shape: Sequence[int], layout: KVLayoutName) -> KVGeometry
         geometry = KVGeometry(layout, shape[0], shape[2], 2, (shape[3], shape[4]))
     elif layout == "mla" and len(shape) == 3:
         geometry = KVGeometry(layout, shape[0], shape[1], 1, (shape[2],))
+    elif layout == "cpu_attn" and len(shape) == 4 and shape[3] % 2 == 0:
+        geometry = KVGeometry(layout, shape[0], shape[2], 2, (shape[1], shape[3] // 2))
     elif layout not in LAYOUTS:
         raise IncompatibleError(f"unknown KV layout {layout!r}; known: {', '.join(LAYOUTS)}")
     else:
@@ -113,7 +130,9 @@ def block_view(tensor: torch.Tensor, layout: KVLayoutName, leading: int = 0) -> 
     ``leading`` dims (0 for one layer, 1 for ``[num_layers, ...]`` stacks) are kept in front.
     ``row`` is one flat ``block_size * width`` dim when the block's elements are contiguous (the
     fast case), else ``[block_size, *token_shape]``. Either way, picking blocks along dim
-    ``leading + 1`` yields the canonical chunk order.
+    ``leading + 1`` yields the canonical chunk order. A ``cpu_attn`` tensor has one "plane" of
+    whole blocks (``planes`` 1 here, its K and V inside each block's row): picking blocks yields
+    its block order.
     """
     if layout == "flash_attn":
         view = tensor
@@ -121,7 +140,7 @@ def block_view(tensor: torch.Tensor, layout: KVLayoutName, leading: int = 0) -> 
         order = list(range(tensor.dim()))
         order[leading], order[leading + 1] = order[leading + 1], order[leading]
         view = tensor.permute(order)
-    elif layout == "mla":
+    elif layout in ("mla", "cpu_attn"):
         view = tensor.unsqueeze(leading)
     else:
         raise IncompatibleError(f"unknown KV layout {layout!r}")

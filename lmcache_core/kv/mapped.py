@@ -159,11 +159,14 @@ class MappedKVCache:
     def fingerprint(self, world_size: int, group: LayoutGroup | None = None) -> str:
         """The layout fingerprint (``keys.layout_key``) of this cache as one rank of
         ``world_size``: dtype, layers, the heads of all ranks, head size, MLA or not (and the
-        KV-cache ``group`` of a hybrid model)."""
+        KV-cache ``group`` of a hybrid model), the block size of a ``cpu_attn`` cache (its chunks
+        are in its block order)."""
         mla = self.layout == "mla"
         heads = 1 if mla else self.token_shape[0] * world_size
         dtype = str(self.dtype).removeprefix("torch.")
-        return layout_key(dtype, self.num_layers, heads, self.token_shape[-1], mla, group)
+        block_tokens = self.block_size if self.layout == "cpu_attn" else 0
+        return layout_key(dtype, self.num_layers, heads, self.token_shape[-1], mla, group,
+                          block_tokens=block_tokens)
 
     @property
     def stacked(self) -> bool:

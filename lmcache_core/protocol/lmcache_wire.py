@@ -113,7 +113,7 @@ class TensorMetadata(msgspec.Struct, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         # Checked as it is decoded (a bad frame, answered as one): every view of the tensor
-        # (``hnd_as_nhd``, the mapping) pairs each dim with its stride.
+        # (``view_hnd``, the mapping) pairs each dim with its stride.
         if len(self.stride) != len(self.shape):
             raise ValueError(f"shape {self.shape} with a {len(self.stride)}-element stride")
 

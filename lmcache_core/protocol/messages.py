@@ -116,7 +116,9 @@ class TensorDescriptor(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     device_uuid: Annotated[str, msgspec.Meta(max_length=64)] = "cpu"
 
 
-KVLayoutName = Literal["flash_attn", "flashinfer", "mla"]
+#: ``cpu_attn``: vLLM's CPU backend's tensors as allocated, whose chunks are in its block order
+#: (``kv/layout.py``).
+KVLayoutName = Literal["flash_attn", "flashinfer", "mla", "cpu_attn"]
 
 
 #: A sliding window's or an attention chunk's tokens: far above any model's (Gemma-3's window:

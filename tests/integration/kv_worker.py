@@ -17,6 +17,9 @@ obeys JSON-line commands on stdin, answering one JSON line each on stdout:
   {"cmd": "batch_store", "reqs": [...], "keys": [[...]...], "blocks": [[...]...]}
       may add "salts": [...] (each request's cache_salt)
   {"cmd": "quit"}
+The spec's ``cpu_attn``: the caches are vLLM's CPU backend's 4-D tensors (``[blocks, heads,
+block_size, 2 * head_dim]``, K rows then V rows per head), which the adapter registers in the
+``cpu_attn`` layout; the commands see them as the kernel reads them.
 """
 
 from __future__ import annotations
@@ -45,9 +48,12 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
-    shape = [2, spec["num_blocks"], spec["block_size"], spec["heads"], spec["head_dim"]]
+    nb, bs, heads, dim = spec["num_blocks"], spec["block_size"], spec["heads"], spec["head_dim"]
+    shape = [2, nb, bs, heads, dim]
     if spec.get("mla"):
-        shape = [spec["num_blocks"], spec["block_size"], spec["head_dim"]]
+        shape = [nb, bs, dim]
+    elif spec.get("cpu_attn"):  # vLLM's CPU backend's tensors, registered as they are
+        shape = [nb, heads, bs, 2 * dim]
     global SPEC
     SPEC = spec
     caches, segment = allocate_shared_kv_caches(spec["layers"], shape, DTYPES[spec["dtype"]])
@@ -55,6 +61,9 @@ def main() -> None:
                                      spec["rank"], spec["block_size"], heartbeat_interval_s=1.0)
     adapter.register_kv_caches(caches)
     layers = list(caches.values())
+    if spec.get("cpu_attn"):  # the commands below read K and V per token, as the CPU kernel does
+        layers = [t.as_strided((2, nb, bs, heads, dim), (bs * dim, heads * bs * 2 * dim, dim,
+                                                         bs * 2 * dim, 1)) for t in layers]
     reply({"ready": True, "chunk_size": adapter.chunk_size, "instance_id": adapter.instance_id,
            "shm_name": segment.name})
     serve(adapter, lambda command: handle(adapter, layers, command))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.integration.cross_tp import (
+    BLOCK,
     CHUNK,
     HEADS,
     PER_CHUNK,
@@ -103,6 +104,31 @@ def test_two_models_of_different_shapes_and_dtypes_share_one_server(server, engi
     finally:
         for worker in other:
             worker.close()
+
+
+def test_cpu_engines_share_chunks_in_their_block_order_across_tp_sizes(server, engines):
+    """vLLM's CPU backend's tensors (``cpu_attn``): chunks in the engine's block order, pieces of
+    head ranges across TP sizes byte-exact, under a fingerprint that names the block size, so
+    an engine of the canonical order (a GPU layout) under the same model name never loads them."""
+    cpu = {w: group(server.url, w, model="xtp", cpu_attn=True) for w in (1, 2)}
+    try:
+        for stored_by, read_by, seed in ((2, 1, 61), (1, 2, 62), (1, 1, 63)):
+            toks = tokens(2, seed)
+            store(cpu[stored_by], toks, seed, 2)
+            assert lookup(server.url, read_by, f"c{seed}", toks) == 2 * CHUNK
+            load_and_check(cpu[read_by], f"c{seed}", toks, seed, 2)
+        models = {row.model_name: row for row in server_info(server.url).models}
+        assert f"float16:2x8x32b{BLOCK}" in models["xtp"].layouts
+        gpu = engines[1][0]  # flash-attn tensors, the same model and shape
+        gpu("fill", blocks=blocks(8, 2), seed=5)
+        before = gpu("digest", blocks=blocks(8, 2))["digest"]
+        result = gpu("retrieve", req="canonical", keys=tokens(2, 63), blocks=blocks(8, 2))
+        assert result["load_errors"] == blocks(8, 2)
+        assert gpu("digest", blocks=blocks(8, 2))["digest"] == before  # untouched
+    finally:
+        for workers in cpu.values():
+            for worker in workers:
+                worker.close()
 
 
 def test_mla_pieces_serve_every_tp_size(server):

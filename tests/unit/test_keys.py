@@ -108,6 +108,20 @@ def test_layout_fingerprints_and_head_ranges():
             layout_heads(bad)
 
 
+def test_block_order_fingerprints_name_their_block_size():
+    """A ``cpu_attn`` cache's chunks are in its block order: its fingerprint names the block
+    size, so they are shared neither with canonical chunks nor across block sizes."""
+    blocks = layout_key("float32", 2, 8, 64, False, block_tokens=128)
+    assert blocks == "float32:2x8x64b128" and blocks != layout_key("float32", 2, 8, 64, False)
+    assert layout_key("float32", 2, 8, 64, False, block_tokens=16) != blocks
+    sliding = layout_key("float32", 2, 8, 64, False, LayoutGroup(1, 3, 512), block_tokens=128)
+    assert sliding == "float32:2x8x64b128+g1of3s512" and layout_group(sliding) == (1, 3, 512, 0, 0)
+    assert layout_heads(blocks) == 8 and world_heads(sliding, 2) == ((0, 4), (4, 8))
+    for bad in ("float32:2x8x64b", "float32:2x8x64b0", "float32:2x8x64b1234567"):
+        with pytest.raises(ValueError):
+            layout_heads(bad)
+
+
 def test_group_fingerprints_name_the_group_and_leave_single_group_ones_as_they_were():
     full = layout_key("bfloat16", 4, 8, 64, False, LayoutGroup(0, 3, 0))
     sliding = layout_key("torch.bfloat16", 4, 8, 64, False, LayoutGroup(2, 3, 256))

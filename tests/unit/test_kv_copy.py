@@ -28,6 +28,8 @@ def _layers(layout: KVLayoutName, data: torch.Tensor, one_storage: bool) -> list
         full = data.reshape(n, 2, NB, BS, H, D)
     elif layout == "flashinfer":
         full = data.reshape(n, 2, NB, BS, H, D).transpose(1, 2)
+    elif layout == "cpu_attn":  # [NB, H, BS, 2 * D]: a (block, head) run is K rows then V rows
+        full = data.reshape(n, 2, NB, BS, H, D).permute(0, 2, 4, 1, 3, 5).reshape(n, NB, H, BS, 2 * D)
     else:
         full = data.reshape(n, NB, BS, -1)
     full = full.contiguous()
@@ -45,7 +47,7 @@ def _ids(seed: int, n_chunks: int) -> list[int]:
     return torch.randperm(NB, generator=g)[: n_chunks * BPC].tolist()
 
 
-LAYOUTS: list[KVLayoutName] = ["flash_attn", "flashinfer", "mla"]
+LAYOUTS: list[KVLayoutName] = ["flash_attn", "flashinfer", "mla", "cpu_attn"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -88,8 +90,11 @@ def test_slot_is_canonical_order(layout: KVLayoutName) -> None:
     ids = [5, 2, 2, 7]  # a repeated id is fine for a gather
     slot = _slots(copier, 1)[0]
     copier.gather(ids, [slot])
-    got = slot[: copier.chunk_bytes].view(torch.bfloat16).view(L, planes, CHUNK, H * D)
-    want = data[:, :, ids].reshape(L, planes, CHUNK, H * D)
+    got = slot[: copier.chunk_bytes].view(torch.bfloat16)
+    if layout == "cpu_attn":  # the engine's block order: [layers, blocks, H, 2 * BS, D]
+        want = torch.stack(_layers(layout, data, True))[:, ids].reshape(-1)
+    else:
+        want = data[:, :, ids].reshape(-1)
     assert torch.equal(got, want)
 
 

@@ -29,6 +29,10 @@ def _data(heads: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
 def _cache(data: torch.Tensor, layout: KVLayoutName, lo: int, hi: int) -> list[torch.Tensor]:
     """Per-layer tensors of ``layout`` holding heads [lo, hi) of ``data``, in one storage."""
     part = data[:, :, :, :, lo:hi]
+    if layout == "cpu_attn":  # vLLM's CPU tensors: [NB, heads, BS, 2 * D], K rows then V rows
+        layers, _, nb, bs, heads, dim = part.shape
+        blocks = part.permute(0, 2, 4, 1, 3, 5).contiguous()
+        return list(blocks.view(layers, nb, heads, bs, 2 * dim).unbind(0))
     full = part.transpose(1, 2) if layout == "flashinfer" else part
     return list(full.contiguous().unbind(0))
 
@@ -72,7 +76,7 @@ def _check(data: torch.Tensor, layout: KVLayoutName, layers: list[torch.Tensor],
     """Blocks LOAD_IDS of ``layers`` hold heads [lo, hi) of STORE_IDS of ``data``; the rest as
     ``before``."""
     want = _cache(data, layout, lo, hi)
-    block_dim = 0 if layout == "flashinfer" else 1
+    block_dim = 0 if layout in ("flashinfer", "cpu_attn") else 1
     src, dst = torch.tensor(STORE_IDS), torch.tensor(LOAD_IDS)
     other = torch.tensor(sorted(set(range(NB)) - set(LOAD_IDS)))
     for got, ref, old in zip(layers, want, before, strict=True):
@@ -90,7 +94,7 @@ SCENARIOS = [(8, 2, 1), (8, 1, 2), (8, 2, 4), (8, 4, 1), (4, 2, 1), (4, 1, 4), (
 
 
 @pytest.mark.parametrize(("heads", "store_tp", "read_tp"), SCENARIOS)
-@pytest.mark.parametrize("layout", ["flash_attn", "flashinfer"])
+@pytest.mark.parametrize("layout", ["flash_attn", "flashinfer", "cpu_attn"])
 @pytest.mark.parametrize("stacked", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8])
 @pytest.mark.parametrize("where", ["apart", "pool", "reversed"])
@@ -107,7 +111,7 @@ def test_cross_tp_reads(heads: int, store_tp: int, read_tp: int, layout: KVLayou
         _check(data, layout, layers, before, lo, hi)
 
 
-@pytest.mark.parametrize("layout", ["flash_attn", "flashinfer"])
+@pytest.mark.parametrize("layout", ["flash_attn", "flashinfer", "cpu_attn"])
 @pytest.mark.parametrize("stacked", [True, False])
 def test_staging_path(layout: KVLayoutName, stacked: bool) -> None:
     """The device path (pieces copied whole into a staging buffer first), forced on CPU."""
@@ -248,7 +252,7 @@ def test_mla_is_incompatible() -> None:
 
 
 @pytest.mark.parametrize(("heads", "store_tp", "read_tp"), [(8, 2, 1), (8, 1, 2), (8, 2, 2)])
-@pytest.mark.parametrize("layout", ["flash_attn", "flashinfer"])
+@pytest.mark.parametrize("layout", ["flash_attn", "flashinfer", "cpu_attn"])
 @pytest.mark.parametrize("stacked", [True, False])
 @pytest.mark.parametrize("staged", [False, True])
 def test_partial_first_chunk_cross_tp(heads: int, store_tp: int, read_tp: int,
@@ -269,7 +273,7 @@ def test_partial_first_chunk_cross_tp(heads: int, store_tp: int, read_tp: int,
         copier._heads._force_staging = staged
         copier.scatter_heads(chunks, (lo, hi), load, skip_blocks=skip)
         want = _cache(data, layout, lo, hi)
-        block_dim = 0 if layout == "flashinfer" else 1
+        block_dim = 0 if layout in ("flashinfer", "cpu_attn") else 1
         written = torch.tensor(LOAD_IDS[skip:])
         untouched = torch.tensor(sorted(set(range(NB)) - set(LOAD_IDS[skip:])))
         for got, ref, old in zip(layers, want, before, strict=True):

@@ -15,10 +15,12 @@ def test_detect_each_layout() -> None:
     assert detect_layout([2, 100, 16, 8, 128]) == "flash_attn"
     assert detect_layout([100, 2, 16, 8, 128]) == "flashinfer"
     assert detect_layout((100, 16, 576)) == "mla"
+    assert detect_layout([100, 8, 128, 256]) == "cpu_attn"
+    assert kv_geometry([100, 8, 128, 256], "cpu_attn").token_shape == (8, 128)
     assert detect_layout(torch.Size([2, 7, 16, 1, 64]), block_size_hint=16) == "flash_attn"
 
 
-@pytest.mark.parametrize("shape", [[100, 16], [3, 100, 16, 8, 128], [2, 100, 16, 8], [1] * 6, []])
+@pytest.mark.parametrize("shape", [[100, 16], [3, 100, 16, 8, 128], [2, 100, 16, 7], [1] * 6, []])
 def test_unknown_shapes_refused(shape: list[int]) -> None:
     with pytest.raises(IncompatibleError, match="no known layout"):
         detect_layout(shape)

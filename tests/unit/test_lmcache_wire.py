@@ -8,6 +8,7 @@ import pytest
 
 from lmcache_core.errors import IncompatibleError
 from lmcache_core.keys import chain_hashes
+from lmcache_core.kv.layout import detect_layout
 from lmcache_core.kv.shm import check_segment_name, parse_lmcache_segment_name
 from lmcache_core.protocol import lmcache_wire as w
 from lmcache_core.server.lmcache import translate as t
@@ -115,17 +116,19 @@ def test_lmcache_segment_names_are_admitted_for_their_pid_only() -> None:
         check_segment_name("lmcache_kv_123_0", 124)
 
 
-def test_hnd_tensors_are_viewed_as_nhd() -> None:
+def test_hnd_tensors_are_viewed_as_our_connector_registers_them() -> None:
     desc = t.tensor_descriptor(msgspec.convert(msgspec.msgpack.decode(shm_layer().data),
                                                w.CpuShmIPCData))
     hnd = msgspec.structs.replace(desc, shape=[2, 4, 1, 16, 8], stride=[512, 128, 128, 8, 1])
-    nhd = t.hnd_as_nhd(hnd)
+    nhd = t.view_hnd(hnd)
     assert nhd.shape == [2, 4, 16, 1, 8] and nhd.stride == [512, 128, 8, 128, 1]
     cpu = msgspec.structs.replace(desc, shape=[4, 1, 16, 16], stride=[256, 256, 16, 1])
-    assert t.hnd_as_nhd(cpu).shape == [2, 4, 16, 1, 8]  # vLLM's CPU backend: K rows, then V rows
-    assert t.hnd_as_nhd(cpu).stride == [128, 256, 8, 256, 1]
+    assert t.view_hnd(cpu) == cpu  # vLLM's CPU backend: as it is, our cpu_attn layout
+    assert detect_layout(cpu.shape) == "cpu_attn"
     with pytest.raises(w.DialectError):
-        t.hnd_as_nhd(msgspec.structs.replace(desc, shape=[4, 16, 8], stride=[128, 8, 1]))
+        t.view_hnd(msgspec.structs.replace(desc, shape=[4, 16, 8], stride=[128, 8, 1]))
+    with pytest.raises(w.DialectError, match="contiguous"):  # heads not back to back in a block
+        t.view_hnd(msgspec.structs.replace(cpu, shape=[4, 2, 16, 16], stride=[1024, 16, 32, 1]))
 
 
 def test_a_cache_salt_seeds_the_chain_as_in_our_token_mode() -> None:
@@ -150,8 +153,9 @@ def test_a_salted_store_is_for_its_tenant() -> None:
 
 
 def test_a_stride_not_pairing_the_shape_is_a_bad_frame() -> None:
-    """A 4-D HND shape with a 3-element stride made ``hnd_as_nhd`` fail to unpack (a ValueError
-    logged with its traceback per request); it is a malformed frame, refused as it is decoded."""
+    """A 4-D HND shape with a 3-element stride made ``hnd_as_nhd`` (now ``view_hnd``) fail to
+    unpack (a ValueError logged with its traceback per request); it is a malformed frame, refused
+    as it is decoded."""
     data = msgspec.msgpack.decode(shm_layer().data)
     data["metadata"].update(shape=[2, 4, 16, 64], stride=[1, 1, 1])
     bad = msgspec.msgpack.Ext(1, enc(data))

@@ -193,7 +193,7 @@ def _kill(pid: int, start: float, killed_at: list[float]) -> None:
     killed_at.append(time.perf_counter() - start)
 
 
-def _flush_cpu_caches(mib: int) -> None:
+def flush_cpu_caches(mib: int) -> None:
     """Read and write ``mib`` MiB (a few times the last-level cache), evicting what the caches
     held: the KV the step before touched among it."""
     if mib > 0:
@@ -202,7 +202,7 @@ def _flush_cpu_caches(mib: int) -> None:
 
 @functools.cache
 def _flush_buffer(mib: int) -> Any:
-    """The buffer ``_flush_cpu_caches`` walks, made once per size."""
+    """The buffer ``flush_cpu_caches`` walks, made once per size."""
     import torch
 
     return torch.zeros(mib << 20, dtype=torch.uint8)
@@ -291,7 +291,7 @@ def main(spec_path: str, out_path: str) -> int:
                                     detokenize=False)
             got = out["results"].setdefault(step["name"], {"ttft_s": [], "tokens": [], "cached": []})
             for prompt in prompts(step):
-                _flush_cpu_caches(int(step.get("flush_mib", 0)))
+                flush_cpu_caches(int(step.get("flush_mib", 0)))
                 start = time.perf_counter()
                 (output,) = llm.generate([prompt], params, use_tqdm=False)
                 got["ttft_s"].append(time.perf_counter() - start)

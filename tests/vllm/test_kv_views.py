@@ -25,17 +25,16 @@ def _cpu_kv(raw: torch.Tensor, layer: int, plane: int, block: int, token: int, h
     return run[plane * BS + token]
 
 
-def test_cpu_backend_layout_gives_true_k_and_v_per_token() -> None:
+def test_cpu_backend_tensors_go_as_they_are_in_the_cpu_attn_layout() -> None:
     raw = _raw()
     caches = {f"model.layers.{i}.self_attn.attn": raw[i] for i in range(L)}
     kv = canonical_kv_views(caches, backend="CPU_ATTN", num_kv_heads=H, head_size=D,
                             vllm_block_size=BS)
-    assert kv.layout == "flash_attn" and kv.block_size == BS and kv.blocks_per_vllm_block == 1
-    view = kv.views["model.layers.1.self_attn.attn"]
-    assert list(view.shape) == [2, NB, BS, H, D]
-    for plane in (0, 1):
-        for block, token, head in [(0, 0, 0), (3, 5, 1), (5, 7, 1)]:
-            assert torch.equal(view[plane, block, token, head], _cpu_kv(raw, 1, plane, block, token, head))
+    assert kv.layout == "cpu_attn" and kv.block_size == BS and kv.blocks_per_vllm_block == 1
+    assert kv.views["model.layers.1.self_attn.attn"] is caches["model.layers.1.self_attn.attn"]
+    with pytest.raises(IncompatibleError, match="not contiguous"):  # heads not back to back
+        canonical_kv_views({"l": raw[0].transpose(1, 2).contiguous().transpose(1, 2)},
+                           backend="CPU_ATTN", num_kv_heads=H, head_size=D, vllm_block_size=BS)
 
 
 def test_kv_split_in_content_dim() -> None:
@@ -55,9 +54,13 @@ def test_round_trip_through_block_copier_is_byte_exact(backend: str) -> None:
     assert copier.stacked
     slot = torch.empty(copier.chunk_bytes, dtype=torch.uint8)
     copier.gather([4, 1], [slot])
-    chunk = slot.view(torch.float32).view(L, 2, CHUNK, H * D)
-    if backend == "CPU_ATTN":  # canonical order: token 9 of the chunk is token 1 of block 1
-        assert torch.equal(chunk[1, 1, 9].view(H, D)[1], _cpu_kv(raw, 1, 1, 1, 1, 1))
+    if backend == "CPU_ATTN":  # the engine's block order: [layers, blocks, heads, 2 * BS, D]
+        chunk = slot.view(torch.float32).view(L, 2, H, 2 * BS, D)
+        assert torch.equal(chunk[1, 1, 1, BS + 1], _cpu_kv(raw, 1, 1, 1, 1, 1))  # V, token 1
+        assert torch.equal(chunk[0, 0, 0, 3], _cpu_kv(raw, 0, 0, 4, 3, 0))  # K, block 4, token 3
+    else:  # canonical order: token 9 of the chunk is token 1 of block 1
+        chunk = slot.view(torch.float32).view(L, 2, CHUNK, H * D)
+        assert torch.equal(chunk[1, 1, 9].view(H, D)[1], raw[1, 1, 1, 1, D:])
     before = raw.clone()
     raw.zero_()
     copier.scatter([slot], [0, 5])

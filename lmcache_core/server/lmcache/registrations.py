@@ -111,8 +111,8 @@ def registration_request(instance_id: int, layers: list[Any], model_name: str, w
     if hints.kv_layout not in (None, "NHD", "HND"):
         raise w.DialectError(f"kv_layout {hints.kv_layout!r}: NHD and HND are served")
     descs = [t.tensor_descriptor(layer) for layer in layers]
-    if hints.kv_layout == "HND":  # vLLM's CPU backend: viewed as NHD, chunks byte-identical
-        descs = [t.hnd_as_nhd(d) for d in descs]
+    if hints.kv_layout == "HND":  # as our connector registers it (GPU: NHD views; CPU: cpu_attn)
+        descs = [t.view_hnd(d) for d in descs]
     pid = _owner_pid(descs)
     from lmcache_core.kv.layout import detect_layout, kv_geometry
     layout = detect_layout(descs[0].shape)

@@ -122,22 +122,23 @@ def _cuda_descriptor(layer: w.CudaIPCData, offset_bytes: int) -> m.TensorDescrip
                              event_sync_required=sync))
 
 
-def hnd_as_nhd(desc: m.TensorDescriptor) -> m.TensorDescriptor:
-    """An HND tensor seen as a flash-attn (NHD) view over the same bytes.
+def view_hnd(desc: m.TensorDescriptor) -> m.TensorDescriptor:
+    """An HND tensor as a layout we serve, over the same bytes.
 
-    5-D ``[2, NB, NH, BS, HS]`` / ``[NB, 2, NH, BS, HS]``: the head and block-size dims swapped.
-    4-D ``[NB, NH, BS, 2*HS]`` is vLLM's CPU backend (the only vLLM backend on a CPU host): each
-    (block, head) run holds ``BS`` K rows then ``BS`` V rows of ``HS`` (as our own connector reads
-    it, ``integration/vllm/kv_views.py``), so chunks match those our connector stores. ``desc``
-    comes of a decoded ``TensorMetadata``: its shape and stride pair (checked there)."""
+    5-D ``[2, NB, NH, BS, HS]`` / ``[NB, 2, NH, BS, HS]``: a flash-attn (NHD) view, the head and
+    block-size dims swapped. 4-D ``[NB, NH, BS, 2*HS]`` is vLLM's CPU backend (the only vLLM
+    backend on a CPU host): each (block, head) run holds ``BS`` K rows then ``BS`` V rows of
+    ``HS``; it stays as it is, our ``cpu_attn`` layout, whose chunks are in its block order (as
+    our own connector registers it, ``integration/vllm/kv_views.py``), so chunks match those our
+    connector stores. ``desc`` comes of a decoded ``TensorMetadata``: its shape and stride pair
+    (checked there)."""
     if len(desc.shape) == 4:
-        nb, h, n, c = desc.shape
-        sb, sh, sn, sc = desc.stride
-        if c % 2 or sc != 1 or sn != c:
+        _, _, n, c = desc.shape
+        _, sh, sn, sc = desc.stride
+        if c % 2 or sc != 1 or sn != c or sh != n * c:
             raise w.DialectError(f"4-D HND tensor {desc.shape} (stride {desc.stride}) is not vLLM's "
                                "CPU layout [blocks, heads, block size, 2 * head size], contiguous")
-        d = c // 2
-        return msgspec.structs.replace(desc, shape=[2, nb, n, h, d], stride=[n * d, sb, d, sh, 1])
+        return desc
     if len(desc.shape) != 5:
         raise w.DialectError(f"kv_layout HND with a {len(desc.shape)}-D tensor")
     shape, stride = list(desc.shape), list(desc.stride)
