@@ -102,12 +102,12 @@ def wrap(cls: Any, name: str, describe: Any = None) -> None:
     original = getattr(cls, name)
 
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         out = original(self, *args, **kwargs)
-        took = (time.perf_counter() - start) * 1e3
+        took, cpu = (time.perf_counter() - start) * 1e3, (time.thread_time() - cpu) * 1e3
         extra = describe(args, out) if describe is not None else ""
         if extra is not None:
-            EVENTS.append((start, f"{name} {took:.2f}ms {extra}"))
+            EVENTS.append((start, f"{name} {took:.2f}ms (cpu {cpu:.2f}) {extra}"))
         return out
 
     setattr(cls, name, wrapper)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -232,6 +233,13 @@ class BlockCopier:
         its slot's first ``skip_blocks`` blocks are not copied, and their ids not used), e.g.
         where vLLM gave its null block for blocks behind a sliding window. The copy is still
         one op per layer group: the slot and the ids are narrowed, never looped over."""
+        runs = self._native.runs
+        if runs is not None and all(isinstance(s, torch.Tensor) and s.device.type == "cpu"
+                                    for s in slots):
+            addresses = [self._slot_address(s) for s in slots]
+            blocks = self.block_list(block_ids, len(addresses))
+            runs.scatter(addresses, blocks, self.check_skip(skip_blocks, len(addresses)))
+            return
         flats = [self._slot_bytes(s) for s in slots]
         index = self.index(block_ids, len(flats))
         self._scatter_flats(flats, index, self.check_skip(skip_blocks, len(flats)))
@@ -293,6 +301,10 @@ class BlockCopier:
     def _scatter_flats(self, flats: list[torch.Tensor], index: torch.Tensor,
                        skip_blocks: int = 0) -> None:
         """``scatter`` of checked flat slots with a validated ``index`` (and ``skip_blocks``)."""
+        runs = self._native.runs
+        if runs is not None and all(f.device.type == "cpu" for f in flats):
+            runs.scatter([f.data_ptr() for f in flats], index.reshape(-1).tolist(), skip_blocks)
+            return
         plan = self._scatter_plan(flats)
         staging: torch.Tensor | None = None
         with torch.inference_mode():
@@ -338,8 +350,38 @@ class BlockCopier:
             return ids.pin_memory().to(self._device, non_blocking=True)
         return ids
 
+    def block_list(self, block_ids: BlockIds, n_chunks: int) -> list[int]:
+        """:meth:`index`'s checks, as a list of ints (no torch op: see :class:`_BlockRuns`)."""
+        try:
+            ids = (block_ids.tolist() if isinstance(block_ids, torch.Tensor)
+                   else [operator.index(b) for b in block_ids])
+        except TypeError as exc:
+            raise ProtocolError(f"block ids must be integers: {exc}") from None
+        if not all(type(b) is int for b in ids):  # a float tensor's tolist
+            raise ProtocolError("block ids must be integers")
+        want = n_chunks * self._bpc
+        if len(ids) != want:
+            raise ProtocolError(
+                f"{n_chunks} chunks need {want} block ids ({self._bpc} per chunk), "
+                f"got {len(ids)}")
+        if ids and (min(ids) < 0 or max(ids) >= self.num_blocks):
+            bad = min(ids) if min(ids) < 0 else max(ids)
+            raise ProtocolError(
+                f"block id {bad} is out of range [0, {self.num_blocks}) for this KV cache")
+        return ids
+
+    def _slot_address(self, slot: torch.Tensor) -> int:
+        """A slot's address, after :meth:`_slot_bytes`'s checks (no view made)."""
+        self._check_slot(slot)
+        return slot.data_ptr()
+
     def _slot_bytes(self, slot: torch.Tensor) -> torch.Tensor:
         """The first ``chunk_bytes`` of a slot as flat uint8, after checking it."""
+        self._check_slot(slot)
+        return slot.reshape(-1).view(torch.uint8)[: self.chunk_bytes]
+
+    def _check_slot(self, slot: torch.Tensor) -> None:
+        """IncompatibleError/ProtocolError unless ``slot`` can hold a chunk."""
         if not isinstance(slot, torch.Tensor):
             raise ProtocolError(f"a chunk slot must be a tensor, got {type(slot).__name__}")
         if slot.dtype not in (torch.uint8, self._dtype):
@@ -355,7 +397,6 @@ class BlockCopier:
         if slot.data_ptr() % self._dtype.itemsize:
             raise IncompatibleError(
                 f"chunk slot address is not aligned to the {self._dtype} item size")
-        return slot.reshape(-1).view(torch.uint8)[: self.chunk_bytes]
 
 
 class _Plan:
@@ -377,14 +418,9 @@ class _Plan:
         #: each). On a GPU one ``index_copy_`` kernel beats a launch per block.
         self.per_block = (first.device.type == "cpu" and run is not None
                           and (whole_blocks or not run.is_contiguous()))
-        #: On the ``whole_blocks`` path, a block of one layer is one run of ``run_bytes`` on both
-        #: sides: moved by libc's memmove (through ctypes, the GIL released), 1.1-1.4x torch's
-        #: ``copy_`` of the same runs with two copy threads side by side (less held GIL between
-        #: the copies). 0 where views are not ``[lead, NB, run]`` with contiguous runs.
-        self.run_bytes = 0
-        if (self.per_block and whole_blocks and block_dim == 1
-                and all(v.dim() == 3 and v.stride(2) == 1 for v in views)):
-            self.run_bytes = views[0].shape[2] * views[0].element_size()
+        #: The ``whole_blocks`` path as memmoves (:class:`_BlockRuns`), where it applies.
+        self.runs = _BlockRuns.build(views, block_dim, slot_shape) if (
+            self.per_block and whole_blocks) else None
 
     @classmethod
     def build(cls, views: list[torch.Tensor], block_dim: int, bpc: int,
@@ -410,9 +446,6 @@ class _Plan:
         ``per_block`` path)."""
         if skip:
             index = index[skip:]
-        if self.run_bytes and src.device.type == "cpu" and src.is_contiguous():
-            self._memmove(src, index.tolist(), skip)
-            return
         if self.per_block:
             dim, blocks = self.block_dim, index.tolist()
             for group, view in enumerate(self.views):
@@ -427,20 +460,53 @@ class _Plan:
             view.index_copy_(self.block_dim, index, part)
 
 
-    def _memmove(self, src: torch.Tensor, blocks: list[int], skip: int) -> None:
-        """The ``run_bytes`` path of :meth:`scatter`: ``src[g]`` is ``[lead, bpc, run]``,
-        contiguous; ``blocks`` are validated ids (``BlockCopier.index``), so every address lies
-        inside the views' tensors."""
-        size, item = self.run_bytes, src.element_size()
-        for group, view in enumerate(self.views):
-            part = src[group]
-            dst_lead, dst_block = (s * item for s in view.stride()[:2])
-            src_lead, src_block = (s * item for s in part.stride()[:2])
-            dst_base, src_base = view.data_ptr(), part.data_ptr()
-            for lead in range(view.shape[0]):
-                dst_row, src_row = dst_base + lead * dst_lead, src_base + lead * src_lead
-                for j, block in enumerate(blocks, start=skip):
-                    ctypes.memmove(dst_row + block * dst_block, src_row + j * src_block, size)
+class _BlockRuns:
+    """The ``cpu_attn`` scatter as one libc ``memmove`` per block and layer (through ctypes,
+    which releases the GIL for each call), addressed from the slots' and views' pointers with no
+    torch op per chunk: each torch op releases and takes the GIL again, and with two copy
+    workers and the server's loop on 2 cores those hand-offs cost more than the ops (py-spy:
+    40 % of a retrieve's time in them beside the copies). 1.1-1.4x torch's ``copy_`` of the
+    same runs with two copy threads side by side. A slot is ``[groups, *lead, bpc, run]``."""
+
+    def __init__(self, run_bytes: int, bpc: int, groups: list[tuple[list[int], int]]) -> None:
+        self.run_bytes = run_bytes
+        self.bpc = bpc
+        self.groups = groups
+        """Per group: the address of each of its lead rows (layers, planes: the dims before the
+        block dim, in slot order), and the byte stride of its block dim."""
+
+    @classmethod
+    def build(cls, views: list[torch.Tensor], block_dim: int,
+              slot_shape: tuple[int, ...]) -> _BlockRuns | None:
+        """None unless every view is ``[*lead, NB, run]`` on the CPU with contiguous runs."""
+        first = views[0]
+        if (first.device.type != "cpu" or first.dim() != block_dim + 2
+                or any(v.stride(-1) != 1 or v.shape != first.shape for v in views)):
+            return None
+        item = first.element_size()
+        groups = []
+        for view in views:
+            rows = [view.data_ptr()]
+            for size, stride in zip(view.shape[:block_dim], view.stride()[:block_dim],
+                                    strict=True):
+                rows = [row + i * stride * item for row in rows for i in range(size)]
+            groups.append((rows, view.stride(block_dim) * item))
+        return cls(first.shape[-1] * item, slot_shape[block_dim + 1], groups)
+
+    def scatter(self, addresses: list[int], blocks: list[int], skip: int) -> None:
+        """Slot ``i`` (at ``addresses[i]``) into ``blocks[i * bpc: (i + 1) * bpc]``, but the first
+        slot's ``skip`` leading blocks. ``blocks`` are validated (``BlockCopier.block_list``)
+        and the slots checked, so every address lies inside the views' and slots' tensors."""
+        run, bpc, memmove = self.run_bytes, self.bpc, ctypes.memmove
+        for i, address in enumerate(addresses):
+            ids = blocks[i * bpc: (i + 1) * bpc]
+            first = skip if i == 0 else 0
+            src = address
+            for rows, block_stride in self.groups:
+                for row in rows:
+                    for j in range(first, bpc):
+                        memmove(row + ids[j] * block_stride, src + j * run, run)
+                    src += bpc * run
 
 
 # Widest first (see the module docstring).

@@ -169,6 +169,38 @@ def test_out_of_range_block_id_writes_nothing(bad: int) -> None:
     assert all(torch.equal(a, b) for a, b in zip(layers, before, strict=True))
 
 
+@pytest.mark.parametrize("spacing", [1, 3])
+def test_cpu_attn_scatters_by_memmove_and_checks_everything_first(spacing: int) -> None:
+    """vLLM's CPU tensors (``cpu_attn``) scatter by one memmove per block and layer, addressed
+    from pointers (``_BlockRuns``): also for layers spaced apart in one storage (a hybrid
+    group's every third layer); bad ids, slots or skips raise before anything is written."""
+    data = _canonical(num_layers=L * spacing, seed=8)
+    every = _layers("cpu_attn", data, True)
+    layers = every[::spacing]
+    copier = BlockCopier(layers, "cpu_attn", CHUNK)
+    assert copier.stacked and copier._native.runs is not None
+    ids, load = _ids(9, 3), _ids(10, 3)
+    slots = _slots(copier, 3)
+    copier.gather(ids, slots)
+    before = [t.clone() for t in every]
+    for bad_ids, match in (([*load[:-1], NB], "out of range"), (load[:-1], "need 12 block ids"),
+                           ([float(b) for b in load], "integers")):
+        with pytest.raises(ProtocolError, match=match):
+            copier.scatter(slots, bad_ids)  # type: ignore[arg-type]
+    with pytest.raises(IncompatibleError, match="smaller than one chunk"):
+        copier.scatter([*slots[:2], slots[2][:-9]], load)
+    with pytest.raises(ProtocolError, match="skip_blocks"):
+        copier.scatter(slots, load, skip_blocks=BPC)
+    assert all(torch.equal(a, b) for a, b in zip(every, before, strict=True))
+    copier.scatter(slots, torch.tensor(load), skip_blocks=1)
+    written = torch.tensor(load[1:])
+    for i, layer in enumerate(every):
+        want = before[i].clone()
+        if i % spacing == 0:
+            want[written] = before[i][torch.tensor(ids[1:])]
+        assert torch.equal(layer, want)  # the others, and the skipped block, untouched
+
+
 def test_block_id_count_checked() -> None:
     copier = BlockCopier(_layers("mla", _canonical(planes=1), True), "mla", CHUNK)
     with pytest.raises(ProtocolError, match="2 chunks need 8 block ids"):

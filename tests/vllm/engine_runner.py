@@ -195,17 +195,22 @@ def _kill(pid: int, start: float, killed_at: list[float]) -> None:
 
 def flush_cpu_caches(mib: int) -> None:
     """Read and write ``mib`` MiB (a few times the last-level cache), evicting what the caches
-    held: the KV the step before touched among it."""
+    held: the KV the step before touched among it. On this thread alone (numpy, not torch): a
+    torch op would wake the engine's OpenMP team, whose threads then spin for milliseconds
+    after it (libgomp's default wait policy), taking a core from whatever runs next."""
     if mib > 0:
-        _flush_buffer(mib).add_(1)
+        import numpy as np
+
+        buffer = _flush_buffer(mib)
+        np.add(buffer, 1, out=buffer)
 
 
 @functools.cache
 def _flush_buffer(mib: int) -> Any:
     """The buffer ``flush_cpu_caches`` walks, made once per size."""
-    import torch
+    import numpy as np
 
-    return torch.zeros(mib << 20, dtype=torch.uint8)
+    return np.zeros(mib << 20, dtype=np.uint8)
 
 
 def reset_prefix_cache(llm: Any) -> None:
