@@ -22,9 +22,12 @@ CPU-specific choices, all measured (single thread, a Llama-8B chunk unless said)
   (its loops follow the strides; 16 MiB of a Gemma-3-like chunk, 1-2 threads). So the Python
   loop over blocks is there, on that path only (a CPU chunk has few blocks: 2 of 128 tokens).
 - The ``cpu_attn`` layout (vLLM's CPU tensors as allocated, chunks in their block order) scatters
-  by ``copy_`` per block too: each block of each layer is then one contiguous run on both sides,
-  and ``copy_`` moved it at 5.3 GB/s against ``index_copy_``'s 4.0 (one thread, 16 MiB into cold,
-  scattered blocks of a 1 GiB shared mapping).
+  block by block too: each block of each layer is then one contiguous run on both sides. One
+  thread, 16 MiB into cold, scattered blocks of a 1 GiB shared mapping: ``index_copy_`` 4.0 GB/s,
+  ``copy_`` per block 5.3, libc's ``memmove`` per block 5.8 (and 1.1-1.4x ``copy_`` with two
+  threads side by side), which :class:`_BlockRuns` calls with no torch op per chunk. Its
+  addresses stay valid through a copy: the copier (and so every view of the mapping, which keeps
+  it mapped, :mod:`.mapped`) and the slots are referenced by the calling frames until it ends.
 
 One-byte float types (float8) are copied through a ``uint8`` view: some torch versions admitted
 here have no float8 ``index_select``/``index_copy_`` kernels, and the bytes are only moved.
