@@ -4,9 +4,9 @@ A chunk slot holds ``[num_layers, planes, chunk_tokens, width]`` (see :mod:`.lay
 ``torch.index_select(..., out=slot_view)`` (gather) and ``index_copy_`` (scatter) on zero-copy
 views: one op per chunk when every layer is an equally strided view into one storage (the layers
 are then one strided tensor ``[num_layers, ...]``), else one op per (chunk, layer). There is no
-Python loop over blocks but for scatters into vLLM's CPU layout (below). Block ids are validated
-for the whole request before anything is copied, so a bad id raises ProtocolError and writes
-nothing.
+Python loop over blocks but for CPU scatters into blocks that are not one run, and ``cpu_attn``'s
+memmoves (below). Block ids are validated for the whole request before anything is copied, so a
+bad id raises ProtocolError and writes nothing.
 
 CPU-specific choices, all measured (single thread, a Llama-8B chunk unless said):
 
@@ -16,9 +16,10 @@ CPU-specific choices, all measured (single thread, a Llama-8B chunk unless said)
 - Scatters reinterpret rows as the widest element (16 bytes) their strides allow: ``index_copy_``
   moves element by element, so 8x fewer elements make it ~2x faster. Bytes are moved, never
   interpreted, so any bit pattern survives.
-- A scatter into blocks that are not contiguous (vLLM's CPU backend: a block is ``[heads, K|V,
-  tokens, dim]`` in memory, the canonical chunk ``[K|V, tokens, heads, dim]``) is one ``copy_`` per
-  block: ``index_copy_`` took 0.5-1.3 GB/s there, ``copy_`` of the same strided block 2.5-5 GB/s
+- A scatter into blocks that are not contiguous (a strided view of a head-major order, as vLLM's
+  CPU blocks were read before the ``cpu_attn`` layout: a block ``[heads, K|V, tokens, dim]`` in
+  memory, the canonical chunk ``[K|V, tokens, heads, dim]``) is one ``copy_`` per block:
+  ``index_copy_`` took 0.5-1.3 GB/s there, ``copy_`` of the same strided block 2.5-5 GB/s
   (its loops follow the strides; 16 MiB of a Gemma-3-like chunk, 1-2 threads). So the Python
   loop over blocks is there, on that path only (a CPU chunk has few blocks: 2 of 128 tokens).
 - The ``cpu_attn`` layout (vLLM's CPU tensors as allocated, chunks in their block order) scatters
@@ -51,7 +52,13 @@ import torch
 
 from lmcache_core.errors import IncompatibleError, ProtocolError
 from lmcache_core.kv.heads import HeadCopier
-from lmcache_core.kv.layout import KVGeometry, block_view, kv_geometry, merge_leading
+from lmcache_core.kv.layout import (
+    KVGeometry,
+    block_view,
+    check_cpu_attn_strides,
+    kv_geometry,
+    merge_leading,
+)
 from lmcache_core.kv.tensors import check_uniform_layers, span_elems
 from lmcache_core.protocol.messages import KVLayoutName
 
@@ -142,10 +149,11 @@ class BlockCopier:
             views = [v.unsqueeze(0) for v in views]
             block_dim = 2
         self._stacked = stacked is not None
-        whole_blocks = layout == "cpu_attn"
-        self._native = _Plan.build(views, block_dim, self._bpc, whole_blocks)
-        self._wide = (_widest_plan(views, block_dim, self._bpc, whole_blocks) if allow_wide
-                      else None)
+        self._native = _Plan.build(views, block_dim, self._bpc)
+        self._wide = _widest_plan(views, block_dim, self._bpc) if allow_wide else None
+        #: ``cpu_attn`` scatters on the CPU as memmoves (its blocks are checked contiguous).
+        self._runs = (_BlockRuns.build(views, block_dim, self._native.slot_shape)
+                      if layout == "cpu_attn" else None)
         self._heads: HeadCopier | None = None  # built by the first scatter_heads
 
     # ------------------------------------------------------------------ properties
@@ -236,7 +244,7 @@ class BlockCopier:
         its slot's first ``skip_blocks`` blocks are not copied, and their ids not used), e.g.
         where vLLM gave its null block for blocks behind a sliding window. The copy is still
         one op per layer group: the slot and the ids are narrowed, never looped over."""
-        runs = self._native.runs
+        runs = self._runs
         if runs is not None and all(isinstance(s, torch.Tensor) and s.device.type == "cpu"
                                     for s in slots):
             addresses = [self._slot_address(s) for s in slots]
@@ -288,14 +296,10 @@ class BlockCopier:
         return HeadCopier(self, views, 1)
 
     def _block_head_copier(self, layers: list[torch.Tensor]) -> HeadCopier:
-        """``_head_copier`` of a ``cpu_attn`` cache, whose heads' runs in a block must be
-        contiguous (as vLLM allocates them) to be a row."""
+        """``_head_copier`` of a ``cpu_attn`` cache: a head's part of a block (contiguous, as
+        checked when the copier was made) is its row."""
         nb, heads, bs, width = layers[0].shape
         row = bs * width
-        if layers[0].stride()[1:] != (row, width, 1):
-            raise IncompatibleError(
-                f"cpu_attn KV cache of stride {list(layers[0].stride())}: a block's heads are "
-                f"not contiguous runs of {row} elements, so it cannot take pieces of head ranges")
         stacked = stack_layers(layers) if self._stacked else None
         if stacked is not None:
             return HeadCopier(self, [stacked.view(len(layers), nb, heads, row)], 1, row=row)
@@ -304,7 +308,7 @@ class BlockCopier:
     def _scatter_flats(self, flats: list[torch.Tensor], index: torch.Tensor,
                        skip_blocks: int = 0) -> None:
         """``scatter`` of checked flat slots with a validated ``index`` (and ``skip_blocks``)."""
-        runs = self._native.runs
+        runs = self._runs
         if runs is not None and all(f.device.type == "cpu" for f in flats):
             runs.scatter([f.data_ptr() for f in flats], index.reshape(-1).tolist(), skip_blocks)
             return
@@ -329,24 +333,7 @@ class BlockCopier:
 
     def index(self, block_ids: BlockIds, n_chunks: int) -> torch.Tensor:
         """Validated ``[n_chunks, blocks_per_chunk]`` int64 block ids on the KV device."""
-        try:
-            if isinstance(block_ids, torch.Tensor):
-                ids = block_ids.detach().to("cpu", torch.int64).reshape(-1)
-            else:
-                ids = torch.tensor(list(block_ids), dtype=torch.int64)
-        except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
-            raise ProtocolError(f"block ids must be integers: {exc}") from None
-        want = n_chunks * self._bpc
-        if ids.numel() != want:
-            raise ProtocolError(
-                f"{n_chunks} chunks need {want} block ids ({self._bpc} per chunk), "
-                f"got {ids.numel()}")
-        if want:
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= self.num_blocks:
-                bad = lo if lo < 0 else hi
-                raise ProtocolError(
-                    f"block id {bad} is out of range [0, {self.num_blocks}) for this KV cache")
+        ids = torch.tensor(self.block_list(block_ids, n_chunks), dtype=torch.int64)
         ids = ids.view(n_chunks, self._bpc)
         if self._device.type == "cuda":
             # From pageable memory the copy would wait for the whole stream; pinned, it is queued.
@@ -354,14 +341,15 @@ class BlockCopier:
         return ids
 
     def block_list(self, block_ids: BlockIds, n_chunks: int) -> list[int]:
-        """:meth:`index`'s checks, as a list of ints (no torch op: see :class:`_BlockRuns`)."""
+        """Checked block ids (``n_chunks * blocks_per_chunk`` integers, each a block of this
+        cache; ProtocolError otherwise) as a list of ints: a tensor's converted as by
+        ``.to(int64)``. No torch op for a list (see :class:`_BlockRuns`)."""
         try:
-            ids = (block_ids.tolist() if isinstance(block_ids, torch.Tensor)
+            ids = (block_ids.detach().to("cpu", torch.int64).reshape(-1).tolist()
+                   if isinstance(block_ids, torch.Tensor)
                    else [operator.index(b) for b in block_ids])
-        except TypeError as exc:
+        except (TypeError, RuntimeError) as exc:
             raise ProtocolError(f"block ids must be integers: {exc}") from None
-        if not all(type(b) is int for b in ids):  # a float tensor's tolist
-            raise ProtocolError("block ids must be integers")
         want = n_chunks * self._bpc
         if len(ids) != want:
             raise ProtocolError(
@@ -407,30 +395,26 @@ class _Plan:
     blocks along ``block_dim``; a slot is viewed as ``[groups, *group shape with bpc blocks]``."""
 
     def __init__(self, views: list[torch.Tensor], block_dim: int,
-                 slot_shape: tuple[int, ...], whole_blocks: bool = False) -> None:
+                 slot_shape: tuple[int, ...]) -> None:
         self.views = views
         self.block_dim = block_dim
         self.slot_shape = slot_shape
         self.dtype = views[0].dtype
         first = views[0]
-        # One block of one layer and plane (the leading dims fixed): one contiguous run in every
-        # layout but vLLM's CPU one, whose runs are a head's tokens.
+        # One block of one layer and plane (the leading dims fixed): one contiguous run unless
+        # the view is strided across it (a head-major order seen as flash_attn).
         run = first.select(block_dim, 0)[(0,) * block_dim] if first.shape[block_dim] else None
         #: Scatter block by block with ``copy_`` (see the module docstring): CPU blocks whose
-        #: layer-and-plane part is not contiguous, or ``whole_blocks`` (``cpu_attn``'s, one run
-        #: each). On a GPU one ``index_copy_`` kernel beats a launch per block.
+        #: layer-and-plane part is not contiguous. On a GPU one ``index_copy_`` kernel beats a
+        #: launch per block.
         self.per_block = (first.device.type == "cpu" and run is not None
-                          and (whole_blocks or not run.is_contiguous()))
-        #: The ``whole_blocks`` path as memmoves (:class:`_BlockRuns`), where it applies.
-        self.runs = _BlockRuns.build(views, block_dim, slot_shape) if (
-            self.per_block and whole_blocks) else None
+                          and not run.is_contiguous())
 
     @classmethod
-    def build(cls, views: list[torch.Tensor], block_dim: int, bpc: int,
-              whole_blocks: bool = False) -> _Plan:
+    def build(cls, views: list[torch.Tensor], block_dim: int, bpc: int) -> _Plan:
         group_shape = list(views[0].shape)
         group_shape[block_dim] = bpc
-        return cls(views, block_dim, (len(views), *group_shape), whole_blocks)
+        return cls(views, block_dim, (len(views), *group_shape))
 
     def slot_view(self, flat: torch.Tensor) -> torch.Tensor:
         return flat.view(self.dtype).view(self.slot_shape)
@@ -516,8 +500,7 @@ class _BlockRuns:
 _WIDE_DTYPES = (torch.complex128, torch.int64, torch.int32)
 
 
-def _widest_plan(views: list[torch.Tensor], block_dim: int, bpc: int,
-                 whole_blocks: bool = False) -> _Plan | None:
+def _widest_plan(views: list[torch.Tensor], block_dim: int, bpc: int) -> _Plan | None:
     """The same views reinterpreted in the widest dtype their strides and rows allow."""
     itemsize = views[0].dtype.itemsize
     for dtype in _WIDE_DTYPES:
@@ -528,7 +511,7 @@ def _widest_plan(views: list[torch.Tensor], block_dim: int, bpc: int,
         except RuntimeError:  # a row or stride is not a multiple of the wider item size
             continue
         if all(v.data_ptr() % dtype.itemsize == 0 for v in wide):
-            return _Plan.build(wide, block_dim, bpc, whole_blocks)
+            return _Plan.build(wide, block_dim, bpc)
     return None
 
 
@@ -541,4 +524,6 @@ def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
 
 def _check_layers(layers: list[torch.Tensor], layout: KVLayoutName) -> KVGeometry:
     check_uniform_layers(layers)
+    if layout == "cpu_attn":
+        check_cpu_attn_strides(layers[0].shape, layers[0].stride())
     return kv_geometry(layers[0].shape, layout)

@@ -103,8 +103,8 @@ class HeadCopier:
         self._copier = copier
         self._views = views
         self._block_dim = block_dim
-        self._heads, self._dim = geometry.token_shape
-        self._dim = row or self._dim
+        self._heads, dim = geometry.token_shape
+        self._dim = row or dim
         self._head_bytes = copier.chunk_bytes // self._heads
         self._force_staging = False  # tests: stage on the KV device even when slots are there
 

@@ -178,7 +178,7 @@ def test_cpu_attn_scatters_by_memmove_and_checks_everything_first(spacing: int) 
     every = _layers("cpu_attn", data, True)
     layers = every[::spacing]
     copier = BlockCopier(layers, "cpu_attn", CHUNK)
-    assert copier.stacked and copier._native.runs is not None
+    assert copier.stacked and copier._runs is not None
     ids, load = _ids(9, 3), _ids(10, 3)
     slots = _slots(copier, 3)
     copier.gather(ids, slots)
@@ -193,6 +193,9 @@ def test_cpu_attn_scatters_by_memmove_and_checks_everything_first(spacing: int) 
         copier.scatter(slots, load, skip_blocks=BPC)
     assert all(torch.equal(a, b) for a, b in zip(every, before, strict=True))
     copier.scatter(slots, torch.tensor(load), skip_blocks=1)
+    with pytest.raises(IncompatibleError, match="not contiguous"):  # refused when registered
+        BlockCopier([t.transpose(1, 2).contiguous().transpose(1, 2) for t in layers], "cpu_attn",
+                    CHUNK)
     written = torch.tensor(load[1:])
     for i, layer in enumerate(every):
         want = before[i].clone()

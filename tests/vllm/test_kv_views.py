@@ -103,17 +103,19 @@ def test_shared_layers_register_once() -> None:
 
 @pytest.mark.parametrize("wide", [True, False])
 def test_cpu_layout_scatters_block_by_block_byte_exact(wide: bool) -> None:
-    """vLLM's CPU blocks are not one run per layer and plane, so scatters copy block by block
-    (copy_ follows the strides; index_copy_ was 2-4x slower there); a layout whose blocks are
-    keeps one index_copy_. Several chunks in one scatter, ids out of order, both copy dtypes."""
+    """vLLM's CPU blocks (``cpu_attn``) scatter block by block (a memmove per block and layer:
+    ``copy._BlockRuns``; index_copy_ was 2-4x slower there); a layout whose blocks are one run
+    per layer and plane keeps one index_copy_. Several chunks in one scatter, ids out of order,
+    both copy dtypes."""
     raw = _raw()
     caches = {f"l{i}": raw[i] for i in range(L)}
     kv = canonical_kv_views(caches, backend="CPU_ATTN", num_kv_heads=H, head_size=D,
                             vllm_block_size=BS)
     copier = BlockCopier(list(kv.views.values()), kv.layout, CHUNK, allow_wide=wide)
-    assert copier._native.per_block
+    assert copier._runs is not None
     flash = [torch.zeros(2, NB, BS, H, D) for _ in range(L)]  # a block: one run a layer and plane
-    assert not BlockCopier(flash, "flash_attn", CHUNK)._native.per_block
+    flash_copier = BlockCopier(flash, "flash_attn", CHUNK)
+    assert flash_copier._runs is None and not flash_copier._native.per_block
     slots = [torch.empty(copier.chunk_bytes, dtype=torch.uint8) for _ in range(2)]
     copier.gather([4, 1, 2, 0], slots)
     before = raw.clone()
@@ -131,7 +133,7 @@ def test_cpu_layout_block_by_block_scatter_skips_leading_blocks() -> None:
     kv = canonical_kv_views({f"l{i}": raw[i] for i in range(L)}, backend="CPU_ATTN",
                             num_kv_heads=H, head_size=D, vllm_block_size=BS)
     copier = BlockCopier(list(kv.views.values()), kv.layout, CHUNK)
-    assert copier._native.per_block
+    assert copier._runs is not None
     slots = [torch.empty(copier.chunk_bytes, dtype=torch.uint8) for _ in range(2)]
     copier.gather([4, 1, 2, 0], slots)
     before = raw.clone()

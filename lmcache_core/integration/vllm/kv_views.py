@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from lmcache_core.errors import IncompatibleError
+from lmcache_core.kv.layout import check_cpu_attn_strides, kv_geometry
 from lmcache_core.protocol.messages import KVLayoutName
 
 CPU_BACKENDS = frozenset({"CPU_ATTN", "TORCH_SDPA", "CPU"})
@@ -99,20 +100,12 @@ def canonical_kv_views(
         layout, view, source = _layer_view(t, backend, num_kv_heads, head_size, use_mla)
         views[name] = view
     assert layout is not None
-    block_size = _block_size(next(iter(views.values())), layout)
+    block_size = kv_geometry(next(iter(views.values())).shape, layout).block_size
     if block_size <= 0 or vllm_block_size % block_size:
         raise IncompatibleError(
             f"KV cache block size {block_size} (from {describe_tensor(first)}, {source}) does not "
             f"divide vLLM's block size {vllm_block_size}")
     return KVViews(layout, views, block_size, vllm_block_size // block_size, source)
-
-
-def _block_size(view: torch.Tensor, layout: KVLayoutName) -> int:
-    if layout == "flash_attn":
-        return int(view.shape[2])
-    if layout in ("flashinfer", "cpu_attn"):
-        return int(view.shape[2])
-    return int(view.shape[1])
 
 
 def _layer_view(t: torch.Tensor, backend: str | None, heads: int, dim: int,
@@ -136,9 +129,7 @@ def _layer_view(t: torch.Tensor, backend: str | None, heads: int, dim: int,
         return "mla", t[:, 0], "4-D [B, 1, N, C] MLA tensor"
     if backend in CPU_BACKENDS and h == heads and c == 2 * dim:
         # Each (block, head) run is [2 * N, D]: K rows then V rows (see the module docstring).
-        if sc != 1 or sn != c or sh != n * c:
-            raise IncompatibleError(
-                f"vLLM CPU KV cache whose blocks are not contiguous: {describe_tensor(t)}")
+        check_cpu_attn_strides(t.shape, t.stride())
         return "cpu_attn", t, "4-D CPU_ATTN [B, H, N, 2*D] tensor (K rows, then V rows)"
     if h == heads and c == 2 * dim:
         view = t.as_strided((2, nb, n, h, dim), (dim * sc, sb, sn, sh, sc), offset)

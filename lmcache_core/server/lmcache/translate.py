@@ -12,8 +12,9 @@ from collections.abc import Sequence
 
 import msgspec
 
-from lmcache_core.errors import clip
+from lmcache_core.errors import IncompatibleError, clip
 from lmcache_core.keys import chain_hashes, salt_prefix, tenant_tag
+from lmcache_core.kv.layout import check_cpu_attn_strides
 from lmcache_core.protocol import lmcache_wire as w
 from lmcache_core.protocol import messages as m
 
@@ -133,11 +134,14 @@ def view_hnd(desc: m.TensorDescriptor) -> m.TensorDescriptor:
     connector stores. ``desc`` comes of a decoded ``TensorMetadata``: its shape and stride pair
     (checked there)."""
     if len(desc.shape) == 4:
-        _, _, n, c = desc.shape
-        _, sh, sn, sc = desc.stride
-        if c % 2 or sc != 1 or sn != c or sh != n * c:
-            raise w.DialectError(f"4-D HND tensor {desc.shape} (stride {desc.stride}) is not vLLM's "
-                               "CPU layout [blocks, heads, block size, 2 * head size], contiguous")
+        try:
+            if desc.shape[3] % 2:
+                raise IncompatibleError(f"last dim {desc.shape[3]} is not 2 * head size")
+            check_cpu_attn_strides(desc.shape, desc.stride)
+        except IncompatibleError as exc:
+            raise w.DialectError(f"4-D HND tensor {desc.shape} (stride {desc.stride}) is not "
+                                 f"vLLM's CPU layout [blocks, heads, block size, 2 * head size], "
+                                 f"contiguous: {exc}") from None
         return desc
     if len(desc.shape) != 5:
         raise w.DialectError(f"kv_layout HND with a {len(desc.shape)}-D tensor")
