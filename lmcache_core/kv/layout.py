@@ -126,14 +126,14 @@ def kv_geometry(tensor_shape: Sequence[int], layout: KVLayoutName) -> KVGeometry
 
 def check_cpu_attn_strides(tensor_shape: Sequence[int], stride: Sequence[int]) -> None:
     """IncompatibleError unless a ``cpu_attn`` tensor's blocks are contiguous, their heads back
-    to back (as vLLM allocates them): its chunks are whole blocks, and a piece of head ranges
-    is each block's run of those heads."""
+    to back (as vLLM allocates them), and its last dim ``2 * head_dim``: its chunks are whole
+    blocks, and a piece of head ranges is each block's run of those heads."""
     _, _, tokens, width = _int_shape(tensor_shape)
     _, head_stride, token_stride, item_stride = (int(s) for s in stride)
-    if (item_stride, token_stride, head_stride) != (1, width, tokens * width):
+    if width % 2 or (item_stride, token_stride, head_stride) != (1, width, tokens * width):
         raise IncompatibleError(
             f"cpu_attn KV cache {list(tensor_shape)} of stride {list(stride)}: its blocks are "
-            f"not contiguous [heads, block_size, 2 * head_dim] runs")
+            f"not contiguous [heads, block_size, 2 * head_dim] runs with an even last dim")
 
 
 def block_view(tensor: torch.Tensor, layout: KVLayoutName, leading: int = 0) -> torch.Tensor:

@@ -135,8 +135,6 @@ def view_hnd(desc: m.TensorDescriptor) -> m.TensorDescriptor:
     (checked there)."""
     if len(desc.shape) == 4:
         try:
-            if desc.shape[3] % 2:
-                raise IncompatibleError(f"last dim {desc.shape[3]} is not 2 * head size")
             check_cpu_attn_strides(desc.shape, desc.stride)
         except IncompatibleError as exc:
             raise w.DialectError(f"4-D HND tensor {desc.shape} (stride {desc.stride}) is not "
