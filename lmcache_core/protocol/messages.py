@@ -205,8 +205,29 @@ class StoreRequest(Message):
         return len(self.chunk_hashes)
 
 
+SkipBlocks = Annotated[int, msgspec.Meta(ge=0, le=2**16)]
+#: A hybrid model has a registration per KV-cache group: a few, never hundreds.
+MAX_RETRIEVE_PARTS = 64
+
+
+class RetrievePart(msgspec.Struct, forbid_unknown_fields=True, kw_only=True,
+                   omit_defaults=True):
+    """One more registration's chunks in a ``RetrieveRequest`` (its fields mean what the
+    request's own ``instance_id``, ``chunk_hashes``, ``block_ids`` and ``skip_blocks`` mean)."""
+
+    instance_id: InstanceId
+    chunk_hashes: ChunkHashes
+    block_ids: BlockIds
+    skip_blocks: SkipBlocks = 0
+
+
 class RetrieveRequest(Message):
-    """Copy these chunks into the given blocks; releases ``lookup_id``'s locks on them."""
+    """Copy these chunks into the given blocks; releases ``lookup_id``'s locks on them.
+
+    ``more``: the chunks of other registrations of the same worker (a hybrid model's other
+    KV-cache groups), copied after the request's own under the same lookup id, event and
+    deadline, and answered in one reply, so a load of several groups costs one request on the
+    server's loop and one reply, not one per group."""
 
     instance_id: InstanceId
     chunk_hashes: ChunkHashes
@@ -221,10 +242,16 @@ class RetrieveRequest(Message):
     #: The first chunk's leading block ids that are not copied (fewer than a chunk's blocks): a
     #: sliding window's oldest piece of which resuming needs only the last blocks, the others
     #: being vLLM's null block (freed behind the window).
-    skip_blocks: Annotated[int, msgspec.Meta(ge=0, le=2**16)] = 0
+    skip_blocks: SkipBlocks = 0
+    more: Annotated[list[RetrievePart], msgspec.Meta(max_length=MAX_RETRIEVE_PARTS)] = []
+
+    def parts(self) -> list[RetrievePart]:
+        """The request's own chunks as its first part, then ``more``."""
+        return [RetrievePart(instance_id=self.instance_id, chunk_hashes=self.chunk_hashes,
+                             block_ids=self.block_ids, skip_blocks=self.skip_blocks), *self.more]
 
     def num_keys(self) -> int:
-        return len(self.chunk_hashes)
+        return len(self.chunk_hashes) + sum(len(part.chunk_hashes) for part in self.more)
 
 
 class LookupRequest(Message):
@@ -370,7 +397,9 @@ class StoreReply(Reply):
 class RetrieveReply(Reply):
     """``missing``: the request indexes of every chunk not copied (not cached, or not reached
     before the deadline), sorted; ``late``: how many of them were cut by the deadline. A client
-    that predates ``late`` still sees every unloaded chunk in ``missing``."""
+    that predates ``late`` still sees every unloaded chunk in ``missing``. With
+    ``RetrieveRequest.more`` the indexes run over every part's chunks in order (the request's
+    own first)."""
 
     retrieved: int
     missing: list[int] = []

@@ -7,6 +7,7 @@ byte copies run outside the engine's lock, between its ``begin_*`` and ``finish_
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import math
 import os
@@ -77,6 +78,15 @@ class _Blocks(NamedTuple):
         """The leading blocks a copy of the chunks at ``indices`` (increasing) leaves out: the
         request's ``skip_blocks`` when its first chunk is among them."""
         return self.skip_blocks if indices and indices[0] == 0 else 0
+
+
+class _PartOutcome(NamedTuple):
+    """One part of a retrieve: chunks copied, and the part's indexes of those not copied
+    (sorted), of which ``late`` were cut by the deadline."""
+
+    retrieved: int
+    missing: list[int]
+    late: int
 
 
 #: Under a load deadline a retrieve copies runs of chunks of at most this many bytes (at least
@@ -270,49 +280,73 @@ class CacheHandlers:
     def retrieve(self, request: m.RetrieveRequest, _client: bytes) -> m.RetrieveReply:
         """Copy the found chunks into the worker's blocks, within the load deadline.
 
-        Without a deadline (and without the test-only copy delay) all chunks go in one scatter.
-        With one, the deadline is checked before each run of chunks (``deadline_run``): once it
-        passed, the rest are not copied and are answered in ``missing`` (``late`` counts them). A
-        run that started always finishes (on GPU: is synchronized) before the next check and
-        before the reply, so nothing lands in a block after the client was told it was not
-        loaded. With ``integrity.verify_on_retrieve`` every found piece is checked against its
+        Without a deadline (and without the test-only copy delay) a part's chunks go in one
+        scatter. With one, the deadline is checked before each run of chunks (``deadline_run``):
+        once it passed, the rest are not copied and are answered in ``missing`` (``late`` counts
+        them). A run that started always finishes (on GPU: is synchronized) before the next
+        check and before the reply, so nothing lands in a block after the client was told it was
+        not loaded. With ``integrity.verify_on_retrieve`` every found piece is checked against its
         checksum first: a chunk with a corrupt piece is dropped (counted) and answered in
-        ``missing``."""
+        ``missing``.
+
+        The parts (``RetrieveRequest.more``: a hybrid model's other groups) are all leased and
+        their block ids checked before anything is copied; then copied in order under the one
+        deadline, and answered together, ``missing`` indexing every part's chunks in order. A
+        part that raises ends the request (its error is the reply); the later parts' chunks stay
+        locked for the lookup id until its session ends or the locks expire, as after a lookup
+        that was never retrieved."""
         deadline_s = self.load_deadline_s(request)
-        started = self.deadline_clock()
-        with self.registry.lease(request.instance_id) as reg:
-            per_chunk = self._check_blocks(reg, request.chunk_hashes, request.block_ids,
-                                           request.skip_blocks)
-            plan = self.engine.begin_retrieve(reg.model_name, reg.layout, reg.heads,
-                                              request.chunk_hashes, request.lookup_id)
-            copied: int | None = None
-            stalled = False
-            try:
-                if plan.found and self.config.integrity.verify_on_retrieve:
-                    # corrupt chunks (or whose checksum is not taken within the deadline): missing
-                    self.engine.integrity.verify_retrieve(plan, LANE_TIMEOUT_S if deadline_s is None
-                                                          else deadline_s)
-                if plan.found:
-                    with self.checksum_lanes.copies.running(), \
-                            reg.copy_stream.run(request.event_handle, self.event_timeout_s):
-                        blocks = _Blocks(request.block_ids, per_chunk, request.skip_blocks)
-                        if deadline_s is None and not self.copy_delay_s:
-                            self._scatter(reg, plan, range(len(plan.found)), blocks)
-                        else:
-                            until = math.inf if deadline_s is None else started + deadline_s
-                            copied = self._scatter_until(reg, plan, blocks, until)
-            except CopiesStalledError as exc:
-                stalled = True
-                self._copies_stalled(exc)
-                raise
-            finally:
-                if not stalled:  # a late copy may still read its pieces: they stay held
-                    self.engine.finish_retrieve(plan, copied)
+        timed = deadline_s is not None or bool(self.copy_delay_s)
+        until = math.inf if deadline_s is None else self.deadline_clock() + deadline_s
+        parts = request.parts()
+        with contextlib.ExitStack() as leases:
+            regs = [leases.enter_context(self.registry.lease(part.instance_id))
+                    for part in parts]
+            blocks = [_Blocks(part.block_ids, self._check_blocks(
+                reg, part.chunk_hashes, part.block_ids, part.skip_blocks), part.skip_blocks)
+                for reg, part in zip(regs, parts, strict=True)]
+            retrieved, missing, late, offset = 0, [], 0, 0
+            for reg, part, part_blocks in zip(regs, parts, blocks, strict=True):
+                outcome = self._retrieve_part(reg, part.chunk_hashes, part_blocks, request,
+                                              deadline_s, until if timed else None)
+                retrieved += outcome.retrieved
+                missing += [offset + i for i in outcome.missing]
+                late += outcome.late
+                offset += len(part.chunk_hashes)
+        return m.RetrieveReply(retrieved=retrieved, missing=missing, late=late)
+
+    def _retrieve_part(self, reg: Registration, hashes: Sequence[bytes], blocks: _Blocks,
+                       request: m.RetrieveRequest, deadline_s: float | None,
+                       until: float | None) -> _PartOutcome:
+        """One registration's chunks of a retrieve: ``until`` (on ``deadline_clock``) when its
+        copy goes in runs under a deadline (or the test delay), else None (one scatter)."""
+        plan = self.engine.begin_retrieve(reg.model_name, reg.layout, reg.heads, hashes,
+                                          request.lookup_id)
+        copied: int | None = None
+        stalled = False
+        try:
+            if plan.found and self.config.integrity.verify_on_retrieve:
+                # corrupt chunks (or whose checksum is not taken within the deadline): missing
+                self.engine.integrity.verify_retrieve(plan, LANE_TIMEOUT_S if deadline_s is None
+                                                      else deadline_s)
+            if plan.found:
+                with self.checksum_lanes.copies.running(), \
+                        reg.copy_stream.run(request.event_handle, self.event_timeout_s):
+                    if until is None:
+                        self._scatter(reg, plan, range(len(plan.found)), blocks)
+                    else:
+                        copied = self._scatter_until(reg, plan, blocks, until)
+        except CopiesStalledError as exc:
+            stalled = True
+            self._copies_stalled(exc)
+            raise
+        finally:
+            if not stalled:  # a late copy may still read its pieces: they stay held
+                self.engine.finish_retrieve(plan, copied)
         if copied is None or copied == len(plan.found):
-            return m.RetrieveReply(retrieved=len(plan.found), missing=list(plan.missing))
+            return _PartOutcome(len(plan.found), list(plan.missing), 0)
         late = [f[0] for f in plan.found[copied:]]
-        return m.RetrieveReply(retrieved=copied, missing=sorted(plan.missing + late),
-                               late=len(late))
+        return _PartOutcome(copied, sorted(plan.missing + late), len(late))
 
     @staticmethod
     def _scatter(reg: Registration, plan: RetrievePlan, positions: Sequence[int],

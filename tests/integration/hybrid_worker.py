@@ -11,6 +11,7 @@ per-group block table; 0 is the null block):
       -> {"equal": bool, "null_untouched": bool}: those logical blocks hold exactly that, and
       the null block 0 of every layer is still all zero
   {"cmd": "zero", "tables": [...]}                     (block 0 too)
+  {"cmd": "all_zero", "tables": [...]} -> {"zero": bool}: those blocks of every layer are zero
   {"cmd": "store"|"retrieve", "req": id, "keys": tokens, "tables": [...]}
       -> {"finished", "failed", "load_errors", "failed_recving"}  (waits, bounded)
   {"cmd": "quit"}
@@ -130,6 +131,11 @@ def handle(adapter: LMCacheMPWorkerAdapter, layers: list[list[torch.Tensor]], c:
             for layer in group_layers:
                 layer[:, sorted(set(table) | {0})] = 0
         return {"ok": True}
+    if cmd == "all_zero":
+        zero = all(not layer[:, table].any()
+                   for group_layers, table in zip(layers, tables, strict=True)
+                   for layer in group_layers)
+        return {"zero": zero}
     if cmd in ("store", "retrieve"):
         op = LoadStoreOp(block_hashes=c["keys"], block_ids=[], group_block_ids=tables)
         submit = adapter.submit_store_request if cmd == "store" else adapter.submit_retrieve_request

@@ -16,7 +16,7 @@ import pytest
 import torch
 import zmq
 
-from lmcache_core.errors import IncompatibleError
+from lmcache_core.errors import IncompatibleError, NotRegisteredError, ProtocolError
 from lmcache_core.integration.vllm.adapter_common import wrap_kv_caches
 from lmcache_core.integration.vllm.vllm_multi_process_adapter import LMCacheMPSchedulerAdapter
 from lmcache_core.keys import chain_hashes
@@ -244,6 +244,49 @@ def test_a_retrieve_is_all_or_nothing_across_groups_and_reported_per_request(nod
     bad[1][-1] = 0
     result = worker("retrieve", req="null", keys=toks, tables=bad)
     assert result["failed_recving"] == ["null"] and "null block" in result["failed"]
+
+
+def test_one_retrieve_request_carries_several_groups_parts(node):
+    """``RetrieveRequest.more`` (the adapter sends a hybrid load as 2 such requests): missing
+    chunks are indexed over every part in order; a part naming an unregistered instance or a
+    block id out of range is refused before any part is copied."""
+    server, made = node
+    seed = 14
+    toks = tokens(3, seed)
+    store(made[1], toks, seed, n=2)
+    worker = made[1][0]
+    full, _, wide = worker.hello["instance_ids"]
+    hashes = chain_hashes(toks, CHUNK)
+    tables = load_tables(30, 3)
+
+    def part(instance_id: int, chunks: list[int], table: list[int]) -> m.RetrievePart:
+        blocks = [b for c in chunks for b in table[c * PER_CHUNK:(c + 1) * PER_CHUNK]]
+        return m.RetrievePart(instance_id=instance_id, chunk_hashes=[hashes[c] for c in chunks],
+                              block_ids=blocks)
+
+    def retrieve(*parts: m.RetrievePart) -> m.RetrieveReply:
+        first, *more = parts
+        request = m.RetrieveRequest(instance_id=first.instance_id,
+                                    chunk_hashes=first.chunk_hashes, block_ids=first.block_ids,
+                                    more=more)
+        with MessageQueueClient(server.url, connect_timeout_s=5) as client:
+            return client.request(request)
+
+    worker("zero", tables=tables)
+    # chunk 2 was never stored: index 2 of the request (the full group's 2 chunks come first);
+    # the long window's part goes into its own layers' blocks of the same ids (none null)
+    reply = retrieve(part(full, [0, 1], tables[0]), part(wide, [2, 1], tables[0]))
+    assert (reply.retrieved, reply.missing, reply.late) == (3, [2], 0)
+    check = worker("check_model", tables=tables, seed=seed, positions=[list(range(8)), [], []])
+    assert check == {"equal": True, "null_untouched": True}
+    worker("zero", tables=tables)
+    with pytest.raises(NotRegisteredError):
+        retrieve(part(full, [0, 1], tables[0]), part(12345, [1], tables[0]))
+    out_of_range = m.RetrievePart(instance_id=wide, chunk_hashes=[hashes[1]],
+                                  block_ids=[1, 2, 3, 10**6])
+    with pytest.raises(ProtocolError, match="block ids must be in"):
+        retrieve(part(full, [0, 1], tables[0]), out_of_range)
+    assert worker("all_zero", tables=tables) == {"zero": True}
 
 
 def test_a_window_wider_than_a_chunk_loads_only_the_needed_part_of_its_oldest_piece(node):

@@ -153,6 +153,22 @@ def test_a_hybrid_load_is_cut_into_even_requests() -> None:
     assert split_parts(small, [0, 0]) == [(small[0], 0), (small[1], 0)]
 
 
+def test_a_hybrid_load_is_sent_as_two_requests_of_about_as_many_chunks():
+    """The Gemma-3-like hit's 4 pieces (2, 2, 4, 4 chunks) go as 2 requests of 6: a full-group
+    piece first (in the request's own fields), a sliding one in ``more``; every piece once, its
+    skip kept with it; fewer pieces than requests make fewer requests."""
+    from lmcache_core.integration.vllm.vllm_multi_process_adapter import bundle_parts
+
+    pieces = [((1, [b"a", b"b"], [1, 2, 3, 4]), 1), ((2, [b"c", b"d"], [5, 6, 7, 8]), 0),
+              ((3, [b"e"] * 4, list(range(8))), 1), ((3, [b"f"] * 4, list(range(8, 16))), 0)]
+    bundles = bundle_parts(pieces, 2)
+    assert [[len(p[0][1]) for p in b] for b in bundles] == [[4, 2], [4, 2]]
+    assert [b[0][0][0] for b in bundles] == [3, 3]
+    assert sorted((p for b in bundles for p in b), key=repr) == sorted(pieces, key=repr)
+    assert bundle_parts(pieces[:1], 2) == [pieces[:1]]
+    assert bundle_parts(pieces, 1) == [sorted(pieces, key=lambda p: -len(p[0][1]))]
+
+
 def test_split_parts_cuts_a_group_in_parts_that_differ_by_one_chunk_at_most():
     from lmcache_core.integration.vllm.vllm_multi_process_adapter import split_parts
 

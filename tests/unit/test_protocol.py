@@ -244,3 +244,28 @@ def test_an_older_client_reads_a_late_retrieve_as_missing_chunks():
     new = m.RetrieveReply(retrieved=2, missing=[2, 3], late=2)
     old = msgspec.msgpack.decode(msgspec.msgpack.encode(new), type=OldRetrieveReply)
     assert old.missing == [2, 3] and not new.ok
+
+
+def test_a_retrieve_with_parts_round_trips_counts_every_key_and_is_bounded():
+    """``RetrieveRequest.more``: other registrations' chunks in one request. Its keys count
+    against the server's limit; more than ``MAX_RETRIEVE_PARTS`` parts, a part with a field
+    of its own kind it does not have, or a negative skip are refused at decode."""
+    part = m.RetrievePart(instance_id=2, chunk_hashes=[b"b" * 32] * 3, block_ids=[5] * 6,
+                          skip_blocks=1)
+    request = m.RetrieveRequest(instance_id=1, chunk_hashes=[b"a" * 32], block_ids=[1, 2],
+                                lookup_id="r", more=[part])
+    frames = encode_request(0, RequestType.RETRIEVE, [request])
+    assert decode_request(frames).payload == request
+    assert request.num_keys() == 4
+    assert [p.instance_id for p in request.parts()] == [1, 2]
+    with pytest.raises(RequestTooLargeError, match="at most 3 per request"):
+        decode_request(frames, Limits(max_keys_per_request=3))
+    # a request without parts encodes as before: an older server reads it
+    plain = m.RetrieveRequest(instance_id=1, chunk_hashes=[b"a" * 32], block_ids=[1, 2])
+    assert b"more" not in msgspec.msgpack.encode(plain)
+    base = {"instance_id": 1, "chunk_hashes": [b"a" * 32], "block_ids": [1, 2]}
+    good = {"instance_id": 2, "chunk_hashes": [], "block_ids": []}
+    for more in ([good] * (m.MAX_RETRIEVE_PARTS + 1), [{**good, "lookup_id": "x"}],
+                 [{**good, "skip_blocks": -1}], [{"instance_id": 2}]):
+        with pytest.raises(ProtocolError):
+            decode_request(_request("lmc.retrieve", {**base, "more": more}))
