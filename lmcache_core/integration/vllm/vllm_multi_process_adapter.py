@@ -132,11 +132,10 @@ def bundle_parts(cut: list[tuple[_Part, int]], n: int = RETRIEVE_REQUESTS
                  ) -> list[list[tuple[_Part, int]]]:
     """``split_parts``'s pieces packed into at most ``n`` requests of about as many chunks
     each (the largest piece first, into the request with the fewest so far): a request's first
-    piece goes in its own fields, the others in ``RetrieveRequest.more``. On a 2-core host each
-    request's hops (the client's and server's I/O threads, the loop, a copy worker, the reply)
-    wait for a core behind the copies already running: a Gemma-3-like hit's 4 requests reached
-    the server's loop over 1-2 ms, one behind the other, and 2 requests of 2 pieces loaded
-    faster than 4 of 1 (scripts/profile_hit.py --server-trace)."""
+    piece goes in its own fields, the others in ``RetrieveRequest.more``. Each request costs
+    the server's loop a dispatch and a reply and a copy worker its setup: a Gemma-3-like hit
+    sent as 2 requests instead of 4 took about 15 % less of the server's CPU, for the same time
+    to first token (docs/benchmarks.md, "A hybrid load as two requests")."""
     bundles: list[list[tuple[_Part, int]]] = [[] for _ in range(min(n, len(cut)))]
     sizes = [0] * len(bundles)
     for piece in sorted(cut, key=lambda p: len(p[0][1]), reverse=True):
