@@ -96,15 +96,16 @@ MAX_FAILURES_KEPT = 1024
 
 
 def split_parts(parts: list[_Part], skips: list[int]) -> list[tuple[_Part, int]]:
-    """A hybrid load's per-group retrieves (each with its leading blocks to skip, of its first
-    chunk) cut into requests of at most ``ceil(chunks / 3)`` of all their chunks (never fewer
-    than 2 a request), a group's in parts that differ by one chunk at most, so the server's copy
-    threads share the work evenly: a Gemma-3-like hit loads 8 chunks of its full-attention group
-    and 2 of each sliding one, and its one request of 8 kept one copy thread busy long after the
-    others were done. A chunk is in exactly one request (which releases its lock); the skip
-    stays with the first; all-or-nothing stays per vLLM request (each of its requests must
-    succeed). Stores are not cut: a request costs ~3 ms of fixed work on a 2-core host, and 6
-    requests instead of 3 for a hybrid store of 3 groups measured no faster."""
+    """A hybrid load's per-group parts (each with its leading blocks to skip, of its first
+    chunk) cut into pieces of at most ``ceil(chunks / 3)`` of all their chunks (never fewer
+    than 2 a piece), a group's in pieces that differ by one chunk at most, so that
+    ``bundle_parts`` can pack them into requests the server's copy threads share evenly: a
+    Gemma-3-like hit loads 8 chunks of its full-attention group and 2 of each sliding one, and
+    its one request of 8 kept one copy thread busy long after the others were done. A chunk is
+    in exactly one piece (whose request releases its lock); the skip stays with the first;
+    all-or-nothing stays per vLLM request (each of its requests must succeed). Stores are not
+    cut: a request costs ~3 ms of fixed work on a 2-core host, and 6 requests instead of 3 for
+    a hybrid store of 3 groups measured no faster."""
     total = sum(len(hashes) for _, hashes, _ in parts)
     most = max(2, -(-total // 3))
     out: list[tuple[_Part, int]] = []
@@ -332,8 +333,9 @@ class LMCacheMPWorkerAdapter:
 
         With one vLLM request the lookup id is that request's id; several requests in one batch
         are sent one retrieve each (a retrieve releases the locks of one lookup); with groups,
-        one or more per group (``split_parts``), all under the request's lookup id (its lookup
-        locked every group's chunks; each retrieve releases the locks of the chunks it reads)."""
+        the groups' pieces (``split_parts``) packed into ``RETRIEVE_REQUESTS`` requests
+        (``bundle_parts``), all under the request's lookup id (its lookup locked every group's
+        chunks; each retrieve releases the locks of the chunks it reads)."""
         if len(request_ids) != len(ops):
             raise ValueError(f"{len(request_ids)} request ids but {len(ops)} ops")
         handle = _event_handle(event)
