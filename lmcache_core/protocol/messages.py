@@ -56,6 +56,11 @@ EndedIds = Annotated[list[LookupId], msgspec.Meta(max_length=MAX_ENDED)]
 IpcHandle = Annotated[bytes, msgspec.Meta(max_length=256)]
 #: A load deadline: at most an hour (0: none).
 DeadlineMs = Annotated[int, msgspec.Meta(ge=0, le=3_600_000)]
+#: A retrieve's first chunk's leading blocks left unwritten (fewer than a chunk's).
+SkipBlocks = Annotated[int, msgspec.Meta(ge=0, le=2**16)]
+#: Parts of one retrieve: a hybrid model has a registration per KV-cache group, a few, never
+#: hundreds.
+MAX_RETRIEVE_PARTS = 64
 Dims = Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=MAX_BYTES)]], msgspec.Meta(max_length=8)]
 #: Retention asked for by a store or a pin: a TTL of at most 30 days (at least a millisecond), and
 #: an eviction priority (lower goes first).
@@ -203,11 +208,6 @@ class StoreRequest(Message):
 
     def num_keys(self) -> int:
         return len(self.chunk_hashes)
-
-
-SkipBlocks = Annotated[int, msgspec.Meta(ge=0, le=2**16)]
-#: A hybrid model has a registration per KV-cache group: a few, never hundreds.
-MAX_RETRIEVE_PARTS = 64
 
 
 class RetrievePart(msgspec.Struct, forbid_unknown_fields=True, kw_only=True,

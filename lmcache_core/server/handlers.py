@@ -296,19 +296,23 @@ class CacheHandlers:
         locked for the lookup id until its session ends or the locks expire, as after a lookup
         that was never retrieved."""
         deadline_s = self.load_deadline_s(request)
-        timed = deadline_s is not None or bool(self.copy_delay_s)
-        until = math.inf if deadline_s is None else self.deadline_clock() + deadline_s
+        until: float | None = None  # one scatter a part, unless a deadline (or delay) cuts runs
+        if deadline_s is not None:
+            until = self.deadline_clock() + deadline_s
+        elif self.copy_delay_s:
+            until = math.inf
         parts = request.parts()
         with contextlib.ExitStack() as leases:
-            regs = [leases.enter_context(self.registry.lease(part.instance_id))
-                    for part in parts]
-            blocks = [_Blocks(part.block_ids, self._check_blocks(
-                reg, part.chunk_hashes, part.block_ids, part.skip_blocks), part.skip_blocks)
-                for reg, part in zip(regs, parts, strict=True)]
+            checked: list[tuple[Registration, _Blocks]] = []
+            for part in parts:
+                reg = leases.enter_context(self.registry.lease(part.instance_id))
+                per_chunk = self._check_blocks(reg, part.chunk_hashes, part.block_ids,
+                                               part.skip_blocks)
+                checked.append((reg, _Blocks(part.block_ids, per_chunk, part.skip_blocks)))
             retrieved, missing, late, offset = 0, [], 0, 0
-            for reg, part, part_blocks in zip(regs, parts, blocks, strict=True):
+            for part, (reg, part_blocks) in zip(parts, checked, strict=True):
                 outcome = self._retrieve_part(reg, part.chunk_hashes, part_blocks, request,
-                                              deadline_s, until if timed else None)
+                                              deadline_s, until)
                 retrieved += outcome.retrieved
                 missing += [offset + i for i in outcome.missing]
                 late += outcome.late

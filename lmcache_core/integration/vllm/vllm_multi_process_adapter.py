@@ -346,8 +346,7 @@ class LMCacheMPWorkerAdapter:
                 self._fail(request_id, "a block the load needs is vLLM's null block 0 (out of "
                            "the window)", self._retrieves)
                 continue
-            cut = list(zip(parts, skips, strict=True))
-            bundles = ([cut] if self.group_pieces is None
+            bundles = ([list(zip(parts, skips, strict=True))] if self.group_pieces is None
                        else bundle_parts(split_parts(parts, skips)))
             for bundle in bundles:
                 ((instance_id, hashes, blocks), skip), *more = bundle
