@@ -3,7 +3,8 @@
 
 Two workloads on a random-weight Llama made locally (no download), one prompt at a time (or, with
 ``--model gemma3``, a random-weight Gemma-3-style hybrid: sliding-window and full-attention layers,
-which vLLM's hybrid KV cache manager splits into KV cache groups):
+which vLLM's hybrid KV cache manager splits into KV cache groups; ``--model gemma3-270m``, the same
+kind of model with the architecture of Gemma 3 270M):
 
 - **docs** (long-document QA): round 1 asks a question about each of ``--docs`` documents of
   ``--doc-tokens`` tokens; round 2 asks a new question about each. Round 2 is the reuse round.
@@ -38,6 +39,7 @@ Usage (the vLLM env that scripts/test-vllm makes):
   ~/.cache/lmcache-vllm-venv/bin/python scripts/bench_e2e.py [--docs 4 --doc-tokens 2048]
       [--users 4 --turns 4] [--engines full,vllm,ours,lmcache] [--json out.json]
       [--model gemma3 --workloads docs --engines full,vllm,ours] [--repeat 4]
+      [--model gemma3-270m --workloads same --docs 3 --repeat 3]
 """
 
 from __future__ import annotations
@@ -80,6 +82,24 @@ GEMMA3: dict[str, Any] = {
     "max_position_embeddings": 16384, "sliding_window": 512, "full_every": 3, "tied": False,
     "initializer_range": 0.2, "seed": 4321, "dtype": "float32",
 }
+#: ``--model gemma3-270m``: the architecture of Gemma 3 270M, the smallest Gemma 3 (random
+#: weights, float32 as the others; the real model ships bfloat16): 18 layers, every sixth full
+#: attention, a 512-token window, 4 query heads over 1 KV head of 256, its 262144-token vocabulary.
+#: vLLM makes 6 KV cache groups of 3 layers; a 2048-token hit loads 27 MiB (the toy's: 24 MiB), and
+#: its forward does the work of a real model of that size, not of a toy.
+GEMMA3_270M: dict[str, Any] = {
+    "num_hidden_layers": 18, "hidden_size": 640, "intermediate_size": 2048,
+    "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 262144,
+    "max_position_embeddings": 16384, "sliding_window": 512, "full_every": 6, "tied": False,
+    "initializer_range": 0.02, "seed": 4321, "dtype": "float32",
+}
+#: ``--model``: the spec, the model's directory name and what the report calls it.
+HYBRIDS: dict[str, tuple[dict[str, Any], str, str]] = {
+    "gemma3": (GEMMA3, "bench-e2e-gemma3",
+               "random Gemma-3-style hybrid (window 512, every third full)"),
+    "gemma3-270m": (GEMMA3_270M, "bench-e2e-gemma3-270m",
+                    "random Gemma-3-270M (its architecture: window 512, every sixth full)"),
+}
 LMCACHE_OVERLAY = Path(os.path.expanduser("~/.cache/lmcache-vllm-venv-lmcache-0.5.6"))
 LMCACHE_PYTHON = Path(os.path.expanduser("~/.cache/lmcache-0.5.6-venv/bin/python"))
 
@@ -99,8 +119,10 @@ def main() -> None:
     parser.add_argument("--workloads", default="docs,chat")
     parser.add_argument("--lmcache-python", type=Path, default=LMCACHE_PYTHON)
     parser.add_argument("--json", type=Path, help="write every TTFT sample here")
-    parser.add_argument("--model", choices=["llama", "gemma3"], default="llama",
-                        help="gemma3: the hybrid (sliding window + full attention) model")
+    parser.add_argument("--model", choices=["llama", *HYBRIDS], default="llama",
+                        help="gemma3: a toy hybrid (sliding window + full attention) model, 6 "
+                             "layers with as many KV heads as query heads (a hit's load is large "
+                             "beside its forward); gemma3-270m: Gemma 3 270M's architecture")
     parser.add_argument("--repeat", type=int, default=1,
                         help="run the engines this many times, in turns (the order reversed "
                              "every other time), and report each run's ratios and their median: "
@@ -118,9 +140,9 @@ def main() -> None:
               f"{args.lmcache_python}; scripts/test-lmcache installs both)")
         engines.remove("lmcache")
     work = Path(tempfile.mkdtemp(prefix="lmcache-bench-e2e-"))
-    if args.model == "gemma3":
-        model, shape = tiny_gemma3(spec=GEMMA3, name="bench-e2e-gemma3"), GEMMA3
-        kind = f"random Gemma-3-style hybrid (window {GEMMA3['sliding_window']}, every third full)"
+    if args.model in HYBRIDS:
+        shape, name, kind = HYBRIDS[args.model]
+        model = tiny_gemma3(spec=shape, name=name)
     else:
         model, shape, kind = tiny_llama(spec=MODEL, name="bench-e2e-llama"), MODEL, "random Llama"
     print(f"{time.strftime('%Y-%m-%d %H:%M')}  {os.cpu_count()} cores, load average "

