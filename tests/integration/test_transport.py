@@ -143,6 +143,56 @@ def test_stop_finishes_in_flight_work(tmp_path, release):
         assert future.result(2) == m.StoreReply(stored=1)
 
 
+def test_long_requests_queued_together_reach_the_workers_together(release):
+    """Requests read in one batch are handed to the workers together: the first one's handler
+    runs with the second already taken off the socket, however long the loop takes to read it (a
+    copy worker that had started would starve the loop of the GIL meanwhile; see
+    ``MessageQueueServer._receive``). A wire ahead of ours, which claims nothing, makes the loop
+    slow to read the second store."""
+    held, seen, claims = threading.Event(), [], []
+
+    class SlowToRead:
+        name = "slow"
+
+        def claim(self, _frames):
+            claims.append(1)
+            if len(claims) == 3:  # the second store: the first one's handler could run now
+                time.sleep(0.2)
+            return None
+
+    def slow_ping(_p, _c):
+        held.set()
+        release.wait(5)  # the loop is held here while the two stores are queued behind it
+        return _ping(_p, _c)
+
+    def store(p, _c):
+        seen.append(srv.in_flight)
+        return m.StoreReply(stored=len(p.chunk_hashes))
+
+    # inproc: a send puts the message in the server's pipe before it returns (no I/O thread),
+    # so both stores are queued when the loop is let go
+    context = zmq.Context.instance()
+    srv = MessageQueueServer("inproc://lmcache-batch-hand-over",
+                             {RequestType.STORE: Route(store, blocking=True),
+                              RequestType.PING: Route(slow_ping)}, context=context, workers=3)
+    srv.add_wire(SlowToRead(), {})
+    srv.start()
+    try:
+        with MessageQueueClient(srv.bound_url, context) as client:
+            ping = client.request_async(m.PingRequest())
+            assert held.wait(5)
+            stores = [client.request_async(m.StoreRequest(
+                instance_id=1, chunk_hashes=[b"x"], block_ids=[0])) for _ in range(2)]
+            assert srv.counters.requests == 1  # the stores wait on the socket
+            release.set()
+            assert ping.result(5).chunk_size == 16
+            assert [f.result(5) for f in stores] == [m.StoreReply(stored=1)] * 2
+        assert seen[0] == 2  # both routed before the first handler ran
+    finally:
+        release.set()
+        srv.stop(1.0)
+
+
 def test_a_flood_of_long_requests_is_bounded_and_pings_still_answer(release):
     """Requests queued for the workers are bounded in bytes (4 requests of the largest size): a
     client sending faster than the workers serve gets BUSY replies instead of growing the server."""
