@@ -28,6 +28,7 @@ errors of a multi-group model.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -46,6 +47,25 @@ HEADS, DIM = 4, 64
 WINDOWS = {"hybrid": 128, "hybrid-wide": 300}
 #: Layer 1's attention chunk per chunked-local mode (640: 5 blocks; 384: 3 blocks).
 LOCAL = {"hybrid-local": 640, "hybrid-local-even": 384}
+
+
+def _engine_config(args: Any) -> Any:
+    """``args.create_engine_config()``. vLLM 0.34 and newer refuse to configure a CPU engine on
+    x86 without Triton's CPU backend (``triton-cpu``, which its CPU model runner's kernels use
+    and PyPI does not carry); the harness runs no model, so for the config's check vLLM is told
+    that Triton is there, and the flag is put back after it."""
+    import vllm.triton_utils as triton_utils
+
+    had = triton_utils.HAS_TRITON
+    triton_utils.HAS_TRITON = True
+    try:
+        return args.create_engine_config()
+    finally:
+        triton_utils.HAS_TRITON = had
+
+
+def _fields(cls: Any) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
 
 
 def kv_value(token: int, position: int) -> float:
@@ -127,7 +147,7 @@ class Engine:
         args = EngineArgs(model=model_dir, skip_tokenizer_init=True, enforce_eager=True,
                           dtype="float32", max_model_len=4096, enable_prefix_caching=False,
                           kv_transfer_config=kv, block_size=128)
-        self.vllm_config = args.create_engine_config()
+        self.vllm_config = _engine_config(args)
         self.vllm_config.cache_config.kv_cache_layout = "LBHNC"  # the CPU backend's (see kv_views)
         self.window = window
         self.local = local
@@ -246,9 +266,10 @@ class Engine:
         invalid = self.worker.get_block_ids_with_load_errors()
         self.failed_recving |= results.failed_recving
         self.worker.clear_connector_metadata()
+        index = ({"req_id_to_index": {r: i for i, r in enumerate(req_ids)}}
+                 if "req_id_to_index" in _fields(ModelRunnerOutput) else {})  # (gone in 0.34)
         output = ModelRunnerOutput(
-            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
+            req_ids=req_ids, **index, sampled_token_ids=sampled,
             kv_connector_output=KVConnectorOutput(
                 finished_sending=results.finished_sending or None,
                 finished_recving=results.finished_recving or None,
