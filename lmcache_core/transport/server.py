@@ -88,8 +88,7 @@ class MessageQueueServer:
         self._supervisor = supervisor if supervisor is not None else Supervisor()
         self._observe = observe  # e.g. a latency histogram; None costs nothing per request
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        #: Jobs read in this receive batch, handed to the workers when the loop has read what is
-        #: queued on the socket, or before it serves a request itself (``_receive``).
+        #: Jobs read in this receive batch, not yet handed to the workers (``_receive``).
         self._ready: list[Job] = []
         #: Claimed in order: others first (``add_wire``: LMCache's clients), ours last.
         self.wires: list[Wire] = [OurWire(self.limits)]
@@ -259,7 +258,10 @@ class MessageQueueServer:
             self._hand_over()
 
     def _hand_over(self) -> None:
-        """Queue the jobs read so far for the worker threads."""
+        """Queue the jobs read so far for the worker threads (nothing to do before most inline
+        requests: no list made for them)."""
+        if not self._ready:
+            return
         ready, self._ready = self._ready, []
         for job in ready:
             self._jobs.put(job)

@@ -1,5 +1,6 @@
 """MessageQueueClient / MessageQueueServer over real tcp:// and ipc:// sockets."""
 
+import queue
 import threading
 import time
 
@@ -147,17 +148,20 @@ def test_long_requests_queued_together_reach_the_workers_together(release):
     """Requests read in one batch are handed to the workers together: the first one's handler
     runs with the second already taken off the socket, however long the loop takes to read it (a
     copy worker that had started would starve the loop of the GIL meanwhile; see
-    ``MessageQueueServer._receive``). A wire ahead of ours, which claims nothing, makes the loop
-    slow to read the second store."""
-    held, seen, claims = threading.Event(), [], []
+    ``MessageQueueServer._receive``). A wire ahead of ours, which claims nothing, notes how
+    many jobs the workers had been handed when the loop reads the second store."""
+    held, seen, claims, handed = threading.Event(), [], [], []
 
-    class SlowToRead:
-        name = "slow"
+    class Handed(queue.SimpleQueue):  # the workers' queue, counting what the loop puts on it
+        def put(self, item, block=True, timeout=None):
+            handed.append(item)
+            super().put(item, block, timeout)
+
+    class Noting:
+        name = "noting"
 
         def claim(self, _frames):
-            claims.append(1)
-            if len(claims) == 3:  # the second store: the first one's handler could run now
-                time.sleep(0.2)
+            claims.append(len(handed))  # the ping, the first store, the second store
             return None
 
     def slow_ping(_p, _c):
@@ -175,7 +179,8 @@ def test_long_requests_queued_together_reach_the_workers_together(release):
     srv = MessageQueueServer("inproc://lmcache-batch-hand-over",
                              {RequestType.STORE: Route(store, blocking=True),
                               RequestType.PING: Route(slow_ping)}, context=context, workers=3)
-    srv.add_wire(SlowToRead(), {})
+    srv._jobs = Handed()  # (before start: the workers take jobs from it)
+    srv.add_wire(Noting(), {})
     srv.start()
     try:
         with MessageQueueClient(srv.bound_url, context) as client:
@@ -187,6 +192,7 @@ def test_long_requests_queued_together_reach_the_workers_together(release):
             release.set()
             assert ping.result(5).chunk_size == 16
             assert [f.result(5) for f in stores] == [m.StoreReply(stored=1)] * 2
+        assert claims == [0, 0, 0]  # nothing handed over while the batch was being read
         assert seen[0] == 2  # both routed before the first handler ran
     finally:
         release.set()
