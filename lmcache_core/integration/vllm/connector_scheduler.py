@@ -106,14 +106,7 @@ class ConnectorSchedulerSide(KVConnectorBase_V1, SupportsHMA):
             # what vLLM's cache holds (it was computed or loaded here, and stored or found then).
             tracker.stored_chunks = n_chunks
             return 0, False
-        hashes = tracker.ensure_hashes(n_chunks, size)[:n_chunks]
-        self._scheduler.maybe_submit_lookup_request(request.request_id,
-                                                    per_block_hashes(hashes, self._bpc))
-        sent_now, tracker.looked_up = not tracker.looked_up, True
-        hit_tokens = self._scheduler.check_lookup_result(request.request_id, num_computed_tokens)
-        if hit_tokens is None and sent_now and self._wait_for_lookup(request.request_id):
-            hit_tokens = self._scheduler.check_lookup_result(request.request_id,
-                                                             num_computed_tokens)
+        hit_tokens = self._look_up(tracker, n_chunks, num_computed_tokens)
         if hit_tokens is None:
             return None, False  # still waiting for the server: vLLM asks again next step
         tracker.hit_chunks = min(hit_tokens // size, n_chunks)
@@ -126,6 +119,38 @@ class ConnectorSchedulerSide(KVConnectorBase_V1, SupportsHMA):
             return 0, False
         tracker.load = (num_computed_tokens // size, tracker.hit_chunks)
         return hit - num_computed_tokens, True
+
+    def _look_up(self, tracker: _Tracker, n_chunks: int, num_computed_tokens: int) -> int | None:
+        """The request's hit in tokens (None while the answer is out): its lookup is sent once,
+        and the call that sends it waits for the answer within what is left of the step's
+        budget."""
+        assert self._scheduler is not None
+        request_id = tracker.request.request_id
+        hashes = tracker.ensure_hashes(n_chunks, self._chunk_size)[:n_chunks]
+        self._scheduler.maybe_submit_lookup_request(request_id,
+                                                    per_block_hashes(hashes, self._bpc))
+        sent_now, tracker.looked_up = not tracker.looked_up, True
+        hit_tokens = self._scheduler.check_lookup_result(request_id, num_computed_tokens)
+        if hit_tokens is None and sent_now and self._wait_for_lookup(request_id):
+            hit_tokens = self._scheduler.check_lookup_result(request_id, num_computed_tokens)
+        return hit_tokens
+
+    def may_load_async(self, request: Request) -> bool:
+        """vLLM >= 0.34, with ``--max-num-inflight-kv-loads``: whether this request will load
+        from the server (every load of ours is asynchronous), so that vLLM may start its load
+        while the running batch is full. vLLM asks as the request enters its waiting queues;
+        the lookup the request would send when scheduled goes now, and its answer is waited for
+        within the step's lookup budget. An answer still out says no: the request is then
+        scheduled as usual and loads when admitted, where a false yes would hold other
+        requests' loads back until a running slot frees. vLLM's own prefix-cache hit is not
+        known here, so a prefix vLLM holds too may say yes."""
+        if self._scheduler is None:
+            return False
+        tracker = self._tracker(request)
+        n_chunks = len(request.all_token_ids) // self._chunk_size
+        if not tracker.cacheable or tracker.state != "lookup" or n_chunks == 0:
+            return False
+        return bool(self._look_up(tracker, n_chunks, 0))
 
     def _wait_for_lookup(self, request_id: str) -> bool:
         """Wait for the lookup just sent, within what is left of this step's budget: answered
@@ -198,6 +223,10 @@ class ConnectorSchedulerSide(KVConnectorBase_V1, SupportsHMA):
             self._maybe_store(tracker, new.num_computed_tokens + num_scheduled.get(new.req_id, 0),
                               meta)
         cached = scheduler_output.scheduled_cached_reqs
+        # vLLM <= 0.33 re-sends a request resumed after a preemption here, its blocks given anew
+        # (``resumed_req_ids``); 0.34 re-sends it in full in ``scheduled_new_reqs`` (above), and
+        # the blocks given here are always appended.
+        resumed = getattr(cached, "resumed_req_ids", None) or ()
         for i, request_id in enumerate(cached.req_ids):
             found = self._trackers.get(request_id)
             if found is None or not found.cacheable:
@@ -206,7 +235,7 @@ class ConnectorSchedulerSide(KVConnectorBase_V1, SupportsHMA):
             tracker.ran = True
             new_ids = cached.new_block_ids[i]
             if new_ids:
-                if request_id in cached.resumed_req_ids or not tracker.block_ids:
+                if request_id in resumed or not tracker.block_ids:
                     tracker.block_ids = [list(ids) for ids in new_ids]
                 else:
                     for group_ids, added in zip(tracker.block_ids, new_ids, strict=True):

