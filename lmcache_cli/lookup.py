@@ -9,7 +9,9 @@ else the config's model shape (``model.num_layers``, ``num_kv_heads``, ``head_di
 ``use_mla``), which the server tries beside the layouts of its registered workers and resident
 pieces: after a restart nothing is registered or resident, yet the disk and Redis hold that
 layout. A hybrid model (its workers registered KV-cache groups) is counted as its lookups count it:
-a chunk when every group can be restored at its end. Never imports torch.
+a chunk when every group can be restored at its end. ``--salt`` / ``--lora`` seed the chain as
+the vLLM connector seeds a salted (LoRA) request's; ``--explain`` names why a prompt misses
+(``lookup_explain``). Never imports torch.
 """
 
 from __future__ import annotations
@@ -58,6 +60,18 @@ LayoutOption = Annotated[str | None, typer.Option(
 WorldSizeOption = Annotated[int | None, typer.Option(
     "--world-size", "-w", min=1, help="Tensor-parallel ranks that must all hold a chunk "
     "(default: the tokens file's, else the config's world_size).", show_default=False)]
+ExplainOption = Annotated[bool, typer.Option(
+    "--explain", help="For each prompt that is not a full hit, name the nearest mismatch: the "
+    "chunks held under another model name, layout, world size, chunk size, hash mode or tenant, "
+    "or not stored (loads, locks and touches nothing).")]
+SaltOption = Annotated[str | None, typer.Option(
+    "--salt", metavar="SALT", help="Look up as the tenant of this cache_salt: the chunk hashes "
+    "are chained from the salt, as the vLLM connector hashes a salted request's.",
+    show_default=False)]
+LoraOption = Annotated[str | None, typer.Option(
+    "--lora", metavar="NAME#ID", help="Look up as requests of this LoRA adapter (its name and "
+    "integer id, as vLLM's LoRARequest): the vLLM connector seeds their chain with it too.",
+    show_default=False)]
 
 
 class TokenFileError(ValueError):
@@ -143,10 +157,14 @@ def lookup(
     model: ModelOption = None,
     world_size: WorldSizeOption = None,
     layout: LayoutOption = None,
+    explain: ExplainOption = False,
+    salt: SaltOption = None,
+    lora: LoraOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Look up how many leading chunks of each prompt the server holds, and how many of them are
-    in memory, on disk and in Redis (it loads and locks nothing).
+    in memory, on disk and in Redis (it loads and locks nothing); with --explain, why a prompt
+    misses (the nearest mismatch, in one line).
 
     Keys name a model and a world size: from --model / --world-size, else from the tokens file
     (store-bench --tokens-out writes the ones it stored under), else from the config; and a
@@ -154,20 +172,24 @@ def lookup(
 
     Example: [cyan]lmcache lookup --tokens prompts.json -c configs/llama8b.yaml[/]
 
-    Example: [cyan]lmcache lookup -t prompts.json --layout float16:2x4x32 --json[/]
+    Example: [cyan]lmcache lookup -t prompts.json --explain --salt tenant-a --json[/]
     """
+    from lmcache_cli import lookup_explain as ex
+
+    parts = ex.seed_parts(salt, lora)
     prompts, cfg = prompts_and_config(tokens, config, url, model, world_size)
     request_layout, hint = layouts_to_send(cfg, layout)
-    from lmcache_core.keys import chain_hashes
+    from lmcache_core.keys import chain_hashes, salted_prefix
     from lmcache_core.protocol import messages as m
     from lmcache_core.protocol import ops
 
+    seed = salted_prefix(parts)
     rows: list[dict[str, Any]] = []
     tiers: list[str] = []
     with connect(cfg) as (client, ping):
         chunk_size = ping.chunk_size
         for i, prompt in enumerate(prompts):
-            hashes = chain_hashes(prompt, chunk_size)
+            hashes = chain_hashes(prompt, chunk_size, seed)
             reply, elapsed_ms = None, None
             if hashes:
                 request = m.PeekRequest(model_name=cfg.model.name, world_size=cfg.world_size,
@@ -177,7 +199,14 @@ def lookup(
                 reply = client.call(ops.PEEK, request)
                 elapsed_ms = (time.perf_counter() - start) * 1e3
                 tiers = reply.tiers
-            rows.append(_row(i, prompt, len(hashes), chunk_size, reply, elapsed_ms))
+            row = _row(i, prompt, len(hashes), chunk_size, reply, elapsed_ms)
+            if explain:
+                asked = ex.Asked(cfg.model.name, cfg.world_size,
+                                 row["layout"] or request_layout or hint or "",
+                                 request_layout is not None, chunk_size, salt, lora)
+                row["explain"] = ex.explain_prompt(client, prompt, row, asked, seed,
+                                                   (request_layout, hint))
+            rows.append(row)
     if as_json:
         groups = next((row["groups"] for row in rows if row["groups"] is not None), None)
         print_json({"url": cfg.server.url, "model": cfg.model.name, "world_size": cfg.world_size,
@@ -185,6 +214,8 @@ def lookup(
                     **({"groups": groups} if groups is not None else {}), "prompts": rows})
         return
     _render(rows, cfg.server.url, cfg.model.name, cfg.world_size, chunk_size, tiers)
+    if explain:
+        ex.render(rows)
 
 
 def layouts_to_send(cfg: Any, layout: str | None) -> tuple[str | None, str | None]:

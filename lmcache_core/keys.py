@@ -128,6 +128,32 @@ def layout_group(layout: str) -> LayoutGroup | None:
                        int(match["world"] or 0), int(match["local"] or 0))
 
 
+class LayoutFields(NamedTuple):
+    """What a fingerprint (``layout_key``) says, field by field, so two can be told apart in
+    words (``lmcache lookup --explain``). ``heads``: KV heads of all ranks (0 for MLA and a
+    Mamba state); ``block_tokens``: the engine's CPU block order (0: token order)."""
+
+    dtype: str
+    layers: int
+    heads: int
+    mla: bool
+    state: bool
+    head_size: int
+    block_tokens: int
+    group: LayoutGroup | None
+
+
+@functools.lru_cache(maxsize=1024)
+def layout_fields(layout: str) -> LayoutFields | None:
+    """The fields of ``layout``; None for an opaque one (``opaque_layout``) or no fingerprint."""
+    match = _LAYOUT_RE.match(layout)
+    if match is None:
+        return None
+    return LayoutFields(match["dtype"], int(match["layers"]), int(match["heads"] or 0),
+                        match["mla"] is not None, match["state"] is not None, int(match["size"]),
+                        int(match["block"] or 0), layout_group(layout))
+
+
 class GroupPiece(NamedTuple):
     """What one chunk's piece of a KV-cache group holds, and what resuming needs of them.
 

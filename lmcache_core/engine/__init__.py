@@ -13,11 +13,11 @@ around the store), ``async_lookup`` (the in-process lookups' prefetch), ``cache`
 (``CacheEngine``: the parts composed).
 """
 
-from lmcache_core.engine.cache import SORTS, CacheEngine
-from lmcache_core.engine.index import GroupTarget
+from lmcache_core.engine.cache import SORTS, CacheEngine, Holders
+from lmcache_core.engine.index import GroupTarget, Holder
 from lmcache_core.engine.plans import Counters, RetrievePlan, StorePlan
 from lmcache_core.engine.retention import PLAIN, Retention
 from lmcache_core.engine.store import MEMORY_TIER, PieceRow, PieceStore
 
-__all__ = ["MEMORY_TIER", "PLAIN", "SORTS", "CacheEngine", "Counters", "GroupTarget", "PieceRow",
-           "PieceStore", "Retention", "RetrievePlan", "StorePlan"]
+__all__ = ["MEMORY_TIER", "PLAIN", "SORTS", "CacheEngine", "Counters", "GroupTarget", "Holder",
+           "Holders", "PieceRow", "PieceStore", "Retention", "RetrievePlan", "StorePlan"]

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from lmcache_core.engine.async_lookup import AsyncLookups
-from lmcache_core.engine.index import GroupTarget
+from lmcache_core.engine.index import GroupTarget, Holder, Pair
 from lmcache_core.engine.plans import RetrievePlan, StorePlan
 from lmcache_core.engine.retention import PLAIN, Retention
 from lmcache_core.engine.store import PieceRow, PieceStore
@@ -32,6 +32,17 @@ if TYPE_CHECKING:
     from lmcache_core.storage.remote import RemoteTier
 
 SORTS = ("age", "hits", "size", "key")
+#: (model, layout) pairs an explain looks through per tier (memory, disk) at most.
+EXPLAIN_PAIRS = 4096
+
+
+class Holders(NamedTuple):
+    """What ``CacheEngine.holders`` found: where each probe is held, whether a tier had more
+    pairs than one explain looks through (``cut``), and Redis's state (as ``PeekReply.remote``)."""
+
+    found: list[Holder]
+    cut: bool
+    remote: str
 #: Tenants without a quota listed in the figures (SERVER_INFO, inspect-chunks): the largest ones.
 MAX_TENANT_ROWS = 64
 
@@ -146,6 +157,37 @@ class CacheEngine:
     def layouts(self, model_name: str) -> list[str]:
         """The layouts of ``model_name`` that have resident pieces."""
         return self.store.layouts(model_name)
+
+    # ------------------------------------------------------------------ explain
+
+    def pairs(self) -> list[Pair]:
+        """Every (model, layout) with pieces in memory or on disk (memory's first)."""
+        disk = self.disk
+        return list(dict.fromkeys(self.store.pairs() + (disk.pairs() if disk is not None else [])))
+
+    def holders(self, chunk_hashes: Sequence[bytes], model_name: str,
+                remote_pairs: Sequence[Pair], tier_timeout_s: float) -> Holders:
+        """Where each of ``chunk_hashes`` is held under any model and layout (``lmcache lookup
+        --explain``), touching nothing: memory and the disk's index looked through pair by pair
+        (``model_name``'s first), Redis asked for exact keys of ``remote_pairs`` only, within
+        ``tier_timeout_s``."""
+        found, cut = self.store.holders(chunk_hashes, model_name, EXPLAIN_PAIRS)
+        disk, remote = self.disk, self.remote
+        if disk is not None:
+            on_disk, disk_cut = disk.holders(chunk_hashes, model_name, EXPLAIN_PAIRS)
+            found += [Holder(probe, model, layout, disk.name, tuple(ranges))
+                      for probe, model, layout, ranges in on_disk]
+            cut = cut or disk_cut
+        state = ""
+        if remote is not None and self.tiers is not None and remote_pairs:
+            state, in_redis = self.tiers.remote_holders(remote_pairs, chunk_hashes,
+                                                        tier_timeout_s)
+            found += in_redis
+        return Holders(found, cut, state)
+
+    def model_tenants(self, model_name: str) -> tuple[int, dict[str, int]]:
+        """``PieceStore.model_tenants``: the model's resident pieces, and per tenant tag."""
+        return self.store.model_tenants(model_name)
 
     # ------------------------------------------------------------------ locks
 

@@ -104,6 +104,9 @@ class PieceIndex:
         self.by_handle: dict[int, Piece] = {}
         self.models = Tally()
         self.tenants = Tally()  # per tenant tag (pieces of no tenant: not kept)
+        # Per model, its pieces per tenant tag (as ``tenants``): which tenants hold a model
+        # (``lmcache lookup --explain``), without a walk over its pieces.
+        self.model_tenants: dict[str, Tally] = {}
         self.layout_chunks: dict[tuple[str, str], int] = {}  # (model, layout) -> chunks held
         self.nbytes = 0
 
@@ -138,6 +141,7 @@ class PieceIndex:
         self.models.add(key.model_name, piece.nbytes)
         if piece.tenant:
             self.tenants.add(piece.tenant, piece.nbytes)
+            self.model_tenants.setdefault(key.model_name, Tally()).add(piece.tenant, piece.nbytes)
         self.nbytes += piece.nbytes
 
     def remove(self, piece: Piece) -> None:
@@ -155,6 +159,10 @@ class PieceIndex:
         self.models.remove(key.model_name, piece.nbytes)
         if piece.tenant:
             self.tenants.remove(piece.tenant, piece.nbytes)
+            of_model = self.model_tenants[key.model_name]
+            of_model.remove(piece.tenant, piece.nbytes)
+            if not of_model.pieces:
+                del self.model_tenants[key.model_name]
         self.nbytes -= piece.nbytes
 
     def touch(self, piece: Piece) -> None:
@@ -167,6 +175,38 @@ class PieceIndex:
     def tenant_counts(self) -> dict[str, tuple[int, int]]:
         """Per tenant tag: (pieces, bytes)."""
         return self.tenants.counts()
+
+
+#: A (model, layout) pair: the chunks of one engine shape under one model name.
+Pair = tuple[str, str]
+
+
+class Holder(NamedTuple):
+    """Where a probed chunk hash is held (``lmcache lookup --explain``): probe ``probe`` of the
+    request, under ``model_name`` and ``layout``, in ``tier``, as pieces of the head ranges
+    ``ranges``, stored for the tenant tags ``tenants``."""
+
+    probe: int
+    model_name: str
+    layout: str
+    tier: str
+    ranges: tuple[HeadRange, ...]
+    tenants: tuple[str, ...] = ()
+
+
+def find_holders(index: PieceIndex, pairs: Sequence[Pair], chunk_hashes: Sequence[bytes],
+                 tier: str) -> list[Holder]:
+    """The ``pairs`` that hold each of ``chunk_hashes``: one dict look-up per pair and hash."""
+    chunks_of = index.chunks.get
+    out: list[Holder] = []
+    for model_name, layout in pairs:
+        for probe, chunk_hash in enumerate(chunk_hashes):
+            pieces = chunks_of((model_name, layout, chunk_hash))
+            if pieces:
+                ranges = sorted({(p.key.head_lo, p.key.head_hi) for p in pieces})
+                tenants = sorted({p.tenant for p in pieces if p.tenant})
+                out.append(Holder(probe, model_name, layout, tier, tuple(ranges), tuple(tenants)))
+    return out
 
 
 #: Per head range, per chunk (in prefix order), the pieces covering it: the shape a lookup's

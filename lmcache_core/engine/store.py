@@ -43,11 +43,14 @@ from lmcache_core.engine import eviction
 from lmcache_core.engine.index import (
     GroupTarget,
     Hits,
+    Holder,
+    Pair,
     Piece,
     PieceIndex,
     cover,
     find_group_hits,
     find_hits,
+    find_holders,
     touch_hits,
 )
 from lmcache_core.engine.lifecycle import Event, State, advance
@@ -70,6 +73,10 @@ from lmcache_core.storage.integrity import ABANDONED, PENDING
 from lmcache_core.storage.pool import MemoryPool
 
 MEMORY_TIER = "memory"
+#: (model, layout) pairs ``holders`` looks through per hold of the lock: 64 pairs x the 128
+#: probes an explain may carry is ~8k dict look-ups (about a millisecond), so lookups and stores
+#: wait that long at most behind it, however many models the server holds.
+PAIRS_PER_HOLD = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +224,32 @@ class PieceStore:
         names no layout tries these)."""
         with self._mutex:
             return [layout for (model, layout) in self.index.layout_chunks if model == model_name]
+
+    def pairs(self) -> list[Pair]:
+        """Every (model, layout) with resident pieces."""
+        with self._mutex:
+            return list(self.index.layout_chunks)
+
+    def holders(self, chunk_hashes: Sequence[bytes], first_model: str,
+                max_pairs: int) -> tuple[list[Holder], bool]:
+        """Which (model, layout) pairs hold each of ``chunk_hashes`` in memory, touching nothing
+        (``lmcache lookup --explain``): ``first_model``'s pairs first, at most ``max_pairs`` in
+        all (True beside the finds when there were more). The pairs are looked through
+        ``PAIRS_PER_HOLD`` at a time, the lock held for one batch only."""
+        pairs = sorted(self.pairs(), key=lambda pair: pair[0] != first_model)
+        found: list[Holder] = []
+        for start in range(0, min(len(pairs), max_pairs), PAIRS_PER_HOLD):
+            batch = pairs[start:min(start + PAIRS_PER_HOLD, max_pairs)]
+            with self._mutex:
+                found += find_holders(self.index, batch, chunk_hashes, MEMORY_TIER)
+        return found, len(pairs) > max_pairs
+
+    def model_tenants(self, model_name: str) -> tuple[int, dict[str, int]]:
+        """``model_name``'s resident pieces, and how many of them each tenant tag stored."""
+        with self._mutex:
+            tenants = self.index.model_tenants.get(model_name)
+            return (self.index.models.pieces.get(model_name, 0),
+                    dict(tenants.pieces) if tenants is not None else {})
 
     # ------------------------------------------------------------------ locks
 

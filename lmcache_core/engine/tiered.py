@@ -34,10 +34,19 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-from lmcache_core.engine.index import GroupTarget, group_reach, window_needed
+from lmcache_core.engine.index import GroupTarget, Holder, group_reach, window_needed
 from lmcache_core.engine.store import PieceStore
 from lmcache_core.engine.verify import IntegrityGuard
-from lmcache_core.keys import ChunkKey, HeadRange, candidate_ranges
+from lmcache_core.keys import (
+    MAX_PROBED_TP,
+    ChunkKey,
+    HeadRange,
+    candidate_ranges,
+    is_mla,
+    is_state,
+    layout_fields,
+    layout_heads,
+)
 from lmcache_core.stats import flat
 from lmcache_core.storage import record
 
@@ -58,6 +67,8 @@ PROBE_BUDGET = 8192
 MAX_WINDOW_TRIES = 4
 #: Spill ahead of eviction: the disk writer keeps this share of the pool's bytes saved.
 SPILL_AHEAD_SHARE = 4
+#: Redis keys one explain asks for at most (one pipelined STRLEN, as a lookup's ``PROBE_BUDGET``).
+EXPLAIN_REMOTE_KEYS = 1024
 
 
 @dataclass(slots=True)
@@ -364,6 +375,14 @@ class TieredStorage:
     def _peek_remote(self, keys: list[ChunkKey], deadline: float) -> tuple[str, dict[ChunkKey, int]]:
         """The Redis state and the payload bytes of the ``keys`` Redis holds, loadable into the
         pool; a peek that waits past its deadline is not counted as a lookup timeout."""
+        state, sizes = self._remote_sizes(keys, deadline)
+        fits = self._store.pool.fits
+        return state, {key: nbytes for key, nbytes in sizes.items() if fits(nbytes)}
+
+    def _remote_sizes(self, keys: list[ChunkKey], deadline: float
+                      ) -> tuple[str, dict[ChunkKey, int]]:
+        """The Redis state ("asked", "down", "timeout") and the payload bytes of the ``keys``
+        Redis holds (one pipelined STRLEN, waited for until ``deadline``)."""
         remote = self.remote
         assert remote is not None
         try:
@@ -375,10 +394,45 @@ class TieredStorage:
             return "down", {}
         if found is None:
             return ("down" if remote.down else "timeout"), {}
-        fits = self._store.pool.fits
-        sizes = {key: length - record.header_bytes(key)
-                 for key, length in zip(keys, found, strict=False) if length}
-        return "asked", {key: nbytes for key, nbytes in sizes.items() if fits(nbytes)}
+        return "asked", {key: length - record.header_bytes(key)
+                         for key, length in zip(keys, found, strict=False) if length}
+
+    def remote_holders(self, pairs: Sequence[tuple[str, str]], chunk_hashes: Sequence[bytes],
+                       timeout_s: float, max_keys: int = EXPLAIN_REMOTE_KEYS
+                       ) -> tuple[str, list[Holder]]:
+        """Which of ``pairs`` hold each of ``chunk_hashes`` in Redis (``lmcache lookup
+        --explain``): exact keys only, never a SCAN, at most ``max_keys`` of them (each hash in
+        order across every pair, then the next; "cut" when they ran out) in one pipelined STRLEN
+        within ``timeout_s``. A chunk is asked for its whole heads and each tensor-parallel size's
+        first rank's piece (``_probed_ranges``), so the finds say which TP size stored it."""
+        remote = self.remote
+        if remote is None:
+            return "", []
+        if remote.down:
+            return "down", []
+        keys: list[tuple[int, ChunkKey]] = []
+        cut = False
+        for probe, chunk_hash in enumerate(chunk_hashes):
+            for model_name, layout in pairs:
+                ranges = _probed_ranges(layout)
+                if len(keys) + len(ranges) > max_keys:
+                    cut = True
+                    break
+                keys += [(probe, ChunkKey(model_name, layout, lo, hi, chunk_hash))
+                         for lo, hi in ranges]
+            if cut:
+                break
+        if not keys:
+            return ("cut" if cut else ""), []
+        state, sizes = self._remote_sizes([key for _, key in keys], time.monotonic() + timeout_s)
+        found: dict[tuple[int, str, str], list[HeadRange]] = {}
+        for probe, key in keys:
+            if key in sizes:
+                found.setdefault((probe, key.model_name, key.layout), []).append(
+                    (key.head_lo, key.head_hi))
+        holders = [Holder(probe, model_name, layout, remote.name, tuple(ranges))
+                   for (probe, model_name, layout), ranges in found.items()]
+        return ("cut" if cut and state == "asked" else state), holders
 
     # ------------------------------------------------------------------ engine hooks
 
@@ -484,3 +538,14 @@ def pick_pieces(available: dict[HeadRange, Load], ranges: Sequence[HeadRange]) -
             picked[load[0]] = load
             at = best[1]
     return list(picked.values())
+
+
+def _probed_ranges(layout: str) -> tuple[HeadRange, ...]:
+    """The pieces of a chunk an explain asks Redis for in ``layout``: the whole heads and the
+    first rank's piece of each tensor-parallel size dividing them; for MLA its one piece, for a
+    Mamba state or an opaque layout the first rank's (each rank's piece is its own)."""
+    if is_mla(layout) or is_state(layout) or layout_fields(layout) is None:
+        return ((0, 1),)
+    heads = layout_heads(layout)
+    return tuple((0, heads // world) for world in range(1, min(heads, MAX_PROBED_TP) + 1)
+                 if heads % world == 0)

@@ -69,6 +69,8 @@ MIN_TTL_S = 0.001
 MIN_PRIORITY, MAX_PRIORITY = -100, 100
 TtlSeconds = Annotated[float, msgspec.Meta(ge=MIN_TTL_S, le=MAX_TTL_S)]
 Priority = Annotated[int, msgspec.Meta(ge=MIN_PRIORITY, le=MAX_PRIORITY)]
+#: What a store's chunk hashes were made from (``StoreRequest.hash_mode``).
+HashMode = Literal["", "tokens", "vllm"]
 
 
 class Message(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
@@ -205,6 +207,11 @@ class StoreRequest(Message):
     #: The tenant the pieces are stored for (``keys.tenant_tag`` of the requests' cache_salt),
     #: bounded by its ``server.tenant_quotas`` entry if any; "" for none.
     tenant: TenantTag = ""
+    #: What the chunk hashes were made from, which the server cannot tell from the hashes:
+    #: "vllm" (vLLM's block hashes, a chunk named by its last block's), "tokens" (the prefix
+    #: chain over token ids), "" (not said). Only counted per model, for ``lmcache lookup
+    #: --explain`` (a model stored in vLLM's hash mode never matches a tokens file).
+    hash_mode: HashMode = ""
 
     def num_keys(self) -> int:
         return len(self.chunk_hashes)
@@ -294,17 +301,13 @@ class ClearRequest(Message):
     force: bool = False
 
 
-class PeekRequest(Message):
-    """How many leading chunks memory, disk and Redis hold together for ``world_size`` ranks, and
-    which tier each is in: counts only. Nothing is loaded, locked, LRU-touched or counted as a
-    lookup (``lmcache lookup``: an operator's look leaves the cache as it was)."""
+class LayoutQuery(Message):
+    """A look from the shell at a model's chunks (PEEK, EXPLAIN), in ``layout`` only (as
+    LookupRequest.layout); None: the registered workers' layouts, else the layouts resident for
+    the model, and ``hint_layout`` beside them (the CLI's config's model shape: after a restart
+    nothing is registered or resident, yet the disk holds that layout). Both are checked while
+    decoding."""
 
-    model_name: Name
-    world_size: WorldSize
-    chunk_hashes: ChunkHashes
-    # Only this layout (as LookupRequest.layout); None: the registered workers' layouts, else the
-    # layouts resident for the model, and ``hint_layout`` beside them (the CLI's config's model
-    # shape: after a restart nothing is registered or resident, yet the disk holds that layout).
     layout: LayoutName | None = None
     hint_layout: LayoutName | None = None
 
@@ -312,6 +315,16 @@ class PeekRequest(Message):
         for name in (self.layout, self.hint_layout):
             if name is not None:
                 layout_heads(name)  # ValueError (a typed ProtocolError on the wire) at once
+
+
+class PeekRequest(LayoutQuery, kw_only=True):
+    """How many leading chunks memory, disk and Redis hold together for ``world_size`` ranks, and
+    which tier each is in: counts only. Nothing is loaded, locked, LRU-touched or counted as a
+    lookup (``lmcache lookup``: an operator's look leaves the cache as it was)."""
+
+    model_name: Name
+    world_size: WorldSize
+    chunk_hashes: ChunkHashes
 
     def num_keys(self) -> int:
         return len(self.chunk_hashes) * self.world_size

@@ -9,6 +9,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Any, Generic, NamedTuple, TypeVar
 
+from lmcache_core.protocol import explain_messages as em
 from lmcache_core.protocol import messages as m
 from lmcache_core.protocol import pin_messages as pm
 
@@ -31,6 +32,7 @@ class RequestType(str, Enum):
     PIN = "lmc.pin"
     UNPIN = "lmc.unpin"
     PEEK = "lmc.peek"
+    EXPLAIN = "lmc.explain"
 
 
 class OpSpec(NamedTuple):
@@ -76,11 +78,12 @@ LIST_CHUNKS = Op(RequestType.LIST_CHUNKS, m.ListChunksRequest, m.ChunkListReply)
 PIN = Op(RequestType.PIN, pm.PinRequest, pm.PinReply)
 UNPIN = Op(RequestType.UNPIN, pm.PinRequest, pm.UnpinReply)
 PEEK = Op(RequestType.PEEK, m.PeekRequest, m.PeekReply)
+EXPLAIN = Op(RequestType.EXPLAIN, em.ExplainRequest, em.ExplainReply)
 
 #: Every op, by its ``RequestType`` (the one table: the server's routes and the codec read it).
 TYPED: dict[RequestType, Op[Any, Any]] = {op.type: op for op in (
     PING, GET_CHUNK_SIZE, REGISTER_KV_CACHE, UNREGISTER_KV_CACHE, STORE, RETRIEVE, LOOKUP,
-    FREE_LOOKUP_LOCKS, END_SESSION, CLEAR, SERVER_INFO, LIST_CHUNKS, PIN, UNPIN, PEEK)}
+    FREE_LOOKUP_LOCKS, END_SESSION, CLEAR, SERVER_INFO, LIST_CHUNKS, PIN, UNPIN, PEEK, EXPLAIN)}
 
 OPS: dict[RequestType, OpSpec] = {t: OpSpec(op.request, op.reply) for t, op in TYPED.items()}
 

@@ -35,6 +35,7 @@ from lmcache_core.kv.cuda_events import open_ipc_event
 from lmcache_core.kv.mapped import MappedKVCache
 from lmcache_core.protocol import messages as m
 from lmcache_core.protocol.ops import RequestType
+from lmcache_core.server.explain import ExplainHandler, StoreModes
 from lmcache_core.server.layouts import LayoutResolver
 from lmcache_core.server.pins import PinHandlers
 from lmcache_core.server.registry import KVRegistry, Registration
@@ -125,11 +126,13 @@ class CacheHandlers:
         self.on_copies_stalled: Callable[[str], None] | None = None
         self.events_stats: Callable[[], EventStats] | None = None  # the KV-event publisher's
         self.checksum_lanes = ChecksumLanes()  # stores' pieces hashed there, off their reply
+        self.store_modes = StoreModes()  # stores per model by hash mode, for EXPLAIN
         #: What load deadlines are measured on (tests put their own clock here).
         self.deadline_clock: Callable[[], float] = time.monotonic
 
     def routes(self) -> dict[RequestType, Route]:
         pins = PinHandlers(self.engine, self.layouts)
+        explain = ExplainHandler(self.engine, self.registry, self.store_modes, self.tier_budget_s)
         return {
             RequestType.PING: Route(self.ping),
             RequestType.GET_CHUNK_SIZE: Route(self.get_chunk_size),
@@ -149,6 +152,8 @@ class CacheHandlers:
             RequestType.PEEK: Route(self.peek, blocking=self.engine.has_tiers),
             RequestType.PIN: Route(pins.pin),
             RequestType.UNPIN: Route(pins.unpin),
+            # It looks through every (model, layout) held and may wait on Redis: off the loop.
+            RequestType.EXPLAIN: Route(explain.explain, blocking=True),
         }
 
     # ------------------------------------------------------------------ control
@@ -228,6 +233,7 @@ class CacheHandlers:
         returns its reply with the hash to start once that reply is out (``AfterReply``)."""
         with self.registry.lease(request.instance_id) as reg:
             per_chunk = self._check_blocks(reg, request.chunk_hashes, request.block_ids)
+            self.store_modes.count(reg.model_name, request.hash_mode)
             keys = self._keys(reg, request.chunk_hashes)
             plan = self.engine.begin_store(keys, reg.mapped.chunk_bytes, Retention(
                 request.ttl_s, request.pin, request.priority), request.tenant)

@@ -313,6 +313,15 @@ class KVRegistry:
                 counts[registration.model_name] = counts.get(registration.model_name, 0) + 1
         return counts
 
+    def shapes(self) -> dict[tuple[str, str, int], int]:
+        """Registered KV caches (workers) per (model, layout, world size)."""
+        counts: dict[tuple[str, str, int], int] = {}
+        with self._lock:
+            for r in self._by_id.values():
+                shape = (r.model_name, r.layout, r.world_size)
+                counts[shape] = counts.get(shape, 0) + 1
+        return counts
+
     def _forget_layouts(self) -> None:
         """Registrations changed: what ``layouts`` and ``groups`` keep is stale (under the lock)."""
         self._layouts.clear()

@@ -35,13 +35,13 @@ import os
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 
 from lmcache_core.errors import ConfigError
 from lmcache_core.events import DISK, KVEventSink
-from lmcache_core.keys import ChunkKey
+from lmcache_core.keys import ChunkKey, HeadRange
 from lmcache_core.stats import DiskStats
 from lmcache_core.storage import record
 from lmcache_core.storage.disk_files import SUFFIX as SUFFIX
@@ -89,6 +89,9 @@ class DiskTier:
         self._index: OrderedDict[ChunkKey, DiskFile] = OrderedDict()  # front = least recently used
         # The pieces of each chunk in ``_index`` (insertion-ordered sets), changed with it.
         self._chunks: dict[Chunk, dict[ChunkKey, None]] = {}
+        # Chunks per (model, layout) in ``_chunks``, changed with it: what an explain looks
+        # through (``holders``) without a walk over every file.
+        self._pairs: dict[tuple[str, str], int] = {}
         self._bytes = 0  # file bytes indexed plus bytes reserved by writes in progress
         self._writer: BackgroundWriter[ChunkKey] = BackgroundWriter(
             "disk tier", "lmcache-disk-writer", queue_size, self._write_batch, idle=self._spill)
@@ -117,9 +120,9 @@ class DiskTier:
             logger.warning("disk tier: dropped %d bad files in %s in all", bad, self.path)
         with self._mutex:
             self._index = OrderedDict((key, meta) for _, key, meta in found)
-            self._chunks = {}
+            self._chunks, self._pairs = {}, {}
             for key in self._index:
-                self._chunks.setdefault(key.chunk, {})[key] = None
+                self._index_chunk(key)
             self._bytes = sum(meta.size for _, _, meta in found)
             victims = self._over_cap(0)
         self._delete(victims)
@@ -127,6 +130,15 @@ class DiskTier:
             logger.info("disk tier: %d chunks (%.1f MiB) indexed in %s", len(self._index),
                         self._bytes / 2**20, self.path)
         return len(self._index)
+
+    def _index_chunk(self, key: ChunkKey) -> None:
+        """Add ``key`` to the chunk index (under the lock, as ``_index`` gains it)."""
+        pieces = self._chunks.get(key.chunk)
+        if pieces is None:
+            pieces = self._chunks[key.chunk] = {}
+            pair = (key.model_name, key.layout)
+            self._pairs[pair] = self._pairs.get(pair, 0) + 1
+        pieces[key] = None
 
     def _unindex(self, key: ChunkKey) -> None:
         """Drop ``key`` from the chunk index (under the lock, as ``_index`` loses it)."""
@@ -136,6 +148,33 @@ class DiskTier:
             pieces.pop(key, None)
             if not pieces:
                 del self._chunks[chunk]
+                pair = (key.model_name, key.layout)
+                self._pairs[pair] -= 1
+                if not self._pairs[pair]:
+                    del self._pairs[pair]
+
+    def pairs(self) -> list[tuple[str, str]]:
+        """Every (model, layout) with chunks on disk (no I/O)."""
+        with self._mutex:
+            return list(self._pairs)
+
+    def holders(self, chunk_hashes: Sequence[bytes], first_model: str, max_pairs: int,
+                per_hold: int = 64) -> tuple[list[tuple[int, str, str, list[HeadRange]]], bool]:
+        """Which (model, layout) pairs hold each of ``chunk_hashes`` on disk, as ``(probe index,
+        model, layout, head ranges)``, from the index alone (no I/O): ``first_model``'s pairs
+        first, at most ``max_pairs`` (True beside the finds when there were more), this tier's
+        lock held for ``per_hold`` pairs at a time."""
+        pairs = sorted(self.pairs(), key=lambda pair: pair[0] != first_model)
+        found: list[tuple[int, str, str, list[HeadRange]]] = []
+        for start in range(0, min(len(pairs), max_pairs), per_hold):
+            with self._mutex:
+                for model_name, layout in pairs[start:min(start + per_hold, max_pairs)]:
+                    for probe, chunk_hash in enumerate(chunk_hashes):
+                        pieces = self._chunks.get((model_name, layout, chunk_hash))
+                        if pieces:
+                            found.append((probe, model_name, layout, sorted(
+                                {(key.head_lo, key.head_hi) for key in pieces})))
+        return found, len(pairs) > max_pairs
 
     def pieces_of(self, model_name: str, layout: str, chunk_hash: bytes) -> list[tuple[ChunkKey, int]]:
         """The pieces of chunk ``(model_name, layout, chunk_hash)`` on disk, with their payload
@@ -266,7 +305,7 @@ class DiskTier:
             if old is not None:
                 self._bytes -= old.size
             self._index[key] = DiskFile(name, len(header), nbytes, size)
-            self._chunks.setdefault(key.chunk, {})[key] = None
+            self._index_chunk(key)
             if self.events is not None:
                 self.events.stored((key,), DISK)
         self.n.add(written_chunks=1)

@@ -17,6 +17,7 @@ from lmcache_core.protocol import (
     encode_request,
     error_reply,
 )
+from lmcache_core.protocol import explain_messages as em
 from lmcache_core.protocol import messages as m
 from lmcache_core.protocol import pin_messages as pm
 
@@ -45,6 +46,8 @@ SAMPLES: dict[RequestType, m.Message] = {
     RequestType.UNPIN: pm.PinRequest(model_name="m", world_size=2, chunk_hashes=[b"a" * 32]),
     RequestType.PEEK: m.PeekRequest(model_name="m", world_size=2, chunk_hashes=[b"a" * 32],
                                     hint_layout="bfloat16:32x8x128"),
+    RequestType.EXPLAIN: em.ExplainRequest(model_name="m", world_size=2, probes=[b"a" * 32],
+                                           hint_layout="bfloat16:32x8x128"),
 }
 
 
@@ -269,3 +272,31 @@ def test_a_retrieve_with_parts_round_trips_counts_every_key_and_is_bounded():
                  [{**good, "skip_blocks": -1}], [{"instance_id": 2}]):
         with pytest.raises(ProtocolError):
             decode_request(_request("lmc.retrieve", {**base, "more": more}))
+
+
+def test_an_explain_is_bounded_checks_its_layouts_and_its_reply_round_trips():
+    """``lmc.explain``: at most ``MAX_EXPLAIN_PROBES`` probes (at least one), each a chunk hash;
+    a layout that is no fingerprint, an unknown field or a bad world size are refused at decode.
+    A store's ``hash_mode`` is one of three, and left off the wire when not said."""
+    probes = [b"a" * 32] * em.MAX_EXPLAIN_PROBES
+    most = em.ExplainRequest(model_name="m", world_size=1, probes=probes, layout="float16:2x4x32")
+    assert decode_request(encode_request(0, RequestType.EXPLAIN, [most])).payload == most
+    base = {"model_name": "m", "world_size": 1, "probes": [b"a" * 32]}
+    for bad in ({"probes": [*probes, b"a" * 32]}, {"probes": []}, {"probes": [b""]},
+                {"probes": [b"a" * 65]}, {"layout": "float16:2x4"}, {"hint_layout": "x"},
+                {"world_size": 0}, {"chunk_hashes": [b"a" * 32]}):
+        with pytest.raises(ProtocolError, match=r"lmc\.explain"):
+            decode_request(_request("lmc.explain", {**base, **bad}))
+    reply = em.ExplainReply(holders=[em.ProbeHolder(probe=0, model_name="m", layout="l",
+                                                    tier="disk", heads=[(0, 2)])],
+                            pieces=3, hash_modes={"vllm": 2}, remote="cut", cut=True,
+                            registered=[em.RegisteredShape(layout="l", world_size=2, workers=2)],
+                            tenants=[em.TenantPieces(tenant="ab", pieces=3)])
+    frames = encode_reply(b"\x01", b"\x00", reply)
+    assert decode_reply(RequestType.EXPLAIN, frames[2:]) == reply
+    store = {"instance_id": 1, "chunk_hashes": [], "block_ids": []}
+    assert b"hash_mode" not in msgspec.msgpack.encode(m.StoreRequest(**store))  # type: ignore[arg-type]
+    assert decode_request(_request("lmc.store", {**store, "hash_mode": "vllm"})).payload == \
+        m.StoreRequest(**store, hash_mode="vllm")  # type: ignore[arg-type]
+    with pytest.raises(ProtocolError):
+        decode_request(_request("lmc.store", {**store, "hash_mode": "blocks"}))

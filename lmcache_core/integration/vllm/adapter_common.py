@@ -113,6 +113,19 @@ def _chunk_hashes(block_hashes: Sequence[Any], blocks_in_chunk: int, chunk_size:
             for h in striding_block_hashes(block_hashes, blocks_in_chunk)]
 
 
+def store_hash_mode(block_hashes: Sequence[Any]) -> m.HashMode:
+    """What a store's chunk hashes were made from (``StoreRequest.hash_mode``, counted per model
+    for ``lmcache lookup --explain``): "vllm" for vLLM's block hashes; "" for token ids, and for
+    chunk hashes a caller chained from token ids itself, which it hands over at each chunk's last
+    block with empty hashes before it (``connector_metadata.per_block_hashes``; vLLM's block
+    hashes are never empty, so the first block's tells). Token mode says nothing rather than
+    "tokens" so that a server older than the field (it refuses unknown fields) still takes those
+    stores; the server counts "" apart from "vllm", which is all ``--explain`` needs. (Caller
+    hashes at one block per chunk have no empty ones: counted as "vllm".)"""
+    first = block_hashes[0] if block_hashes else b""
+    return "" if isinstance(first, int) or not first else "vllm"
+
+
 class _Connection:
     """What both adapters share: the client, the chunk size and the block arithmetic."""
 

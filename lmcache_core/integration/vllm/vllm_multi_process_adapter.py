@@ -36,6 +36,7 @@ from lmcache_core.integration.vllm.adapter_common import (
     _Connection,
     get_lmcache_chunk_size,
     send_lmcache_request,
+    store_hash_mode,
     wrap_kv_caches,
 )
 from lmcache_core.integration.vllm.adapter_common import (
@@ -317,20 +318,23 @@ class LMCacheMPWorkerAdapter:
     def batched_submit_store_requests(self, request_ids: list[str], ops: list[LoadStoreOp],
                                       event: Any) -> None:
         """One store request for the whole chunks of several vLLM requests (one per distinct
-        retention among them: ``LoadStoreOp.ttl_s``, ``pin``, ``priority``; and per tenant: each
-        carries the ``keys.tenant_tag`` of its ops' ``cache_salt``, never the salt)."""
+        retention among them: ``LoadStoreOp.ttl_s``, ``pin``, ``priority``; per tenant: each
+        carries the ``keys.tenant_tag`` of its ops' ``cache_salt``, never the salt; and per
+        hash mode, ``store_hash_mode``)."""
         if len(request_ids) != len(ops):
             raise ValueError(f"{len(request_ids)} request ids but {len(ops)} ops")
-        groups: dict[tuple[tuple[float | None, bool, int], str], list[int]] = {}
+        groups: dict[tuple[tuple[float | None, bool, int], str, m.HashMode], list[int]] = {}
         for i, op in enumerate(ops):
-            groups.setdefault((op.retention, tenant_tag(op.cache_salt)), []).append(i)
+            key = (op.retention, tenant_tag(op.cache_salt), store_hash_mode(op.block_hashes))
+            groups.setdefault(key, []).append(i)
         handle = _event_handle(event)
-        for ((ttl_s, pin, priority), tenant), members in groups.items():
+        for ((ttl_s, pin, priority), tenant, hash_mode), members in groups.items():
             ids = [request_ids[i] for i in members]
             for instance_id, hashes, blocks in self._parts([ops[i] for i in members], False):
                 payload = m.StoreRequest(instance_id=instance_id, chunk_hashes=hashes,
                                          block_ids=blocks, event_handle=handle, request_ids=ids,
-                                         ttl_s=ttl_s, pin=pin, priority=priority, tenant=tenant)
+                                         ttl_s=ttl_s, pin=pin, priority=priority, tenant=tenant,
+                                         hash_mode=hash_mode)
                 self._submit(STORE, payload, ids, blocks, self._stores)
 
     def batched_submit_retrieve_requests(self, request_ids: list[str], ops: list[LoadStoreOp],

@@ -64,7 +64,7 @@ def store_request(key: w.IPCCacheServerKey, instance_id: int, groups: Sequence[S
     return m.StoreRequest(instance_id=instance_id, chunk_hashes=hashes,
                           block_ids=_flat_blocks(groups, len(hashes), per_chunk),
                           request_ids=[key.request_id], tenant=tenant_tag(key.cache_salt),
-                          event_handle=event_handle)
+                          event_handle=event_handle, hash_mode="tokens")
 
 
 def retrieve_request(key: w.IPCCacheServerKey, instance_id: int, groups: Sequence[Sequence[int]],
