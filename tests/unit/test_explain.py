@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 from lmcache_cli.lookup_explain import Asked, Probe, _gaps, explain, layout_difference, seed_parts
 from lmcache_core.engine import PLAIN, CacheEngine
-from lmcache_core.integration.vllm.adapter_common import store_hash_mode
+from lmcache_core.integration.vllm.adapter_common import LoadStoreOp, store_hash_mode
 from lmcache_core.integration.vllm.connector_requests import _request_prefix
 from lmcache_core.keys import ChunkKey, salted_prefix
 from lmcache_core.protocol import explain_messages as em
@@ -87,11 +87,13 @@ def test_stores_are_counted_per_model_by_hash_mode_for_the_last_models_only() ->
 
 
 def test_the_adapters_tell_vllm_block_hashes_from_token_chains() -> None:
-    assert store_hash_mode([1, 2, 3]) == ""  # token ids
-    # the connector's own chain at each chunk's last block (connector_metadata.per_block_hashes)
-    assert store_hash_mode([b"", b"", b"", h(1), b"", b"", b"", h(2)]) == ""
-    assert store_hash_mode([h(1), h(2)]) == "vllm"
-    assert store_hash_mode([]) == ""
+    assert store_hash_mode(LoadStoreOp([1, 2, 3], [])) == ""  # token ids
+    # the connector's own chain at each chunk's last block (connector_metadata.per_block_hashes),
+    # with one block a chunk too
+    assert store_hash_mode(LoadStoreOp([b"", h(1), b"", h(2)], [], token_chain=True)) == ""
+    assert store_hash_mode(LoadStoreOp([h(1), h(2)], [], token_chain=True)) == ""
+    assert store_hash_mode(LoadStoreOp([h(1), h(2)], [])) == "vllm"
+    assert store_hash_mode(LoadStoreOp([], [])) == ""
 
 
 def test_the_cli_seeds_the_chain_as_the_vllm_connector_does() -> None:

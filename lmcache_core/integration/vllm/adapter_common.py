@@ -84,6 +84,9 @@ class LoadStoreOp:
     one); ``block_ids`` is not used then. See ``adapter_groups.piece_blocks`` for what each group
     moves. ``first_chunk``: the request's chunk the op's first is (what a chunked-local group
     loads depends on where the load ends in the request; 0: from the request's start).
+    ``token_chain``: ``block_hashes`` are chunk hashes the caller chained from token ids
+    (``keys.chain_hashes``, LMCache's token mode), each at its chunk's last block, not vLLM's
+    block hashes: what its stores say they were made from (``store_hash_mode``).
     """
 
     block_hashes: list[bytes]
@@ -94,6 +97,7 @@ class LoadStoreOp:
     priority: int = 0
     group_block_ids: list[list[int]] | None = None
     first_chunk: int = 0
+    token_chain: bool = False
 
     @property
     def retention(self) -> tuple[float | None, bool, int]:
@@ -113,17 +117,15 @@ def _chunk_hashes(block_hashes: Sequence[Any], blocks_in_chunk: int, chunk_size:
             for h in striding_block_hashes(block_hashes, blocks_in_chunk)]
 
 
-def store_hash_mode(block_hashes: Sequence[Any]) -> m.HashMode:
+def store_hash_mode(op: LoadStoreOp) -> m.HashMode:
     """What a store's chunk hashes were made from (``StoreRequest.hash_mode``, counted per model
     for ``lmcache lookup --explain``): "vllm" for vLLM's block hashes; "" for token ids, and for
-    chunk hashes a caller chained from token ids itself, which it hands over at each chunk's last
-    block with empty hashes before it (``connector_metadata.per_block_hashes``; vLLM's block
-    hashes are never empty, so the first block's tells). Token mode says nothing rather than
-    "tokens" so that a server older than the field (it refuses unknown fields) still takes those
-    stores; the server counts "" apart from "vllm", which is all ``--explain`` needs. (Caller
-    hashes at one block per chunk have no empty ones: counted as "vllm".)"""
-    first = block_hashes[0] if block_hashes else b""
-    return "" if isinstance(first, int) or not first else "vllm"
+    chunk hashes the caller chained from token ids itself (``LoadStoreOp.token_chain``). Token
+    mode says nothing rather than "tokens" so that a server older than the field (it refuses
+    unknown fields) still takes those stores; the server counts "" apart from "vllm", which is all
+    ``--explain`` needs."""
+    first = op.block_hashes[0] if op.block_hashes else b""
+    return "" if op.token_chain or isinstance(first, int) or not op.block_hashes else "vllm"
 
 
 class _Connection:

@@ -244,7 +244,7 @@ class ConnectorWorkerSide(KVConnectorBase_V1):
                             expand_block_ids(spec.block_ids, ratio), ttl_s=spec.ttl_s,
                             pin=spec.pin, priority=spec.priority, cache_salt=spec.cache_salt,
                             group_block_ids=self._kernel_group_ids(spec.group_block_ids),
-                            first_chunk=spec.first_chunk)
+                            first_chunk=spec.first_chunk, token_chain=True)
                 for spec in specs]
 
     def _kernel_group_ids(self, group_ids: list[list[int]] | None) -> list[list[int]] | None:

@@ -325,7 +325,7 @@ class LMCacheMPWorkerAdapter:
             raise ValueError(f"{len(request_ids)} request ids but {len(ops)} ops")
         groups: dict[tuple[tuple[float | None, bool, int], str, m.HashMode], list[int]] = {}
         for i, op in enumerate(ops):
-            key = (op.retention, tenant_tag(op.cache_salt), store_hash_mode(op.block_hashes))
+            key = (op.retention, tenant_tag(op.cache_salt), store_hash_mode(op))
             groups.setdefault(key, []).append(i)
         handle = _event_handle(event)
         for ((ttl_s, pin, priority), tenant, hash_mode), members in groups.items():
