@@ -7,6 +7,7 @@ an error reply, a failed check). They never show a traceback. Nothing here impor
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -25,8 +26,22 @@ if TYPE_CHECKING:
     from lmcache_core.protocol.messages import PingReply
     from lmcache_core.transport.client import MessageQueueClient
 
-console = Console()
-err_console = Console(stderr=True)
+#: The width of output that goes to a file or a pipe: wide enough that no table cell is cut.
+PIPED_WIDTH = 4096
+
+
+def _console(stderr: bool = False) -> Console:
+    """A console that renders at the terminal's width on a terminal, but at ``PIPED_WIDTH`` into
+    a file, a pipe or a CI log, where rich would fit tables into 80 columns and cut their cells
+    ("meta-llama/…"); tables take only the width they need, so nothing is padded. ``COLUMNS``,
+    when set, wins either way."""
+    stream = sys.stderr if stderr else sys.stdout
+    piped = not (stream.isatty() or os.environ.get("COLUMNS"))
+    return Console(stderr=stderr, width=PIPED_WIDTH if piped else None)
+
+
+console = _console()
+err_console = _console(stderr=True)
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -106,6 +121,18 @@ def _hex_bytes(data: Any) -> Any:
     if isinstance(data, list | tuple):
         return [_hex_bytes(v) for v in data]
     return data
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q`` quantile (0 to 1) of ``values``, interpolated between the two nearest (numpy's
+    default, without numpy); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def human_bytes(nbytes: float) -> str:

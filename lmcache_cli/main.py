@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 
+from lmcache_cli import bench_serve as bench_serve_cmd
 from lmcache_cli import inspect_chunks as inspect_cmd
 from lmcache_cli import lookup as lookup_cmd
 from lmcache_cli import pin as pin_cmd
@@ -39,6 +40,12 @@ app.command("pin")(pin_cmd.pin)
 app.command("unpin")(pin_cmd.unpin)
 app.command("stats")(stats_cmd.stats)
 app.command("store-bench")(bench_cmd.store_bench)
+bench_app = typer.Typer(
+    name="bench", help="Benchmarks of what serves beside lmcache: [bold]serve[/] drives an "
+    "OpenAI-compatible endpoint under load.", no_args_is_help=True, rich_markup_mode="rich",
+    context_settings={"help_option_names": ["-h", "--help"]})
+bench_app.command("serve")(bench_serve_cmd.serve)
+app.add_typer(bench_app)
 
 
 def _version(value: bool) -> None:

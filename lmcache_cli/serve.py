@@ -157,8 +157,11 @@ def _run_until_signal(server: CacheServer) -> None:
 
 
 def _setup_logging(level: str) -> None:
+    from rich.console import Console
     from rich.logging import RichHandler
 
+    # A console of its own: a log line fills its console's width, and the shared console is
+    # thousands of columns wide when piped (common.PIPED_WIDTH) so that tables are never cut.
     logging.basicConfig(level=level.upper(), format="%(name)s: %(message)s", datefmt="%H:%M:%S",
-                        handlers=[RichHandler(console=console, show_path=False)])
+                        handlers=[RichHandler(console=Console(), show_path=False)])
 

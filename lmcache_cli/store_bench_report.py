@@ -8,25 +8,13 @@ from __future__ import annotations
 from typing import Any
 
 from lmcache_cli.bench_worker import WorkerSpec
-from lmcache_cli.common import console, err_console, human_bytes
+from lmcache_cli.common import console, err_console, human_bytes, percentile
 from lmcache_core.config import LMCacheConfig
 
 GB = 1e9
 
 
 # ---------------------------------------------------------------------- figures
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    if len(ordered) == 1:
-        return ordered[0]
-    pos = q * (len(ordered) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def _ms(value: float | None) -> float | None:
@@ -46,7 +34,7 @@ def _phase_figures(phase: str, per_round: list[dict[str, list[float]]], nbytes_r
     """GB/s over the time spent in the phase's ops, and their p50/p99 latency."""
     ops = [t for rnd in per_round for t in rnd[phase]]
     return {"gbps": _rate(nbytes_round * len(per_round), sum(ops)),
-            "p50_ms": _ms(_pct(ops, 0.5)), "p99_ms": _ms(_pct(ops, 0.99)), "ops": len(ops)}
+            "p50_ms": _ms(percentile(ops, 0.5)), "p99_ms": _ms(percentile(ops, 0.99)), "ops": len(ops)}
 
 
 def build_report(cfg: LMCacheConfig, specs: list[WorkerSpec], results: dict[int, dict[str, Any]],
@@ -88,7 +76,7 @@ def _worker_figures(spec: WorkerSpec, res: dict[str, Any], round_bytes: int) -> 
         "store_p99_ms": fig["store"]["p99_ms"],
         "retrieve_gbps": fig["retrieve"]["gbps"], "retrieve_p50_ms": fig["retrieve"]["p50_ms"],
         "retrieve_p99_ms": fig["retrieve"]["p99_ms"],
-        "lookup_p50_ms": _ms(_pct(lookup_ops, 0.5)), "lookup_p99_ms": _ms(_pct(lookup_ops, 0.99)),
+        "lookup_p50_ms": _ms(percentile(lookup_ops, 0.5)), "lookup_p99_ms": _ms(percentile(lookup_ops, 0.99)),
         "raw_gather_gbps": fig["gather"]["gbps"], "raw_scatter_gbps": fig["scatter"]["gbps"],
         "store_vs_raw": _ratio(fig["store"]["gbps"], fig["gather"]["gbps"]),
         "retrieve_vs_raw": _ratio(fig["retrieve"]["gbps"], fig["scatter"]["gbps"]),
@@ -117,11 +105,11 @@ def _total_figures(workers: list[dict[str, Any]], results: dict[int, dict[str, A
                             ("gather", "raw_gather_gbps"), ("scatter", "raw_scatter_gbps")):
         out[rate_key] = rate_sum(rate_key)
         if phase in ("store", "retrieve"):
-            out[f"{phase}_p50_ms"] = _ms(_pct(ops(phase), 0.5))
-            out[f"{phase}_p99_ms"] = _ms(_pct(ops(phase), 0.99))
+            out[f"{phase}_p50_ms"] = _ms(percentile(ops(phase), 0.5))
+            out[f"{phase}_p99_ms"] = _ms(percentile(ops(phase), 0.99))
     lookups = [t for w in done for t in results[w["worker"]]["lookup_ops"]]
     out.update(
-        lookup_p50_ms=_ms(_pct(lookups, 0.5)), lookup_p99_ms=_ms(_pct(lookups, 0.99)),
+        lookup_p50_ms=_ms(percentile(lookups, 0.5)), lookup_p99_ms=_ms(percentile(lookups, 0.99)),
         store_vs_raw=_ratio(out["store_gbps"], out["raw_gather_gbps"]),
         retrieve_vs_raw=_ratio(out["retrieve_gbps"], out["raw_scatter_gbps"]),
         verified_bytes=sum(w["verified_bytes"] for w in done),

@@ -422,6 +422,18 @@ def test_inspect_chunks_table(bench: dict[str, Any], cfg: str) -> None:
     assert runner.invoke(app, ["inspect-chunks", "--sort", "weight"]).exit_code == 2
 
 
+def test_inspect_chunks_into_a_pipe_is_never_cut(bench: dict[str, Any], cfg: str) -> None:
+    """Into a file or a CI log (stdout a pipe, no COLUMNS), rich would fit the table into 80
+    columns and cut its cells ("floa…"): the console renders piped output at full width."""
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS" and not k.startswith("LMCACHE_")}
+    proc = subprocess.run([sys.executable, "-m", "lmcache_cli", "inspect-chunks", "-c", cfg,
+                           "--limit", "3"], capture_output=True, text=True, cwd=ROOT, env=env,
+                          stdin=subprocess.DEVNULL, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "float16:2x4x32" in proc.stdout and "…" not in proc.stdout, proc.stdout
+    assert max(len(line) for line in proc.stdout.splitlines()) > 80  # wider than it would be cut
+
+
 # ---------------------------------------------------------------------- serve
 
 

@@ -1,0 +1,104 @@
+"""How ``lmcache bench serve`` sends a workload's requests: how many at once, when, and in which
+order, on one asyncio loop with one httpx client.
+
+- ``concurrency`` N: N requests in flight; a request is sent when a slot frees (first come, in plan
+  order).
+- ``arrivals`` (a Poisson schedule): each request is sent at its own time from the run's start,
+  whether or not earlier answers are back (with ``concurrency`` as a cap on those in flight, if one
+  is given), so a slow server meets the load a busy service would put on it.
+- Either way a request that follows another (a chat user's next turn, a file's next line of the
+  same user) waits for that one to finish: a user does not type before the answer is there.
+
+A chat turn's prompt is made when it is sent: the user's history (the previous turn's prompt and the
+answer the server actually streamed, partial when that turn failed) and its new message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+
+from lmcache_cli.bench_serve_client import Completion, Endpoint
+from lmcache_cli.bench_serve_workload import PlannedRequest, chat_prompt
+
+
+@dataclass(frozen=True)
+class EndpointSettings:
+    """Where and how to send: the API base url (``http://host:8000/v1``), the model (None: the
+    first ``GET /models`` lists), an API key, and the timeout of every wait."""
+
+    base_url: str
+    model: str | None
+    api_key: str | None
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class Sent:
+    """A request of the plan once it is done: its prompt's size, when it was due and how it went."""
+
+    request: PlannedRequest
+    prompt_words: int
+    scheduled_s: float | None  # its arrival in the Poisson schedule, from the run's start
+    completion: Completion
+
+
+@dataclass(frozen=True)
+class RunResult:
+    model: str
+    sent: list[Sent]  # in plan order
+    started: float  # time.perf_counter() at the run's start (the schedule's zero)
+    ended: float
+    sent_extras: frozenset[str]  # the extension fields the server accepted (bench_serve_client)
+    notes: list[str]
+
+
+async def run(settings: EndpointSettings, plan: list[PlannedRequest], concurrency: int | None,
+              arrivals: list[float] | None, on_done: Callable[[Sent], None]) -> RunResult:
+    """Send every request of ``plan`` (raises ``EndpointError`` when no model can be found)."""
+    # The benchmark measures the endpoint, never a proxy the environment may name; the pool is not
+    # the limit (the slots below are), and each wait is bounded by the timeout.
+    async with httpx.AsyncClient(timeout=httpx.Timeout(settings.timeout_s), trust_env=False,
+                                 limits=httpx.Limits(max_connections=None,
+                                                     max_keepalive_connections=None)) as client:
+        model = settings.model or await Endpoint.served_model(client, settings.base_url,
+                                                              settings.api_key)
+        endpoint = Endpoint(client, settings.base_url, model, settings.api_key)
+        started = time.perf_counter()
+        sent = await send_all(endpoint, plan, concurrency, arrivals, on_done, started)
+        return RunResult(model=model, sent=sent, started=started, ended=time.perf_counter(),
+                         sent_extras=frozenset(endpoint.extras), notes=endpoint.notes)
+
+
+async def send_all(endpoint: Endpoint, plan: list[PlannedRequest], concurrency: int | None,
+                   arrivals: list[float] | None, on_done: Callable[[Sent], None],
+                   started: float) -> list[Sent]:
+    finished = [asyncio.Event() for _ in plan]
+    history: dict[int | str, str] = {}  # a chat user's last prompt and its streamed answer
+    slots = asyncio.Semaphore(concurrency) if concurrency else None
+    done: list[Sent | None] = [None] * len(plan)
+
+    async def send(request: PlannedRequest) -> None:
+        scheduled = arrivals[request.index] if arrivals is not None else None
+        if scheduled is not None:
+            await asyncio.sleep(max(0.0, started + scheduled - time.perf_counter()))
+        if request.after is not None:
+            await finished[request.after].wait()  # bounded: every wait of that request is
+        async with slots or contextlib.nullcontext():
+            prompt = chat_prompt(history.get(request.user, ""), request.text) if request.chat \
+                else request.text
+            completion = await endpoint.complete(prompt, request.max_tokens)
+        if request.chat:
+            history[request.user] = prompt + completion.text
+        result = Sent(request, len(prompt.split()), scheduled, completion)
+        done[request.index] = result
+        finished[request.index].set()
+        on_done(result)
+
+    await asyncio.gather(*(send(request) for request in plan))
+    return [result for result in done if result is not None]
