@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, TypeVar, overload
 
+from lmcache_core.protocol import explain_messages as xm
 from lmcache_core.protocol import messages as m
 from lmcache_core.protocol import ops
 from lmcache_core.protocol import pin_messages as pm
@@ -70,6 +71,8 @@ class TypedRequests:
                 timeout_s: float | None = ...) -> m.ChunkListReply: ...
     @overload
     def request(self, msg: m.PeekRequest, timeout_s: float | None = ...) -> m.PeekReply: ...
+    @overload
+    def request(self, msg: xm.ExplainRequest, timeout_s: float | None = ...) -> xm.ExplainReply: ...
 
     def request(self, msg: m.Message, timeout_s: float | None = None) -> m.Reply:
         """Send ``msg`` (its type names the op) and wait for the reply."""
@@ -103,6 +106,9 @@ class TypedRequests:
     @overload
     def request_async(self, msg: m.PeekRequest,
                       timeout_s: float | None = ...) -> MessagingFuture[m.PeekReply]: ...
+    @overload
+    def request_async(self, msg: xm.ExplainRequest,
+                      timeout_s: float | None = ...) -> MessagingFuture[xm.ExplainReply]: ...
 
     def request_async(self, msg: m.Message, timeout_s: float | None = None
                       ) -> MessagingFuture[Any]:

@@ -140,7 +140,7 @@ class FakeClient:
 
     def request(self, request: Any, **_kw: Any) -> Any:
         self.sent.append(request)
-        return None
+        return m.RegisterKVCacheReply(chunk_bytes=1 << 20, blocks_per_chunk=16, layout="x")
 
 
 def test_registering_again_exports_fresh_handles(monkeypatch: pytest.MonkeyPatch) -> None:

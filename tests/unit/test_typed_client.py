@@ -13,6 +13,7 @@ from unittest.mock import NonCallableMock
 import pytest
 
 from lmcache_core.protocol import OPS, RequestType, ops
+from lmcache_core.protocol import explain_messages as xm
 from lmcache_core.protocol import messages as m
 from lmcache_core.transport.future import MessagingFuture
 from lmcache_core.transport.typed import TypedRequests
@@ -33,7 +34,7 @@ def test_request_overloads_agree_with_the_op_table():
         seen = {}
         for fn in overloads:
             hints = typing.get_type_hints(fn, globalns=vars(m) | {"MessagingFuture": MessagingFuture,
-                                                                 "m": m})
+                                                                 "m": m, "xm": xm})
             seen[hints["msg"]] = hints["return"]
         assert seen == {req: wrap(op.reply) for req, op in ops.BY_REQUEST.items()}, name
 
