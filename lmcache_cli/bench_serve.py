@@ -79,6 +79,11 @@ def serve(
     output_spread: Annotated[float, typer.Option(
         "--output-spread", min=0.0, max=1.0, help="Answer lengths are drawn uniformly from mean x "
         "(1 ± spread): equal lengths make waves of requests that start and end together.")] = 0.5,
+    disconnect: Annotated[float, typer.Option(
+        "--disconnect", min=0.0, max=1.0, metavar="FRACTION",
+        help="This fraction of requests (drawn from the seed) is closed by the client after its "
+        "first token text, as users who leave mid-answer: the server must abort them. Counted "
+        "apart; a cut chat turn's answer stays out of its user's history.")] = 0.0,
     concurrency: Annotated[int | None, typer.Option(
         "--concurrency", min=1, help=f"Requests in flight (default {DEFAULT_CONCURRENCY}; "
         "with --rate, a cap on them, default none).", show_default=False)] = None,
@@ -133,7 +138,7 @@ def serve(
              EXIT_USAGE)
     from lmcache_cli.bench_serve_report import build_report, render, schedule_text
     from lmcache_cli.bench_serve_run import EndpointSettings
-    from lmcache_cli.bench_serve_workload import poisson_arrivals
+    from lmcache_cli.bench_serve_workload import disconnects, poisson_arrivals
 
     settings = EndpointSettings(base_url=_api_base(url), model=model, api_key=api_key,
                                 timeout_s=timeout)
@@ -144,6 +149,8 @@ def serve(
                                           turns=turns, prompt_words=prompt_tokens, docs=docs,
                                           doc_words=doc_tokens, questions=questions,
                                           requests=requests)
+    if disconnect:
+        plan = disconnects(plan, disconnect, seed)
     if rate is None and concurrency is None:
         concurrency = DEFAULT_CONCURRENCY
     arrivals = poisson_arrivals(len(plan), rate, seed) if rate is not None else None
@@ -232,7 +239,7 @@ def _run(settings: EndpointSettings, plan: list[PlannedRequest], concurrency: in
 
     def advance(sent: Sent) -> None:
         nonlocal failed
-        failed += not sent.completion.ok
+        failed += sent.completion.failed
         progress.update(task, advance=1, failed=failed)
 
     try:

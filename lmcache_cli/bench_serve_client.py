@@ -51,10 +51,16 @@ class Completion:
     completion_tokens: int | None = None
     error: str | None = None  # a reason of FAILURE_REASONS, None when the request succeeded
     detail: str = ""
+    disconnected: bool = False  # the client closed the stream after its first text, on purpose
 
     @property
     def ok(self) -> bool:
-        return self.error is None
+        """Whether the answer came whole (neither failed nor cut by the client)."""
+        return self.error is None and not self.disconnected
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
 
     def fail(self, reason: str, detail: str) -> Completion:
         self.error, self.detail = reason, detail[:300]
@@ -144,18 +150,20 @@ class Endpoint:
             body[INCLUDE_USAGE] = {"include_usage": True}
         return body
 
-    async def complete(self, prompt: str, max_tokens: int) -> Completion:
+    async def complete(self, prompt: str, max_tokens: int, disconnect: bool = False) -> Completion:
         """Stream one completion; a refused extension field is dropped and the request sent again
-        (each time with fewer fields, so at most twice more)."""
+        (each time with fewer fields, so at most twice more). ``disconnect``: close the stream
+        once the first token text has come, as a user who leaves does (the server should abort
+        the request)."""
         while True:
-            outcome = await self._stream(prompt, max_tokens)
+            outcome = await self._stream(prompt, max_tokens, disconnect)
             if isinstance(outcome, Completion):
                 return outcome
             if outcome.name in self.extras:  # else another request of the run dropped it already
                 self.extras.discard(outcome.name)
                 self.notes.append(_REFUSED_NOTES[outcome.name])
 
-    async def _stream(self, prompt: str, max_tokens: int) -> Completion | Refused:
+    async def _stream(self, prompt: str, max_tokens: int, disconnect: bool) -> Completion | Refused:
         url = self.base_url + "/completions"
         body = self.body(prompt, max_tokens)
         done = Completion(started=time.perf_counter())
@@ -164,7 +172,7 @@ class Endpoint:
                                           headers=self.headers) as response:
                 if response.status_code != 200:
                     return await self._refusal(response, done, body)
-                await self._read(response, done)
+                await self._read(response, done, disconnect)
         except httpx.TimeoutException as exc:  # connecting, sending, or a read of the stream
             done.fail(TIMEOUT, _describe(exc))
         except httpx.ConnectError as exc:
@@ -174,11 +182,11 @@ class Endpoint:
         except MalformedStream as exc:
             done.fail(MALFORMED, str(exc))
         done.ended = time.perf_counter()
-        if done.ok and done.ttft_s is None:
+        if not done.failed and done.ttft_s is None:
             done.fail(NO_TOKENS, "the stream ended without any token text")
         return done
 
-    async def _read(self, response: httpx.Response, done: Completion) -> None:
+    async def _read(self, response: httpx.Response, done: Completion, disconnect: bool) -> None:
         last = done.started
         async for line in response.aiter_lines():
             event = parse_event(line)
@@ -200,6 +208,9 @@ class Endpoint:
                 last = now
                 done.text += text
                 done.chunks += 1
+                if disconnect:  # leaving the response's context closes the connection
+                    done.disconnected = True
+                    return
             usage = event.get("usage")
             if isinstance(usage, dict):
                 done.prompt_tokens = _count(usage.get("prompt_tokens"))

@@ -8,6 +8,7 @@ ones back (a file of another shape is refused with the field that is wrong).
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from typing import TYPE_CHECKING
 
@@ -65,8 +66,12 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     ttft_s: float | None
     itl: ItlSummary
     ok: bool
+    disconnected: bool = False  # closed by the client after its first token text (--disconnect)
     error: str | None
     detail: str
+    #: blake2b-64 of the answer text as streamed (the cut part, when disconnected): two runs of
+    #: one seed against two servers gave the same answer where their digests agree.
+    answer_digest: str = ""
 
 
 class LMCacheFigures(msgspec.Struct, kw_only=True):
@@ -95,6 +100,7 @@ class RunReport(msgspec.Struct, kw_only=True):
     requests: int
     ok: int
     failed: int
+    disconnected: int = 0  # closed by the client on purpose (--disconnect): neither ok nor failed
     failures: dict[str, int]  # by reason
     requests_per_s: float  # requests that succeeded, per second of the run
     prompt_tokens: int
@@ -120,7 +126,7 @@ def _percentiles(values: list[float]) -> Percentiles:
 def group_figures(turn: int | None, sent: list[Sent]) -> GroupFigures:
     ok = [s.completion for s in sent if s.completion.ok]
     return GroupFigures(
-        turn=turn, requests=len(sent), ok=len(ok), failed=len(sent) - len(ok),
+        turn=turn, requests=len(sent), ok=len(ok), failed=sum(s.completion.failed for s in sent),
         prompt_words_mean=_round(sum(s.prompt_words for s in sent) / len(sent), 1) if sent else None,
         ttft_s=_percentiles([c.ttft_s for c in ok if c.ttft_s is not None]),
         itl_s=_percentiles([gap for c in ok for gap in c.itl_s]))
@@ -138,7 +144,8 @@ def record(sent: Sent, started: float) -> RequestRecord:
         itl=ItlSummary(count=len(gaps), mean_s=_round(sum(gaps) / len(gaps)) if gaps else None,
                        p50_s=_round(percentile(gaps, 0.5)), p90_s=_round(percentile(gaps, 0.9)),
                        max_s=_round(max(gaps)) if gaps else None),
-        ok=c.ok, error=c.error, detail=c.detail)
+        ok=c.ok, disconnected=c.disconnected, error=c.error, detail=c.detail,
+        answer_digest=hashlib.blake2b(c.text.encode(), digest_size=8).hexdigest())
 
 
 def lmcache_figures(url: str, before: EngineStats, after: EngineStats) -> LMCacheFigures:
@@ -171,7 +178,9 @@ def build_report(result: RunResult, *, url: str, workload: str, workload_detail:
         turn_name=turn_name, seed=seed, concurrency=concurrency, rate=rate, timeout_s=timeout_s,
         ignore_eos=IGNORE_EOS in result.sent_extras,
         include_usage=INCLUDE_USAGE in result.sent_extras,
-        duration_s=round(duration, 6), requests=len(sent), ok=len(ok), failed=len(sent) - len(ok),
+        duration_s=round(duration, 6), requests=len(sent), ok=len(ok),
+        failed=sum(s.completion.failed for s in sent),
+        disconnected=sum(s.completion.disconnected for s in sent),
         failures=dict(failures.most_common()),
         requests_per_s=round(len(ok) / duration, 3),
         prompt_tokens=prompt_tokens, prompt_tokens_from=source,
@@ -225,6 +234,10 @@ def render(report: RunReport) -> None:
                   f"{report.output_tokens_per_s:,.0f} · "
                   f"{schedule_text(report.concurrency, report.rate)} · seed {report.seed}",
                   highlight=False)
+    if report.disconnected:
+        console.print(f"disconnected by the client on purpose: {report.disconnected} of "
+                      f"{report.requests} (--disconnect; counted neither ok nor failed)",
+                      highlight=False)
     if report.failures:
         reasons = ", ".join(f"{escape(reason)}: {count}" for reason, count in report.failures.items())
         console.print(f"[bold red]failed: {report.failed} of {report.requests}[/] ({reasons})",

@@ -10,7 +10,8 @@ order, on one asyncio loop with one httpx client.
   same user) waits for that one to finish: a user does not type before the answer is there.
 
 A chat turn's prompt is made when it is sent: the user's history (the previous turn's prompt and the
-answer the server actually streamed, partial when that turn failed) and its new message.
+answer the server actually streamed, partial when that turn failed, none when the client closed it
+on purpose) and its new message.
 """
 
 from __future__ import annotations
@@ -92,9 +93,9 @@ async def send_all(endpoint: Endpoint, plan: list[PlannedRequest], concurrency: 
         async with slots or contextlib.nullcontext():
             prompt = chat_prompt(history.get(request.user, ""), request.text) if request.chat \
                 else request.text
-            completion = await endpoint.complete(prompt, request.max_tokens)
-        if request.chat:
-            history[request.user] = prompt + completion.text
+            completion = await endpoint.complete(prompt, request.max_tokens, request.disconnect)
+        if request.chat:  # a cut answer stays out of the history: how far it got is chance
+            history[request.user] = prompt + ("" if completion.disconnected else completion.text)
         result = Sent(request, len(prompt.split()), scheduled, completion)
         done[request.index] = result
         finished[request.index].set()

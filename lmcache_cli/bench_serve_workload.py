@@ -20,7 +20,7 @@ change the prompts.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 
@@ -63,7 +63,8 @@ class PlannedRequest:
 
     ``text`` is the whole prompt, except for a chat turn, whose prompt is built at send time from
     the user's history and ``text`` (its new message). ``after`` is the index of the request that
-    must have finished before this one is sent (the same user's previous turn), or None."""
+    must have finished before this one is sent (the same user's previous turn), or None.
+    ``disconnect``: the client closes the stream after the first token text (``disconnects``)."""
 
     index: int
     user: int | str
@@ -72,6 +73,7 @@ class PlannedRequest:
     max_tokens: int
     after: int | None = None
     chat: bool = False
+    disconnect: bool = False
 
     @property
     def words(self) -> int:
@@ -209,6 +211,15 @@ def file_plan(path: Path, lengths: LengthSpread, seed: int) -> list[PlannedReque
     if not plan:
         raise PromptsFileError(f"--prompts {path}: no prompts in it")
     return plan
+
+
+def disconnects(plan: list[PlannedRequest], fraction: float, seed: int) -> list[PlannedRequest]:
+    """``plan`` with about ``fraction`` of its requests, drawn from the seed alone, marked to be
+    closed by the client after their first token text: users who leave mid-answer, which the
+    server must abort and clean up after (each request drawn on its own, so the same seed marks
+    the same requests whatever the other flags)."""
+    rng = stream(seed, "disconnects")
+    return [replace(request, disconnect=rng.random() < fraction) for request in plan]
 
 
 # ---------------------------------------------------------------------- arrivals

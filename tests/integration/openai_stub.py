@@ -36,6 +36,7 @@ class StubRequest:
     arrived: float
     finished: float | None = None
     answer: str = ""
+    client_gone: bool = False  # the client closed the connection before the answer's end
 
     @property
     def prompt(self) -> str:
@@ -136,7 +137,8 @@ def _handler(stub: OpenAIStub) -> type[BaseHTTPRequestHandler]:
                     stub.hook(request)
                 self._complete(request)
             except (BrokenPipeError, ConnectionResetError):
-                self.close_connection = True  # the client gave up (its timeout)
+                request.client_gone = True  # the client gave up (its timeout) or left
+                self.close_connection = True
             finally:
                 stub.leave(request)
 

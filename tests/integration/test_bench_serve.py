@@ -8,6 +8,7 @@ imports). Every bound on time is generous: at least 10x what the stub's delays m
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -88,7 +89,8 @@ def test_ttft_and_itl_come_from_the_streams_and_json_has_every_figure() -> None:
     for record in data["records"]:
         assert set(record) == {"index", "user", "turn", "prompt_words", "prompt_tokens",
                                "max_tokens", "output_tokens", "scheduled_s", "start_s", "end_s",
-                               "ttft_s", "itl", "ok", "error", "detail"}
+                               "ttft_s", "itl", "ok", "disconnected", "error", "detail",
+                               "answer_digest"}
         assert record["ok"] and record["error"] is None and record["output_tokens"] == 4
         assert 0.2 <= record["ttft_s"] < 2.0 and record["itl"]["count"] == 3
         assert 0.05 <= record["itl"]["p50_s"] < 0.5 and record["scheduled_s"] is None
@@ -118,6 +120,35 @@ def test_chat_turns_send_the_history_with_the_answers_streamed_back() -> None:
     assert all(r["prompt_tokens"] == 2 * r["prompt_words"] for r in data["records"])
     assert sorted(r["prompt_words"] for r in data["records"]) == sorted(
         len(r.prompt.split()) for r in stub.requests)
+
+
+def test_disconnected_requests_are_closed_after_their_first_token_and_counted_apart() -> None:
+    """--disconnect: the requests the seed marks are closed by the client after their first
+    token text (the server sees the connection go), counted neither ok nor failed; a cut chat
+    turn's answer stays out of the next turn's prompt. Every record carries its answer's
+    digest, for comparing the answers of two runs."""
+    with OpenAIStub(token_gap_s=0.05) as stub:
+        data = bench_json("--url", stub.url, "--workload", "distinct", "--requests", "8",
+                          "--disconnect", "0.5", "--concurrency", "8",
+                          *small("--output-tokens", "8"))
+    gone = [r for r in stub.requests if r.client_gone]
+    assert 0 < data["disconnected"] < 8 and len(gone) == data["disconnected"]
+    assert (data["ok"], data["failed"], data["ok"] + data["disconnected"]) == (
+        8 - data["disconnected"], 0, 8)
+    cut = [r for r in data["records"] if r["disconnected"]]
+    assert all(not r["ok"] and r["error"] is None and r["output_tokens"] == 1 for r in cut)
+    digests = {hashlib.blake2b(r.answer.encode(), digest_size=8).hexdigest()
+               for r in stub.requests if not r.client_gone}
+    assert digests == {r["answer_digest"] for r in data["records"] if r["ok"]}
+    with OpenAIStub() as stub:
+        data = bench_json("--url", stub.url, "--users", "2", "--turns", "2", "--disconnect", "1",
+                          *small("--output-tokens", "8"))
+    assert data["disconnected"] == 4
+    first = {r.prompt for r in stub.requests if r.prompt.count("User: ") == 1}
+    for request in stub.requests:
+        if request.prompt.count("User: ") == 2:
+            previous = request.prompt.split("\nUser: ")[0]
+            assert previous in first  # the history: the first prompt, without its cut answer
 
 
 def test_docs_questions_share_their_document() -> None:
