@@ -9,7 +9,7 @@ however it ended, so tests hold no try/finally of their own for that.
 
 ``perf`` tests measure real latency (bounds generous, but still about speed): they are deselected
 by default (``-m "not perf"`` in pyproject.toml's addopts) and run with ``-m perf`` or
-``LMCACHE_PERF=1``. Speed figures proper are ``scripts/bench_*.py``.
+``LMCACHE_PERF=1``. Speed figures proper are ``scripts/bench/bench_*.py``.
 """
 
 from __future__ import annotations

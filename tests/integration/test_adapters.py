@@ -146,7 +146,7 @@ def test_get_finished_waits_for_both_store_and_engine(server, ranks):
 def test_pending_lookup_never_blocks(server, scheduler):
     """A pending lookup answers None at once. The bound only catches a poll that waits (a 10 ms
     backoff per call would take 10 s here): 1000 polls take ~20 ms, 100x under it. Its speed is
-    measured by scripts/bench_scheduler_lookup.py (``check_lookup_result`` on a pending lookup)."""
+    measured by scripts/bench/bench_scheduler_lookup.py (``check_lookup_result`` on a pending lookup)."""
     with server_stopped(server):
         scheduler.maybe_submit_lookup_request("p", tokens(2, seed=50))
         start = time.perf_counter()

@@ -108,7 +108,7 @@ def test_reports_the_minimum_over_workers_and_pins_each_workers_hits(cluster, ma
     assert [cluster[r]("locks", "a") for r in (0, 1)] == list(HELD)  # held for the retrieve
 
     # Microseconds, not a 10 ms backoff: the bound (1 ms a call, ~300x what it takes) only
-    # catches a poll that waits (100 s here); scripts/bench_async_lookup.py measures the speed.
+    # catches a poll that waits (100 s here); scripts/bench/bench_async_lookup.py measures the speed.
     start = time.perf_counter()
     for _ in range(10_000):
         client.lookup_cache("a")

@@ -1,14 +1,15 @@
 """The docs stay true to the code and findable: docs/configuration.md documents every config key and
-is exactly what scripts/gen_config_docs.py writes; every relative link in README.md and docs/ names
-a file (and a heading) that exists; the README stays a landing page."""
+is exactly what scripts/gen/gen_config_docs.py writes (the generator runs as a process, as a user
+runs it); every relative link in README.md and docs/ names a file (and a heading) that exists; the
+README stays a landing page."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
@@ -17,19 +18,14 @@ from lmcache_core.config import leaf_keys
 ROOT = Path(__file__).resolve().parents[2]
 README_MAX_LINES = 150
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+GENERATOR = Path("scripts") / "gen" / "gen_config_docs.py"  # relative to a checkout's root
 
 
-def _generator() -> ModuleType:
-    path = ROOT / "scripts" / "gen_config_docs.py"
-    spec = importlib.util.spec_from_file_location("gen_config_docs", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)
-    spec.loader.exec_module(module)
-    return module
-
-
-gen = _generator()
+def generate(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run the generator of the checkout at ``root`` (it writes ``root``'s docs/configuration.md;
+    ``--check``: exit 1 when that file is stale or a key has no meaning)."""
+    return subprocess.run([sys.executable, str(root / GENERATOR), *args], capture_output=True,
+                          text=True, timeout=120, check=False)
 
 
 def _pages() -> list[Path]:
@@ -65,28 +61,38 @@ def links(page: Path) -> list[str]:
     return [target for target in LINK.findall(text) if not re.match(r"[a-z]+:", target)]
 
 
-def test_every_config_key_has_a_meaning_and_every_meaning_a_key() -> None:
-    assert gen.problems() == []
-    assert set(gen.MEANINGS) == set(leaf_keys())
-
-
-def test_configuration_md_is_what_the_generator_writes() -> None:
+def test_configuration_md_is_what_the_generator_writes_and_every_key_has_a_meaning() -> None:
+    # --check fails on a key without a meaning, a meaning without a key, and a stale page
+    check = generate(ROOT, "--check")
+    assert check.returncode == 0, f"stale: run python {GENERATOR}\n{check.stderr}"
     text = (ROOT / "docs" / "configuration.md").read_text()
-    assert gen.rewritten(text) == text, "stale: run python scripts/gen_config_docs.py"
     for key in leaf_keys():
         assert f"| `{key}` |" in text
 
 
-def test_the_generator_flags_an_undocumented_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    meanings = dict(gen.MEANINGS)
-    del meanings["server.workers"]
-    monkeypatch.setattr(gen, "MEANINGS", meanings)
-    assert gen.problems() == ["server.workers: no entry in MEANINGS (scripts/gen_config_docs.py)"]
-    assert "| `server.workers` |" in gen.render() and "**undocumented**" in gen.render()
+def test_the_generator_flags_an_undocumented_key(tmp_path: Path) -> None:
+    """A copy of the checkout's generator and page, one meaning deleted: --check names the key and
+    the stale page; a run writes the key's row as undocumented."""
+    source = (ROOT / GENERATOR).read_text()
+    assert "\ndef problems()" in source
+    (tmp_path / GENERATOR).parent.mkdir(parents=True)
+    (tmp_path / GENERATOR).write_text(source.replace(
+        "\ndef problems()", '\ndel MEANINGS["server.workers"]\n\n\ndef problems()', 1))
+    (tmp_path / "docs").mkdir()
+    shutil.copy(ROOT / "docs" / "configuration.md", tmp_path / "docs" / "configuration.md")
+    check = generate(tmp_path, "--check")
+    assert check.returncode == 1
+    assert check.stderr.splitlines()[0] == (
+        "gen_config_docs: server.workers: no entry in MEANINGS (scripts/gen/gen_config_docs.py)")
+    assert "is stale" in check.stderr
+    assert generate(tmp_path).returncode == 1  # it writes the page, and still names the key
+    row = next(line for line in (tmp_path / "docs" / "configuration.md").read_text().splitlines()
+               if line.startswith("| `server.workers` |"))
+    assert row.endswith("| **undocumented** |"), row
 
 
 def test_the_generated_table_follows_the_code() -> None:
-    text = gen.render()
+    text = (ROOT / "docs" / "configuration.md").read_text()  # what the generator writes (above)
     assert ("| `server.pool_size` | size (bytes, or `4GiB`) | `4GiB` | "
             "`LMCACHE_SERVER_POOL_SIZE`<br>`--pool-size` |") in text
     assert "| `server.url` | str | `tcp://127.0.0.1:5555` | `LMCACHE_SERVER_URL`<br>`--url` |" in text
@@ -126,7 +132,7 @@ def test_slugs_follow_githubs_rules() -> None:
     assert slug("## `lmcache serve`") == "lmcache-serve"
     assert (slug("## One server per node: any model, any TP size")
             == "one-server-per-node-any-model-any-tp-size")
-    assert slug("### `scripts/bench_server.py`") == "scriptsbench_serverpy"
+    assert slug("### `scripts/bench/bench_server.py`") == "scriptsbenchbench_serverpy"
     assert slug("## LMCache's client against both servers") == "lmcaches-client-against-both-servers"
 
 

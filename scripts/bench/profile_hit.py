@@ -5,7 +5,7 @@ its toy, or ``gemma3-270m``, Gemma 3 270M's shape).
 
 Usage (the vLLM env; ``--engine vllm`` for vLLM's own prefix cache, ``ours`` for the connector
 with a ``lmcache serve`` it starts):
-  PYTHONPATH=$PWD ~/.cache/lmcache-vllm-venv/bin/python scripts/profile_hit.py --engine ours [--docs 3]
+  PYTHONPATH=$PWD ~/.cache/lmcache-vllm-venv/bin/python scripts/bench/profile_hit.py --engine ours [--docs 3]
 
 Prints, per prompt, its TTFT, the CPU time of this process's busiest threads and of the server,
 and the page faults of both; per round-2 prompt (a hit) also a timeline in ms from ``generate``'s
@@ -28,12 +28,12 @@ from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from scripts import server_trace  # noqa: E402
-from scripts.bench_e2e import HYBRIDS, VOCAB, start_ours  # noqa: E402
-from tests.vllm.tiny_model import tiny_gemma3  # noqa: E402
+import server_trace  # noqa: E402  (beside this script, as the next two are)
+from bench_e2e import HYBRIDS, VOCAB, start_ours  # noqa: E402
+from tiny_model import tiny_gemma3  # noqa: E402
 
 EVENTS: list[tuple[float, str]] = []
 
@@ -205,16 +205,15 @@ def main() -> None:
                              "untimed, so each hit starts with cold CPU caches as in bench_e2e.py "
                              "(0: off)")
     parser.add_argument("--server-trace", action="store_true",
-                        help="start the server through scripts/server_trace.py and print its "
+                        help="start the server through scripts/bench/server_trace.py and print its "
                              "requests, handlers and copies (wall and CPU ms) in each timeline")
     args = parser.parse_args()
     LOAD_CPU[0] = args.load_cpu
     DETAIL[0] = args.engine_detail
+    from engine_runner import flush_cpu_caches, reset_prefix_cache
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
-
-    from tests.vllm.engine_runner import flush_cpu_caches, reset_prefix_cache
 
     spec, name, _kind = HYBRIDS[args.model]
     model = tiny_gemma3(spec=spec, name=name)

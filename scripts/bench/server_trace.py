@@ -1,8 +1,8 @@
 """Run ``lmcache serve`` with its requests and copies timestamped into a trace file.
 
-Usage: python scripts/server_trace.py TRACE_FILE serve -c CONFIG.yaml [more lmcache options]
+Usage: python scripts/bench/server_trace.py TRACE_FILE serve -c CONFIG.yaml [more lmcache options]
 
-A measuring tool beside ``scripts/profile_hit.py --server-trace`` (which starts the server through
+A measuring tool beside ``scripts/bench/profile_hit.py --server-trace`` (which starts the server through
 it and merges the trace into a hit's timeline): each line of TRACE_FILE is ``EVENT START END
 THREAD CPU QUEUED DETAIL``, times in seconds of ``time.perf_counter``, which on Linux is
 CLOCK_MONOTONIC and so the same clock in every process of the machine. Events:
@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run_delay_ns() -> float:

@@ -12,7 +12,7 @@
 - a memory-only ``lookup`` of 64 chunks x 2 ranks with no tier attached (the fast path).
 
 Starts its own ``redis-server`` (no persistence) on a free port unless ``--url`` is given.
-Usage: python scripts/bench_tiers.py [--chunk-mib 4] [--chunks 16] [--rounds 5] [--url redis://...]
+Usage: python scripts/bench/bench_tiers.py [--chunk-mib 4] [--chunks 16] [--rounds 5] [--url redis://...]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import redis  # noqa: E402

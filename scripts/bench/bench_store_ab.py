@@ -10,7 +10,7 @@ sees it finished (``bench_server.wait_store``: the reply and the worker's drain)
 checksums, taken after the reply in newer checkouts, are then waited for untimed, so they do not
 slow the next figure. Same Llama-8B-shaped chunks and config as ``bench_server.py``.
 
-Usage: python scripts/bench_store_ab.py --before /tmp/lmcache-before [--chunks 4] [--rounds 30]
+Usage: python scripts/bench/bench_store_ab.py --before /tmp/lmcache-before [--chunks 4] [--rounds 30]
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ from pathlib import Path
 import yaml
 import zmq
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_server as bench  # noqa: E402  (beside this script)
 

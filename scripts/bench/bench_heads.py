@@ -15,7 +15,7 @@ all layers in one storage (the stacked path), ``--chunks`` chunks per call:
 GB/s counts the bytes written into the cache. The cases take turns within every repetition, so load
 changes hit all alike; figures are medians of ``--reps`` repetitions after ``--warmup``.
 
-Usage: python scripts/bench_heads.py [--chunks 4] [--reps 7] [--threads 1 2] [--alternatives]
+Usage: python scripts/bench/bench_heads.py [--chunks 4] [--reps 7] [--threads 1 2] [--alternatives]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from lmcache_core.kv.copy import BlockCopier  # noqa: E402

@@ -1,7 +1,7 @@
 """LMCache 0.5.6's own client against ``lmcache serve`` and against LMCache's own server, back to back.
 
 Runs in the environment ``scripts/test-lmcache`` builds (it needs the ``lmcache`` package), e.g.
-``~/.cache/lmcache-0.5.6-venv/bin/python scripts/bench_lmcache_client.py``. Both servers get the same
+``~/.cache/lmcache-0.5.6-venv/bin/python scripts/bench/bench_lmcache_client.py``. Both servers get the same
 chunk size and the same workload from LMCache's ``LMCacheMPWorkerAdapter`` / ``LMCacheMPSchedulerAdapter``
 on CPU KV caches in shared memory (``lmcache_driven``): per iteration, one request of ``--chunks``
 chunks is stored, looked up (token mode) and retrieved into other blocks (checked byte-exact), then

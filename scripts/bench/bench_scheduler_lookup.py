@@ -18,7 +18,7 @@ count), the CPU time and context switches per round trip of each process, all th
 together (Linux: /proc/PID/task/*/schedstat): unlike wall time on a busy 2-core machine, barely
 moved by others' load.
 
-Usage: python scripts/bench_scheduler_lookup.py [--iters 2000] [--profile] [--cpu]
+Usage: python scripts/bench/bench_scheduler_lookup.py [--iters 2000] [--profile] [--cpu]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pathlib import Path
 import yaml
 import zmq
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchlib import ECHO  # noqa: E402  (beside this script)

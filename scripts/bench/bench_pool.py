@@ -11,10 +11,10 @@ Once the pool is full it reports, over the second half of the stream:
   (1.0: it freed what it needed; a store of a new size that empties a whole slab: far more);
 - the share of the pool the held pieces fill, and how many stores found no room.
 
-Run it against another checkout (``PYTHONPATH=/path/to/other python scripts/bench_pool.py``) to
+Run it against another checkout (``PYTHONPATH=/path/to/other python scripts/bench/bench_pool.py``) to
 compare allocators on the same stream (same seed).
 
-Usage: python scripts/bench_pool.py [--pool-mib 1024] [--stores 3000] [--sizes 262144,3145728,...]
+Usage: python scripts/bench/bench_pool.py [--pool-mib 1024] [--stores 3000] [--sizes 262144,3145728,...]
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ ipc:// PUSH/PULL pair. The client sits in this process. Figures:
   "pre-hashed" runs repeat each figure with the prompt's hashes computed once, which isolates the
   messaging and the workers' engine lookups (what the echo is a floor for).
 
-Usage: python scripts/bench_async_lookup.py [--tokens 16384] [--iters 400] [--inflight 64]
+Usage: python scripts/bench/bench_async_lookup.py [--tokens 16384] [--iters 400] [--inflight 64]
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 
 import zmq
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from lmcache_core.keys import TokenDatabase  # noqa: E402

@@ -23,7 +23,7 @@
 and store/retrieve against the same floors, taking turns within every batch and round, then prints
 both servers' ratios and how much metrics change them (the issue's target: within 5 %).
 
-Usage: python scripts/bench_server.py [--chunks 8] [--rounds 5] [--lookups 2000]
+Usage: python scripts/bench/bench_server.py [--chunks 8] [--rounds 5] [--lookups 2000]
        [--metrics on|off|compare] [--only hybrid]
 """
 
@@ -42,7 +42,7 @@ from pathlib import Path
 import yaml
 import zmq
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchlib import ECHO, timed  # noqa: E402  (beside this script)

@@ -5,7 +5,7 @@ Floors: ``blake3`` over the same chunk-sized buffers with nothing else (the comp
 the chain is sequential, one call per chunk), and the list -> C array conversion of the prompt.
 ``--before FILE`` also times another keys.py (e.g. ``git show HEAD~1:lmcache_core/keys.py``).
 
-Usage: python scripts/bench_keys.py [--tokens 16384] [--chunk-size 256] [--before /tmp/keys_before.py]
+Usage: python scripts/bench/bench_keys.py [--tokens 16384] [--chunk-size 256] [--before /tmp/keys_before.py]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from blake3 import blake3
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchlib import timed  # (beside this script)
 

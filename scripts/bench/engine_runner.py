@@ -1,6 +1,6 @@
 """Run one vLLM engine (in-process, CPU) through a list of steps; write what it generated as JSON.
 
-Usage: python tests/vllm/engine_runner.py SPEC.json OUT.json
+Usage: python scripts/bench/engine_runner.py SPEC.json OUT.json
 
 Run as its own process per engine (vLLM keeps process-global state). SPEC:
 ``{"model": dir, "connector": {"url": ..., "extra": {...}} | null, "prefix_caching": bool,
