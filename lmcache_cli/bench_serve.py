@@ -42,9 +42,10 @@ MAX_SEED = 2**53
 
 
 def serve(
-    url: Annotated[str | None, typer.Option(
+    url: Annotated[list[str] | None, typer.Option(
         "--url", help="The OpenAI-compatible API base, e.g. http://127.0.0.1:8000/v1 (/v1 is added "
-        "to a url without a path).", show_default=False)] = None,
+        "to a url without a path). Several: replicas of one model, a chat user's turns sent to "
+        "them in turn (round robin by user and turn).", show_default=False)] = None,
     model: Annotated[str | None, typer.Option(
         "--model", "-m", help="Model name to request (default: the first GET /v1/models lists).",
         show_default=False)] = None,
@@ -121,6 +122,8 @@ def serve(
 
     Example: [cyan]lmcache bench serve --url http://gpu1:8000/v1 --lmcache-url tcp://gpu1:5555[/]
 
+    Example: [cyan]lmcache bench serve --url http://gpu1:8000/v1 --url http://gpu1:8001/v1 --seed 3[/]
+
     Example: [cyan]lmcache bench serve --url http://gpu1:8000/v1 -w docs --rate 2 --seed 7 --json > a.json[/]
 
     Example: [cyan]lmcache bench serve --compare a.json b.json --plot ttft.png[/]
@@ -133,15 +136,16 @@ def serve(
     if runs:
         fail(f"unexpected argument {str(runs[0])!r}: saved runs are read only with --compare",
              EXIT_USAGE)
-    if url is None:
+    if not url:
         fail("--url is required: the OpenAI-compatible API base, e.g. http://127.0.0.1:8000/v1",
              EXIT_USAGE)
     from lmcache_cli.bench_serve_report import build_report, render, schedule_text
     from lmcache_cli.bench_serve_run import EndpointSettings
     from lmcache_cli.bench_serve_workload import disconnects, poisson_arrivals
 
-    settings = EndpointSettings(base_url=_api_base(url), model=model, api_key=api_key,
-                                timeout_s=timeout)
+    settings = EndpointSettings(base_urls=tuple(_api_base(u) for u in url), model=model,
+                                api_key=api_key, timeout_s=timeout)
+    where = ", ".join(settings.base_urls)
     if seed is None:
         seed = secrets.randbelow(2**31)
     lengths = LengthSpread(output_tokens, output_spread)
@@ -157,7 +161,7 @@ def serve(
     low, high = lengths.bounds()
     detail += f", answers of {low}-{high} tokens" if high > low else f", answers of {low} tokens"
     if not as_json:
-        console.print(f"bench serve {settings.base_url}: {detail}; {len(plan)} requests, "
+        console.print(f"bench serve {where}: {detail}; {len(plan)} requests, "
                       f"{schedule_text(concurrency, rate)}, seed {seed}", highlight=False,
                       markup=False)
 
@@ -171,7 +175,7 @@ def serve(
         if lmcache_url is not None:
             lmcache = _lmcache_figures(client, lmcache_url, before, notes)
 
-    report = build_report(result, url=settings.base_url, workload=name, workload_detail=detail,
+    report = build_report(result, url=where, workload=name, workload_detail=detail,
                           turn_name=turn_name, seed=seed, concurrency=concurrency, rate=rate,
                           timeout_s=timeout, lmcache=lmcache, notes=notes)
     if as_json:

@@ -30,13 +30,25 @@ from lmcache_cli.bench_serve_workload import PlannedRequest, chat_prompt
 
 @dataclass(frozen=True)
 class EndpointSettings:
-    """Where and how to send: the API base url (``http://host:8000/v1``), the model (None: the
-    first ``GET /models`` lists), an API key, and the timeout of every wait."""
+    """Where and how to send: the API base urls (``http://host:8000/v1``; several: replicas of
+    one model, see ``replica``), the model (None: the first ``GET /models`` of the first url
+    lists), an API key, and the timeout of every wait."""
 
-    base_url: str
+    base_urls: tuple[str, ...]
     model: str | None
     api_key: str | None
     timeout_s: float
+
+
+def replica(request: PlannedRequest, replicas: int) -> int:
+    """Which of ``replicas`` servers a request goes to: round robin by user and turn, so a chat
+    user's next turn lands on the next replica (its history was computed on another one: only a
+    cache the replicas share can spare recomputing it); other requests by their index."""
+    if replicas == 1:
+        return 0
+    if isinstance(request.user, int) and request.chat:
+        return (request.user + request.turn) % replicas
+    return request.index % replicas
 
 
 @dataclass(frozen=True)
@@ -67,16 +79,18 @@ async def run(settings: EndpointSettings, plan: list[PlannedRequest], concurrenc
     async with httpx.AsyncClient(timeout=httpx.Timeout(settings.timeout_s), trust_env=False,
                                  limits=httpx.Limits(max_connections=None,
                                                      max_keepalive_connections=None)) as client:
-        model = settings.model or await Endpoint.served_model(client, settings.base_url,
+        model = settings.model or await Endpoint.served_model(client, settings.base_urls[0],
                                                               settings.api_key)
-        endpoint = Endpoint(client, settings.base_url, model, settings.api_key)
+        endpoints = [Endpoint(client, url, model, settings.api_key) for url in settings.base_urls]
         started = time.perf_counter()
-        sent = await send_all(endpoint, plan, concurrency, arrivals, on_done, started)
+        sent = await send_all(endpoints, plan, concurrency, arrivals, on_done, started)
+        extras = frozenset.intersection(*(frozenset(e.extras) for e in endpoints))
+        notes = list(dict.fromkeys(note for e in endpoints for note in e.notes))
         return RunResult(model=model, sent=sent, started=started, ended=time.perf_counter(),
-                         sent_extras=frozenset(endpoint.extras), notes=endpoint.notes)
+                         sent_extras=extras, notes=notes)
 
 
-async def send_all(endpoint: Endpoint, plan: list[PlannedRequest], concurrency: int | None,
+async def send_all(endpoints: list[Endpoint], plan: list[PlannedRequest], concurrency: int | None,
                    arrivals: list[float] | None, on_done: Callable[[Sent], None],
                    started: float) -> list[Sent]:
     finished = [asyncio.Event() for _ in plan]
@@ -93,6 +107,7 @@ async def send_all(endpoint: Endpoint, plan: list[PlannedRequest], concurrency: 
         async with slots or contextlib.nullcontext():
             prompt = chat_prompt(history.get(request.user, ""), request.text) if request.chat \
                 else request.text
+            endpoint = endpoints[replica(request, len(endpoints))]
             completion = await endpoint.complete(prompt, request.max_tokens, request.disconnect)
         if request.chat:  # a cut answer stays out of the history: how far it got is chance
             history[request.user] = prompt + ("" if completion.disconnected else completion.text)

@@ -151,6 +151,22 @@ def test_disconnected_requests_are_closed_after_their_first_token_and_counted_ap
             assert previous in first  # the history: the first prompt, without its cut answer
 
 
+def test_replicas_take_a_users_turns_in_turn() -> None:
+    """Several --url: replicas of one model; a chat user's next turn goes to the next replica
+    (round robin by user and turn), so only a cache they share spares recomputing its history."""
+    with OpenAIStub() as first, OpenAIStub() as second:
+        data = bench_json("--url", first.url, "--url", second.url, "--users", "2", "--turns", "3",
+                          *small())
+    assert data["ok"] == 6 and data["url"] == f"{first.url}, {second.url}"
+    on_first = sorted(r.prompt.count("User: ") for r in first.requests)
+    on_second = sorted(r.prompt.count("User: ") for r in second.requests)
+    # user 0: turns 0, 2 on the first replica and 1 on the second; user 1 the other way round
+    assert on_first == [1, 2, 3] and on_second == [1, 2, 3]
+    for stub in (first, second):
+        users = {r.prompt.split("\n")[0] for r in stub.requests}
+        assert len(users) == 2  # both users' conversations are on both replicas
+
+
 def test_docs_questions_share_their_document() -> None:
     with OpenAIStub() as stub:
         data = bench_json("--url", stub.url, "--workload", "docs", "--docs", "2", "--doc-tokens",
