@@ -6,10 +6,18 @@ inside a zmq call, so it holds no socket state while a caller sends; when the de
 takes the lock, receives every queued reply, matches replies to futures by request id and fails
 requests past their deadline (``io_core.PendingRequests``). Nothing sleeps: the thread blocks only
 in ``poll`` with a timeout equal to the next deadline.
+
+A socket monitor tells the thread when the connection to the server closes: the server exited
+(killed, restarted) or closed it. Its KV copies run in that process, on this host (shared memory,
+CUDA IPC), so no request sent before the close can still be served: the thread fails them all at
+once (``ServerUnreachableError``) instead of letting each wait out its timeout (a worker waiting
+for a preempted request's stores would stall its engine that long). The socket reconnects by
+itself; what is sent from then on goes to whichever server listens next.
 """
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import logging
@@ -19,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from lmcache_core.errors import (
     ConnectionClosedError,
@@ -88,8 +97,11 @@ class MessageQueueClient(TypedRequests):
         self._timer_seq = itertools.count()
         zmq_fd = self._socket.getsockopt(zmq.FD)
         self._waiters = ThreadWaiters(zmq_fd)
+        # Only the I/O thread touches the monitor (zmq sockets belong to one thread at a time).
+        self._monitor: zmq.Socket[Any] = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._io = IOThread(name, zmq_fd, self._turn, self._shutdown,
-                            f"lmcache client for {server_url}")
+                            f"lmcache client for {server_url}",
+                            always_fd=self._monitor.getsockopt(zmq.FD))
         self._io.start()
 
     def _open_socket(self, url: str) -> zmq.Socket[Any]:
@@ -322,6 +334,10 @@ class MessageQueueClient(TypedRequests):
             if self._closed:
                 return None
             done = self._receive_locked()
+            if self._connection_closed():
+                done += self._fail_all_locked(ServerUnreachableError(
+                    f"the connection to {self.server_url} closed (the server exited or "
+                    "restarted): no reply can come"))
             now = time.monotonic()
             done += self._expire_locked(now)
             due = self._due_timers_locked(now)
@@ -393,17 +409,33 @@ class MessageQueueClient(TypedRequests):
                 f"{pending.op.value} to {self.server_url}: no reply within the request timeout")))
         return done
 
+    def _connection_closed(self) -> bool:
+        """Whether the monitor reported the connection closed since the last look (its events
+        read to EAGAIN: its ``ZMQ_FD``, like the socket's, signals only what comes next)."""
+        closed = False
+        while True:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return closed
+            closed |= event["event"] == zmq.EVENT_DISCONNECTED
+
+    def _fail_all_locked(self, error: LMCacheError) -> list[_Outcome]:
+        self._unattended = 0
+        return [(p.future, error) for p in self._pending.take_all()]
+
     def _shutdown(self) -> None:
         """The I/O thread's exit, however it ends: fail what is pending, close the socket."""
         with self._lock:
             self._closed = True
             died = self._io.error
-            error = ConnectionClosedError(
+            done = self._fail_all_locked(ConnectionClosedError(
                 f"client for {self.server_url} was closed" if died is None else
-                f"client for {self.server_url} closed: its I/O thread died ({died!r})")
-            done: list[_Outcome] = [(p.future, error) for p in self._pending.take_all()]
-            self._unattended = 0
+                f"client for {self.server_url} closed: its I/O thread died ({died!r})"))
             self._timers.clear()
+            with contextlib.suppress(zmq.ZMQError):
+                self._socket.disable_monitor()
+            self._monitor.close(0)
             self._socket.close(0)
         _settle(done)
 

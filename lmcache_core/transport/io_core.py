@@ -45,10 +45,13 @@ class IOThread:
     """The owner's background loop; see the module docstring."""
 
     def __init__(self, name: str, zmq_fd: Any, turn: Turn, on_exit: Callable[[], None],
-                 what: str) -> None:
+                 what: str, always_fd: Any = None) -> None:
+        """``always_fd``: another descriptor to wait on in every round (a socket monitor's
+        ``ZMQ_FD``), whatever the owner says of the socket's."""
         self.waker = Waker()
         self.error: BaseException | None = None
         self._zmq_fd = zmq_fd
+        self._always_fd = always_fd
         self._turn = turn
         self._on_exit = on_exit
         self._what = what
@@ -73,6 +76,8 @@ class IOThread:
         waker_fd = waker.fd
         poller = select.poll()
         poller.register(waker_fd, select.POLLIN)
+        if self._always_fd is not None:
+            poller.register(self._always_fd, select.POLLIN)
         watching = False
         try:
             while True:

@@ -41,12 +41,12 @@ def server(request, tmp_path, release):
         raise RuntimeError("kaboom")
 
     url = "tcp://127.0.0.1:0" if request.param == "tcp" else f"ipc://{tmp_path}/s.sock"
-    srv = MessageQueueServer(url, {
+    srv = MessageQueueServer(url, workers=2)
+    srv.start({
         RequestType.PING: Route(_ping),
         RequestType.STORE: Route(slow_store, blocking=True),
         RequestType.CLEAR: Route(boom),
-    }, workers=2)
-    srv.start()
+    })
     yield srv
     release.set()
     srv.stop(1.0)
@@ -115,6 +115,36 @@ def test_unreachable_and_timeouts():
             client.wait_until_reachable(0.2)
 
 
+@pytest.mark.parametrize("scheme", ["tcp", "ipc"])
+def test_requests_in_flight_fail_at_once_when_the_server_goes_and_later_ones_reach_the_next(
+        scheme, tmp_path):
+    """A server that exits (here a bare ROUTER that reads and never answers, then closes) takes
+    its requests with it: the client fails them as soon as the connection closes, not at their
+    30 s deadline, and sends on to whichever server listens next on the url."""
+    ctx = zmq.Context.instance()
+    url = f"ipc://{tmp_path}/gone.sock" if scheme == "ipc" else "tcp://127.0.0.1:*"
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(url)
+    url = router.getsockopt(zmq.LAST_ENDPOINT).decode()
+    with MessageQueueClient(url, request_timeout_s=30) as client:
+        waited = client.request_async(m.PingRequest())
+        polled = client.submit(ops.PING, m.PingRequest(), polled=True)
+        assert router.poll(5000) and len(router.recv_multipart()) >= 3  # both were sent
+        start = time.monotonic()
+        router.close(0)
+        for future in (waited, polled):
+            with pytest.raises(ServerUnreachableError, match="connection .* closed"):
+                future.result(10)
+        assert time.monotonic() - start < 10  # ms in practice; the deadline is 30 s
+        server = MessageQueueServer(url)
+        server.start({RequestType.PING: Route(_ping)})
+        try:
+            assert client.wait_until_reachable(10).chunk_size == 16
+        finally:
+            server.stop(1.0)
+
+
 def test_close_fails_pending_and_later_requests():
     client = MessageQueueClient("tcp://127.0.0.1:9", request_timeout_s=30)
     future = client.request_async(m.PingRequest())
@@ -133,9 +163,8 @@ def test_stop_finishes_in_flight_work(tmp_path, release):
         time.sleep(0.3)
         return m.StoreReply(stored=1)
 
-    srv = MessageQueueServer("tcp://127.0.0.1:0", {RequestType.STORE: Route(slow, blocking=True),
-                                                   RequestType.PING: Route(_ping)})
-    srv.start()
+    srv = MessageQueueServer("tcp://127.0.0.1:0")
+    srv.start({RequestType.STORE: Route(slow, blocking=True), RequestType.PING: Route(_ping)})
     with MessageQueueClient(srv.bound_url) as client:
         future = client.request_async(m.StoreRequest(
             instance_id=1, chunk_hashes=[b"x"], block_ids=[0]))
@@ -176,12 +205,10 @@ def test_long_requests_queued_together_reach_the_workers_together(release):
     # inproc: a send puts the message in the server's pipe before it returns (no I/O thread),
     # so both stores are queued when the loop is let go
     context = zmq.Context.instance()
-    srv = MessageQueueServer("inproc://lmcache-batch-hand-over",
-                             {RequestType.STORE: Route(store, blocking=True),
-                              RequestType.PING: Route(slow_ping)}, context=context, workers=3)
+    srv = MessageQueueServer("inproc://lmcache-batch-hand-over", context=context, workers=3)
     srv._jobs = Handed()  # (before start: the workers take jobs from it)
-    srv.add_wire(Noting(), {})
-    srv.start()
+    srv.start({RequestType.STORE: Route(store, blocking=True),
+               RequestType.PING: Route(slow_ping)}, wires=[Noting()])
     try:
         with MessageQueueClient(srv.bound_url, context) as client:
             ping = client.request_async(m.PingRequest())
@@ -209,10 +236,9 @@ def test_a_flood_of_long_requests_is_bounded_and_pings_still_answer(release):
         release.wait(5)
         return m.StoreReply(stored=len(p.chunk_hashes))
 
-    srv = MessageQueueServer("tcp://127.0.0.1:0", {RequestType.STORE: Route(slow_store, blocking=True),
-                                                   RequestType.PING: Route(_ping)},
-                             workers=1, limits=Limits(max_request_bytes=64 * 1024))
-    srv.start()
+    srv = MessageQueueServer("tcp://127.0.0.1:0", workers=1,
+                             limits=Limits(max_request_bytes=64 * 1024))
+    srv.start({RequestType.STORE: Route(slow_store, blocking=True), RequestType.PING: Route(_ping)})
     big = m.StoreRequest(instance_id=1, chunk_hashes=[b"h" * 32], block_ids=list(range(10_000)))
     try:
         with MessageQueueClient(srv.bound_url) as client:
@@ -397,10 +423,8 @@ def test_work_after_a_reply_starts_once_the_reply_is_sent_and_its_failure_costs_
         return AfterReply(m.StoreReply(stored=len(p.chunk_hashes)),
                           then if p.instance_id == 1 else broken_then)
 
-    srv = MessageQueueServer(f"ipc://{tmp_path}/s.sock", {
-        RequestType.PING: Route(_ping),
-        RequestType.STORE: Route(store, blocking=blocking)}, workers=1)
-    srv.start()
+    srv = MessageQueueServer(f"ipc://{tmp_path}/s.sock", workers=1)
+    srv.start({RequestType.PING: Route(_ping), RequestType.STORE: Route(store, blocking=blocking)})
     try:
         with MessageQueueClient(srv.bound_url) as client:
             reply = client.request_async(m.StoreRequest(
