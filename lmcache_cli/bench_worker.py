@@ -1,13 +1,14 @@
 """One ``lmcache store-bench`` worker process (started with spawn, one per GPU or CPU worker).
 
 It does what a vLLM worker does: allocates a KV cache shaped from the config (shared memory on CPU,
-CUDA tensors on GPU), registers it through ``LMCacheMPWorkerAdapter``, then per round stores N
-chunks, looks them up (a locking LOOKUP, like the scheduler adapter), retrieves them into cleared
-blocks and compares every byte. The store/retrieve requests are the adapter's own messages, sent on
-its client and waited for one at a time so each op's latency is exact. Next to every store and
-retrieve it times the raw copy of the same blocks with plain torch (``index_select(out=)`` gather
-into chunk buffers, ``index_copy_`` scatter back), alternating which goes first: the floor the
-server's copies are compared with, measured under the same load.
+CUDA tensors on GPU), registers it through the worker client (``lmcache_core.client.worker``), then
+per round stores N chunks, looks them up (a locking LOOKUP, like the scheduler client), retrieves
+them into cleared blocks and compares every byte. The store/retrieve requests are the worker
+client's own messages, sent on its connection (``send``, ``call``) and waited for one at a time so
+each op's latency is exact. Next to every store and retrieve it times the raw copy of the same
+blocks with plain torch (``index_select(out=)`` gather into chunk buffers, ``index_copy_`` scatter
+back), alternating which goes first: the floor the server's copies are compared with, measured
+under the same load.
 
 Torch is imported inside :func:`worker_main` only: the parent imports this module for
 :class:`WorkerSpec` without paying for torch.
@@ -231,9 +232,10 @@ def _run(spec: WorkerSpec, queue: Any, barrier: Any) -> WorkerResult:
     import torch
     import zmq
 
-    from lmcache_core.integration.vllm.vllm_multi_process_adapter import LMCacheMPWorkerAdapter
+    from lmcache_core.client.worker import LMCacheMPWorkerAdapter
     from lmcache_core.keys import chain_hashes
     from lmcache_core.protocol import messages as m
+    from lmcache_core.protocol import ops as wire_ops
 
     bench = _Bench(spec)
     result = WorkerResult(spec.index, spec.device, spec.kv_rank, spec.chunk_bytes,
@@ -243,7 +245,6 @@ def _run(spec: WorkerSpec, queue: Any, barrier: Any) -> WorkerResult:
         connect_timeout_s=spec.connect_timeout_s, request_timeout_s=spec.request_timeout_s)
     try:
         adapter.register_kv_caches(bench.caches)
-        client = adapter.mq_client
         bpc = spec.blocks_per_chunk
         wait = spec.request_timeout_s + 1.0
         batches = [list(range(i, min(i + spec.batch, spec.chunks)))
@@ -258,9 +259,13 @@ def _run(spec: WorkerSpec, queue: Any, barrier: Any) -> WorkerResult:
             ops.append(time.perf_counter() - t0)
             return out
 
-        def send(payload: m.StoreRequest | m.RetrieveRequest) -> Any:
-            """One request on the adapter's client; wait for its reply (raises its error)."""
-            return client.request_async(payload).result(wait)
+        def store(payload: m.StoreRequest) -> m.StoreReply:
+            """One store on the worker's connection; wait for its reply (raises its error)."""
+            return adapter.send(wire_ops.STORE, payload).result(wait)
+
+        def retrieve(payload: m.RetrieveRequest) -> m.RetrieveReply:
+            """One retrieve on the worker's connection; wait for its reply (raises its error)."""
+            return adapter.send(wire_ops.RETRIEVE, payload).result(wait)
 
         def raw(copy: Any, batch: list[int]) -> None:
             with torch.no_grad():
@@ -286,7 +291,7 @@ def _run(spec: WorkerSpec, queue: Any, barrier: Any) -> WorkerResult:
                     block_ids=a_blocks(batch), request_ids=[lookup_id])
                 if raw_first:
                     timed_op(ops["gather"], raw, bench.raw_gather, batch)
-                reply = timed_op(ops["store"], send, payload)
+                reply = timed_op(ops["store"], store, payload)
                 if not raw_first:
                     timed_op(ops["gather"], raw, bench.raw_gather, batch)
                 if reply.skipped_full:
@@ -300,7 +305,8 @@ def _run(spec: WorkerSpec, queue: Any, barrier: Any) -> WorkerResult:
             for k in range(spec.lookups):
                 request = m.LookupRequest(model_name=spec.model_name, world_size=spec.world_size,
                                           lookup_id=lookup_id, chunk_hashes=hashes, lock=k == 0)
-                hit = timed_op(ops.setdefault("lookup", []), client.request, request).hit_chunks
+                hit = timed_op(ops.setdefault("lookup", []), adapter.call, wire_ops.LOOKUP,
+                              request).hit_chunks
                 if result.lookup_hits_min < 0 or hit < result.lookup_hits_min:
                     result.lookup_hits_min = hit
                 if hit != spec.chunks:
@@ -317,14 +323,14 @@ def _run(spec: WorkerSpec, queue: Any, barrier: Any) -> WorkerResult:
                     lookup_id=lookup_id, request_ids=[lookup_id])
                 if raw_first:
                     timed_op(ops["scatter"], raw, bench.raw_scatter, batch)
-                reply_r = timed_op(ops["retrieve"], send, payload_r)
+                reply_r = timed_op(ops["retrieve"], retrieve, payload_r)
                 if not raw_first:
                     timed_op(ops["scatter"], raw, bench.raw_scatter, batch)
                 if reply_r.missing:
                     result.problems.append(
                         f"round {r}: {len(reply_r.missing)} chunk(s) missing on retrieve")
                 queue.put(("progress", spec.index, 2 * len(batch)))
-            client.end_session(lookup_id)
+            adapter.call(wire_ops.END_SESSION, m.LookupIdRequest(lookup_id=lookup_id))
             bench.sync()
             checked, bad = bench.verify()
             result.verified_bytes += checked

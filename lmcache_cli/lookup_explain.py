@@ -68,7 +68,7 @@ class Asked(NamedTuple):
 
 def seed_parts(salt: str | None, lora: str | None) -> list[tuple[str, str]]:
     """The chain seed's parts, as the vLLM connector makes them (``connector_requests.
-    _request_prefix``): ``("salt", cache_salt)``, then ``("lora", "NAME#ID")``; exit 2 for a salt
+    request_prefix``): ``("salt", cache_salt)``, then ``("lora", "NAME#ID")``; exit 2 for a salt
     that is empty or a LoRA that is not ``NAME#ID``."""
     parts: list[tuple[str, str]] = []
     if salt is not None:

@@ -47,7 +47,7 @@ from typing import IO, Any
 #: their width and colours from the environment when imported.
 PRELOAD = ("torch", "numpy", "zmq", "msgspec", "yaml", "blake3", "rich.console", "rich.logging",
            "typer", "redis", "lmcache_core.server.app", "lmcache_core.storage.remote",
-           "lmcache_core.integration.vllm.vllm_multi_process_adapter", "lmcache_core.kv.share")
+           "lmcache_core.client.worker", "lmcache_core.client.scheduler", "lmcache_core.kv.share")
 _MAX_REQUEST = 1 << 20
 
 

@@ -22,10 +22,8 @@ from typing import Any
 import torch
 import zmq
 
-from lmcache_core.integration.vllm.vllm_multi_process_adapter import (
-    LMCacheMPWorkerAdapter,
-    LoadStoreOp,
-)
+from lmcache_core.client.transfers import LoadStoreOp
+from lmcache_core.client.worker import LMCacheMPWorkerAdapter
 from lmcache_core.kv.cuda_events import InflightEvents
 
 SPIN_CYCLES = 1_000_000_000  # ~0.5 s of GPU time before the KV writes land

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import zmq
 
-from lmcache_core.integration.vllm.vllm_multi_process_adapter import LMCacheMPSchedulerAdapter
+from lmcache_core.client.scheduler import LMCacheMPSchedulerAdapter
 from lmcache_core.protocol import messages as m
 from lmcache_core.transport.client import MessageQueueClient
 from tests.harness import lookup_result

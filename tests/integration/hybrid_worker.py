@@ -26,12 +26,10 @@ from pathlib import Path
 
 import torch
 
+from lmcache_core.client.groups import KVCacheGroupSpec
+from lmcache_core.client.transfers import LoadStoreOp
+from lmcache_core.client.worker import LMCacheMPWorkerAdapter
 from lmcache_core.errors import LMCacheError
-from lmcache_core.integration.vllm.vllm_multi_process_adapter import (
-    KVCacheGroupSpec,
-    LMCacheMPWorkerAdapter,
-    LoadStoreOp,
-)
 from lmcache_core.kv.share import allocate_shared_kv_caches, release_shared_kv_caches
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo's tests

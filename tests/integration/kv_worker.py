@@ -34,10 +34,8 @@ from pathlib import Path
 import torch
 from blake3 import blake3
 
-from lmcache_core.integration.vllm.vllm_multi_process_adapter import (
-    LMCacheMPWorkerAdapter,
-    LoadStoreOp,
-)
+from lmcache_core.client.transfers import LoadStoreOp
+from lmcache_core.client.worker import LMCacheMPWorkerAdapter
 from lmcache_core.kv.share import allocate_shared_kv_caches, release_shared_kv_caches
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo's tests

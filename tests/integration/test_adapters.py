@@ -1,4 +1,5 @@
-"""The seed adapters against a real server: a scheduler adapter here, worker processes beside it."""
+"""The scheduler and worker clients against a real server: a scheduler client here, worker processes
+beside it."""
 
 from __future__ import annotations
 
@@ -14,12 +15,10 @@ import pytest
 import zmq
 from blake3 import blake3
 
+from lmcache_core.client import scheduler as scheduler_client
+from lmcache_core.client.connection import get_lmcache_chunk_size
+from lmcache_core.client.scheduler import LMCacheMPSchedulerAdapter
 from lmcache_core.errors import ServerUnreachableError
-from lmcache_core.integration.vllm import scheduler_adapter
-from lmcache_core.integration.vllm.vllm_multi_process_adapter import (
-    LMCacheMPSchedulerAdapter,
-    get_lmcache_chunk_size,
-)
 from lmcache_core.protocol import messages as m
 from tests.harness import lookup_result, wait_until
 from tests.integration.servers import ServerProcess, WorkerProcess, freeze
@@ -282,7 +281,7 @@ def test_a_lookup_past_its_timeout_still_keeps_the_release_behind_it(tmp_path, f
             # Given up (trial 2): its locks were freed behind it at once, before the end.
             assert released.result(10).released == (4 if trial < 2 else 0)
             assert server_stats(scheduler).engine.locks_held == 0
-        assert not scheduler._unanswered and not scheduler._given_up
+        assert scheduler.tracked() == {}  # none forgotten or given up kept, nothing at all
 
 
 def test_a_given_up_lookup_never_frees_a_newer_lookups_locks(tmp_path, fake_clock):
@@ -308,7 +307,7 @@ def test_a_given_up_lookup_never_frees_a_newer_lookups_locks(tmp_path, fake_cloc
 @pytest.fixture
 def no_lone_releases(monkeypatch):
     """Ended sessions wait an hour for a lookup to ride on: only a lookup (or a waiter) sends them."""
-    monkeypatch.setattr(scheduler_adapter, "RELEASE_RIDE_S", 3600.0)
+    monkeypatch.setattr(scheduler_client, "RELEASE_RIDE_S", 3600.0)
 
 
 def stored_and_looked_up(ranks, scheduler, request_id: str, seed: int) -> list[int]:
@@ -338,7 +337,7 @@ def test_an_ended_session_with_no_lookup_after_it_is_released_alone(ranks, sched
                                                                     monkeypatch):
     """With no lookup to ride on, the release goes alone after ``RELEASE_RIDE_S`` (sent and
     answered on the client's I/O thread: nobody polls or waits here)."""
-    monkeypatch.setattr(scheduler_adapter, "RELEASE_RIDE_S", 0.05)
+    monkeypatch.setattr(scheduler_client, "RELEASE_RIDE_S", 0.05)
     stored_and_looked_up(ranks, scheduler, "alone", 170)
     released = scheduler.end_session("alone")
     wait_until(released.query, what="the ended session was never released")

@@ -16,9 +16,9 @@ import pytest
 import torch
 import zmq
 
+from lmcache_core.client.scheduler import LMCacheMPSchedulerAdapter
+from lmcache_core.client.worker import wrap_kv_caches
 from lmcache_core.errors import IncompatibleError, NotRegisteredError, ProtocolError
-from lmcache_core.integration.vllm.adapter_common import wrap_kv_caches
-from lmcache_core.integration.vllm.vllm_multi_process_adapter import LMCacheMPSchedulerAdapter
 from lmcache_core.keys import chain_hashes
 from lmcache_core.kv.share import allocate_shared_kv_caches, release_shared_kv_caches
 from lmcache_core.protocol import messages as m

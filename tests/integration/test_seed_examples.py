@@ -334,10 +334,11 @@ def test_mp_adapter_seed_example(server: ServerProcess) -> None:
 def test_failed_requests_kept_are_bounded(server: ServerProcess, monkeypatch) -> None:
     """A long-running worker misses routinely: the failures it keeps for inspection stay bounded
     (the newest kept), instead of one entry per failed request forever."""
+    from lmcache_core.client import worker as worker_client
     from lmcache_core.integration.vllm import vllm_multi_process_adapter as adapter_module
     from lmcache_core.kv.share import allocate_shared_kv_caches, release_shared_kv_caches
 
-    monkeypatch.setattr(adapter_module, "MAX_FAILURES_KEPT", 4)
+    monkeypatch.setattr(worker_client, "MAX_FAILURES_KEPT", 4)
     kv_cache_dict, segment = allocate_shared_kv_caches(
         LAYERS, [2, N_CHUNKS * PER_CHUNK, BLOCK, HEADS, HEAD_DIM], torch.float16)
     worker = adapter_module.LMCacheMPWorkerAdapter(server.url, None, "meta-llama/Llama-3.1-8B",

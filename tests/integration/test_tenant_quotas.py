@@ -16,7 +16,7 @@ import msgspec
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from lmcache_core.integration.vllm.vllm_multi_process_adapter import LMCacheMPSchedulerAdapter
+from lmcache_core.client.scheduler import LMCacheMPSchedulerAdapter
 from lmcache_core.keys import tenant_tag
 from tests.harness import lookup_result, wait_until
 from tests.integration.cross_tp import BLOCK, CHUNK, HEADS, PER_CHUNK, blocks, server_info, tokens

@@ -1,18 +1,19 @@
-"""What each KV-cache group of a hybrid model moves per chunk (the worker adapter's side)."""
+"""What each KV-cache group of a hybrid model moves per chunk (the worker client's side:
+``lmcache_core.client.groups``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lmcache_core.errors import IncompatibleError
-from lmcache_core.integration.vllm.adapter_groups import (
+from lmcache_core.client.groups import (
     KVCacheGroupSpec,
     group_caches,
     group_pieces,
     load_skip,
     piece_blocks,
 )
+from lmcache_core.errors import IncompatibleError
 from lmcache_core.keys import group_piece
 
 FULL = group_piece(64, 16, "full")                      # 4 blocks a chunk, all of them
@@ -139,7 +140,7 @@ def test_a_hybrid_load_is_cut_into_even_requests() -> None:
     the full group's retrieve becomes two of 4 chunks, so two copy threads share the work; every
     chunk stays in exactly one request, with its own blocks, a skip with its first chunk's
     request; small loads are left whole."""
-    from lmcache_core.integration.vllm.vllm_multi_process_adapter import split_parts
+    from lmcache_core.client.groups import split_parts
 
     hashes = [bytes([i]) for i in range(12)]
     parts = [(1, hashes[:2], [10, 11, 12, 13]), (2, hashes[2:4], [20, 21, 22, 23]),
@@ -157,7 +158,7 @@ def test_a_hybrid_load_is_sent_as_two_requests_of_about_as_many_chunks():
     """The Gemma-3-like hit's 4 pieces (2, 2, 4, 4 chunks) go as 2 requests of 6: a full-group
     piece first (in the request's own fields), a sliding one in ``more``; every piece once, its
     skip kept with it; fewer pieces than requests make fewer requests."""
-    from lmcache_core.integration.vllm.vllm_multi_process_adapter import bundle_parts
+    from lmcache_core.client.groups import bundle_parts
 
     pieces = [((1, [b"a", b"b"], [1, 2, 3, 4]), 1), ((2, [b"c", b"d"], [5, 6, 7, 8]), 0),
               ((3, [b"e"] * 4, list(range(8))), 1), ((3, [b"f"] * 4, list(range(8, 16))), 0)]
@@ -170,7 +171,7 @@ def test_a_hybrid_load_is_sent_as_two_requests_of_about_as_many_chunks():
 
 
 def test_split_parts_cuts_a_group_in_parts_that_differ_by_one_chunk_at_most():
-    from lmcache_core.integration.vllm.vllm_multi_process_adapter import split_parts
+    from lmcache_core.client.groups import split_parts
 
     hashes = [bytes([i]) for i in range(7)]
     odd = [(7, hashes, list(range(14)))]

@@ -9,9 +9,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from lmcache_cli.lookup_explain import Asked, Probe, _gaps, explain, layout_difference, seed_parts
+from lmcache_core.client.transfers import LoadStoreOp, store_hash_mode
 from lmcache_core.engine import PLAIN, CacheEngine
-from lmcache_core.integration.vllm.adapter_common import LoadStoreOp, store_hash_mode
-from lmcache_core.integration.vllm.connector_requests import _request_prefix
+from lmcache_core.integration.vllm.connector_requests import request_prefix
 from lmcache_core.keys import ChunkKey, salted_prefix
 from lmcache_core.protocol import explain_messages as em
 from lmcache_core.server.explain import MAX_MODE_MODELS, StoreModes
@@ -101,7 +101,7 @@ def test_the_cli_seeds_the_chain_as_the_vllm_connector_does() -> None:
     for salt, request_lora in ((None, None), ("tenant-a", None), (None, lora), ("t", lora)):
         request = SimpleNamespace(cache_salt=salt, lora_request=request_lora)
         flag = None if request_lora is None else "sql#adapter#7"
-        assert salted_prefix(seed_parts(salt, flag)) == _request_prefix(request)  # type: ignore[arg-type]
+        assert salted_prefix(seed_parts(salt, flag)) == request_prefix(request)  # type: ignore[arg-type]
 
 
 def test_layout_differences_and_missing_heads_in_words() -> None:

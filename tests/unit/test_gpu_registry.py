@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from lmcache_core.integration.vllm import vllm_multi_process_adapter as adapter_module
+from lmcache_core.client import worker as worker_module
 from lmcache_core.protocol import messages as m
 from lmcache_core.server import registry as registry_module
 from lmcache_core.server.registry import GPU_SILENCE_S, KVRegistry
@@ -146,7 +146,7 @@ class FakeClient:
 def test_registering_again_exports_fresh_handles(monkeypatch: pytest.MonkeyPatch) -> None:
     exports = iter(range(100))
 
-    def wrap(kv_caches: dict[str, Any]) -> adapter_module.KVCache:
+    def wrap(kv_caches: dict[str, Any]) -> worker_module.KVCache:
         n = next(exports)
         handle = m.CudaIpcHandle(device=0, handle=b"h" * 64, storage_nbytes=1 << 20,
                                  storage_offset_bytes=0, ref_counter_handle=b"r" * 64,
@@ -154,10 +154,10 @@ def test_registering_again_exports_fresh_handles(monkeypatch: pytest.MonkeyPatch
         desc = m.TensorDescriptor(kind="cuda", dtype="float16", shape=SHAPE, stride=[1] * 5,
                                   offset_bytes=0, segment_nbytes=1 << 20, cuda=handle,
                                   device_uuid="GPU-0")
-        return adapter_module.KVCache("flash_attn", 16, [desc])
+        return worker_module.KVCache("flash_attn", 16, [desc])
 
-    monkeypatch.setattr(adapter_module, "wrap_kv_caches", wrap)
-    worker = adapter_module.LMCacheMPWorkerAdapter.__new__(adapter_module.LMCacheMPWorkerAdapter)
+    monkeypatch.setattr(worker_module, "wrap_kv_caches", wrap)
+    worker = worker_module.LMCacheMPWorkerAdapter.__new__(worker_module.LMCacheMPWorkerAdapter)
     worker._conn = SimpleNamespace(vllm_block_size=16, model_name="tiny", world_size=1,
                                    kv_rank=0)  # type: ignore[assignment]
     worker.instance_id = 7

@@ -5,7 +5,10 @@ directions that matter (DESIGN.md section 6) hold, transitively:
   torch);
 - the config imports no storage;
 - storage imports no transport;
-- the engine imports neither the protocol nor the server (wire structs are built in the server).
+- the engine imports neither the protocol nor the server (wire structs are built in the server);
+- the clients (``lmcache_core.client``) import no vLLM and nothing of the server side, the vLLM
+  connector or the CLI (they sit beside the server: the connector and the CLI are built on them),
+  and importing them (or LMCache's path of them) loads no torch.
 
 Importing ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__`` too, so those count as imported.
 Imports inside functions count as well: a lazy import still ties the layers together."""
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import subprocess
 import sys
 from collections import deque
 from pathlib import Path
@@ -212,3 +216,21 @@ def test_storage_imports_no_transport():
 def test_the_engine_imports_no_protocol_and_no_server():
     assert _violations(("lmcache_core.engine",),
                        ("lmcache_core.protocol", "lmcache_core.server")) == []
+
+
+def test_the_clients_import_no_vllm_nor_the_server_connector_or_cli():
+    assert _violations(("lmcache_core.client",),
+                       ("vllm", "lmcache_core.integration", "lmcache_core.server",
+                        "lmcache_core.engine", "lmcache_core.storage", "lmcache_cli")) == []
+
+
+def test_importing_the_clients_loads_no_torch():
+    """Only registering tensors imports torch (lazily): a process that imports the clients, or
+    LMCache's path of them, to look up or to talk to the server never pays for it."""
+    code = ("import sys\n"
+            "import lmcache_core.client.scheduler, lmcache_core.client.worker\n"
+            "import lmcache_core.integration.vllm.vllm_multi_process_adapter\n"
+            "print(sorted(m for m in ('torch', 'vllm', 'numpy') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         timeout=120, check=True).stdout
+    assert out.strip() == "[]"

@@ -48,7 +48,9 @@ class KVGroupInfo:
     layer_names: tuple[str, ...]
 
 
-def _client_config(extra: dict[str, Any]) -> LMCacheConfig:
+def client_config(extra: dict[str, Any]) -> LMCacheConfig:
+    """The lmcache config the connector runs with: ``kv_connector_extra_config``'s keys over
+    its ``config_file`` (and the ``LMCACHE_*`` environment, as for every client)."""
     overrides = {
         "server.url": extra.get("url"),
         "min_hit_tokens": extra.get("min_hit_tokens"),
@@ -61,7 +63,7 @@ def _client_config(extra: dict[str, Any]) -> LMCacheConfig:
     return load_config(extra.get("config_file"), overrides)
 
 
-def _backend_name(vllm_config: VllmConfig, get_layers: Any, attention_cls: Any) -> str | None:
+def backend_name(vllm_config: VllmConfig, get_layers: Any, attention_cls: Any) -> str | None:
     """The attention backend of the model's layers (e.g. ``CPU_ATTN``, ``FLASH_ATTN``)."""
     try:
         layers = get_layers(vllm_config, attention_cls)
@@ -76,7 +78,7 @@ def _backend_name(vllm_config: VllmConfig, get_layers: Any, attention_cls: Any) 
     return "CPU_ATTN" if device == "cpu" else None
 
 
-def _refuse_unexportable(vllm_config: VllmConfig, kv_caches: dict[str, torch.Tensor]) -> None:
+def refuse_unexportable(vllm_config: VllmConfig, kv_caches: dict[str, torch.Tensor]) -> None:
     """IncompatibleError when vLLM's sleep mode allocates the GPU KV cache: its cuMemCreate
     memory cannot be exported with cudaIpcGetMemHandle (registration would fail obscurely)."""
     first = next(iter(kv_caches.values()), None)

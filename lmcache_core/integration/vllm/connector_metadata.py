@@ -23,7 +23,7 @@ class TransferSpec:
     single-group models only)."""
     group_block_ids: list[list[int]] | None = None
     """A hybrid model's block ids of the chunks, one list per KV cache group (``C / B_g`` ids per
-    chunk, null ids included: the adapter takes each group's piece blocks of them)."""
+    chunk, null ids included: the worker client takes each group's piece blocks of them)."""
     first_chunk: int = 0
     """The request's chunk the first of these is: a chunked-local group's load needs the
     chunks from its attention chunk's start, which the position of the load's end tells."""
@@ -34,7 +34,7 @@ class TransferSpec:
     priority: int = 0
     """A store's retention (the request's ``kv_transfer_params`` hints); loads leave them unset."""
     cache_salt: str | None = None
-    """A store's tenant: the request's cache_salt (the adapter sends its ``keys.tenant_tag`` for
+    """A store's tenant: the request's cache_salt (the worker client sends its ``keys.tenant_tag`` for
     ``server.tenant_quotas``; the hashes already include it)."""
 
 
@@ -62,7 +62,7 @@ class LMCacheConnectorMetadata(KVConnectorMetadata):
 
 
 def per_block_hashes(chunk_hashes: list[bytes], blocks_per_chunk: int) -> list[bytes]:
-    """The adapters' ``block_hashes`` form: each chunk's hash at its last block (others unused)."""
+    """The clients' ``block_hashes`` form: each chunk's hash at its last block (others unused)."""
     out = [b""] * (len(chunk_hashes) * blocks_per_chunk)
     out[blocks_per_chunk - 1::blocks_per_chunk] = chunk_hashes
     return out

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class _Tracker:
+class RequestTracker:
     """What the scheduler side knows about one request."""
 
     request: Request
@@ -45,7 +45,8 @@ class _Tracker:
         return self.hashes
 
 
-def _uncacheable_reason(request: Request) -> str:
+def uncacheable_reason(request: Request) -> str:
+    """Why the request's KV cannot be cached under its token ids ("" when it can)."""
     if getattr(request, "mm_features", None):
         return "multimodal inputs"
     if getattr(request, "prompt_embeds", None) is not None:
@@ -53,7 +54,7 @@ def _uncacheable_reason(request: Request) -> str:
     return ""
 
 
-def _request_prefix(request: Request) -> bytes:
+def request_prefix(request: Request) -> bytes:
     """The chain's seed: LMCache's for plain requests; salted by cache_salt and LoRA otherwise."""
     parts = []
     salt = getattr(request, "cache_salt", None)

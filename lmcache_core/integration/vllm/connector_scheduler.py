@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from lmcache_core.client.scheduler import LMCacheMPSchedulerAdapter
 from lmcache_core.integration.vllm.connector_config import KVGroupInfo
 from lmcache_core.integration.vllm.connector_hints import request_hints
 from lmcache_core.integration.vllm.connector_metadata import (
@@ -30,11 +31,10 @@ from lmcache_core.integration.vllm.connector_metadata import (
     per_block_hashes,
 )
 from lmcache_core.integration.vllm.connector_requests import (
-    _request_prefix,
-    _Tracker,
-    _uncacheable_reason,
+    RequestTracker,
+    request_prefix,
+    uncacheable_reason,
 )
-from lmcache_core.integration.vllm.scheduler_adapter import LMCacheMPSchedulerAdapter
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -54,7 +54,7 @@ class ConnectorSchedulerSide(KVConnectorBase_V1, SupportsHMA):
     _block_size: int
     _groups: list[KVGroupInfo]
     _group_bpc: list[int]  # each group's vLLM blocks per chunk
-    _trackers: dict[str, _Tracker]
+    _trackers: dict[str, RequestTracker]
     _with_stores: set[str]
     _orphan_loads: list[str]
     _uncacheable_logged: set[str]
@@ -62,7 +62,7 @@ class ConnectorSchedulerSide(KVConnectorBase_V1, SupportsHMA):
     _lookup_wait_left_s: float  # what is left of it in this step
     _wait_clock = staticmethod(time.perf_counter)  # what the budget is measured on (tests: fake)
 
-    def _tracker(self, request: Request) -> _Tracker:
+    def _tracker(self, request: Request) -> RequestTracker:
         from vllm.v1.request import RequestStatus
 
         request_id = request.request_id
@@ -75,11 +75,11 @@ class ConnectorSchedulerSide(KVConnectorBase_V1, SupportsHMA):
             self._scheduler.cleanup_lookup_result(request_id)
             tracker = None
         if tracker is None:
-            reason = _uncacheable_reason(request)
+            reason = uncacheable_reason(request)
             if reason and request_id not in self._uncacheable_logged:
                 self._uncacheable_logged.add(request_id)
                 logger.debug("lmcache: request %s has %s; not cached", request_id, reason)
-            tracker = _Tracker(request, _request_prefix(request), not reason,
+            tracker = RequestTracker(request, request_prefix(request), not reason,
                                hints=request_hints(request))
             self._trackers[request_id] = tracker
         return tracker
@@ -120,7 +120,7 @@ class ConnectorSchedulerSide(KVConnectorBase_V1, SupportsHMA):
         tracker.load = (num_computed_tokens // size, tracker.hit_chunks)
         return hit - num_computed_tokens, True
 
-    def _look_up(self, tracker: _Tracker, n_chunks: int, num_computed_tokens: int) -> int | None:
+    def _look_up(self, tracker: RequestTracker, n_chunks: int, num_computed_tokens: int) -> int | None:
         """The request's hit in tokens (None while the answer is out): its lookup is sent once,
         and the call that sends it waits for the answer within what is left of the step's
         budget."""
@@ -244,7 +244,7 @@ class ConnectorSchedulerSide(KVConnectorBase_V1, SupportsHMA):
                 tracker, cached.num_computed_tokens[i] + num_scheduled.get(request_id, 0), meta)
         return meta
 
-    def _maybe_store(self, tracker: _Tracker, computed: int, meta: LMCacheConnectorMetadata) -> None:
+    def _maybe_store(self, tracker: RequestTracker, computed: int, meta: LMCacheConnectorMetadata) -> None:
         """Store the chunks this step completes (tokens whose KV is in the blocks after it),
         with the request's retention hints; none for a request with ``lmcache.skip_store``."""
         hints = tracker.hints
@@ -265,15 +265,15 @@ class ConnectorSchedulerSide(KVConnectorBase_V1, SupportsHMA):
         meta.stores.append(spec)
         # Stored in the step that computes them: a sliding window's blocks (and a Mamba group's
         # state blocks, and a chunked-local group's behind its attention chunk) may be freed
-        # from the next step on (the adapter skips a group's chunk whose blocks are already
+        # from the next step on (the worker client skips a group's chunk whose blocks are already
         # null).
         meta.window_stores |= any(g.kind != "full" for g in self._groups)
         tracker.stored_chunks = complete
         self._with_stores.add(tracker.request.request_id)
 
-    def _prompt_states_only(self, tracker: _Tracker, start: int, spec: TransferSpec) -> None:
+    def _prompt_states_only(self, tracker: RequestTracker, start: int, spec: TransferSpec) -> None:
         """A Mamba group stores the state of chunks that end within the prompt only (their ids
-        past it nulled, so the adapter skips them): the end-of-chunk state of a prefill step in
+        past it nulled, so the worker client skips them): the end-of-chunk state of a prefill step in
         vLLM's align mode is tested with a real engine, a decode step's is not."""
         if spec.group_block_ids is None:
             return
@@ -283,7 +283,7 @@ class ConnectorSchedulerSide(KVConnectorBase_V1, SupportsHMA):
             if group.kind == "mamba":
                 ids[in_prompt * bpc:] = [0] * max(0, len(ids) - in_prompt * bpc)
 
-    def _spec(self, tracker: _Tracker, start: int, end: int, **fields: Any) -> TransferSpec:
+    def _spec(self, tracker: RequestTracker, start: int, end: int, **fields: Any) -> TransferSpec:
         """Chunks [start, end) of the request: their hashes and each group's blocks of them."""
         hashes = tracker.hashes[start:end]
         request_id = tracker.request.request_id

@@ -15,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 logger = logging.getLogger("lmcache_core.integration.vllm.lmcache_connector")
 
 
-class _SharedKVAllocation(TorchFunctionMode):
+class SharedKVAllocation(TorchFunctionMode):
     """Serves vLLM's one KV backing allocation (``torch.zeros(nbytes, int8)`` on CPU) from a new
     POSIX shared-memory segment, so the server can map the KV cache; every other call passes."""
 

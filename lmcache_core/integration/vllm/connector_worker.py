@@ -24,25 +24,23 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from lmcache_core.client.groups import KVCacheGroupSpec
+from lmcache_core.client.transfers import LoadStoreOp
+from lmcache_core.client.worker import LMCacheMPWorkerAdapter
 from lmcache_core.config import LMCacheConfig
 from lmcache_core.errors import IncompatibleError, LMCacheError
 from lmcache_core.integration.vllm.connector_config import (
     KVGroupInfo,
-    _backend_name,
-    _refuse_unexportable,
+    backend_name,
+    refuse_unexportable,
 )
 from lmcache_core.integration.vllm.connector_metadata import (
     LMCacheConnectorMetadata,
     TransferSpec,
     per_block_hashes,
 )
-from lmcache_core.integration.vllm.connector_shm import _SharedKVAllocation
+from lmcache_core.integration.vllm.connector_shm import SharedKVAllocation
 from lmcache_core.integration.vllm.kv_views import KVViews, canonical_kv_views, expand_block_ids
-from lmcache_core.integration.vllm.vllm_multi_process_adapter import (
-    KVCacheGroupSpec,
-    LMCacheMPWorkerAdapter,
-    LoadStoreOp,
-)
 from lmcache_core.kv.cuda_events import InflightEvents
 
 if TYPE_CHECKING:
@@ -80,7 +78,7 @@ class ConnectorWorkerSide(KVConnectorBase_V1):
     _groups: list[KVGroupInfo]
     _failed_loads: set[str]  # hybrid: requests whose load failed, not yet reported
     _window_stores: list[str]  # requests whose stores read window or Mamba state blocks this step
-    _mem_pool: _SharedKVAllocation | None
+    _mem_pool: SharedKVAllocation | None
     _kv_device: torch.device | None
     _events: InflightEvents
     _local_load_errors: set[int]
@@ -95,16 +93,16 @@ class ConnectorWorkerSide(KVConnectorBase_V1):
         sizes = {int(t.size) for t in self._kv_cache_config.kv_cache_tensors}
         if not sizes:
             return None
-        self._mem_pool = _SharedKVAllocation(sizes)
+        self._mem_pool = SharedKVAllocation(sizes)
         return self._mem_pool
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.config import get_layers_from_vllm_config
         from vllm.model_executor.layers.attention import Attention
 
-        _refuse_unexportable(self._vllm_config, kv_caches)
+        refuse_unexportable(self._vllm_config, kv_caches)
 
-        backend = _backend_name(self._vllm_config, get_layers_from_vllm_config, Attention)
+        backend = backend_name(self._vllm_config, get_layers_from_vllm_config, Attention)
         if len(self._groups) == 1:
             self._views = self._canonical_views(kv_caches, backend, 0)
             self._group_views = [self._views]
@@ -143,7 +141,7 @@ class ConnectorWorkerSide(KVConnectorBase_V1):
     def _group_layer_views(self, kv_caches: dict[str, torch.Tensor], backend: str | None,
                            group: KVGroupInfo) -> KVViews:
         """One group's layers: attention as canonical views; a Mamba group's state tensors as
-        vLLM gives them (one per layer, a state block per row: the adapter takes them so)."""
+        vLLM gives them (one per layer, a state block per row: the worker client takes them so)."""
         layers = {name: kv_caches[name] for name in group.layer_names}
         if group.kind != "mamba":
             return self._canonical_views(layers, backend, group.index)
@@ -166,7 +164,7 @@ class ConnectorWorkerSide(KVConnectorBase_V1):
             head_size_v=getattr(spec, "head_size_v", None))
 
     def _group_specs(self) -> list[KVCacheGroupSpec] | None:
-        """The adapter's description of a hybrid model's groups (None for one group)."""
+        """The worker client's description of a hybrid model's groups (None for one group)."""
         if len(self._groups) == 1:
             return None
         return [KVCacheGroupSpec(layer_names=list(views.views), kind=g.kind,
@@ -181,7 +179,7 @@ class ConnectorWorkerSide(KVConnectorBase_V1):
         self._chunk_size = self._worker.chunk_size
         self._bpc = self._worker.num_blocks_per_chunk()
         try:
-            # On CPU the shared-memory name stays linked while this process lives, so the adapter
+            # On CPU the shared-memory name stays linked while this process lives, so the worker client
             # can register it again with a restarted server; it is unlinked at exit, or by the
             # server if this process is killed.
             views = {name: t for v in self._group_views for name, t in v.views.items()}

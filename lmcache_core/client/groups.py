@@ -1,8 +1,8 @@
-"""A hybrid model's KV-cache groups as the worker adapter registers and moves them.
+"""A hybrid model's KV-cache groups as the worker client registers and moves them.
 
 vLLM's hybrid KV cache manager splits a model's layers into groups (``kv_cache_config.
 kv_cache_groups``), each with its own spec (full attention, sliding window, chunked-local attention,
-Mamba state) and block size, and gives block ids as one list per group. The adapter registers each
+Mamba state) and block size, and gives block ids as one list per group. The worker registers each
 group as its own KV cache (its layers, its block size, a ``KVGroup`` descriptor) and picks, per
 chunk, the blocks each group's piece holds (``keys.group_piece``): every block of the chunk for full
 and chunked-local attention, the chunk's last ``piece_blocks`` for a sliding window. Block id 0 is
@@ -13,9 +13,8 @@ start of the attention chunk the load ends in) and leaves out the null blocks at
 oldest one when resuming does not need them (``load_skip``: a window wider than a chunk but not a
 whole number of chunks, or an attention chunk that starts inside a chunk, needs only that piece's
 last blocks, and vLLM allocates only those); a null block where resuming needs KV fails the
-request.
-
-Part of :mod:`.vllm_multi_process_adapter`, which re-exports ``KVCacheGroupSpec``.
+request. A load's per-group parts are cut and packed into a few retrieve requests
+(``split_parts``, ``bundle_parts``) that the server's copy threads share evenly.
 """
 
 from __future__ import annotations
@@ -33,6 +32,8 @@ if TYPE_CHECKING:
 
 #: vLLM's null block: what a block table holds where a block was freed (out of the window).
 NULL_BLOCK = 0
+#: What one store or retrieve request of one registration carries: instance id, chunks, blocks.
+Part = tuple[int, list[bytes], list[int]]
 
 
 @dataclass(frozen=True)
@@ -147,3 +148,59 @@ def load_skip(blocks: Sequence[int], piece: GroupPiece, end: int) -> int | None:
     while skip < spare and blocks[skip] == NULL_BLOCK:
         skip += 1
     return None if NULL_BLOCK in blocks[skip:] else skip
+
+
+def split_parts(parts: list[Part], skips: list[int]) -> list[tuple[Part, int]]:
+    """A hybrid load's per-group parts (each with its leading blocks to skip, of its first
+    chunk) cut into pieces of at most ``ceil(chunks / 3)`` of all their chunks (never fewer
+    than 2 a piece), a group's in pieces that differ by one chunk at most, so that
+    ``bundle_parts`` can pack them into requests the server's copy threads share evenly: a
+    Gemma-3-like hit loads 8 chunks of its full-attention group and 2 of each sliding one, and
+    its one request of 8 kept one copy thread busy long after the others were done. A chunk is
+    in exactly one piece (whose request releases its lock); the skip stays with the first;
+    all-or-nothing stays per vLLM request (each of its requests must succeed). Stores are not
+    cut: a request costs ~3 ms of fixed work on a 2-core host, and 6 requests instead of 3 for
+    a hybrid store of 3 groups measured no faster."""
+    total = sum(len(hashes) for _, hashes, _ in parts)
+    most = max(2, -(-total // 3))
+    out: list[tuple[Part, int]] = []
+    for (instance_id, hashes, blocks), skip in zip(parts, skips, strict=True):
+        n = len(hashes)
+        if n <= most:
+            out.append(((instance_id, hashes, blocks), skip))
+            continue
+        per_chunk = len(blocks) // n
+        start = 0
+        for size in equal_sizes(n, -(-n // most)):
+            out.append(((instance_id, hashes[start:start + size],
+                         blocks[start * per_chunk:(start + size) * per_chunk]),
+                        skip if start == 0 else 0))
+            start += size
+    return out
+
+
+#: How many retrieve requests a hybrid load is sent as (``bundle_parts``): the server's default
+#: copy workers (``server.workers``), so both copy at once.
+RETRIEVE_REQUESTS = 2
+
+
+def bundle_parts(cut: list[tuple[Part, int]], n: int = RETRIEVE_REQUESTS
+                 ) -> list[list[tuple[Part, int]]]:
+    """``split_parts``'s pieces packed into at most ``n`` requests of about as many chunks
+    each (the largest piece first, into the request with the fewest so far): a request's first
+    piece goes in its own fields, the others in ``RetrieveRequest.more``. Each request costs
+    the server's loop a dispatch and a reply and a copy worker its setup: a Gemma-3-like hit
+    sent as 2 requests instead of 4 took about 15 % less of the server's CPU, for the same time
+    to first token (docs/benchmarks-log.md, "A hybrid load as two requests")."""
+    bundles: list[list[tuple[Part, int]]] = [[] for _ in range(min(n, len(cut)))]
+    sizes = [0] * len(bundles)
+    for piece in sorted(cut, key=lambda p: len(p[0][1]), reverse=True):
+        smallest = sizes.index(min(sizes))
+        bundles[smallest].append(piece)
+        sizes[smallest] += len(piece[0][1])
+    return bundles
+
+
+def equal_sizes(n: int, k: int) -> list[int]:
+    """``n`` cut into ``k`` sizes that differ by at most one, the larger first."""
+    return [n // k + (1 if i < n % k else 0) for i in range(k)]
