@@ -58,13 +58,55 @@ def _common(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def tiny_llama(spec: dict[str, Any], name: str, cache_dir: Path | None = None) -> Path:
-    """The directory of a random-weight ``LlamaForCausalLM`` of ``spec``'s shape."""
+    """The directory of a random-weight ``LlamaForCausalLM`` of ``spec``'s shape; with
+    ``"tokenizer": "words"`` in the spec, a tokenizer beside it (``words_tokenizer``), so that
+    ``vllm serve`` takes text prompts."""
     def build(spec: dict[str, Any]) -> Any:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         return LlamaForCausalLM(LlamaConfig(head_dim=spec["head_dim"], **_common(spec)))
 
-    return _saved(name, dict(spec), cache_dir, build)
+    root = _saved(name, dict(spec), cache_dir, build)
+    if spec.get("tokenizer") == "words" and not (root / "tokenizer.json").exists():
+        words_tokenizer(int(spec["vocab_size"])).save_pretrained(root)
+    return root
+
+
+def words_tokenizer(vocab_size: int) -> Any:
+    """A byte-level BPE tokenizer made offline, of exactly ``vocab_size`` tokens (ids 0-2 are
+    <pad>, <s>, </s>, the tiny models' pad, bos and eos): trained on text of ``lmcache bench
+    serve``'s word list, so each of its words (after a space) is one token and a prompt of N
+    words about N tokens, as with a real model's tokenizer; the ids BPE has no merges for are
+    filled with plain ``<unusedN>`` tokens (a random model samples every id)."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from lmcache_cli.bench_serve_workload import (
+        ANSWER_HEADER,
+        ASSISTANT_HEADER,
+        DOC_HEADER,
+        QUESTION_HEADER,
+        USER_HEADER,
+        WORDS,
+    )
+
+    rng = random.Random(0)
+    headers = " ".join((ANSWER_HEADER, ASSISTANT_HEADER, DOC_HEADER, QUESTION_HEADER, USER_HEADER))
+    corpus = [" ".join(rng.choices(WORDS, k=200)) + headers for _ in range(200)]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    size = tokenizer.get_vocab_size()
+    if size > vocab_size:
+        raise ValueError(f"the tokenizer needs {size} tokens, more than vocab_size {vocab_size}")
+    tokenizer.add_tokens([f"<unused{i}>" for i in range(vocab_size - size)])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")
 
 
 def tiny_gemma3(spec: dict[str, Any], name: str, cache_dir: Path | None = None) -> Path:
