@@ -363,7 +363,7 @@ def declared(struct: type[Stats]) -> tuple[Figure, ...]:
 
 def flat(section: Stats) -> dict[str, Any]:
     """One section's fields by their flat names (its ``prefix`` before each): the names SERVER_INFO
-    used before it was nested, which ``lmcache stats --json`` and the engine's ``stats()`` keep."""
+    used before it was nested, which ``lmcache stats --json`` keeps."""
     return {section.prefix + name: value for name, value in msgspec.structs.asdict(section).items()}
 
 

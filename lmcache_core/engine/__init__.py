@@ -10,14 +10,14 @@ and the order eviction takes pieces in), ``plans`` (store/retrieve plans, counte
 that state, its lock private; lookup, store, retrieve, loads, pins, admin), ``verify`` (checksums
 waited for when still being taken, checked, corrupt pieces condemned), ``tiered`` (disk and Redis
 around the store), ``async_lookup`` (the in-process lookups' prefetch), ``cache``
-(``CacheEngine``: the parts composed).
+(``CacheEngine``: the parts composed; only what composes them, callers use the parts).
 """
 
-from lmcache_core.engine.cache import SORTS, CacheEngine, Holders
+from lmcache_core.engine.cache import CacheEngine, EngineSnapshot, Holders
 from lmcache_core.engine.index import GroupTarget, Holder
 from lmcache_core.engine.plans import Counters, RetrievePlan, StorePlan
 from lmcache_core.engine.retention import PLAIN, Retention
 from lmcache_core.engine.store import MEMORY_TIER, PieceRow, PieceStore
 
-__all__ = ["MEMORY_TIER", "PLAIN", "SORTS", "CacheEngine", "Counters", "GroupTarget", "Holder",
-           "Holders", "PieceRow", "PieceStore", "Retention", "RetrievePlan", "StorePlan"]
+__all__ = ["MEMORY_TIER", "PLAIN", "CacheEngine", "Counters", "EngineSnapshot", "GroupTarget",
+           "Holder", "Holders", "PieceRow", "PieceStore", "Retention", "RetrievePlan", "StorePlan"]

@@ -2,10 +2,11 @@
 
 A worker's ``LMCacheAsyncLookupServer`` calls ``CacheEngine.async_lookup_and_prefetch`` and
 ``cleanup_memory_objs`` from its thread, for the engine's own rank only; the engine hands both to
-the ``AsyncLookups`` it holds. Without lower tiers a lookup answers at once on the caller's thread;
-with them the prefix is brought into memory by a lookup with a tier budget
-(``TIER_TIMEOUT_S``) on a small prefetch thread pool
-(made on first use), so the caller never waits on tier I/O. ``close`` shuts that pool down.
+the ``AsyncLookups`` it holds, built with what it needs of the engine: its lookup (the tiers' when
+given a budget), the store's ``free_lookup_locks``, the chunk size, and whether there are tiers.
+Without lower tiers a lookup answers at once on the caller's thread; with them the prefix is
+brought into memory by a lookup with a tier budget (``TIER_TIMEOUT_S``) on a small prefetch
+thread pool (made on first use), so the caller never waits on tier I/O. ``close`` shuts that pool down.
 
 ``cleanup`` (the request was cancelled or timed out) releases the lookup's locks. A tiered lookup
 still in flight then would lock again when it ends (its final re-lookup), with nobody left to
@@ -26,24 +27,17 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
 
+from lmcache_core.engine.index import GroupTarget
 from lmcache_core.errors import ProtocolError
-from lmcache_core.keys import HeadRange, opaque_layout, rank_heads
+from lmcache_core.keys import opaque_layout, rank_heads
 
 
-class LookupEngine(Protocol):
-    """What the async lookups need of the engine (``cache.CacheEngine`` is one)."""
+class Lookup(Protocol):
+    """The engine's lookup (``CacheEngine.lookup``)."""
 
-    @property
-    def chunk_size(self) -> int: ...
-
-    @property
-    def has_tiers(self) -> bool: ...
-
-    def lookup(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
-               chunk_hashes: Sequence[bytes], lookup_id: str, lock: bool = True, *,
-               tier_timeout_s: float | None = None, readers: int = 1, shared: int = 1) -> int: ...
-
-    def free_lookup_locks(self, lookup_id: str) -> int: ...
+    def __call__(self, model_name: str, groups: Sequence[GroupTarget],
+                 chunk_hashes: Sequence[bytes], lookup_id: str, lock: bool = True, *,
+                 tier_timeout_s: float | None = None) -> int: ...
 
 logger = logging.getLogger(__name__)
 PREFETCH_THREADS = 4
@@ -60,10 +54,16 @@ class _Tracked:
 
 
 class AsyncLookups:
-    """Answers async lookups against one engine; owns the prefetch threads of tiered ones."""
+    """Answers async lookups against one engine; owns the prefetch threads of tiered ones.
+    ``lookup``: the engine's; ``release``: frees a lookup id's locks; ``tiered``: lookups bring
+    the prefix in from lower tiers (on the prefetch threads)."""
 
-    def __init__(self, engine: LookupEngine) -> None:
-        self.engine = engine
+    def __init__(self, lookup: Lookup, release: Callable[[str], int], chunk_size: int,
+                 tiered: bool) -> None:
+        self._lookup = lookup
+        self._release = release
+        self._chunk_size = chunk_size
+        self._tiered = tiered
         self._lock = threading.Lock()
         self._prefetch: ThreadPoolExecutor | None = None
         self._in_flight: set[Future[None]] = set()
@@ -80,8 +80,7 @@ class AsyncLookups:
             raise ProtocolError(f"worker_id {worker_id} must be in [0, world_size={world_size})")
         if offsets is not None and len(offsets) != len(hashes):
             raise ProtocolError(f"{len(offsets)} offsets for {len(hashes)} chunk hashes")
-        engine = self.engine
-        chunk_size = engine.chunk_size
+        chunk_size = self._chunk_size
 
         def answer(chunks: int) -> int:
             if not chunks:
@@ -95,16 +94,16 @@ class AsyncLookups:
         if layout is None:
             layout = opaque_layout(world_size)
         try:
-            ranges = [rank_heads(layout, world_size, worker_id)]
+            groups = [GroupTarget(layout, (rank_heads(layout, world_size, worker_id),))]
         except ValueError as exc:
             raise ProtocolError(str(exc)) from None
-        if not engine.has_tiers:
-            return answer(engine.lookup(model_name, layout, ranges, hashes, lookup_id, lock=pin))
+        if not self._tiered:
+            return answer(self._lookup(model_name, groups, hashes, lookup_id, lock=pin))
         if on_result is None:  # nobody to call back: wait here
-            return answer(engine.lookup(model_name, layout, ranges, hashes, lookup_id, pin,
-                                        tier_timeout_s=TIER_TIMEOUT_S))
+            return answer(self._lookup(model_name, groups, hashes, lookup_id, pin,
+                                       tier_timeout_s=TIER_TIMEOUT_S))
 
-        lookup = partial(engine.lookup, model_name, layout, ranges, hashes, lookup_id, pin,
+        lookup = partial(self._lookup, model_name, groups, hashes, lookup_id, pin,
                          tier_timeout_s=TIER_TIMEOUT_S)
         with self._lock:
             if self._closed:
@@ -129,7 +128,7 @@ class AsyncLookups:
                 chunks = lookup()
             except Exception:
                 logger.exception("async lookup %r failed", lookup_id)
-                self.engine.free_lookup_locks(lookup_id)
+                self._release(lookup_id)
                 chunks = 0
         with self._lock:
             if self._untrack(lookup_id, number):
@@ -156,7 +155,7 @@ class AsyncLookups:
         if number > tracked.cancelled_upto:
             return False
         if tracked.submitted == tracked.cancelled_upto:
-            self.engine.free_lookup_locks(lookup_id)
+            self._release(lookup_id)
         return True
 
     def _finished(self, lookup_id: str, number: int, future: Future[None]) -> None:
@@ -172,7 +171,7 @@ class AsyncLookups:
             tracked = self._tracked.get(lookup_id)
             if tracked is not None:
                 tracked.cancelled_upto = tracked.submitted
-        return self.engine.free_lookup_locks(lookup_id)
+        return self._release(lookup_id)
 
     def close(self, timeout_s: float = 5.0) -> bool:
         """Shut the prefetch pool down: lookups not started yet are cancelled (unanswered, nothing

@@ -285,17 +285,18 @@ def _find_hits_ranges(index: PieceIndex, model_name: str, layout: str,
 
 
 class GroupTarget(NamedTuple):
-    """One KV-cache group of a hybrid model as a lookup counts it: its layout fingerprint, every
-    rank's head range in it, and the chunks resuming at a boundary ``N`` needs of it
-    (``keys.group_piece``): all of ``[0, N)`` for full attention (``window_chunks`` 0, no
-    ``local_blocks``); ``[max(0, N - wc), N)`` for a sliding window (and Mamba state); for
-    chunked-local attention of ``local_blocks`` blocks an attention chunk (``blocks_per_chunk``
-    a chunk), those from the one its attention chunk at ``N`` starts in (``keys.local_start``:
-    none when ``N`` starts one)."""
+    """One KV-cache group as a lookup counts it (a model of one layout is one full-attention
+    group: ``GroupTarget(layout, ranges)``): its layout fingerprint, every rank's head range in
+    it, and the chunks resuming at a boundary ``N`` needs of it (``keys.group_piece``): all of
+    ``[0, N)`` for full attention (``window_chunks`` 0, no ``local_blocks``);
+    ``[max(0, N - wc), N)`` for a sliding window (and Mamba state); for chunked-local attention
+    of ``local_blocks`` blocks an attention chunk (``blocks_per_chunk`` a chunk), those from the
+    one its attention chunk at ``N`` starts in (``keys.local_start``: none when ``N`` starts
+    one)."""
 
     layout: str
     ranges: tuple[HeadRange, ...]
-    window_chunks: int
+    window_chunks: int = 0
     local_blocks: int = 0
     blocks_per_chunk: int = 1
 
@@ -348,7 +349,7 @@ def _cover_all(pieces: Sequence[Piece], ranges: Sequence[HeadRange]) -> list[lis
 def group_reach(groups: Sequence[GroupTarget], covers: Sequence[Sequence[object | None]],
                 limit: int) -> int:
     """A hybrid model's hit over each group's per-chunk covers (None, or past its end: missing),
-    the rule of ``find_group_hits`` and ``TieredStorage.peek_groups``: the largest ``N <= limit``
+    the rule of ``find_group_hits`` and ``TieredStorage.peek``: the largest ``N <= limit``
     such that every full-attention group covers chunks ``[0, N)`` and every other group the
     chunks from ``window_needed(group, N)`` to ``N``. Those groups' rules are not monotone in
     ``N`` (an attention chunk's start needs nothing, the chunk after it one piece), so their

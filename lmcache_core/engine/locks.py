@@ -175,6 +175,10 @@ class LockTable:
     def held_count(self) -> int:
         return sum(lock_set.count() for lock_set in self.sets.values())
 
+    def deadlines(self) -> int:
+        """The entries of the TTL heap, live and stale (compacted: bounded by the lock sets)."""
+        return len(self._expiry)
+
     def _compact(self) -> None:
         live = {lookup_id: lock_set.seq for lookup_id, lock_set in self.sets.items()}
         self._expiry = [item for item in self._expiry if live.get(item[2]) == item[1]]

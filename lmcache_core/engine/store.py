@@ -28,6 +28,10 @@ each one's share: a piece under both fits both.
 Hooks, given at construction: ``on_stored(keys)`` after a store committed (outside the lock: the
 tiers queue their writes), ``on_evicted(key)`` for each piece evicted (under the lock: no I/O), and
 ``events`` (KV events for routers) of every piece that enters or leaves memory.
+
+Its state is private: its figures are ``snapshot`` (the typed ``stats.EngineStats``), and
+``inspect`` reads the rest at one moment (``Inspection``: every piece's state, locks, readers,
+pins and retention, each lookup's locks, what is being written) for tests and debugging.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from lmcache_core.engine import eviction
 from lmcache_core.engine.index import (
@@ -79,9 +83,9 @@ MEMORY_TIER = "memory"
 PAIRS_PER_HOLD = 64
 
 
-@dataclass(frozen=True, slots=True)
-class PieceRow:
-    """One resident piece as the admin views list it (the server makes the wire rows)."""
+class PieceRow(NamedTuple):
+    """One piece as a listing shows it (``PieceStore.rows``; the server's listing makes the disk's
+    too, and the wire rows)."""
 
     chunk_hash: bytes
     model_name: str
@@ -90,11 +94,66 @@ class PieceRow:
     head_hi: int
     nbytes: int
     age_s: float
+    locks: int = 0
+    hits: int = 0
+    pinned: bool = False
+    expires_in_s: float | None = None  # what is left of its TTL (None: it has none)
+    priority: int = 0
+    tier: str = MEMORY_TIER
+
+
+class PieceView(NamedTuple):
+    """One piece as ``PieceStore.inspect`` read it (``index.Piece``'s fields, frozen)."""
+
+    state: State
+    handle: int
+    nbytes: int
+    checksum: int
+    tenant: str
     locks: int
+    readers: int
     hits: int
     pinned: bool
-    expires_in_s: float | None  # what is left of its TTL (None: it has none)
+    expires: float  # when its TTL ends, on the store's clock (math.inf: none)
     priority: int
+
+    @classmethod
+    def of(cls, piece: Piece) -> PieceView:
+        return cls(piece.state, piece.handle, piece.nbytes, piece.checksum, piece.tenant,
+                   piece.locks, piece.readers, piece.hits, piece.pinned, piece.expires,
+                   piece.priority)
+
+
+class Inspection(NamedTuple):
+    """A read-only snapshot of a store's state, read at one moment (``PieceStore.inspect``): for
+    tests and debugging; the server reports ``stats`` (``snapshot``) and the admin views."""
+
+    #: The resident pieces (visible to lookups), least recently used first.
+    pieces: dict[ChunkKey, PieceView]
+    #: The pieces being written (a store copying in, a tier load filling); None: a key claimed,
+    #: no room yet.
+    writing: dict[ChunkKey, PieceView | None]
+    #: The pieces each lookup id holds locks on.
+    locks: dict[str, list[ChunkKey]]
+    #: The entries of the locks' TTL heap (live and stale ones: it is compacted, so bounded).
+    lock_deadlines: int
+    #: Per model and per tenant tag, the resident pieces and bytes; the bytes being written.
+    models: dict[str, tuple[int, int]]
+    tenants: dict[str, tuple[int, int]]
+    writing_models: dict[str, int]
+    writing_tenants: dict[str, int]
+    #: Resident pieces with a TTL, pin or priority of their own (retention's bookkeeping).
+    hinted: int
+    #: The counters and gauges (``snapshot``): pool usage, locks held, pins, checksums pending.
+    stats: EngineStats
+
+    def resident(self, key: ChunkKey) -> bool:
+        """Whether the piece ``key`` is committed (visible to lookups)."""
+        return key in self.pieces
+
+    def locks_of(self, lookup_id: str) -> list[ChunkKey]:
+        """The pieces ``lookup_id`` holds a lock on."""
+        return self.locks.get(lookup_id, [])
 
 
 class PieceStore:
@@ -112,78 +171,64 @@ class PieceStore:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         if lock_ttl_s <= 0:
             raise ValueError(f"lock_ttl_s must be positive, got {lock_ttl_s}")
-        self.pool = pool
+        self._pool = pool
         self.chunk_size = chunk_size
         self.lock_ttl_s = lock_ttl_s
-        self.quotas = dict(quotas or {})
-        self.tenant_quotas = dict(tenant_quotas or {})  # tenant tag -> bytes
-        self.clock = clock
+        self._quotas = dict(quotas or {})
+        self._tenant_quotas = dict(tenant_quotas or {})  # tenant tag -> bytes
+        self._clock = clock
         self._mutex = threading.Lock()
         # Notified whenever checksums are recorded (``record_checksums``): what waits for one (a
         # tier write, a verified retrieve, a store short of room) waits on it.
         self._hashed = threading.Condition(self._mutex)
         self._hashing = 0  # pieces whose checksum is being taken (each held by the hash)
-        # The state below is this store's alone; it is readable for inspection and tests, and
-        # changed only by the store's methods (under ``_lock``).
-        self.index = PieceIndex()
-        self.locks = LockTable(lock_ttl_s)
-        self.writing = Writing()  # key -> its piece while a store or a tier load fills it
-        self.counters = Counters()
+        # The state below is this store's alone, read and changed only by its methods (under
+        # ``_mutex``); ``inspect`` gives a read-only snapshot of it (tests, debugging).
+        self._index = PieceIndex()
+        self._locks = LockTable(lock_ttl_s)
+        self._writing = Writing()  # key -> its piece while a store or a tier load fills it
+        self._counters = Counters()
         # Pins, TTLs, priorities asked for by requests; pins take at most a quarter of the pool
         # unless told otherwise.
-        self.retention = RetentionBook(pool.nbytes // 4 if max_pinned_bytes is None
+        self._retention = RetentionBook(pool.nbytes // 4 if max_pinned_bytes is None
                                        else max_pinned_bytes)
-        self.events = events
+        self._events = events
         self._on_stored = on_stored
         self._on_evicted = on_evicted
 
     # ------------------------------------------------------------------ lookup
 
-    def lookup(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
+    def lookup(self, model_name: str, groups: Sequence[GroupTarget],
                chunk_hashes: Sequence[bytes], lookup_id: str, lock: bool = True,
                readers: int = 1, shared: int = 1, earlier_hits: int | None = None) -> int:
-        """How many leading chunks have pieces covering every head range in ``ranges`` (one per
-        rank); lock them for ``lookup_id`` when ``lock`` (each lock going with the ``readers``-th
-        read by each of the ``shared`` ranks reading its range: ``set_lock_readers``). A locking
-        re-lookup under the same id replaces that id's previous locks. Hits are LRU-touched and
-        counted; ``earlier_hits``: this is the re-lookup after the tiers loaded pieces, of a lookup
-        that found that many: the chunks found since count as its hits, not as a new lookup."""
-        if not ranges:
-            raise ProtocolError("a lookup needs at least one head range")
-        return self._lookup(lambda: find_hits(self.index, model_name, layout, ranges,
-                                              chunk_hashes),
-                            len(chunk_hashes), lookup_id, lock, readers, shared, earlier_hits)
-
-    def lookup_groups(self, model_name: str, groups: Sequence[GroupTarget],
-                      chunk_hashes: Sequence[bytes], lookup_id: str, lock: bool = True,
-                      readers: int = 1, shared: int = 1, earlier_hits: int | None = None) -> int:
-        """``lookup`` for a hybrid model: the leading chunks at whose end every group can be
-        restored (``index.find_group_hits``), every group's pieces of them locked under the one
-        ``lookup_id`` (each group's retrieve releases its own)."""
+        """How many leading chunks can be restored from resident pieces: for one full-attention
+        group (a model of one layout), the chunks whose pieces cover every head range in its
+        ``ranges`` (one per rank); for a hybrid model's KV-cache groups, the chunks at whose end
+        every group can be restored (``index.find_group_hits``). When ``lock``, every piece of
+        the hit is locked for ``lookup_id`` (each lock going with the ``readers``-th read by
+        each of the ``shared`` ranks reading its range: ``set_lock_readers``; each group's
+        retrieve releases its own). A locking re-lookup under the same id replaces that id's
+        previous locks. Hits are LRU-touched and counted; ``earlier_hits``: this is the
+        re-lookup after the tiers loaded pieces, of a lookup that found that many: the chunks
+        found since count as its hits, not as a new lookup."""
         if not groups or any(not group.ranges for group in groups):
-            raise ProtocolError("a hybrid lookup needs groups, each with a head range")
-        return self._lookup(lambda: find_group_hits(self.index, model_name, groups,
-                                                    chunk_hashes),
-                            len(chunk_hashes), lookup_id, lock, readers, shared, earlier_hits)
-
-    def _lookup(self, find: Callable[[], Hits], asked: int, lookup_id: str, lock: bool,
-                readers: int, shared: int, earlier_hits: int | None) -> int:
-        """Find (``find``, under the lock), touch, lock and count a lookup of ``asked`` chunks."""
+            raise ProtocolError("a lookup needs at least one head range in each KV-cache group")
+        asked = len(chunk_hashes)
         with self._mutex:
-            now = self.clock()
-            if self.locks.due(now):
-                self.counters.locks_expired += self.locks.expire(now)
-            hits = find()
+            now = self._clock()
+            if self._locks.due(now):
+                self._counters.locks_expired += self._locks.expire(now)
+            hits = self._find(model_name, groups, chunk_hashes)
             chunks = hits.count
             if chunks:
-                touch_hits(self.index, hits)
+                touch_hits(self._index, hits)
             if lock and chunks:
-                self.locks.hold(lookup_id, hits.held, now)
+                self._locks.hold(lookup_id, hits.held, now)
                 if readers != 1 or shared != 1:
-                    self.locks.set_readers(lookup_id, readers, shared)
+                    self._locks.set_readers(lookup_id, readers, shared)
             elif lock:  # a miss holds nothing, and drops what this id held before
-                self.locks.release_all(lookup_id)
-            n = self.counters
+                self._locks.release_all(lookup_id)
+            n = self._counters
             if earlier_hits is None:
                 n.lookups += 1
                 n.lookup_hit_chunks += chunks
@@ -193,26 +238,32 @@ class PieceStore:
                 n.lookup_miss_chunks -= chunks - earlier_hits
         return chunks
 
-    def held(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
-             chunk_hashes: Sequence[bytes]) -> int:
-        """How many leading chunks resident pieces cover for ``ranges``, touching nothing (no
-        LRU move, no hit or lookup counted, no lock): to compare candidate layouts."""
-        with self._mutex:
-            return find_hits(self.index, model_name, layout, ranges, chunk_hashes).count
+    def _find(self, model_name: str, groups: Sequence[GroupTarget],
+              chunk_hashes: Sequence[bytes]) -> Hits:
+        """The hit of ``groups`` (under the lock). One full-attention group, every lookup of a
+        model of one layout (the scheduler's hot path), takes ``find_hits``' one-layout walk;
+        a hybrid model's groups the rule of ``find_group_hits``."""
+        if len(groups) == 1:
+            group = groups[0]
+            if group.full:
+                return find_hits(self._index, model_name, group.layout, group.ranges,
+                                 chunk_hashes)
+        return find_group_hits(self._index, model_name, groups, chunk_hashes)
 
-    def held_groups(self, model_name: str, groups: Sequence[GroupTarget],
-                    chunk_hashes: Sequence[bytes]) -> int:
-        """``held`` for a hybrid model: the leading chunks at whose end every group can be
-        restored from resident pieces (``index.find_group_hits``), touching nothing."""
+    def held(self, model_name: str, groups: Sequence[GroupTarget],
+             chunk_hashes: Sequence[bytes]) -> int:
+        """How many leading chunks ``lookup`` would find in resident pieces, touching nothing
+        (no LRU move, no hit or lookup counted, no lock): to compare candidate layouts, and a
+        peek without tiers."""
         with self._mutex:
-            return find_group_hits(self.index, model_name, groups, chunk_hashes).count
+            return self._find(model_name, groups, chunk_hashes).count
 
     def uncovered(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
                   chunk_hashes: Sequence[bytes]) -> list[list[HeadRange]]:
         """Per chunk, the ranges of ``ranges`` that resident pieces do not cover."""
         out: list[list[HeadRange]] = []
         with self._mutex:
-            chunks_of = self.index.chunks.get
+            chunks_of = self._index.chunks.get
             for chunk_hash in chunk_hashes:
                 pieces = chunks_of((model_name, layout, chunk_hash)) or []
                 out.append([(lo, hi) for lo, hi in ranges
@@ -223,12 +274,12 @@ class PieceStore:
         """The layouts of ``model_name`` that have resident pieces (a lookup by a client that
         names no layout tries these)."""
         with self._mutex:
-            return [layout for (model, layout) in self.index.layout_chunks if model == model_name]
+            return [layout for (model, layout) in self._index.layout_chunks if model == model_name]
 
     def pairs(self) -> list[Pair]:
         """Every (model, layout) with resident pieces."""
         with self._mutex:
-            return list(self.index.layout_chunks)
+            return list(self._index.layout_chunks)
 
     def holders(self, chunk_hashes: Sequence[bytes], first_model: str,
                 max_pairs: int) -> tuple[list[Holder], bool]:
@@ -241,14 +292,14 @@ class PieceStore:
         for start in range(0, min(len(pairs), max_pairs), PAIRS_PER_HOLD):
             batch = pairs[start:min(start + PAIRS_PER_HOLD, max_pairs)]
             with self._mutex:
-                found += find_holders(self.index, batch, chunk_hashes, MEMORY_TIER)
+                found += find_holders(self._index, batch, chunk_hashes, MEMORY_TIER)
         return found, len(pairs) > max_pairs
 
     def model_tenants(self, model_name: str) -> tuple[int, dict[str, int]]:
         """``model_name``'s resident pieces, and how many of them each tenant tag stored."""
         with self._mutex:
-            tenants = self.index.model_tenants.get(model_name)
-            return (self.index.models.pieces.get(model_name, 0),
+            tenants = self._index.model_tenants.get(model_name)
+            return (self._index.models.pieces.get(model_name, 0),
                     dict(tenants.pieces) if tenants is not None else {})
 
     # ------------------------------------------------------------------ locks
@@ -256,21 +307,16 @@ class PieceStore:
     def expire_locks(self) -> int:
         """Release every lock older than ``lock_ttl_s``; returns how many piece locks went."""
         with self._mutex:
-            now = self.clock()
-            expired = self.locks.expire(now)
-            self.counters.locks_expired += expired
-            self.retention.lapse(now)  # pins whose TTL ended: ordinary pieces again
+            now = self._clock()
+            expired = self._locks.expire(now)
+            self._counters.locks_expired += expired
+            self._retention.lapse(now)  # pins whose TTL ended: ordinary pieces again
             return expired
 
     def free_lookup_locks(self, lookup_id: str) -> int:
         """Release whatever ``lookup_id`` still locks (its chunks that were not retrieved)."""
         with self._mutex:
-            return self.locks.release_all(lookup_id)
-
-    def locks_of(self, lookup_id: str) -> list[ChunkKey]:
-        """The pieces ``lookup_id`` holds a lock on (for inspection and tests)."""
-        with self._mutex:
-            return self.locks.keys_of(lookup_id)
+            return self._locks.release_all(lookup_id)
 
     def set_lock_readers(self, lookup_id: str, readers: int, shared: int = 1) -> bool:
         """Each lock ``lookup_id`` holds (per head range and chunk) goes with the ``readers``-th
@@ -278,7 +324,7 @@ class PieceStore:
         ``num_kv_readers``; MLA's world size); called right after the lookup. False if it
         holds none."""
         with self._mutex:
-            return self.locks.set_readers(lookup_id, readers, shared)
+            return self._locks.set_readers(lookup_id, readers, shared)
 
     def release_lookup_reads(self, lookup_id: str, chunk_hashes: Collection[bytes],
                              reads: int, heads: HeadRange | None = None) -> int:
@@ -286,7 +332,7 @@ class PieceStore:
         on the chunks ``chunk_hashes`` name, releasing those with none left to wait for
         (LMCache's ``free_lookup_locks`` over a range); how many piece locks went."""
         with self._mutex:
-            return self.locks.release_chunks(lookup_id, chunk_hashes, reads, heads)
+            return self._locks.release_chunks(lookup_id, chunk_hashes, reads, heads)
 
     # ------------------------------------------------------------------ store
 
@@ -300,20 +346,20 @@ class PieceStore:
         (earlier keys, the prefix's head, get room first). Never raises for a full pool.
         ``retention``: the request's TTL, pin and priority (``retention``); ``tenant``: its
         cache_salt tenant (``keys.tenant_tag``), whose quota applies too."""
-        if not self.pool.fits(nbytes):
+        if not self._pool.fits(nbytes):
             raise IncompatibleError(
                 f"a chunk piece of {nbytes} bytes does not fit the pool's "
-                f"{self.pool.max_alloc_bytes} bytes (raise server.pool_size)")
+                f"{self._pool.max_alloc_bytes} bytes (raise server.pool_size)")
         plan = StorePlan(nbytes, [], retention=retention, tenant=tenant)
         with self._mutex:
-            now = self.clock()
-            if self.locks.due(now):
-                self.counters.locks_expired += self.locks.expire(now)
+            now = self._clock()
+            if self._locks.due(now):
+                self._counters.locks_expired += self._locks.expire(now)
             claimed = self._claim(keys, nbytes, plan)
-            self.counters.stores += 1
-            self.counters.store_skipped_full += plan.skipped_full
-            self.counters.store_skipped_quota += plan.skipped_quota
-        view = self.pool.view
+            self._counters.stores += 1
+            self._counters.store_skipped_full += plan.skipped_full
+            self._counters.store_skipped_quota += plan.skipped_quota
+        view = self._pool.view
         plan.writes = [(index, key, view(handle, nbytes))
                        for (index, key), handle in zip(claimed, plan.handles, strict=True)]
         return plan
@@ -324,9 +370,9 @@ class PieceStore:
         index, key) pairs that got room."""
         new: list[tuple[int, ChunkKey]] = []
         present: list[Piece] = []  # the resident pieces holding keys already present
-        writing = self.writing
+        writing = self._writing
         for position, key in enumerate(keys):
-            covering = None if key in writing else self.index.covering(key)
+            covering = None if key in writing else self._index.covering(key)
             if covering is None and key not in writing:
                 writing.claim(key)
                 new.append((position, key))
@@ -334,11 +380,11 @@ class PieceStore:
             plan.already_present += 1
             present += covering or ()
         if not plan.retention.plain:  # the pieces it found get its retention too
-            plan.pin_refused += self.retention.keep(present, plan.retention, self.clock())
+            plan.pin_refused += self._retention.keep(present, plan.retention, self._clock())
         # The present pieces are part of what this store keeps: touched as a hit (the prefix's
         # head most recent) and held while room is made, so its evictions never take them.
         for piece in reversed(present):
-            self.index.touch(piece)
+            self._index.touch(piece)
             self._add_reader(piece)
         try:
             got = self._room(new, nbytes, plan)
@@ -366,7 +412,7 @@ class PieceStore:
                 continue
             if handle is None:
                 break
-            self.writing.reserve(key, handle, nbytes, plan.tenant)
+            self._writing.reserve(key, handle, nbytes, plan.tenant)
             plan.keys.append(key)
             plan.handles.append(handle)
             got.append((position, key))
@@ -376,13 +422,13 @@ class PieceStore:
         """Whether a piece of ``model_name`` for ``tenant`` fits both their quotas (with the
         pieces being written, this request's and others', counted), evicting their own oldest
         pieces if that makes it fit; nothing is evicted when it cannot."""
-        limits = eviction.quota_limits(self.index, self.writing, self.quotas, self.tenant_quotas,
+        limits = eviction.quota_limits(self._index, self._writing, self._quotas, self._tenant_quotas,
                                        nbytes, model_name, tenant)
         if not limits:
             return True
-        now = self.clock()
+        now = self._clock()
         victims = eviction.over_quotas(
-            lambda: eviction_order(self.index, self.retention, now), now, limits)
+            lambda: eviction_order(self._index, self._retention, now), now, limits)
         if victims is None:
             return False
         self._evict(victims)
@@ -390,15 +436,15 @@ class PieceStore:
 
     def _allocate(self, nbytes: int, wanted: int) -> int | None:
         """Pool bytes for one piece, evicting (pieces of any model) only what it needs."""
-        handle = self.pool.allocate(nbytes)
+        handle = self._pool.allocate(nbytes)
         if handle is None:
-            now = self.clock()
-            order = eviction_order(self.index, self.retention, now)
-            room = eviction.victims_for(self.index, self.pool, order, now, nbytes, wanted)
+            now = self._clock()
+            order = eviction_order(self._index, self._retention, now)
+            room = eviction.victims_for(self._index, self._pool, order, now, nbytes, wanted)
             self._evict(room.victims)
             if room.first_unit is not None:  # an extent: in the window emptied for it
-                return self.pool.allocate_at(nbytes, room.first_unit)
-            handle = self.pool.allocate(nbytes)
+                return self._pool.allocate_at(nbytes, room.first_unit)
+            handle = self._pool.allocate(nbytes)
         return handle
 
     def finish_store(self, plan: StorePlan, ok: bool = True, *,
@@ -418,11 +464,11 @@ class PieceStore:
             else:
                 for key in plan.keys:
                     self._abort(key)
-            self.counters.store_pin_refused += plan.pin_refused
+            self._counters.store_pin_refused += plan.pin_refused
             if not ok:
                 return
-            self.counters.stored_chunks += len(plan.keys)
-            self.counters.stored_bytes += plan.nbytes * len(plan.keys)
+            self._counters.stored_chunks += len(plan.keys)
+            self._counters.stored_bytes += plan.nbytes * len(plan.keys)
         if plan.keys and self._on_stored is not None:  # the tiers' queues: outside the lock
             self._on_stored(plan.keys)
 
@@ -431,11 +477,11 @@ class PieceStore:
         """Make written pieces resident, tail first, with the store ``plan``'s retention (a tier
         load has none) and their ``checksums`` (none: 0; ``pending``: being taken, each piece
         held by its hash until ``record_checksums``)."""
-        now, add = self.clock(), self.index.add
+        now, add = self._clock(), self._index.add
         retention = plan.retention if plan is not None else PLAIN
         sums = [PENDING] * len(keys) if pending else checksums or [0] * len(keys)
         for key, checksum in zip(reversed(keys), reversed(sums), strict=True):
-            piece = self.writing.release(key)
+            piece = self._writing.release(key)
             advance(piece, Event.COMMIT)
             piece.created, piece.checksum = now, checksum
             add(piece)
@@ -445,12 +491,12 @@ class PieceStore:
                 plan.hashing.append(piece)
                 self._hashing += 1
             if (plan is not None and not retention.plain
-                    and not self.retention.apply(piece, retention, now, True)):
+                    and not self._retention.apply(piece, retention, now, True)):
                 plan.pin_refused += 1
         if pending and plan is not None:
             plan.hashing.reverse()  # in the order of ``keys``, as the digests come
-        if self.events is not None and keys:
-            self.events.stored(list(keys), MEMORY_TIER)
+        if self._events is not None and keys:
+            self._events.stored(list(keys), MEMORY_TIER)
 
     def record_checksums(self, plan: StorePlan, digests: Sequence[int] | None) -> None:
         """The checksums of a store committed with ``checksums_pending``, one per piece, taken from
@@ -464,12 +510,12 @@ class PieceStore:
             if not pieces:
                 return
             if digests is None:
-                gone = [piece for piece in pieces if self.index.get(piece.key) is piece]
+                gone = [piece for piece in pieces if self._index.get(piece.key) is piece]
                 for piece in gone:
                     self._drop(piece)  # freed below, by the hash's release
-                self.counters.checksums_abandoned += len(pieces)
-                if self.events is not None and gone:
-                    self.events.removed([piece.key for piece in gone], MEMORY_TIER)
+                self._counters.checksums_abandoned += len(pieces)
+                if self._events is not None and gone:
+                    self._events.removed([piece.key for piece in gone], MEMORY_TIER)
             for piece, digest in zip(pieces, digests or [ABANDONED] * len(pieces), strict=True):
                 piece.checksum = digest
                 self._release_reader(piece)
@@ -493,9 +539,9 @@ class PieceStore:
         return left > 0 and self._hashed.wait(left)
 
     def _abort(self, key: ChunkKey) -> None:
-        piece = self.writing.release(key)
+        piece = self._writing.release(key)
         advance(piece, Event.ABORT)
-        self.pool.free(piece.handle)
+        self._pool.free(piece.handle)
 
     # ------------------------------------------------------------------ retrieve
 
@@ -505,9 +551,9 @@ class PieceStore:
         nothing frees them mid-copy; chunks not covered are ``missing``."""
         plan = RetrievePlan(lookup_id, heads, [], [])
         lo, hi = heads
-        view = self.pool.view
+        view = self._pool.view
         with self._mutex:
-            chunks_of = self.index.chunks.get
+            chunks_of = self._index.chunks.get
             for position, chunk_hash in enumerate(chunk_hashes):
                 chunk = (model_name, layout, chunk_hash)
                 pieces = chunks_of(chunk)
@@ -521,11 +567,11 @@ class PieceStore:
                 plan.chunks.append(chunk)
                 plan.found.append((position, [(view(p.handle, p.nbytes), p.key.head_lo,
                                                p.key.head_hi) for p in covering]))
-            move = self.index.lru.move_to_end
+            move = self._index.lru.move_to_end
             for covering in reversed(plan.pieces):
                 for piece in covering:
                     move(piece.key)
-            n = self.counters
+            n = self._counters
             n.retrieves += 1
             n.retrieved_chunks += len(plan.found)
             n.retrieved_bytes += sum(p.nbytes for c in plan.pieces for p in c)
@@ -545,12 +591,12 @@ class PieceStore:
                     self._release_reader(piece)
             if copied is not None and copied < len(plan.pieces):
                 late = plan.pieces[copied:]
-                n = self.counters
+                n = self._counters
                 n.retrieve_late_chunks += len(late)
                 n.retrieved_chunks -= len(late)
                 n.retrieved_bytes -= sum(p.nbytes for c in late for p in c)
             if plan.lookup_id:
-                self.locks.release_read(plan.lookup_id, plan.heads, plan.chunks)
+                self._locks.release_read(plan.lookup_id, plan.heads, plan.chunks)
 
     def retire_corrupt(self, plan: RetrievePlan, bad_at: Sequence[int],
                        corrupt: Sequence[Piece], unchecked: int = 0) -> list[int]:
@@ -560,7 +606,7 @@ class PieceStore:
         the corrupt pieces are dropped; the others count as verified. The request indexes that
         moved."""
         with self._mutex:
-            n = self.counters
+            n = self._counters
             n.integrity_verified_chunks += (sum(len(pieces) for pieces in plan.pieces)
                                             - len(corrupt) - unchecked)
             if not bad_at:
@@ -589,30 +635,30 @@ class PieceStore:
         piece.readers -= 1
         if piece.state is State.DROPPED and not piece.readers:
             advance(piece, Event.LAST_READ_DONE)
-            self.pool.free(piece.handle)
+            self._pool.free(piece.handle)
         else:
             advance(piece, Event.READ_DONE)
 
     def _drop(self, piece: Piece) -> None:
         """Take ``piece`` out of the index; its bytes are freed now, or by its last reader
         (``_release_reader``) when one is still copying out of it."""
-        self.index.remove(piece)
-        self.retention.forget(piece)
+        self._index.remove(piece)
+        self._retention.forget(piece)
         if piece.readers:
             advance(piece, Event.DROP_READ)
         else:
             advance(piece, Event.DROP)
-            self.pool.free(piece.handle)
+            self._pool.free(piece.handle)
 
     def _evict(self, victims: Sequence[Piece]) -> None:
         """Every eviction passes here (under the lock: no I/O)."""
         for piece in victims:
             self._drop(piece)
-            self.counters.evictions += 1
+            self._counters.evictions += 1
             if self._on_evicted is not None:
                 self._on_evicted(piece.key)
-        if self.events is not None and victims:
-            self.events.removed([piece.key for piece in victims], MEMORY_TIER)
+        if self._events is not None and victims:
+            self._events.removed([piece.key for piece in victims], MEMORY_TIER)
 
     def condemn(self, pieces: Sequence[Piece]) -> int:
         """Drop ``pieces`` found corrupt (those still indexed), counted as integrity failures;
@@ -623,19 +669,19 @@ class PieceStore:
     def _condemn(self, pieces: Sequence[Piece]) -> int:
         dropped: list[ChunkKey] = []
         for piece in dict.fromkeys(pieces):  # a piece serving two ranges is dropped once
-            if self.index.get(piece.key) is not piece:
+            if self._index.get(piece.key) is not piece:
                 continue  # gone already (another check dropped it)
             self._drop(piece)  # one being read is freed by its last reader
             dropped.append(piece.key)
-        self.counters.integrity_failures += len(dropped)
-        if self.events is not None and dropped:
-            self.events.removed(dropped, MEMORY_TIER)
+        self._counters.integrity_failures += len(dropped)
+        if self._events is not None and dropped:
+            self._events.removed(dropped, MEMORY_TIER)
         return len(dropped)
 
     def count_verified(self, pieces: int) -> None:
         """``pieces`` were checked against their checksums and found intact."""
         with self._mutex:
-            self.counters.integrity_verified_chunks += pieces
+            self._counters.integrity_verified_chunks += pieces
 
     # ------------------------------------------------------------------ for the lower tiers
     # ``tiered.TieredStorage`` loads pieces into memory through these: room is reserved under the
@@ -649,7 +695,7 @@ class PieceStore:
         out: list[tuple[ChunkKey, int, int]] = []
         with self._mutex:
             for key, nbytes in items:
-                if key in self.writing or key in self.index.lru or not self.pool.fits(nbytes):
+                if key in self._writing or key in self._index.lru or not self._pool.fits(nbytes):
                     continue
                 # Loaded pieces have no tenant (tier records carry none; ``commit_loaded``
                 # leaves them untagged): only the model's quota applies.
@@ -658,7 +704,7 @@ class PieceStore:
                 handle = self._allocate(nbytes, 1)
                 if handle is None:
                     break
-                self.writing.reserve(key, handle, nbytes)
+                self._writing.reserve(key, handle, nbytes)
                 out.append((key, handle, nbytes))
         return out
 
@@ -685,11 +731,11 @@ class PieceStore:
         lock: a dict lookup."""
         out: list[ChunkKey] = []
         with self._mutex:
-            at_risk = ahead_bytes - self.pool.bytes_free
+            at_risk = ahead_bytes - self._pool.bytes_free
             if at_risk <= 0:  # nothing due: skip the order (with hints, a sort of the index)
                 return out
-            now = self.clock()
-            for piece in eviction_order(self.index, self.retention, now):
+            now = self._clock()
+            for piece in eviction_order(self._index, self._retention, now):
                 if at_risk <= 0 or len(out) >= limit:
                     break
                 if pinned_now(piece, now):
@@ -701,14 +747,14 @@ class PieceStore:
 
     def memory(self, handle: int, nbytes: int) -> memoryview:
         """A pool allocation's bytes as a memoryview (no copy)."""
-        return self.pool.view(handle, nbytes).numpy().data
+        return self._pool.view(handle, nbytes).numpy().data
 
     @contextmanager
     def reading(self, key: ChunkKey) -> Iterator[tuple[Piece, memoryview] | None]:
         """A resident piece and its bytes, held (not evictable) for the ``with`` block; None if
         gone. (The tiers' writers take bytes through it, checked against that piece's checksum.)"""
         with self._mutex:
-            piece = self.index.get(key)
+            piece = self._index.get(key)
             if piece is not None:
                 self._add_reader(piece)
         if piece is None:
@@ -722,26 +768,16 @@ class PieceStore:
 
     # ------------------------------------------------------------------ pins (lmcache pin/unpin)
 
-    def pin(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
+    def pin(self, model_name: str, groups: Sequence[GroupTarget],
             chunk_hashes: Sequence[bytes], ttl_s: float | None = None) -> int:
-        """Pin the pieces covering ``ranges`` of the leading chunks held (until unpinned, or
-        for ``ttl_s``); how many pieces are pinned now. PinLimitError, pinning nothing, when
-        that would pass ``max_pinned_bytes``."""
-        return self._pin(lambda: find_hits(self.index, model_name, layout, ranges,
-                                           chunk_hashes), ttl_s)
-
-    def pin_groups(self, model_name: str, groups: Sequence[GroupTarget],
-                   chunk_hashes: Sequence[bytes], ttl_s: float | None = None) -> int:
-        """``pin`` for a hybrid model: the pieces of every KV-cache group a hit of this prefix
-        needs (``index.find_group_hits``), all or none."""
-        return self._pin(lambda: find_group_hits(self.index, model_name, groups, chunk_hashes),
-                         ttl_s)
-
-    def _pin(self, find: Callable[[], Hits], ttl_s: float | None) -> int:
+        """Pin the pieces a hit of the prefix needs (``lookup``'s: of a hybrid model every
+        group's, of the windows only their last chunks), until unpinned or for ``ttl_s``; how
+        many pieces are pinned now. All or none: PinLimitError, pinning nothing, when that
+        would pass ``max_pinned_bytes``."""
         with self._mutex:
-            now = self.clock()
-            pieces = find().pieces()
-            book = self.retention
+            now = self._clock()
+            pieces = self._find(model_name, groups, chunk_hashes).pieces()
+            book = self._retention
             more = sum(piece.nbytes for piece in pieces if not piece.pinned)
             if book.pinned_bytes + more > book.max_pinned_bytes:
                 raise PinLimitError(
@@ -755,32 +791,25 @@ class PieceStore:
                 book.apply(piece, hint, now, fresh=False, replace_ttl=ttl_s is not None)
         return len(pieces)
 
-    def unpin(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
+    def unpin(self, model_name: str, groups: Sequence[GroupTarget],
               chunk_hashes: Sequence[bytes]) -> int:
-        """Unpin the pieces covering ``ranges`` of the leading chunks held; how many were."""
+        """Unpin the pieces of the named chunks; how many were pinned. Of one full-attention
+        group, the pieces covering its ranges of the leading chunks held; of a hybrid model's
+        groups, every group's pieces of the named chunks, not only a leading run (a pinned
+        window's earlier chunks may be gone)."""
         with self._mutex:
-            pieces = find_hits(self.index, model_name, layout, ranges, chunk_hashes).pieces()
-            return sum(self.retention.unpin(piece) for piece in pieces)
-
-    def unpin_groups(self, model_name: str, groups: Sequence[GroupTarget],
-                     chunk_hashes: Sequence[bytes]) -> int:
-        """``unpin`` of a hybrid model's groups: every group's pieces of the named chunks, not
-        only a leading run (a pinned window's earlier chunks may be gone); how many were pinned."""
-        with self._mutex:
-            chunks_of = self.index.chunks.get
-            pieces = [piece for group in groups for chunk_hash in chunk_hashes
-                      for piece in chunks_of((model_name, group.layout, chunk_hash), ())]
-            return sum(self.retention.unpin(piece) for piece in pieces)
+            if len(groups) == 1 and groups[0].full:
+                pieces = self._find(model_name, groups, chunk_hashes).pieces()
+            else:
+                chunks_of = self._index.chunks.get
+                pieces = [piece for group in groups for chunk_hash in chunk_hashes
+                          for piece in chunks_of((model_name, group.layout, chunk_hash), ())]
+            return sum(self._retention.unpin(piece) for piece in pieces)
 
     # ------------------------------------------------------------------ admin
 
-    def is_resident(self, key: ChunkKey) -> bool:
-        """Whether the piece ``key`` is committed (visible to lookups)."""
-        with self._mutex:
-            return key in self.index.lru
-
     def __len__(self) -> int:
-        return len(self.index)
+        return len(self._index)
 
     def clear(self, force: bool = False) -> tuple[int, int]:
         """Drop resident pieces; returns ``(removed, kept)``. Unforced, locked and pinned pieces
@@ -789,7 +818,7 @@ class PieceStore:
         removed = kept = 0
         dropped: list[ChunkKey] = []
         with self._mutex:
-            for piece in list(self.index):
+            for piece in list(self._index):
                 read = piece.readers - (piece.checksum == PENDING)  # readers besides its hash
                 if read or ((piece.locks or piece.pinned) and not force):
                     kept += 1
@@ -797,31 +826,49 @@ class PieceStore:
                     self._drop(piece)
                     dropped.append(piece.key)
                     removed += 1
-            if self.events is not None and dropped:
-                self.events.removed(dropped, MEMORY_TIER)
+            if self._events is not None and dropped:
+                self._events.removed(dropped, MEMORY_TIER)
             if force:
-                self.locks.purge(self.index.lru)
+                self._locks.purge(self._index.lru)
         return removed, kept
 
     def snapshot(self) -> EngineStats:
         """The store's counters and gauges, read at one moment (SERVER_INFO's engine section)."""
-        pool = self.pool
         with self._mutex:
-            return self.counters.copy(
-                lookup_hit_tokens=self.counters.lookup_hit_chunks * self.chunk_size,
-                chunks=len(self.index), bytes_used=self.index.nbytes,
-                pool_capacity_bytes=pool.nbytes, pool_bytes_allocated=pool.bytes_allocated,
-                pool_slabs=pool.num_slabs, pool_slabs_free=pool.free_slabs,
-                pool_pinned_bytes=pool.pinned_bytes, locks_held=self.locks.held_count(),
-                pinned_pieces=len(self.retention.pinned), pinned_bytes=self.retention.pinned_bytes,
-                checksums_pending=self._hashing)
+            return self._snapshot()
+
+    def _snapshot(self) -> EngineStats:
+        pool = self._pool
+        return self._counters.copy(
+            lookup_hit_tokens=self._counters.lookup_hit_chunks * self.chunk_size,
+            chunks=len(self._index), bytes_used=self._index.nbytes,
+            pool_capacity_bytes=pool.nbytes, pool_bytes_allocated=pool.bytes_allocated,
+            pool_slabs=pool.num_slabs, pool_slabs_free=pool.free_slabs,
+            pool_pinned_bytes=pool.pinned_bytes, locks_held=self._locks.held_count(),
+            pinned_pieces=len(self._retention.pinned), pinned_bytes=self._retention.pinned_bytes,
+            checksums_pending=self._hashing)
+
+    def inspect(self) -> Inspection:
+        """The store's state, read at one moment (``Inspection``): for tests and debugging, never
+        on a request's path (it copies every piece's fields)."""
+        with self._mutex:
+            index, writing, locks = self._index, self._writing, self._locks
+            return Inspection(
+                pieces={key: PieceView.of(piece) for key, piece in index.lru.items()},
+                writing={key: None if piece is None else PieceView.of(piece)
+                         for key, piece in writing.pieces.items()},
+                locks={lookup_id: locks.keys_of(lookup_id) for lookup_id in locks.sets},
+                lock_deadlines=locks.deadlines(), models=index.model_counts(),
+                tenants=index.tenant_counts(), writing_models=dict(writing.models.bytes),
+                writing_tenants=dict(writing.tenants.bytes), hinted=self._retention.special,
+                stats=self._snapshot())
 
     def model_counts(self) -> dict[str, tuple[int, int, list[str]]]:
         """Per model: (pieces, bytes, its layouts held, sorted)."""
         with self._mutex:
-            counts = self.index.model_counts()
+            counts = self._index.model_counts()
             layouts: dict[str, list[str]] = {}
-            for model, layout in self.index.layout_chunks:
+            for model, layout in self._index.layout_chunks:
                 layouts.setdefault(model, []).append(layout)
         return {model: (pieces, nbytes, sorted(layouts.get(model, [])))
                 for model, (pieces, nbytes) in counts.items()}
@@ -829,17 +876,17 @@ class PieceStore:
     def tenant_counts(self) -> dict[str, tuple[int, int]]:
         """Per tenant tag: (pieces, bytes)."""
         with self._mutex:
-            return self.index.tenant_counts()
+            return self._index.tenant_counts()
 
     def rows(self, model_name: str | None = None) -> list[PieceRow]:
         """Every resident piece (of ``model_name`` if given), unsorted."""
         with self._mutex:
-            now = self.clock()
+            now = self._clock()
             return [PieceRow(piece.key.chunk_hash, piece.key.model_name, piece.key.layout,
                              piece.key.head_lo, piece.key.head_hi, piece.nbytes,
                              now - piece.created, piece.locks,
                              piece.hits, piece.pinned,
                              None if piece.expires == math.inf else max(0.0, piece.expires - now),
                              piece.priority)
-                    for piece in self.index
+                    for piece in self._index
                     if model_name is None or piece.key.model_name == model_name]

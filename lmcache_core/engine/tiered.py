@@ -1,7 +1,9 @@
 """``TieredStorage``: the lower tiers (disk, Redis) around the engine's store, through the store's
 methods only (``lookup``, ``uncovered``, ``reserve_loads``, ``commit_loaded``, ``memory``,
 ``coldest``); ``CacheEngine`` tells it of stores and evictions (``stored``, ``evicted``: the hooks
-it gave the store at construction).
+it gave the store at construction). The tiers come built (with their KV-event sink); ``start``
+starts their writers, each given what it writes from (the store's pieces, verified: the store is
+built after the tiers), ``stop`` drains and ends them.
 
 * **lookup** (``CacheEngine.lookup`` with a tier budget): after a memory lookup, for each chunk
   whose head ranges memory does not cover, the pieces that can cover them are found in the disk
@@ -47,8 +49,9 @@ from lmcache_core.keys import (
     layout_fields,
     layout_heads,
 )
-from lmcache_core.stats import flat
 from lmcache_core.storage import record
+from lmcache_core.storage.pool import MemoryPool
+from lmcache_core.supervision import Supervisor
 
 if TYPE_CHECKING:
     from lmcache_core.storage.disk import DiskTier
@@ -91,55 +94,49 @@ class TierCounts:
 class TieredStorage:
     """One engine's disk and/or remote tier around its store."""
 
-    def __init__(self, store: PieceStore, disk: DiskTier | None = None,
+    def __init__(self, store: PieceStore, pool: MemoryPool, disk: DiskTier | None = None,
                  remote: RemoteTier | None = None, guard: IntegrityGuard | None = None) -> None:
+        """``pool``: the store's (what a load may reserve, what spilling keeps ahead of)."""
         self._store = store
+        self._pool = pool
         self.disk = disk
         self.remote = remote
-        self.spill_ahead_bytes = max(1, store.pool.nbytes // SPILL_AHEAD_SHARE)
+        self.spill_ahead_bytes = max(1, pool.nbytes // SPILL_AHEAD_SHARE)
         # The writers take a piece's bytes only once they match its checksum (``verify``).
         self.guard = guard if guard is not None else IntegrityGuard(store)
-        if disk is not None:
-            disk.bind(self.guard.source, self.spill_candidates)
-            disk.events = store.events  # each tier reports its own pieces (KV events)
-        if remote is not None:
-            remote.bind(self.guard.source)
-            remote.events = store.events
+
+    def start(self, supervisor: Supervisor | None = None) -> None:
+        """Start the tiers' writer threads (watched by ``supervisor``), writing the store's
+        pieces through ``guard.source``; the disk's also keeps what is nearest eviction saved
+        (``spill_candidates``)."""
+        if self.disk is not None:
+            self.disk.start(self.guard.source, self.spill_candidates, supervisor)
+        if self.remote is not None:
+            self.remote.start(self.guard.source, supervisor)
+
+    def stop(self, drain_timeout_s: float = 10.0) -> None:
+        """Write what the tiers' queues hold (each for at most ``drain_timeout_s``), then end
+        their writers: Redis's first, then the disk's."""
+        for tier in (self.remote, self.disk):
+            if tier is not None:
+                tier.stop(drain_timeout_s)
 
     # ------------------------------------------------------------------ lookup
 
-    def lookup(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
+    def lookup(self, model_name: str, groups: Sequence[GroupTarget],
                chunk_hashes: Sequence[bytes], lookup_id: str, lock: bool = True,
                timeout_s: float = 1.0, readers: int = 1, shared: int = 1) -> int:
-        """``CacheEngine.lookup`` with a tier budget: a memory lookup, then the rest of the
-        prefix from the tiers, for at most about ``timeout_s``. A reported hit is always in memory
-        and locked (``readers``/``shared``: ``PieceStore.lookup``); a load that misses the
-        deadline lands in memory (unlocked) when it completes."""
+        """``PieceStore.lookup`` with the tiers, for at most about ``timeout_s``: after the
+        memory lookup, the full-attention groups' runs of chunks the tiers can cover set how far
+        the hit may reach (a model of one layout: its one group's run); each other group of a
+        hybrid model then needs only its window before that reach (a sliding window's last
+        chunks, a chunked-local group's from its attention chunk's start: never all its
+        chunks), and where a window cannot be covered the reach falls back to the chunk it
+        lacks (``_plan_windows``). What the hit needs is loaded, then counted again: a reported
+        hit is always in memory and locked (``readers``/``shared``: ``PieceStore.lookup``); a
+        load that misses the deadline lands in memory (unlocked) when it completes."""
         store = self._store
-        hits = store.lookup(model_name, layout, ranges, chunk_hashes, lookup_id, lock, readers,
-                            shared)
-        if hits == len(chunk_hashes):
-            return hits
-        deadline = time.monotonic() + timeout_s
-        rest = chunk_hashes[hits:]
-        loads = self._plan_loads(model_name, layout, ranges, rest, deadline)
-        if loads:
-            self._load([load for chunk in loads for load in chunk], deadline)
-        return store.lookup(model_name, layout, ranges, chunk_hashes, lookup_id, lock, readers,
-                            shared, earlier_hits=hits)
-
-    def lookup_groups(self, model_name: str, groups: Sequence[GroupTarget],
-                      chunk_hashes: Sequence[bytes], lookup_id: str, lock: bool = True,
-                      timeout_s: float = 1.0, readers: int = 1, shared: int = 1) -> int:
-        """``lookup`` for a hybrid model (``PieceStore.lookup_groups``): after the memory lookup,
-        the full-attention groups' runs of chunks the tiers can cover set how far the hit may
-        reach; each other group then needs only its window before that reach (a sliding
-        window's last chunks, a chunked-local group's from its attention chunk's start: never
-        all its chunks), and where a window cannot be covered the reach falls back to the
-        chunk it lacks (``_plan_windows``). What the hit needs is loaded, then counted again."""
-        store = self._store
-        hits = store.lookup_groups(model_name, groups, chunk_hashes, lookup_id, lock, readers,
-                                   shared)
+        hits = store.lookup(model_name, groups, chunk_hashes, lookup_id, lock, readers, shared)
         if hits == len(chunk_hashes):
             return hits
         deadline = time.monotonic() + timeout_s
@@ -162,8 +159,8 @@ class TieredStorage:
         if reach > hits:
             loads = [load for plan in full for chunk in plan[:reach - hits] for load in chunk]
             self._load(loads + windows, deadline)
-        return store.lookup_groups(model_name, groups, chunk_hashes, lookup_id, lock, readers,
-                                   shared, earlier_hits=hits)
+        return store.lookup(model_name, groups, chunk_hashes, lookup_id, lock, readers, shared,
+                            earlier_hits=hits)
 
     def _plan_windows(self, model_name: str, groups: Sequence[GroupTarget],
                       chunk_hashes: Sequence[bytes], reach: int, deadline: float
@@ -212,7 +209,7 @@ class TieredStorage:
                 break  # the prefix stops here: no need to look further
         in_redis = self._remote_lengths(
             list(dict.fromkeys(key for _, probes in per_chunk for key in probes)), deadline)
-        budget = self._store.pool.nbytes
+        budget = self._pool.nbytes
         loads: list[list[Load]] = []
         chosen: set[ChunkKey] = set()
         for missing, (available, probes) in zip(wanted, per_chunk, strict=False):  # a prefix
@@ -243,7 +240,7 @@ class TieredStorage:
         out: dict[ChunkKey, int] = {}
         for key, length in zip(keys, found or (), strict=False):
             nbytes = length - record.header_bytes(key)
-            if length and self._store.pool.fits(nbytes):
+            if length and self._pool.fits(nbytes):
                 out[key] = nbytes
         return out
 
@@ -308,21 +305,16 @@ class TieredStorage:
 
     # ------------------------------------------------------------------ peek
 
-    def peek(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
+    def peek(self, model_name: str, groups: Sequence[GroupTarget],
              chunk_hashes: Sequence[bytes], timeout_s: float = 1.0) -> TierCounts:
-        """How many leading chunks memory, disk and Redis cover together for ``ranges``, and in
-        which tier each is (``TierCounts``); Redis is asked at most once (one pipelined STRLEN),
-        for at most about ``timeout_s``. Loads, locks, touches and counts nothing."""
-        return self.peek_groups(model_name, [GroupTarget(layout, tuple(ranges), 0)],
-                                chunk_hashes, timeout_s)
-
-    def peek_groups(self, model_name: str, groups: Sequence[GroupTarget],
-                    chunk_hashes: Sequence[bytes], timeout_s: float = 1.0) -> TierCounts:
-        """``peek`` for a hybrid model's KV-cache groups: the leading ``N`` chunks at whose end
+        """How many leading chunks memory, disk and Redis hold together as ``lookup`` would count
+        them, and in which tier each is (``TierCounts``): the leading ``N`` chunks at whose end
         every group can be restored from the tiers together (the rule of
         ``index.find_group_hits``: a full group's chunks ``[0, N)``, another's of
-        ``[window_needed(group, N), N)``), each counted in the slowest tier a piece it needs is in.
-        Redis is asked once for every group together."""
+        ``[window_needed(group, N), N)``; one full group: its covered prefix), each counted in
+        the slowest tier a piece it needs is in. Redis is asked at most once (one pipelined
+        STRLEN for every group together), for at most about ``timeout_s``. Loads, locks,
+        touches and counts nothing."""
         deadline = time.monotonic() + timeout_s
         plans: list[_PeekPlan] = []
         state = ""
@@ -376,7 +368,7 @@ class TieredStorage:
         """The Redis state and the payload bytes of the ``keys`` Redis holds, loadable into the
         pool; a peek that waits past its deadline is not counted as a lookup timeout."""
         state, sizes = self._remote_sizes(keys, deadline)
-        fits = self._store.pool.fits
+        fits = self._pool.fits
         return state, {key: nbytes for key, nbytes in sizes.items() if fits(nbytes)}
 
     def _remote_sizes(self, keys: list[ChunkKey], deadline: float
@@ -470,14 +462,6 @@ class TieredStorage:
         if disk is None:
             return []
         return self._store.coldest(limit, self.spill_ahead_bytes, disk.contains)
-
-    def stats(self) -> dict[str, int]:
-        """The tiers' figures by their flat names (``stats.flat``: ``disk_*``, ``remote_*``)."""
-        out: dict[str, int] = {}
-        for tier in (self.disk, self.remote):
-            if tier is not None:
-                out.update(flat(tier.stats()))
-        return out
 
 
 #: The tiers a peek counts a chunk in, fastest first (``TierCounts``' fields in that order).

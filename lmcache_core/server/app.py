@@ -1,5 +1,15 @@
 """``CacheServer``: builds the pool, engine, registry and transport from a config, and runs them.
 
+Its parts are built in dependency order, each given what it needs in its constructor: the pool,
+the KV-event publisher, the tiers (told of their pieces' events), the engine over them, the
+registry (with what opens a worker's mapping), the transport (with whom to tell of a closed
+connection), the checksum lanes (made, closed and reaped here), the handlers (with their hooks:
+the transport's copy threads, the supervisor's failure), the server's own views (SERVER_INFO,
+LIST_CHUNKS: with every component's figures and the urls as bound), LMCache's front end (with the
+chunk size and the engine's store). ``start()`` gives the transport the routes it serves and the
+tiers' writers what they write from (the engine's store, built after them: one of the two that
+speak to each other has to come second).
+
 Lifecycle (what ``lmcache serve`` drives): ``start()`` binds and starts serving; a housekeeping thread
 expires lookup locks past their TTL and reaps workers that died; ``stop()`` answers new requests with
 SHUTTING_DOWN, lets in-flight copies finish, closes the engine (its own threads), unmaps every worker's
@@ -24,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -31,19 +42,23 @@ import zmq
 from lmcache_core.config import LMCacheConfig
 from lmcache_core.engine import CacheEngine
 from lmcache_core.protocol.codec import Limits
+from lmcache_core.protocol.ops import RequestType
 from lmcache_core.server.events import KVEventPublisher
 from lmcache_core.server.handlers import CacheHandlers
 from lmcache_core.server.http import HttpListener
+from lmcache_core.server.listing import ServerViews
 from lmcache_core.server.lmcache.front import LMCacheFrontEnd
 from lmcache_core.server.metrics import ServerCollector, ServerMetrics
-from lmcache_core.server.registry import KVRegistry
+from lmcache_core.server.registry import KVRegistry, MappingOpener
 from lmcache_core.server.segments import sweep_stale_segments
+from lmcache_core.storage.checksum_lanes import ChecksumLanes
 from lmcache_core.storage.disk import DiskTier
 from lmcache_core.storage.pool import MemoryPool
 from lmcache_core.supervision import Supervisor
-from lmcache_core.transport.server import MessageQueueServer
+from lmcache_core.transport.server import MessageQueueServer, Route
 
 if TYPE_CHECKING:
+    from lmcache_core.events import KVEventSink
     from lmcache_core.storage.remote import RemoteTier
 
 logger = logging.getLogger(__name__)
@@ -70,43 +85,49 @@ class CacheServer:
 
     def __init__(self, config: LMCacheConfig, context: zmq.Context[Any] | None = None) -> None:
         self.config = config
-        self.pool = MemoryPool(config.server.pool_bytes, config.server.slab_bytes)
-        self.disk, self.remote = build_tiers(config)
+        server = config.server
+        self.pool = MemoryPool(server.pool_bytes, server.slab_bytes)
         self.events = KVEventPublisher.from_config(config, context)  # None unless server.events_url
+        self.disk, self.remote = build_tiers(config, self.events)
         self.engine = CacheEngine(self.pool, config.chunk_size,
                                   lock_ttl_s=config.timeouts.lock_ttl_s, disk=self.disk,
                                   remote=self.remote, events=self.events,
-                                  quotas=config.server.quota_bytes,
-                                  tenant_quotas=config.server.tenant_quota_bytes,
-                                  max_pinned_bytes=config.server.max_pinned_bytes)
-        workers = config.server.workers + (2 if self.engine.has_tiers else 0)
+                                  quotas=server.quota_bytes,
+                                  tenant_quotas=server.tenant_quota_bytes,
+                                  max_pinned_bytes=server.max_pinned_bytes)
+        tiered = self.engine.tiers is not None
         self._done = threading.Event()  # a stop was asked for, or a thread died
         self.supervisor = Supervisor(on_failure=lambda _reason: self._done.set())
-        self.metrics = ServerMetrics() if config.server.http_address is not None else None
+        self.metrics = ServerMetrics() if server.http_address is not None else None
+        self.registry = KVRegistry(MappingOpener(config, self.pool).open, server.reap_timeout_s)
         self.transport = MessageQueueServer(
-            config.server.url, {}, context=context, workers=workers,
-            limits=Limits(config.server.max_request_bytes, config.server.max_keys_per_request),
+            server.url, context=context, workers=server.workers + (2 if tiered else 0),
+            limits=Limits(server.max_request_bytes, server.max_keys_per_request),
             supervisor=self.supervisor,
-            observe=self.metrics.observe if self.metrics is not None else None)
-        self.handlers = CacheHandlers(config, self.engine, KVRegistry(
-            lambda request: self.handlers.open_mapping(request), config.server.reap_timeout_s),
-            self.transport.stats, config.server.url)
-        self.registry = self.handlers.registry
-        self.transport.routes = self.handlers.routes()
+            observe=self.metrics.observe if self.metrics is not None else None,
+            on_disconnect=self.registry.disconnected)  # a killed GPU worker
+        self.checksum_lanes = ChecksumLanes()  # stores' pieces hashed there, off their reply
+        started = time.monotonic()
+        self.handlers = CacheHandlers(
+            config, self.engine, self.registry, self.checksum_lanes, started=started,
+            add_copy_threads=self.transport.add_workers,  # more per GPU registered
+            copies_stalled=self.supervisor.fail)  # the GPU left copies in flight
+        self.views = ServerViews(
+            config, self.engine, self.pool, self.registry, disk=self.disk, remote=self.remote,
+            transport_stats=self.transport.stats,
+            events_stats=self.events.stats if self.events is not None else None,
+            url=lambda: self.url, http_url=lambda: self.http_url, started=started)
         # LMCache's clients: its wire and routes, on the same pipeline as ours.
-        self.lmcache = LMCacheFrontEnd(self.handlers, self.transport.post, self.transport.limits)
-        self.transport.add_wire(self.lmcache.wire, self.lmcache.routes())
-        self.handlers.add_copy_threads = self.transport.add_workers  # more per GPU registered
-        self.handlers.on_copies_stalled = self.supervisor.fail  # the GPU left copies in flight
-        self.handlers.events_stats = self.events.stats if self.events is not None else None
-        self.transport.on_disconnect = self.registry.disconnected  # a killed GPU worker
+        self.lmcache = LMCacheFrontEnd(self.handlers, self.registry, self.engine.store,
+                                       config.chunk_size, tiered=tiered, post=self.transport.post,
+                                       limits=self.transport.limits)
         self._stop = threading.Event()
         self._housekeeper: threading.Thread | None = None
         self._populator: threading.Thread | None = None  # server.prefault: maps the pool's pages
         self._ready = threading.Event()  # started, and not stopping
         self.http: HttpListener | None = None
         if self.metrics is not None:
-            self.metrics.watch(ServerCollector(self.handlers.server_stats, self.engine,
+            self.metrics.watch(ServerCollector(self.views.server_stats, self.engine,
                                                self.registry))
 
     @property
@@ -119,16 +140,17 @@ class CacheServer:
         if self.events is not None:
             self.events.start(self.supervisor)
         self._start_http()  # first: a port in use stops the start before anything else runs
+        routes: dict[RequestType | str, Route] = {
+            op: route for part in (self.handlers.routes(), self.views.routes(),
+                                   self.lmcache.routes()) for op, route in part.items()}
         try:
-            url = self.transport.start()
+            url = self.transport.start(routes, wires=[self.lmcache.wire])
         except BaseException:
             if self.http is not None:
                 self.http.stop()
             raise
-        self.handlers.url = url
-        for tier in (self.disk, self.remote):
-            if tier is not None:
-                tier.start(self.supervisor)
+        if self.engine.tiers is not None:
+            self.engine.tiers.start(self.supervisor)
         self._housekeeper = self.supervisor.spawn("lmcache-housekeeping", self._housekeep)
         self._ready.set()
         logger.info("serving on %s", url)
@@ -143,7 +165,7 @@ class CacheServer:
         self.http = HttpListener(address[0], address[1], self.metrics.registry,
                                  {"/healthz": self.health, "/readyz": self.readiness},
                                  self.supervisor)
-        self.handlers.http_url = self.http.start()
+        self.http.start()
         logger.info("metrics and probes on %s", self.http.url)
 
     @property
@@ -162,13 +184,12 @@ class CacheServer:
         self.transport.stop(drain_timeout_s)
         # After the copy threads (no store begins a hash) and before the tiers (their writers
         # wait for the checksums of what they write): the hashes still running finish, bounded.
-        self.handlers.checksum_lanes.close(drain_timeout_s)
+        self.checksum_lanes.close(drain_timeout_s)
         if self.http is not None:
             self.http.stop()
         self.engine.close(drain_timeout_s)
-        for tier in (self.remote, self.disk):
-            if tier is not None:
-                tier.stop(drain_timeout_s)
+        if self.engine.tiers is not None:
+            self.engine.tiers.stop(drain_timeout_s)
         if self._housekeeper is not None:
             self._housekeeper.join(drain_timeout_s)
         if self._populator is not None:  # it sees _stop within one step (~0.1 s)
@@ -231,24 +252,26 @@ class CacheServer:
         # No catch-all: an error here is a bug that would otherwise repeat every second while
         # locks and dead workers pile up; ending the thread makes the server exit and restart.
         while not self._stop.wait(HOUSEKEEPING_INTERVAL_S):
-            expired = self.engine.expire_locks()
+            expired = self.engine.store.expire_locks()
             if expired:
                 logger.info("released %d lookup lock(s) past their TTL", expired)
-            self.handlers.checksum_lanes.reap()  # a store's hash stuck past LANE_TIMEOUT_S
+            self.checksum_lanes.reap()  # a store's hash stuck past LANE_TIMEOUT_S
             self.registry.reap()
 
 
-def build_tiers(config: LMCacheConfig) -> tuple[DiskTier | None, RemoteTier | None]:
-    """The disk and remote tiers the config asks for (None for each it does not)."""
+def build_tiers(config: LMCacheConfig, events: KVEventSink | None = None
+                ) -> tuple[DiskTier | None, RemoteTier | None]:
+    """The disk and remote tiers the config asks for (None for each it does not), each telling
+    ``events`` of the pieces it writes and drops."""
     disk = None
     if config.disk is not None:
         disk = DiskTier(config.disk.path, config.disk.max_bytes, config.disk.write_through,
-                        config.disk.queue_size)
+                        config.disk.queue_size, events=events)
     remote = None
     if config.remote is not None:
         from lmcache_core.storage.remote import RemoteTier  # imports redis: only when asked for
 
         cfg = config.remote
         remote = RemoteTier(cfg.url, cfg.queue_size, cfg.timeout_ms, cfg.key_prefix, cfg.ttl_s,
-                            cfg.cluster, cfg.retry_interval_s)
+                            cfg.cluster, cfg.retry_interval_s, events=events)
     return disk, remote

@@ -74,7 +74,7 @@ class ExplainHandler:
         registered = [(m, layout) for m, layout, _ in shapes]
         remote_pairs = _asked_first(model, asked + registered + pairs)[:MAX_REMOTE_PAIRS]
         finds = self.engine.holders(request.probes, model, remote_pairs, self.budget_s)
-        pieces, tenants = self.engine.model_tenants(model)
+        pieces, tenants = self.engine.store.model_tenants(model)
         holders = [em.ProbeHolder(probe=h.probe, model_name=h.model_name, layout=h.layout,
                                   tier=h.tier, heads=list(h.ranges), tenants=list(h.tenants))
                    for h in finds.found[:MAX_HOLDERS]]

@@ -1,52 +1,38 @@
-"""Request handlers of ``lmcache serve``: each op's payload in, its reply out, over one CacheEngine.
+"""Request handlers of ``lmcache serve``: each op's payload in, its reply out, over the engine's
+store (and its tiers, for lookups and peeks).
 
 Handlers raise ``LMCacheError`` subclasses for anything the client got wrong; the transport's single
 error boundary turns those into typed ``ErrorReply``s. Store and retrieve run on worker threads; the
-byte copies run outside the engine's lock, between its ``begin_*`` and ``finish_*``.
+byte copies run outside the store's lock, between its ``begin_*`` and ``finish_*``. What the server
+tells about itself (SERVER_INFO, LIST_CHUNKS) is ``listing``'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import heapq
 import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import TimeoutError as FutureTimeout
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from lmcache_core import __version__
 from lmcache_core.config import LMCacheConfig
-from lmcache_core.engine import (
-    MEMORY_TIER,
-    CacheEngine,
-    GroupTarget,
-    PieceRow,
-    Retention,
-    RetrievePlan,
-    StorePlan,
-)
+from lmcache_core.engine import CacheEngine, GroupTarget, Retention, RetrievePlan, StorePlan
 from lmcache_core.engine.tiered import TierCounts
-from lmcache_core.errors import CopiesStalledError, IncompatibleError, ProtocolError
-from lmcache_core.keys import ChunkKey, HeadRange, group_piece, is_mla, rank_heads
+from lmcache_core.errors import CopiesStalledError, ProtocolError
+from lmcache_core.keys import ChunkKey, is_mla
 from lmcache_core.kv.copy import check_skip
 from lmcache_core.kv.cuda_events import open_ipc_event
-from lmcache_core.kv.mapped import MappedKVCache
 from lmcache_core.protocol import messages as m
 from lmcache_core.protocol.ops import RequestType
 from lmcache_core.server.explain import ExplainHandler, StoreModes
 from lmcache_core.server.layouts import LayoutResolver
 from lmcache_core.server.pins import PinHandlers
 from lmcache_core.server.registry import KVRegistry, Registration
-from lmcache_core.stats import EventStats, GroupStats, ServerStats, TransportStats
 from lmcache_core.storage.checksum_lanes import LANE_TIMEOUT_S, ChecksumLanes, PieceChecksums
-from lmcache_core.storage.pool import process_rss_bytes
 from lmcache_core.transport.routes import AfterReply
 from lmcache_core.transport.server import Route
-
-if TYPE_CHECKING:
-    from lmcache_core.storage.remote import RemoteTier
 
 #: Copy threads added per GPU with registered KV caches (a store waiting for that GPU's forward
 #: pass, and a retrieve beside it).
@@ -108,30 +94,35 @@ def deadline_run(chunk_bytes: int, test_delay: bool = False) -> int:
 
 
 class CacheHandlers:
-    """The op handlers of one server, sharing its engine, registry and config."""
+    """The op handlers of one server: the data path (stores, retrieves, lookups, peeks) over the
+    engine's store and tiers, registrations, pins and explain.
+
+    Given at construction what they use: the config, the engine, the registry, the checksum
+    lanes stores are hashed on (their maker's to close), when the server started, and the
+    hooks: ``add_copy_threads`` (the transport's ``add_workers``: copy threads sized by the GPUs
+    registered), ``copies_stalled`` (told why when a GPU did not finish a request's copies in
+    time: the server stops), ``deadline_clock`` (what load deadlines are measured on)."""
 
     def __init__(self, config: LMCacheConfig, engine: CacheEngine, registry: KVRegistry,
-                 transport_stats: Callable[[], TransportStats], url: str) -> None:
+                 lanes: ChecksumLanes, *, started: float,
+                 add_copy_threads: Callable[[int], int] | None = None,
+                 copies_stalled: Callable[[str], None] | None = None,
+                 deadline_clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.engine = engine
+        self._store = engine.store  # every store, retrieve, lock and pin goes to it directly
         self.registry = registry
-        self.layouts = LayoutResolver(engine, registry)
-        self.transport_stats = transport_stats  # the socket loop's section of SERVER_INFO
-        self.url = url
-        self.http_url: str | None = None  # set when the server's HTTP listener is bound
-        self.started = time.monotonic()
-        #: ``add_workers(extra)`` of the transport, to size copy threads by the GPUs registered.
-        self.add_copy_threads: Callable[[int], int] | None = None
-        #: Told why, when the GPU did not finish a request's copies in time (the server stops).
-        self.on_copies_stalled: Callable[[str], None] | None = None
-        self.events_stats: Callable[[], EventStats] | None = None  # the KV-event publisher's
-        self.checksum_lanes = ChecksumLanes()  # stores' pieces hashed there, off their reply
+        self.layouts = LayoutResolver(engine.store, registry)
+        self.checksum_lanes = lanes  # stores' pieces hashed there, off their reply
+        self.started = started
+        self.add_copy_threads = add_copy_threads
+        self.copies_stalled = copies_stalled
+        self.deadline_clock = deadline_clock
         self.store_modes = StoreModes()  # stores per model by hash mode, for EXPLAIN
-        #: What load deadlines are measured on (tests put their own clock here).
-        self.deadline_clock: Callable[[], float] = time.monotonic
 
     def routes(self) -> dict[RequestType, Route]:
-        pins = PinHandlers(self.engine, self.layouts)
+        tiered = self.engine.tiers is not None
+        pins = PinHandlers(self._store, self.layouts)
         explain = ExplainHandler(self.engine, self.registry, self.store_modes, self.tier_budget_s)
         return {
             RequestType.PING: Route(self.ping),
@@ -142,14 +133,11 @@ class CacheHandlers:
             RequestType.STORE: Route(self.store, blocking=True, gate=self.event_gate),
             RequestType.RETRIEVE: Route(self.retrieve, blocking=True, gate=self.event_gate),
             # With a disk or remote tier a lookup may read files or wait on Redis: off the loop.
-            RequestType.LOOKUP: Route(self.lookup, blocking=self.engine.has_tiers),
+            RequestType.LOOKUP: Route(self.lookup, blocking=tiered),
             RequestType.FREE_LOOKUP_LOCKS: Route(self.free_lookup_locks),
             RequestType.END_SESSION: Route(self.end_session),
             RequestType.CLEAR: Route(self.clear),
-            RequestType.SERVER_INFO: Route(self.server_info),
-            # With tiers, a listing reads the disk index and SCANs Redis (within its budget).
-            RequestType.LIST_CHUNKS: Route(self.list_chunks, blocking=self.engine.has_tiers),
-            RequestType.PEEK: Route(self.peek, blocking=self.engine.has_tiers),
+            RequestType.PEEK: Route(self.peek, blocking=tiered),
             RequestType.PIN: Route(pins.pin),
             RequestType.UNPIN: Route(pins.unpin),
             # It looks through every (model, layout) held and may wait on Redis: off the loop.
@@ -182,45 +170,6 @@ class CacheHandlers:
                                       layout=registration.layout, head_lo=registration.heads[0],
                                       head_hi=registration.heads[1])
 
-    def open_mapping(self, request: m.RegisterKVCacheRequest) -> MappedKVCache:
-        """Map a worker's tensors; check its chunk pieces fit the pool and its heads
-        divide among its world size."""
-        mapped = MappedKVCache.open(request.layers, request.layout, request.block_size,
-                                    self.piece_tokens(request), owner_pid=request.pid,
-                                    allowed_uids=self.config.server.allowed_uids)
-        try:
-            if not self.engine.pool.fits(mapped.chunk_bytes):
-                raise IncompatibleError(
-                    f"a chunk of this KV cache is {mapped.chunk_bytes} bytes per rank but the "
-                    f"pool holds {self.engine.pool.max_alloc_bytes} (raise server.pool_size)")
-            try:
-                rank_heads(mapped.fingerprint(request.world_size), request.world_size,
-                           request.kv_rank)
-            except ValueError as exc:
-                raise IncompatibleError(str(exc)) from None
-        except BaseException:
-            mapped.close()
-            raise
-        return mapped
-
-    def piece_tokens(self, request: m.RegisterKVCacheRequest) -> int:
-        """The tokens of each chunk this registration's pieces hold: the chunk's, or for a
-        sliding-window group its last ``piece_blocks`` blocks' (``keys.group_piece``).
-        IncompatibleError naming the sizes when the chunk size is no multiple of the group's
-        block size. A Mamba group's piece is one state row (the state at the chunk's end)."""
-        chunk_size, group = self.config.chunk_size, request.group
-        if group is None:
-            return chunk_size
-        if chunk_size % group.block_size:
-            raise IncompatibleError(
-                f"the lmcache chunk size {chunk_size} is not a multiple of KV cache group "
-                f"{group.index}'s ({group.kind}) block size {group.block_size}: every group's "
-                f"block size must divide the chunk size")
-        if group.kind == "mamba":
-            return request.block_size  # one block of state rows
-        piece = group_piece(chunk_size, group.block_size, group.kind, group.window_tokens)
-        return piece.piece_blocks * group.block_size
-
     def unregister_kv_cache(self, request: m.UnregisterKVCacheRequest,
                             _client: bytes) -> m.OkReply:
         self.registry.unregister(request.instance_id)
@@ -235,7 +184,7 @@ class CacheHandlers:
             per_chunk = self._check_blocks(reg, request.chunk_hashes, request.block_ids)
             self.store_modes.count(reg.model_name, request.hash_mode)
             keys = self._keys(reg, request.chunk_hashes)
-            plan = self.engine.begin_store(keys, reg.mapped.chunk_bytes, Retention(
+            plan = self._store.begin_store(keys, reg.mapped.chunk_bytes, Retention(
                 request.ttl_s, request.pin, request.priority), request.tenant)
             sums: PieceChecksums | None = None
             start_hash: Callable[[], None] | None = None
@@ -277,11 +226,11 @@ class CacheHandlers:
         if not ok or sums is None or not sums.deferred:
             if ok and sums is not None:
                 plan.checksums = sums.digests()
-            self.engine.finish_store(plan, ok)
+            self._store.finish_store(plan, ok)
             return None
-        self.engine.finish_store(plan, checksums_pending=True)
-        engine = self.engine
-        return sums.finish(lambda digests: engine.record_checksums(plan, digests))
+        store = self._store
+        store.finish_store(plan, checksums_pending=True)
+        return sums.finish(lambda digests: store.record_checksums(plan, digests))
 
     def retrieve(self, request: m.RetrieveRequest, _client: bytes) -> m.RetrieveReply:
         """Copy the found chunks into the worker's blocks, within the load deadline.
@@ -330,8 +279,8 @@ class CacheHandlers:
                        until: float | None) -> _PartOutcome:
         """One registration's chunks of a retrieve: ``until`` (on ``deadline_clock``) when its
         copy goes in runs under a deadline (or the test delay), else None (one scatter)."""
-        plan = self.engine.begin_retrieve(reg.model_name, reg.layout, reg.heads, hashes,
-                                          request.lookup_id)
+        plan = self._store.begin_retrieve(reg.model_name, reg.layout, reg.heads, hashes,
+                                         request.lookup_id)
         copied: int | None = None
         stalled = False
         try:
@@ -352,7 +301,7 @@ class CacheHandlers:
             raise
         finally:
             if not stalled:  # a late copy may still read its pieces: they stay held
-                self.engine.finish_retrieve(plan, copied)
+                self._store.finish_retrieve(plan, copied)
         if copied is None or copied == len(plan.found):
             return _PartOutcome(len(plan.found), list(plan.missing), 0)
         late = [f[0] for f in plan.found[copied:]]
@@ -399,8 +348,8 @@ class CacheHandlers:
         land later: in slots a new piece would get, or read from pieces evicted meanwhile. So
         the request's memory stays held, and the server stops (its supervisor logs why and
         exits non-zero, to be restarted) rather than serve with copies it cannot account for."""
-        if self.on_copies_stalled is not None:
-            self.on_copies_stalled(f"GPU copies stalled: {exc}")
+        if self.copies_stalled is not None:
+            self.copies_stalled(f"GPU copies stalled: {exc}")
 
     def load_deadline_s(self, request: m.RetrieveRequest) -> float | None:
         """The retrieve's deadline in seconds: its own ``deadline_ms``, else ``timeouts.load_ms``;
@@ -467,92 +416,73 @@ class CacheHandlers:
         return per_chunk
 
     def lookup(self, request: m.LookupRequest, _client: bytes, readers: int = 1) -> m.LookupReply:
-        """Hit chunks for ``world_size`` ranks in the request's layout (``layouts``: its own, else
-        the registered workers', else every one held for the model; the best of several).
+        """Hit chunks for ``world_size`` ranks in the request's layout (``layouts.resolve``: its
+        own, else a hybrid model's registered groups, else the registered workers' layouts, else
+        every one held for the model; the best of several).
 
         Each rank's lock on a chunk goes with ``readers`` retrieves of it by that rank (LMCache's
         ``num_kv_readers``); for MLA, whose one piece every rank reads, by each of the
         ``world_size`` ranks: the first rank's retrieve must not unlock what the others read.
-        The sessions in ``ended`` are ended first (``end_session``, riding on this lookup)."""
-        released = [self.engine.end_session(ended) for ended in request.ended]
-        if request.layout is None:
-            groups = self.layouts.groups(request.model_name, request.world_size)
-            if groups is not None:
-                hits = self._lookup_groups(request, groups, readers)
-                return m.LookupReply(hit_chunks=hits, released=released)
-        target = self.layouts.best(request.model_name, request.world_size, request.layout,
-                                   request.chunk_hashes)
-        if target is None:  # no layout whose heads divide by world_size
+        The sessions in ``ended`` are ended first (``end_session``, riding on this lookup).
+        With nothing to count in (no layout whose heads divide by ``world_size``, a hybrid
+        model's groups not all registered) it misses, and a locking one holds nothing."""
+        store = self._store
+        released = [store.free_lookup_locks(ended) for ended in request.ended]
+        groups = self.layouts.resolve(request.model_name, request.world_size, request.layout,
+                                      request.chunk_hashes)
+        if not groups:
+            if request.lock:  # a miss holds nothing, as any lookup's
+                store.free_lookup_locks(request.lookup_id)
             return m.LookupReply(hit_chunks=0, released=released)
-        layout, ranges = target
-        shared = request.world_size if is_mla(layout) else 1
-        hits = self.engine.lookup(request.model_name, layout, ranges, request.chunk_hashes,
+        shared = request.world_size if all(is_mla(g.layout) for g in groups) else 1
+        hits = self.engine.lookup(request.model_name, groups, request.chunk_hashes,
                                   request.lookup_id, request.lock,
                                   tier_timeout_s=self.tier_budget_s, readers=readers,
                                   shared=shared)
         return m.LookupReply(hit_chunks=hits, released=released)
 
-    def _lookup_groups(self, request: m.LookupRequest, groups: list[GroupTarget],
-                       readers: int) -> int:
-        """A hybrid model's hit: the chunks at whose end every KV-cache group can be restored,
-        every group's pieces locked under the one lookup id (``CacheEngine.lookup_groups``);
-        0 while its registered groups are incomplete."""
-        if not groups:
-            if request.lock:  # a miss holds nothing, as any lookup's
-                self.engine.free_lookup_locks(request.lookup_id)
-            return 0
-        shared = request.world_size if all(is_mla(g.layout) for g in groups) else 1
-        return self.engine.lookup_groups(request.model_name, groups, request.chunk_hashes,
-                                         request.lookup_id, request.lock,
-                                         tier_timeout_s=self.tier_budget_s, readers=readers,
-                                         shared=shared)
-
     def peek(self, request: m.PeekRequest, _client: bytes) -> m.PeekReply:
         """The leading chunks every tier holds together for the request's ranks, and where each
-        is (``TieredStorage.peek``): in the best of the candidate layouts (its own; else the
-        registered workers', else the resident ones, and ``hint_layout`` beside them). Nothing
-        is loaded, locked, touched or counted; Redis is asked once per layout, in the budget."""
-        tiers = self.engine.tiers
+        is (``TieredStorage.peek``): a hybrid model's in its registered workers' groups (as its
+        lookup counts them: ``groups`` names their layouts; none while those do not cover every
+        group), else in the best of the candidate layouts (its own; else the registered
+        workers', else the resident ones, and ``hint_layout`` beside them). Nothing is loaded,
+        locked, touched or counted; Redis is asked once per layout, in the budget."""
         names = [name for name in ("disk", "remote") if getattr(self.config, name) is not None]
-        if request.layout is None:
-            groups = self.layouts.groups(request.model_name, request.world_size)
-            if groups is not None:
-                return self._peek_groups(request, groups, names)
+        model, hashes = request.model_name, request.chunk_hashes
+        groups = (self.layouts.groups(model, request.world_size) if request.layout is None
+                  else None)
+        if groups is not None:  # a hybrid model's
+            layouts = [group.layout for group in groups]
+            if not groups:
+                return m.PeekReply(layout="", hit_chunks=0, tiers=names, groups=layouts)
+            counts = self._count(model, groups, hashes, self.tier_budget_s)
+            return m.PeekReply(layout="", hit_chunks=counts.hits, memory_chunks=counts.memory,
+                               disk_chunks=counts.disk, remote_chunks=counts.remote_chunks,
+                               remote=counts.remote, tiers=names, groups=layouts)
         best: tuple[tuple[int, int, bool], m.PeekReply] | None = None
         deadline = time.monotonic() + self.tier_budget_s
-        for layout, ranges in self._peek_targets(request):
-            if tiers is None:
-                counts = TierCounts(memory=self.engine.held(
-                    request.model_name, layout, ranges, request.chunk_hashes))
-            else:
-                counts = tiers.peek(request.model_name, layout, ranges, request.chunk_hashes,
-                                    max(0.0, deadline - time.monotonic()))
-            reply = m.PeekReply(layout=layout, hit_chunks=counts.hits, memory_chunks=counts.memory,
-                                disk_chunks=counts.disk, remote_chunks=counts.remote_chunks,
-                                remote=counts.remote, tiers=names)
-            rank = (counts.hits, counts.memory, layout == request.hint_layout)
+        for target in self._peek_targets(request):
+            counts = self._count(model, [target], hashes, max(0.0, deadline - time.monotonic()))
+            reply = m.PeekReply(layout=target.layout, hit_chunks=counts.hits,
+                                memory_chunks=counts.memory, disk_chunks=counts.disk,
+                                remote_chunks=counts.remote_chunks, remote=counts.remote,
+                                tiers=names)
+            rank = (counts.hits, counts.memory, target.layout == request.hint_layout)
             if best is None or rank > best[0]:
                 best = (rank, reply)
         return best[1] if best is not None else m.PeekReply(layout="", hit_chunks=0, tiers=names)
 
-    def _peek_groups(self, request: m.PeekRequest, groups: list[GroupTarget],
-                     names: list[str]) -> m.PeekReply:
-        """A hybrid model's peek: the chunks at whose end every KV-cache group can be restored,
-        as its lookup counts them (``TieredStorage.peek_groups``), in the registered workers'
-        groups (``groups`` names their layouts; none while those do not cover every group)."""
-        layouts = [group.layout for group in groups]
-        if not groups:
-            return m.PeekReply(layout="", hit_chunks=0, tiers=names, groups=layouts)
-        tiers, model, hashes = self.engine.tiers, request.model_name, request.chunk_hashes
+    def _count(self, model_name: str, groups: list[GroupTarget], chunk_hashes: Sequence[bytes],
+               budget_s: float) -> TierCounts:
+        """What a peek counts of ``groups``: in every tier (``TieredStorage.peek``), or in
+        memory alone without tiers (``PieceStore.held``)."""
+        tiers = self.engine.tiers
         if tiers is None:
-            counts = TierCounts(memory=self.engine.held_groups(model, groups, hashes))
-        else:
-            counts = tiers.peek_groups(model, groups, hashes, self.tier_budget_s)
-        return m.PeekReply(layout="", hit_chunks=counts.hits, memory_chunks=counts.memory,
-                           disk_chunks=counts.disk, remote_chunks=counts.remote_chunks,
-                           remote=counts.remote, tiers=names, groups=layouts)
+            return TierCounts(memory=self._store.held(model_name, groups, chunk_hashes))
+        return tiers.peek(model_name, groups, chunk_hashes, budget_s)
 
-    def _peek_targets(self, request: m.PeekRequest) -> list[tuple[str, tuple[HeadRange, ...]]]:
+    def _peek_targets(self, request: m.PeekRequest) -> list[GroupTarget]:
         """The layouts a peek counts in, each with its ranks' head ranges (layouts whose heads do
         not divide among the world size are left out: they never hold a hit for it)."""
         model, world = request.model_name, request.world_size
@@ -560,7 +490,7 @@ class CacheHandlers:
             return self.layouts.candidates(model, world, request.layout)
         targets = self.layouts.candidates(model, world, None)
         hint = request.hint_layout
-        if hint is not None and all(layout != hint for layout, _ in targets):
+        if hint is not None and all(target.layout != hint for target in targets):
             targets += self.layouts.candidates(model, world, hint)
         return targets
 
@@ -571,137 +501,14 @@ class CacheHandlers:
         return self.config.timeouts.lookup_ms / 1000 * 0.8
 
     def free_lookup_locks(self, request: m.LookupIdRequest, _client: bytes) -> m.ReleasedReply:
-        return m.ReleasedReply(released=self.engine.free_lookup_locks(request.lookup_id))
+        return m.ReleasedReply(released=self._store.free_lookup_locks(request.lookup_id))
 
     def end_session(self, request: m.LookupIdRequest, _client: bytes) -> m.ReleasedReply:
-        return m.ReleasedReply(released=self.engine.end_session(request.lookup_id))
+        """A request is over: release its remaining locks (unlike LMCache, which keeps them)."""
+        return m.ReleasedReply(released=self._store.free_lookup_locks(request.lookup_id))
 
     # ------------------------------------------------------------------ admin
 
     def clear(self, request: m.ClearRequest, _client: bytes) -> m.ClearReply:
-        removed, kept = self.engine.clear(request.force)
+        removed, kept = self._store.clear(request.force)
         return m.ClearReply(removed=removed, kept_locked=kept)
-
-    def server_info(self, _request: m.NoArgs, _client: bytes) -> m.ServerInfoReply:
-        pool = self.engine.pool
-        registered = self.registry.models()
-        models = self.engine.model_stats()
-        for row in models:
-            row.registered = registered.pop(row.model_name, 0)
-        models += [m.ModelStats(model_name=name, pieces=0, bytes_used=0, registered=count,
-                                quota_bytes=self.engine.quotas.get(name))
-                   for name, count in sorted(registered.items())]
-        for row in models:
-            row.groups = [GroupStats(index=g.index, count=g.count, kind=g.kind,
-                                     block_size=g.block_size, window_tokens=g.window_tokens,
-                                     layout=layout)
-                          for layout, g in sorted(self.registry.groups(row.model_name, None),
-                                                  key=lambda item: (item[1].index, item[0]))]
-        return m.ServerInfoReply(
-            version=__version__, url=self.url, pid=os.getpid(), chunk_size=self.config.chunk_size,
-            uptime_s=time.monotonic() - self.started, pool_bytes=self.engine.pool.nbytes,
-            slab_bytes=self.engine.pool.slab_bytes, eviction=self.config.server.eviction,
-            stats=self.server_stats(), http_url=self.http_url, models=models,
-            tenants=self.engine.tenant_stats(),
-            tiers=[name for name in ("disk", "remote") if getattr(self.config, name) is not None],
-            pool_populate=pool.populate_state, pool_populated_bytes=pool.populated_bytes,
-            pool_populate_s=pool.populate_s, pool_huge_pages=pool.huge_pages,
-            rss_bytes=process_rss_bytes())
-
-    def server_stats(self) -> ServerStats:
-        """Every component's section, read now: SERVER_INFO's ``stats``, and what ``/metrics``
-        exports (``server.metrics``). A section is None where its component is not configured."""
-        disk, remote, events = self.engine.disk, self.engine.remote, self.events_stats
-        return ServerStats(
-            engine=self.engine.snapshot(), transport=self.transport_stats(),
-            workers=self.registry.stats(),
-            disk=disk.stats() if disk is not None else None,
-            remote=remote.stats() if remote is not None else None,
-            events=events() if events is not None else None)
-
-    def list_chunks(self, request: m.ListChunksRequest, _client: bytes) -> m.ChunkListReply:
-        """Up to ``limit`` pieces of the listed tiers (memory, and the disk's index) in the
-        request's order, how many match in all, and each tier's total: for Redis a count of keys
-        by pattern within ``remote_budget_ms`` (``RemoteTier.count_keys``; Redis is never listed)."""
-        model, limit, sort = request.model_name, request.limit, request.sort
-        rows: list[m.ChunkInfo] = []
-        totals: list[m.TierTotal] = []
-        if "memory" in request.tiers:
-            memory_rows, pieces = self.engine.list_chunks(model, limit, sort)
-            rows += [_chunk_info(row) for row in memory_rows]
-            totals.append(m.TierTotal(tier=MEMORY_TIER, pieces=pieces, nbytes=sum(
-                row.bytes_used for row in self.engine.model_stats()
-                if model is None or row.model_name == model)))
-        disk = self.engine.disk
-        if disk is not None and "disk" in request.tiers:
-            found = disk.listing(model)
-            totals.append(m.TierTotal(tier=disk.name, pieces=len(found),
-                                      nbytes=sum(nbytes for _, nbytes, _ in found)))
-            rows += _disk_rows(found, limit, sort)
-        remote = self.engine.remote
-        if remote is not None and "remote" in request.tiers:
-            totals.append(self._count_remote(remote, request))
-        rows.sort(key=LISTING_ORDER[sort])  # memory's rows are in this order: a merge
-        listed = sum(t.pieces for t in totals if t.tier != "remote")
-        return m.ChunkListReply(chunks=rows[:limit], total=listed, tiers=totals)
-
-    def _count_remote(self, remote: RemoteTier, request: m.ListChunksRequest) -> m.TierTotal:
-        """Redis's keys matching the request's pattern (default: the model's keys, or all), counted
-        on the tier's own thread for at most the request's budget."""
-        from lmcache_core.storage.remote import glob_escape  # (imports redis: here, it is in)
-
-        match = request.remote_match
-        if match is None:
-            match = "*" if request.model_name is None else glob_escape(request.model_name) + ":*"
-        budget_s = request.remote_budget_ms / 1000
-        deadline = time.monotonic() + budget_s
-        try:
-            # A SCAN step is checked against the deadline before it starts; one that hangs is
-            # bounded by the tier's socket timeout, which the wait here allows for.
-            count = remote.run(remote.count_keys, match, deadline).result(
-                timeout=budget_s + remote.timeout_s)
-        except FutureTimeout:
-            return m.TierTotal(tier=remote.name, pieces=0, complete=False,
-                               error=f"Redis did not answer within {budget_s + remote.timeout_s:.1f}s")
-        except RuntimeError:  # the tier is shutting down
-            return m.TierTotal(tier=remote.name, pieces=0, complete=False, error="stopping")
-        return m.TierTotal(tier=remote.name, pieces=count.keys, complete=count.complete,
-                           pattern=count.pattern, error=count.error)
-
-
-#: A listing's order over the rows of every tier (``CacheEngine.list_chunks``'s, on ChunkInfo):
-#: ``age`` newest first, ``hits`` and ``size`` most first, ``key`` so a chunk's pieces sit together.
-LISTING_ORDER: dict[str, Callable[[m.ChunkInfo], Any]] = {
-    "age": lambda c: c.age_s,
-    "hits": lambda c: (-c.hits, c.age_s),
-    "size": lambda c: (-c.nbytes, c.age_s),
-    "key": lambda c: (c.model_name, c.layout, c.chunk_hash, c.head_lo, c.tier),
-}
-
-
-def _chunk_info(row: PieceRow) -> m.ChunkInfo:
-    """A memory piece as a listing row."""
-    return m.ChunkInfo(chunk_hash=row.chunk_hash, model_name=row.model_name, layout=row.layout,
-                       head_lo=row.head_lo, head_hi=row.head_hi, tier=MEMORY_TIER,
-                       nbytes=row.nbytes, locks=row.locks, hits=row.hits, age_s=row.age_s,
-                       pinned=row.pinned, expires_in_s=row.expires_in_s, priority=row.priority)
-
-
-#: The same orders over the disk index's ``(key, nbytes, written)`` (no hits on disk: by age), so
-#: that only the ``limit`` rows shown are made.
-_DISK_ORDER: dict[str, Callable[[tuple[ChunkKey, int, float]], Any]] = {
-    "age": lambda item: -item[2],
-    "hits": lambda item: -item[2],
-    "size": lambda item: (-item[1], -item[2]),
-    "key": lambda item: (item[0].model_name, item[0].layout, item[0].chunk_hash, item[0].head_lo),
-}
-
-
-def _disk_rows(found: list[tuple[ChunkKey, int, float]], limit: int, sort: str) -> list[m.ChunkInfo]:
-    """The first ``limit`` disk pieces in ``sort``'s order, as listing rows (no locks or hits: a
-    piece on disk has neither until it is loaded)."""
-    now = time.time()
-    return [m.ChunkInfo(chunk_hash=key.chunk_hash, model_name=key.model_name, layout=key.layout,
-                        head_lo=key.head_lo, head_hi=key.head_hi, tier="disk", nbytes=nbytes,
-                        locks=0, hits=0, age_s=max(0.0, now - written))
-            for key, nbytes, written in heapq.nsmallest(limit, found, key=_DISK_ORDER[sort])]

@@ -4,7 +4,7 @@ Every figure of the stats schema (``lmcache_core.stats``) is exported as its fie
 family per ``metric`` name (``lmcache_`` prefix; a counter gets ``_total``), its help from the
 declaration, labelled by ``tier`` for the families every tier shares and by key for a dict field;
 nothing here names a counter. ``ServerCollector`` reads the same ``ServerStats`` SERVER_INFO sends
-(``CacheHandlers.server_stats``) when Prometheus scrapes, and adds the families labelled by model,
+(``ServerViews.server_stats``) when Prometheus scrapes, and adds the families labelled by model,
 tenant and version (``LABELLED``: pool shares and registrations, from lists, not fields). The
 request latency histogram is the only per-request cost: ``ServerMetrics.observe``, which the
 transport calls once per request (a ``perf_counter`` pair there, one ``Histogram.observe`` here:
@@ -33,6 +33,7 @@ from prometheus_client.registry import Collector
 from lmcache_core import __version__
 from lmcache_core.engine import CacheEngine
 from lmcache_core.protocol.ops import RequestType
+from lmcache_core.server.listing import model_stats, tenant_stats
 from lmcache_core.server.registry import KVRegistry
 from lmcache_core.stats import Figure, ServerStats, Stats, declared, sections
 
@@ -154,7 +155,7 @@ class ServerCollector(Collector):
 
     def __init__(self, stats: Callable[[], ServerStats], engine: CacheEngine,
                  registry: KVRegistry) -> None:
-        self._stats = stats  # CacheHandlers.server_stats: what SERVER_INFO sends
+        self._stats = stats  # ServerViews.server_stats: what SERVER_INFO sends
         self._engine = engine
         self._registry = registry
 
@@ -173,7 +174,7 @@ class ServerCollector(Collector):
     def _models(self) -> Iterator[Metric]:
         """Each model's share of the pool, by model (the largest first; beyond MAX_MODEL_LABELS
         the rest summed under "other"), and the quotas of those that have one."""
-        rows = sorted(self._engine.model_stats(), key=lambda row: (-row.bytes_used, row.model_name))
+        rows = sorted(model_stats(self._engine), key=lambda row: (-row.bytes_used, row.model_name))
         used, pieces = _labelled("model_used_bytes"), _labelled("model_pieces")
         for row in rows[:MAX_MODEL_LABELS]:
             used.add_metric([row.model_name], row.bytes_used)
@@ -194,7 +195,7 @@ class ServerCollector(Collector):
         server.tenant_quotas, else its tag (``keys.tenant_tag``): the named ones, then the
         largest others up to MAX_MODEL_LABELS in all."""
         used, quotas = _labelled("tenant_used_bytes"), _labelled("tenant_quota_bytes")
-        for row in self._engine.tenant_stats()[:MAX_MODEL_LABELS]:
+        for row in tenant_stats(self._engine)[:MAX_MODEL_LABELS]:
             used.add_metric([row.name or row.tenant], row.bytes_used)
             if row.quota_bytes is not None:
                 quotas.add_metric([row.name or row.tenant], row.quota_bytes)

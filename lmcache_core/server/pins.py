@@ -9,45 +9,32 @@ A hybrid model's pin covers the pieces of every KV-cache group a hit of the pref
 
 from __future__ import annotations
 
-from lmcache_core.engine import CacheEngine, GroupTarget
+from lmcache_core.engine import PieceStore
 from lmcache_core.protocol import pin_messages as pm
 from lmcache_core.server.layouts import LayoutResolver
 
 
 class PinHandlers:
-    """PIN / UNPIN over one engine; ``layouts`` resolves a request's layout as for a lookup."""
+    """PIN / UNPIN over one store; ``layouts`` resolves a request's layout as for a lookup."""
 
-    def __init__(self, engine: CacheEngine, layouts: LayoutResolver) -> None:
-        self.engine = engine
+    def __init__(self, store: PieceStore, layouts: LayoutResolver) -> None:
+        self.store = store
         self.layouts = layouts
 
     def pin(self, request: pm.PinRequest, _client: bytes) -> pm.PinReply:
-        groups = self._groups(request)
-        if groups is not None:
-            return pm.PinReply(pinned=self.engine.pin_groups(
-                request.model_name, groups, request.chunk_hashes, ttl_s=request.ttl_s))
-        target = self.layouts.best(request.model_name, request.world_size, request.layout,
-                                   request.chunk_hashes)  # where most of the prefix is held
-        if target is None:
+        groups = self.layouts.resolve(request.model_name, request.world_size, request.layout,
+                                      request.chunk_hashes)  # where most of the prefix is held
+        if not groups:
             return pm.PinReply(pinned=0)
-        layout, ranges = target
-        return pm.PinReply(pinned=self.engine.pin(request.model_name, layout, ranges,
-                                                  request.chunk_hashes, ttl_s=request.ttl_s))
+        return pm.PinReply(pinned=self.store.pin(request.model_name, groups,
+                                                 request.chunk_hashes, ttl_s=request.ttl_s))
 
     def unpin(self, request: pm.PinRequest, _client: bytes) -> pm.UnpinReply:
-        groups = self._groups(request)
-        if groups is not None:
-            return pm.UnpinReply(unpinned=self.engine.unpin_groups(
-                request.model_name, groups, request.chunk_hashes))
-        unpinned = 0
-        for layout, ranges in self.layouts.candidates(request.model_name, request.world_size,
-                                                      request.layout):
-            unpinned += self.engine.unpin(request.model_name, layout, ranges,
-                                          request.chunk_hashes)
-        return pm.UnpinReply(unpinned=unpinned)
-
-    def _groups(self, request: pm.PinRequest) -> list[GroupTarget] | None:
-        """A hybrid model's KV-cache groups (when the request names no layout), else None."""
-        if request.layout is not None:
-            return None
-        return self.layouts.groups(request.model_name, request.world_size)
+        model, hashes = request.model_name, request.chunk_hashes
+        groups = (self.layouts.groups(model, request.world_size) if request.layout is None
+                  else None)
+        if groups is not None:  # a hybrid model's
+            return pm.UnpinReply(unpinned=self.store.unpin(model, groups, hashes))
+        return pm.UnpinReply(unpinned=sum(
+            self.store.unpin(model, [target], hashes)
+            for target in self.layouts.candidates(model, request.world_size, request.layout)))

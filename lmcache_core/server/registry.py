@@ -29,10 +29,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from lmcache_core.errors import NotRegisteredError
-from lmcache_core.keys import LayoutGroup, opaque_layout, rank_heads
+from lmcache_core.config import LMCacheConfig
+from lmcache_core.errors import IncompatibleError, NotRegisteredError
+from lmcache_core.keys import LayoutGroup, group_piece, opaque_layout, rank_heads
 from lmcache_core.kv.cuda_events import CopyStream
 from lmcache_core.kv.cuda_ipc import release_cached_cuda_memory
+from lmcache_core.kv.mapped import MappedKVCache
 from lmcache_core.kv.shm import SegmentFile, parse_segment_name
 from lmcache_core.protocol.messages import KVGroup, RegisterKVCacheRequest
 from lmcache_core.server.segments import (
@@ -41,6 +43,7 @@ from lmcache_core.server.segments import (
     unlink_dead_owner_segments,
 )
 from lmcache_core.stats import WorkerStats
+from lmcache_core.storage.pool import MemoryPool
 
 logger = logging.getLogger(__name__)
 HOSTNAME = socket.gethostname()
@@ -141,8 +144,58 @@ def _pid_exists(pid: int) -> bool:
         return False
 
 
+class MappingOpener:
+    """What a registration maps on this server (``KVRegistry``'s ``open_mapping``): a worker's
+    tensors, as pieces of this server's chunk size (``config.chunk_size``), checked to fit its
+    pool and to divide among the worker's world size."""
+
+    def __init__(self, config: LMCacheConfig, pool: MemoryPool) -> None:
+        self.config = config
+        self.pool = pool
+
+    def open(self, request: RegisterKVCacheRequest) -> MappedKVCache:
+        """Map a worker's tensors; check its chunk pieces fit the pool and its heads
+        divide among its world size."""
+        mapped = MappedKVCache.open(request.layers, request.layout, request.block_size,
+                                    self.piece_tokens(request), owner_pid=request.pid,
+                                    allowed_uids=self.config.server.allowed_uids)
+        try:
+            if not self.pool.fits(mapped.chunk_bytes):
+                raise IncompatibleError(
+                    f"a chunk of this KV cache is {mapped.chunk_bytes} bytes per rank but the "
+                    f"pool holds {self.pool.max_alloc_bytes} (raise server.pool_size)")
+            try:
+                rank_heads(mapped.fingerprint(request.world_size), request.world_size,
+                           request.kv_rank)
+            except ValueError as exc:
+                raise IncompatibleError(str(exc)) from None
+        except BaseException:
+            mapped.close()
+            raise
+        return mapped
+
+    def piece_tokens(self, request: RegisterKVCacheRequest) -> int:
+        """The tokens of each chunk this registration's pieces hold: the chunk's, or for a
+        sliding-window group its last ``piece_blocks`` blocks' (``keys.group_piece``).
+        IncompatibleError naming the sizes when the chunk size is no multiple of the group's
+        block size. A Mamba group's piece is one state row (the state at the chunk's end)."""
+        chunk_size, group = self.config.chunk_size, request.group
+        if group is None:
+            return chunk_size
+        if chunk_size % group.block_size:
+            raise IncompatibleError(
+                f"the lmcache chunk size {chunk_size} is not a multiple of KV cache group "
+                f"{group.index}'s ({group.kind}) block size {group.block_size}: every group's "
+                f"block size must divide the chunk size")
+        if group.kind == "mamba":
+            return request.block_size  # one block of state rows
+        piece = group_piece(chunk_size, group.block_size, group.kind, group.window_tokens)
+        return piece.piece_blocks * group.block_size
+
+
 class KVRegistry:
-    """instance_id -> Registration, with leases so unmapping waits for copies in progress."""
+    """instance_id -> Registration, with leases so unmapping waits for copies in progress.
+    ``open_mapping``: maps a registration's tensors (the server's: ``MappingOpener.open``)."""
 
     def __init__(self, open_mapping: Callable[[RegisterKVCacheRequest], Any],
                  reap_timeout_s: float, clock: Callable[[], float] = time.monotonic,

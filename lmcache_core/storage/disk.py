@@ -72,7 +72,8 @@ class DiskTier:
     name = "disk"
 
     def __init__(self, path: str | os.PathLike[str], max_bytes: int, write_through: bool = False,
-                 queue_size: int = 1024) -> None:
+                 queue_size: int = 1024, *, events: KVEventSink | None = None) -> None:
+        """``events``: told of files indexed and dropped, under this tier's lock (KV events)."""
         if max_bytes <= 0:
             raise ConfigError(f"disk.max_size must be positive, got {max_bytes}")
         self.path = Path(path)
@@ -95,11 +96,10 @@ class DiskTier:
         self._bytes = 0  # file bytes indexed plus bytes reserved by writes in progress
         self._writer: BackgroundWriter[ChunkKey] = BackgroundWriter(
             "disk tier", "lmcache-disk-writer", queue_size, self._write_batch, idle=self._spill)
-        self._source: Source | None = None
+        self._source: Source | None = None  # the writer's, from ``start``
         self._cold: ColdKeys | None = None
         self._failing = False  # a write error was logged; log the next only after a success
-        # Told of files indexed and dropped, under this tier's lock (KV events; set by TieredStorage).
-        self.events: KVEventSink | None = None
+        self.events = events
         self.reindex()
 
     # ------------------------------------------------------------------ index
@@ -348,11 +348,6 @@ class DiskTier:
 
     # ------------------------------------------------------------------ writer thread
 
-    def bind(self, source: Source, cold: ColdKeys | None = None) -> None:
-        """Where the writer takes bytes from (the engine's pinned view) and what is near eviction."""
-        self._source = source
-        self._cold = cold
-
     def submit(self, keys: Iterable[ChunkKey]) -> int:
         """Queue keys to be written behind; a full queue drops (and counts) the rest. Never blocks."""
         index = self._index
@@ -369,8 +364,13 @@ class DiskTier:
     def count_evicted_unsaved(self) -> None:
         self.n.add(evicted_unsaved=1)
 
-    def start(self, supervisor: Supervisor | None = None) -> None:
-        """Start the writer thread (watched by ``supervisor``: a writer that dies fails the server)."""
+    def start(self, source: Source, cold: ColdKeys | None = None,
+              supervisor: Supervisor | None = None) -> None:
+        """Start the writer thread (watched by ``supervisor``: a writer that dies fails the
+        server), writing what is queued from ``source`` (the engine's pieces, verified), and,
+        when idle, what ``cold`` says is nearest eviction."""
+        self._source = source
+        self._cold = cold
         self._writer.start(supervisor)
 
     def stop(self, drain_timeout_s: float = 10.0) -> None:

@@ -88,7 +88,10 @@ class RemoteTier:
 
     def __init__(self, url: str, queue_size: int = 256, timeout_ms: int = 500,
                  key_prefix: str = "lmcache", ttl_s: int | None = None, cluster: bool = False,
-                 retry_interval_s: float = 1.0, client_options: dict[str, Any] | None = None) -> None:
+                 retry_interval_s: float = 1.0, client_options: dict[str, Any] | None = None, *,
+                 events: KVEventSink | None = None) -> None:
+        """``events``: told of chunks written and deleted (KV events). Redis's own expiry and
+        eviction, and other servers' writes, are not seen."""
         self.url, url_cluster = parse_remote_url(url)
         self.display_url = _without_password(url)
         self.cluster = cluster or url_cluster
@@ -105,10 +108,8 @@ class RemoteTier:
         self._down = False
         self._down_since = 0.0
         self._failures_in_outage = 0
-        self._source: Source | None = None
-        # Told of chunks written and deleted (KV events; set by TieredStorage). Redis's own expiry
-        # and eviction, and other servers' writes, are not seen.
-        self.events: KVEventSink | None = None
+        self._source: Source | None = None  # the writer's, from ``start``
+        self.events = events
         # While Redis is down the writer takes nothing and PINGs every retry_interval_s.
         self._writer: BackgroundWriter[ChunkKey] = BackgroundWriter(
             "remote tier", "lmcache-remote-writer", queue_size, self._write_batch,
@@ -290,10 +291,6 @@ class RemoteTier:
 
     # ------------------------------------------------------------------ write side
 
-    def bind(self, source: Source) -> None:
-        """Where the writer takes a chunk's bytes from (the engine's pinned view)."""
-        self._source = source
-
     def submit(self, keys: Iterable[ChunkKey]) -> int:
         """Queue keys to be written behind; a full queue drops (and counts) the rest. Never blocks."""
         dropped = self._writer.submit(keys)
@@ -310,8 +307,10 @@ class RemoteTier:
             return False
         return True
 
-    def start(self, supervisor: Supervisor | None = None) -> None:
-        """Start the writer thread (watched by ``supervisor``: a writer that dies fails the server)."""
+    def start(self, source: Source, supervisor: Supervisor | None = None) -> None:
+        """Start the writer thread (watched by ``supervisor``: a writer that dies fails the
+        server), writing what is queued from ``source`` (the engine's pieces, verified)."""
+        self._source = source
         self._writer.start(supervisor)
 
     def stop(self, drain_timeout_s: float = 5.0) -> None:

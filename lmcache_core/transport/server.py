@@ -14,7 +14,8 @@ its result or its error in its wire's form, built at the one error boundary (``a
 exception from one request reaches the loop. Workers hand replies back through a deque and an
 eventfd; a handler that answers later (``routes.LATER``) sends through ``post``. With an
 ``on_disconnect`` observer, a ``PeerWatch`` reports the identities of clients whose connection
-closed.
+closed. The routes (and the other dialects' wires) are what ``start`` serves: the handlers behind
+them use the transport (its copy threads, its figures, ``post``), so they are made after it.
 
 The loop and the workers are spawned through a ``Supervisor``: if one of them dies, the server
 fails as a whole (``lmcache serve`` exits so that it is restarted) instead of holding its port and
@@ -34,7 +35,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import zmq
@@ -72,14 +73,16 @@ _QUEUED_REQUESTS_OF_MAX_SIZE = 4
 
 
 class MessageQueueServer:
-    """Serves ``routes`` on ``url`` (tcp:// or ipc://) until ``stop()``."""
+    """Serves on ``url`` (tcp:// or ipc://) the routes ``start`` is given, until ``stop()``.
+    ``on_disconnect(identity)``, on the loop thread: a client's connection closed (e.g. the
+    registry's, so a killed GPU worker's memory is freed fast)."""
 
-    def __init__(self, url: str, routes: Mapping[RequestType | str, Route], *,
-                 context: zmq.Context[Any] | None = None, workers: int = 2,
+    def __init__(self, url: str, *, context: zmq.Context[Any] | None = None, workers: int = 2,
                  limits: Limits | None = None, name: str = "lmcache-server",
-                 supervisor: Supervisor | None = None, observe: Observer | None = None) -> None:
+                 supervisor: Supervisor | None = None, observe: Observer | None = None,
+                 on_disconnect: Callable[[bytes], None] | None = None) -> None:
         self.url = url
-        self.routes: dict[Any, Route] = dict(routes)  # RequestType (ours) or str (LMCache's) keys
+        self.routes: dict[Any, Route] = {}  # RequestType (ours) or str (LMCache's) keys: ``start``
         self.limits = limits or Limits()
         self.counters = TransportStats()  # its section of SERVER_INFO (the loop thread adds)
         self._context = context if context is not None else zmq.Context.instance()
@@ -90,7 +93,7 @@ class MessageQueueServer:
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         #: Jobs read in this receive batch, not yet handed to the workers (``_receive``).
         self._ready: list[Job] = []
-        #: Claimed in order: others first (``add_wire``: LMCache's clients), ours last.
+        #: Claimed in order: others first (``start``'s wires: LMCache's clients), ours last.
         self.wires: list[Wire] = [OurWire(self.limits)]
         self._done: deque[tuple[list[bytes], Answer, int]] = deque()  # (frames to send, ..., size)
         self._posted: deque[list[bytes]] = deque()  # late replies (``post``), sent by the loop
@@ -106,9 +109,7 @@ class MessageQueueServer:
         self._workers_lock = threading.Lock()  # add_workers against stop()
         self._gate: Gate[Job] = Gate(self._ungate)
         self._gate_thread: threading.Thread | None = None
-        #: ``on_disconnect(identity)``, on the loop thread: a client's connection closed (set
-        #: before ``start``; e.g. the registry, so a killed GPU worker's memory is freed fast).
-        self.on_disconnect: Callable[[bytes], None] | None = None
+        self._on_disconnect = on_disconnect
         self._peers: PeerWatch | None = None
         self._rejections = LogBudget(logger=logger)
         self._failures = LogBudget(logger=logger)
@@ -116,12 +117,17 @@ class MessageQueueServer:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self) -> str:
-        """Bind and start the loop and worker threads; returns the bound url (real port for :0)."""
+    def start(self, routes: Mapping[RequestType | str, Route],
+              wires: Sequence[Wire] = ()) -> str:
+        """Bind and serve ``routes`` (keyed by each wire's ops: ours by ``RequestType``, another
+        dialect's by its names), its ``wires`` claiming their requests ahead of ours; start the
+        loop and worker threads. Returns the bound url (real port for :0)."""
+        self.routes = dict(routes)
+        self.wires[:0] = wires
         self._socket, self.bound_url, self._ipc_inode = bind_router(
             self._context, self.url, self.limits.max_request_bytes)
-        if self.on_disconnect is not None:
-            self._peers = PeerWatch(self._socket, self.on_disconnect)
+        if self._on_disconnect is not None:
+            self._peers = PeerWatch(self._socket, self._on_disconnect)
         self._thread = self._supervisor.spawn(f"{self._name}-loop", self._run)
         self._workers = [self._supervisor.spawn(f"{self._name}-worker-{i}", self._work)
                          for i in range(self._num_workers)]
@@ -164,12 +170,6 @@ class MessageQueueServer:
                 name = f"{self._name}-worker-{len(self._workers)}"
                 self._workers.append(self._supervisor.spawn(name, self._work))
             return len(self._workers)
-
-    def add_wire(self, wire: Wire, routes: Mapping[str, Route]) -> None:
-        """Serve another dialect on the socket (before ``start``): ``wire`` claims its requests
-        ahead of ours, ``routes`` (keyed by its heads' ops) serve them."""
-        self.wires.insert(len(self.wires) - 1, wire)
-        self.routes.update(routes)
 
     def _cancel_queued(self) -> None:
         """Drop the jobs no worker took before the drain ended (the socket is closed: no one

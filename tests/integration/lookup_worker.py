@@ -24,6 +24,8 @@ GATE_PREFIX = "gate-"
 
 def worker_main(conn: Connection, runtime_dir: str, engine_id: str, worker_id: int,
                 world_size: int, tokens: list[int], chunk_size: int, num_chunks: int) -> None:
+    import msgspec
+
     from lmcache_core.engine import CacheEngine
     from lmcache_core.keys import ChunkKey, chain_hashes, opaque_layout
     from lmcache_core.lookup_client import LMCacheAsyncLookupServer, LMCacheMetadata
@@ -44,17 +46,18 @@ def worker_main(conn: Connection, runtime_dir: str, engine_id: str, worker_id: i
     engine = GatedEngine(MemoryPool.slots(64, 64, pin=False), chunk_size)
     hashes = chain_hashes(tokens, chunk_size)[:num_chunks]
     layout = opaque_layout(world_size)  # the default of async_lookup_and_prefetch
-    plan = engine.begin_store([ChunkKey(MODEL, layout, worker_id, worker_id + 1, h)
-                               for h in hashes], 64)
-    engine.finish_store(plan)
+    plan = engine.store.begin_store([ChunkKey(MODEL, layout, worker_id, worker_id + 1, h)
+                                     for h in hashes], 64)
+    engine.store.finish_store(plan)
     server = LMCacheAsyncLookupServer(engine, LMCacheMetadata(
         model_name=MODEL, world_size=world_size, worker_id=worker_id, engine_id=engine_id,
         runtime_dir=runtime_dir))
     conn.send(("ready", os.getpid()))
     commands: dict[str, Callable[..., Any]] = {
-        "stats": lambda: {**engine.stats(), **{f"server_{k}": v for k, v in server.stats().items()}},
-        "locks": lambda lookup_id: len(engine.locks_of(lookup_id)),
-        "free": engine.free_lookup_locks,  # what the worker's retrieve would release
+        "stats": lambda: {**msgspec.structs.asdict(engine.snapshot().engine),
+                          **{f"server_{k}": v for k, v in server.stats().items()}},
+        "locks": lambda lookup_id: len(engine.store.inspect().locks_of(lookup_id)),
+        "free": engine.store.free_lookup_locks,  # what the worker's retrieve would release
         "release": gate.set,
     }
     while True:

@@ -24,7 +24,7 @@ import zmq
 from typer.testing import CliRunner
 
 from lmcache_cli.main import app
-from lmcache_core.engine import CacheEngine
+from lmcache_core.engine import CacheEngine, GroupTarget
 from lmcache_core.errors import ProtocolError
 from lmcache_core.keys import ChunkKey, chain_hashes, layout_key, rank_heads, world_heads
 from lmcache_core.protocol import RequestType, decode_reply
@@ -272,10 +272,10 @@ def _key(i: int, world: int = 1, rank: int = 0) -> ChunkKey:
 
 
 def _store(e: CacheEngine, keys: list[ChunkKey]) -> None:
-    plan = e.begin_store(keys, NBYTES)
+    plan = e.store.begin_store(keys, NBYTES)
     for _, k, view in plan.writes:
         view.copy_(torch.full((NBYTES,), k.chunk_hash[0], dtype=torch.uint8))
-    e.finish_store(plan)
+    e.store.finish_store(plan)
 
 
 def _payload(k: ChunkKey) -> memoryview:
@@ -298,22 +298,28 @@ def test_peek_counts_each_chunk_in_the_slowest_tier_it_needs_and_touches_nothing
         for k in (_key(2, 2, 1), _key(3, 2, 0), _key(3, 2, 1)):
             assert remote.put(k, _payload(k))
         hashes = [_key(i).chunk_hash for i in range(6)]
-        before = e.stats()
+        before = e.snapshot()
         assert e.tiers is not None
         for world in (1, 2):  # TP=2 reads the TP=1 pieces' halves, and the TP=2 pieces
-            counts = e.tiers.peek("m", LAYOUT, world_heads(LAYOUT, world), hashes, timeout_s=5)
+            counts = e.tiers.peek("m", [GroupTarget(LAYOUT, world_heads(LAYOUT, world))], hashes,
+                                  timeout_s=5)
             assert (counts.memory, counts.disk, counts.remote_chunks, counts.remote) == (
                 1, 1, 2, "asked"), world
             assert counts.hits == 4
-        after = e.stats()
-        assert len(e) == 2  # nothing loaded (a load makes a piece resident); a peek has no locks
-        for name in ("lookups", "lookup_hit_chunks", "lookup_miss_chunks", "disk_loaded_chunks",
-                     "remote_loaded_chunks", "remote_lookup_timeouts"):
-            assert after[name] == before[name], name
+        after = e.snapshot()
+        assert len(e.store) == 2  # nothing loaded (a load makes a piece resident); a peek has no locks
+        assert (after.engine.lookups, after.engine.lookup_hit_chunks,
+                after.engine.lookup_miss_chunks) == (before.engine.lookups,
+                                                     before.engine.lookup_hit_chunks,
+                                                     before.engine.lookup_miss_chunks)
+        assert after.disk.loaded_chunks == before.disk.loaded_chunks
+        assert (after.remote.loaded_chunks, after.remote.lookup_timeouts) == (
+            before.remote.loaded_chunks, before.remote.lookup_timeouts)
         # Without Redis the prefix stops at the first chunk that needs it.
         remote.stop()
         redis_srv.stop()
-        counts = e.tiers.peek("m", LAYOUT, world_heads(LAYOUT, 1), hashes, timeout_s=2)
+        counts = e.tiers.peek("m", [GroupTarget(LAYOUT, world_heads(LAYOUT, 1))], hashes,
+                              timeout_s=2)
         assert (counts.hits, counts.memory, counts.disk) == (2, 1, 1)
         assert counts.remote in {"down", "timeout"}
     finally:

@@ -73,8 +73,8 @@ def test_a_stalled_store_keeps_its_slots_and_stops_the_server(served: Any) -> No
                                       block_ids=[0, 1, 2, 3]))
     assert srv.supervisor.failed and "GPU copies stalled" in (srv.supervisor.failure or "")
     assert srv.wait(1)  # what `lmcache serve` waits on: it then exits non-zero
-    stats = srv.engine.stats()
-    assert stats["chunks"] == 0 and srv.pool.bytes_allocated > 0  # not visible, not reusable
+    stats = srv.engine.snapshot()
+    assert stats.engine.chunks == 0 and srv.pool.bytes_allocated > 0  # not visible, not reusable
 
 
 def test_a_stalled_retrieve_keeps_its_pieces_held_and_stops_the_server(served: Any) -> None:
@@ -87,5 +87,5 @@ def test_a_stalled_retrieve_keeps_its_pieces_held_and_stops_the_server(served: A
         client.request(m.RetrieveRequest(instance_id=instance_id, chunk_hashes=[key],
                                          block_ids=[4, 5, 6, 7]))
     assert srv.supervisor.failed
-    piece = next(iter(srv.engine.store.index.lru.values()))
+    [piece] = srv.engine.store.inspect().pieces.values()
     assert piece.readers == 1  # still read: never evicted, its slot never handed out again

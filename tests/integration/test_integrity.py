@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from lmcache_core.config import load_config
-from lmcache_core.engine.index import Piece
+from lmcache_core.engine.store import PieceView
 from lmcache_core.keys import ChunkKey, chain_hashes, layout_key
 from lmcache_core.kv.mapped import MappedKVCache
 from lmcache_core.protocol import messages as m
@@ -88,10 +88,9 @@ def test_a_corrupt_pool_piece_is_reported_missing_and_never_served(short_tmp: Pa
         want = [worker("digest", blocks=blocks(i, 1))["digest"] for i in range(3)]
         assert worker("store", req="s", keys=toks, blocks=blocks(0, 3))["finished"]
         engine = server.engine
-        pieces: list[Piece] = [p for p in (engine.store.index.get(piece_key(toks, i)) for i in range(3))
-                               if p is not None]
+        resident = engine.store.inspect().pieces
+        pieces: list[PieceView] = [resident[piece_key(toks, i)] for i in range(3)]
         # Checksums were recorded at store: xxh3-64 of exactly the bytes in the pool.
-        assert len(pieces) == 3
         for p in pieces:
             assert p.checksum == integrity.checksum(engine.store.memory(p.handle, p.nbytes))
         # One byte of chunk 1 changes in the pool behind the server's back.
@@ -200,9 +199,10 @@ def test_a_store_replies_before_its_checksums_which_are_recorded_right_after(
             gated.set()
             wait_until(lambda: stats(client).engine.checksums_pending == 0)
         engine = server.engine
+        resident = engine.store.inspect().pieces
         for i in range(3):
-            p = engine.store.index.get(piece_key(toks, i))
-            assert p is not None and p.readers == 0
+            p = resident[piece_key(toks, i)]
+            assert p.readers == 0
             assert p.checksum == integrity.checksum(engine.store.memory(p.handle, p.nbytes))
     finally:
         worker.close()
@@ -214,12 +214,12 @@ def test_stopping_the_server_gives_up_a_stuck_hash_within_its_drain(
         short_tmp: Path, gated: threading.Event) -> None:
     server, worker, _ = stored(short_tmp, 2, seed=5)
     try:
-        assert server.engine.snapshot().checksums_pending == 2
+        assert server.engine.snapshot().engine.checksums_pending == 2
     finally:
         worker.close()
         server.request_stop()
         server.stop(drain_timeout_s=0.5)  # the gate stays shut: the hash is stuck
-    figures = server.engine.snapshot()
+    figures = server.engine.snapshot().engine
     assert figures.checksums_abandoned == 2 and figures.checksums_pending == 0
     assert figures.chunks == 0  # dropped: no piece is left without a checksum
 

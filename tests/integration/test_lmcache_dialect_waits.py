@@ -180,31 +180,31 @@ def test_lookup_locks_wait_for_every_reader_and_free_releases_its_range(kv_serve
         # A lookup for two readers: every hit chunk locked until both read it.
         assert ask(8, key("r", end=192, num_kv_readers=2), 1) == []
         assert ask(9, "r") == [3]
-        assert len(srv.engine.locks_of("r")) == 3
+        assert len(srv.engine.store.inspect().locks_of("r")) == 3
         # free_lookup_locks over [128, 192): chunk 2 only; chunks 0 and 1 stay locked.
         assert ask(12, key("r", end=192, num_kv_readers=2) | {"start": 128}, 1) == []
-        assert len(srv.engine.locks_of("r")) == 2
+        assert len(srv.engine.store.inspect().locks_of("r")) == 2
         for layer in layers:
             layer[:, 12:] = 0
         dst = [[list(range(12, 20))], [list(range(12, 20))]]  # chunks 0-1 into blocks 12-19
         got = key("r", end=128, worker_id=0, num_kv_readers=2)
         assert ask(7, got, 7, dst[0], b"", 0) == [[b"", True]]  # the first reader
-        assert len(srv.engine.locks_of("r")) == 2
+        assert len(srv.engine.store.inspect().locks_of("r")) == 2
         for layer, want in zip(layers, sent, strict=True):
             assert np.array_equal(layer[:, 12:20], want[:, :8])
         assert ask(7, got, 7, dst[1], b"", 0) == [[b"", True]]  # the second: the locks go
-        assert srv.engine.locks_of("r") == [] and srv.engine.stats()["locks_held"] == 0
+        assert srv.engine.store.inspect().locks_of("r") == [] and srv.engine.snapshot().engine.locks_held == 0
         # A retrieve counts a read of every chunk of its range, the whole chunks it skips too.
         assert ask(8, key("k", end=192), 1) == [] and ask(9, "k") == [3]
         assert ask(7, key("k", end=192, worker_id=0), 7, [list(range(12, 24))], b"", 130) == \
             [[b"", True]]
-        assert srv.engine.locks_of("k") == []
+        assert srv.engine.store.inspect().locks_of("k") == []
         # One reader (vLLM's non-MLA default): a free of everything left releases it all.
         assert ask(8, key("q", end=192), 1) == [] and ask(9, "q") == [3]
         assert ask(7, key("q", end=64, worker_id=0), 7, [list(range(12, 16))], b"", 0) == \
             [[b"", True]]
-        assert len(srv.engine.locks_of("q")) == 2
-        assert ask(12, key("q", end=192), 1) == [] and srv.engine.locks_of("q") == []
+        assert len(srv.engine.store.inspect().locks_of("q")) == 2
+        assert ask(12, key("q", end=192), 1) == [] and srv.engine.store.inspect().locks_of("q") == []
     finally:
         sock.close(0)
 
@@ -318,7 +318,7 @@ def test_a_failing_skipped_release_does_not_hide_the_retrieve_failure(kv_server,
         assert call(sock, [enc(1), enc(1), enc(7), enc(descs), enc("tiny"), enc(1), enc("vllm"),
                            enc({}), enc([])]) == [enc(1), enc(1)]
         monkeypatch.setattr(dialect.handlers, "retrieve", gone)
-        monkeypatch.setattr(dialect.handlers.engine, "release_lookup_reads", broken)
+        monkeypatch.setattr(srv.engine.store, "release_lookup_reads", broken)
         # The skipped chunks' release fails in the retrieve's finally: the retrieve's own failure
         # is still answered in-band (not silence, as an exception from the finally would make it).
         reply = call(sock, [enc(2), enc(7), enc(key("k", end=192, worker_id=0)), enc(7),
@@ -334,7 +334,7 @@ def test_a_lookup_whose_session_ends_while_it_runs_leaves_no_locks(tiered_kv_ser
     hits for nobody until the lock TTL. The lookup now releases them itself."""
     srv, _, descs = tiered_kv_server
     sock = dealer(srv.url)
-    engine = srv.handlers.engine
+    engine = srv.engine
     started, release, looked_up = threading.Event(), threading.Event(), threading.Event()
     lookup = engine.lookup
 
@@ -359,8 +359,8 @@ def test_a_lookup_whose_session_ends_while_it_runs_leaves_no_locks(tiered_kv_ser
         release.set()
         assert looked_up.wait(5)
         deadline = time.monotonic() + 2
-        while engine.locks_of("e") or engine.stats()["locks_held"]:
-            assert time.monotonic() < deadline, engine.locks_of("e")
+        while engine.store.inspect().locks_of("e") or engine.snapshot().engine.locks_held:
+            assert time.monotonic() < deadline, engine.store.inspect().locks_of("e")
             time.sleep(0.01)
         assert call(sock, [enc(5), enc(9), enc("e")]) == [enc(5), enc(9), enc(0)]  # not kept
     finally:
@@ -404,6 +404,6 @@ def test_two_lookups_each_get_their_own_count_asked_in_the_opposite_order(fixtur
             for request_id in (short, long):
                 assert ask(12, key(request_id, end=192), 1) == []
                 assert ask(13, request_id) == []
-        assert srv.engine.stats()["locks_held"] == 0
+        assert srv.engine.snapshot().engine.locks_held == 0
     finally:
         sock.close(0)

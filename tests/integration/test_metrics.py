@@ -360,12 +360,13 @@ def test_the_transport_observes_every_served_request_and_counts_errors_by_code(t
     def not_registered(_p: Any, _c: bytes) -> m.Reply:
         raise NotRegisteredError("no such instance")
 
-    srv = MessageQueueServer(f"ipc://{tmp_path}/t.sock", {
+    srv = MessageQueueServer(f"ipc://{tmp_path}/t.sock",
+                             observe=lambda op, seconds, code: observed.append((op, seconds, code)))
+    srv.start({
         RequestType.PING: Route(lambda _p, _c: m.PingReply(version="t", chunk_size=1, uptime_s=0.0,
                                                            pid=0)),
         RequestType.STORE: Route(not_registered, blocking=True),
-    }, observe=lambda op, seconds, code: observed.append((op, seconds, code)))
-    srv.start()
+    })
     try:
         with MessageQueueClient(srv.bound_url) as client:
             client.wait_until_reachable(2)

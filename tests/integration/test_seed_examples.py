@@ -64,7 +64,7 @@ def lookup_worker_main(conn: Connection, runtime_dir: str) -> None:
     lmcache_engine = Engine(MemoryPool.slots(64, 16, pin=False), CHUNK)
     keys = [ChunkKey(MODEL, opaque_layout(1), 0, 1, h)
             for h in chain_hashes(TOKENS, CHUNK)[:HELD]]
-    lmcache_engine.finish_store(lmcache_engine.begin_store(keys, 64))
+    lmcache_engine.store.finish_store(lmcache_engine.store.begin_store(keys, 64))
     metadata = LMCacheMetadata(model_name=MODEL, world_size=1, worker_id=0, engine_id=ENGINE_ID,
                                runtime_dir=runtime_dir)
 
@@ -85,7 +85,7 @@ def lookup_worker_main(conn: Connection, runtime_dir: str) -> None:
             server.send_response_to_scheduler("req-123", num_hit_tokens=512)
             conn.send("sent")
         elif cmd == "locks":
-            conn.send(len(lmcache_engine.locks_of("req-0")))
+            conn.send(len(lmcache_engine.store.inspect().locks_of("req-0")))
         elif cmd == "close":
             server.close()
             conn.send({"socket_left": os.path.exists(server.socket_path)})

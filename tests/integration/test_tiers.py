@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmcache_core.engine import CacheEngine
+from lmcache_core.engine import CacheEngine, GroupTarget
 from lmcache_core.keys import (
     ChunkKey,
     HeadRange,
@@ -56,8 +56,9 @@ def every_rank(i: int, world: int) -> list[ChunkKey]:
     return [key(i, rank, world) for rank in range(world)]
 
 
-def ranges(world: int) -> list[HeadRange]:
-    return list(world_heads(LAYOUT, world))
+def groups(world: int) -> list[GroupTarget]:
+    """What a lookup of every rank of ``world`` counts in: one full-attention group."""
+    return [GroupTarget(LAYOUT, world_heads(LAYOUT, world))]
 
 
 def pattern(k: ChunkKey) -> torch.Tensor:
@@ -78,11 +79,11 @@ def engine(remote: RemoteTier | None = None, disk: DiskTier | None = None,
 
 
 def store(e: CacheEngine, keys: list[ChunkKey]) -> None:
-    plan = e.begin_store(keys, NBYTES)
+    plan = e.store.begin_store(keys, NBYTES)
     assert plan.stored == len(keys)
     for _, k, view in plan.writes:
         view.copy_(pattern(k))
-    e.finish_store(plan)
+    e.store.finish_store(plan)
 
 
 def retrieve_ok(e: CacheEngine, keys: list[ChunkKey], lookup_id: str) -> bool:
@@ -91,7 +92,7 @@ def retrieve_ok(e: CacheEngine, keys: list[ChunkKey], lookup_id: str) -> bool:
     for k in keys:
         by_heads.setdefault((k.head_lo, k.head_hi), []).append(k)
     for heads, group in by_heads.items():
-        plan = e.begin_retrieve("m", LAYOUT, heads, [k.chunk_hash for k in group], lookup_id)
+        plan = e.store.begin_retrieve("m", LAYOUT, heads, [k.chunk_hash for k in group], lookup_id)
         try:
             if plan.missing or len(plan.found) != len(group):
                 return False
@@ -100,7 +101,7 @@ def retrieve_ok(e: CacheEngine, keys: list[ChunkKey], lookup_id: str) -> bool:
                 if (lo, hi) != heads or not torch.equal(view, pattern(group[index])):
                     return False
         finally:
-            e.finish_retrieve(plan)
+            e.store.finish_retrieve(plan)
     return True
 
 
@@ -115,11 +116,12 @@ def test_two_engines_share_chunks_through_redis(redis_up: RedisServer, world: in
     a_tier, b_tier = tier(redis_up.url), tier(redis_up.url.replace("redis://", "valkey://"))
     c_tier = tier(redis_up.url)
     a, b, c = engine(a_tier), engine(b_tier), engine(c_tier)
-    a_tier.start()
+    assert a.tiers is not None
+    a.tiers.start()  # its writer, writing a's pieces
     try:
         keys = [k for i in range(4) for k in every_rank(i, world)]
         store(a, keys)
-        assert a_tier.flush(5) and a.stats()["remote_written_chunks"] == 4 * world
+        assert a_tier.flush(5) and a.snapshot().remote.written_chunks == 4 * world
         with redis_up.client() as client:  # one value per piece, named by its head range
             for k in keys:
                 rkey = (f"lmcache:v{record.FORMAT_VERSION}:m:{LAYOUT}:{k.head_lo}-{k.head_hi}:"
@@ -128,30 +130,31 @@ def test_two_engines_share_chunks_through_redis(redis_up: RedisServer, world: in
                 assert client.exists(rkey) and client.strlen(rkey) == record.header_bytes(k) + NBYTES
             assert client.dbsize() == 4 * world
         hashes = [k.chunk_hash for k in keys[::world]] + [key(9).chunk_hash]
-        assert b.lookup("m", LAYOUT, ranges(world), hashes, "q") == 0
-        assert b.lookup("m", LAYOUT, ranges(world), hashes, "q", tier_timeout_s=2) == 4
-        assert set(b.locks_of("q")) == set(keys)  # resident and locked when the reply goes out
+        assert b.lookup("m", groups(world), hashes, "q") == 0
+        assert b.lookup("m", groups(world), hashes, "q", tier_timeout_s=2) == 4
+        # resident and locked when the reply goes out
+        assert set(b.store.inspect().locks_of("q")) == set(keys)
         assert retrieve_ok(b, keys, "q")  # every rank reads back its own bytes
-        stats = b.stats()
-        assert stats["remote_loaded_chunks"] == 4 * world and stats["remote_errors"] == 0
-        assert stats["lookup_hit_chunks"] == 4
+        stats = b.snapshot()
+        assert stats.remote.loaded_chunks == 4 * world and stats.remote.errors == 0
+        assert stats.engine.lookup_hit_chunks == 4
 
         # A's memory copy gone: A reads each rank's piece back from Redis too.
-        assert a.clear(force=True) == (4 * world, 0) and len(a) == 0
-        assert a.lookup("m", LAYOUT, ranges(world), hashes, "a", tier_timeout_s=2) == 4
+        assert a.store.clear(force=True) == (4 * world, 0) and len(a.store) == 0
+        assert a.lookup("m", groups(world), hashes, "a", tier_timeout_s=2) == 4
         assert retrieve_ok(a, keys, "a")
 
         # A TP=1 engine reads the chunks out of the pieces of this TP size, each its own bytes.
-        assert c.lookup("m", LAYOUT, ranges(1), hashes, "c", tier_timeout_s=2) == 4
-        plan = c.begin_retrieve("m", LAYOUT, (0, 8), hashes[:4], "c")
+        assert c.lookup("m", groups(1), hashes, "c", tier_timeout_s=2) == 4
+        plan = c.store.begin_retrieve("m", LAYOUT, (0, 8), hashes[:4], "c")
         try:
             assert not plan.missing and len(plan.found) == 4
             for index, sources in plan.found:
-                assert [(lo, hi) for _, lo, hi in sources] == ranges(world)
+                assert [(lo, hi) for _, lo, hi in sources] == list(world_heads(LAYOUT, world))
                 for (view, _, _), k in zip(sources, every_rank(index, world), strict=True):
                     assert torch.equal(view, pattern(k))
         finally:
-            c.finish_retrieve(plan)
+            c.store.finish_retrieve(plan)
     finally:
         a_tier.stop()
         b_tier.stop()
@@ -162,24 +165,25 @@ def test_two_engines_share_chunks_through_redis(redis_up: RedisServer, world: in
 def test_disk_round_trip_every_rank(tmp_path: Path, world: int) -> None:
     disk = DiskTier(tmp_path, 1 << 20, write_through=True)
     e = engine(disk=disk)
-    disk.start()
+    assert e.tiers is not None
+    e.tiers.start()
     try:
         keys = [k for i in range(4) for k in every_rank(i, world)]
         store(e, keys)
-        assert disk.flush(5) and e.stats()["disk_written_chunks"] == 4 * world
+        assert disk.flush(5) and e.snapshot().disk.written_chunks == 4 * world
         assert sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(SUFFIX)) == sorted(
             file_name(k) for k in keys)  # one file per piece
-        assert e.clear(force=True) == (4 * world, 0) and len(e) == 0
+        assert e.store.clear(force=True) == (4 * world, 0) and len(e.store) == 0
         hashes = [k.chunk_hash for k in keys[::world]] + [key(9).chunk_hash]
-        assert e.lookup("m", LAYOUT, ranges(world), hashes, "q") == 0
-        assert e.lookup("m", LAYOUT, ranges(world), hashes, "q", tier_timeout_s=2) == 4
-        assert set(e.locks_of("q")) == set(keys)
+        assert e.lookup("m", groups(world), hashes, "q") == 0
+        assert e.lookup("m", groups(world), hashes, "q", tier_timeout_s=2) == 4
+        assert set(e.store.inspect().locks_of("q")) == set(keys)
         assert retrieve_ok(e, keys, "q")  # every rank reads back its own bytes
-        assert e.stats()["disk_loaded_chunks"] == 4 * world
+        assert e.snapshot().disk.loaded_chunks == 4 * world
     finally:
         disk.stop()
     fresh = engine(disk=DiskTier(tmp_path, 1 << 20))  # a restart on the same directory
-    assert fresh.lookup("m", LAYOUT, ranges(world), hashes, "r", tier_timeout_s=2) == 4
+    assert fresh.lookup("m", groups(world), hashes, "r", tier_timeout_s=2) == 4
     assert retrieve_ok(fresh, keys, "r")
 
 
@@ -188,13 +192,14 @@ def test_cluster_url(make_redis: Callable[..., RedisServer]) -> None:
     a_tier, b_tier = tier(cluster.url), tier(cluster.url.replace("redis+", "valkey+"))
     try:
         a, b = engine(a_tier), engine(b_tier)
-        a_tier.start()
+        assert a.tiers is not None
+        a.tiers.start()
         keys = [key(i) for i in range(3)]
         store(a, keys)
-        assert a_tier.flush(5) and a.stats()["remote_written_chunks"] == 3
-        assert b.lookup("m", LAYOUT, ranges(1), [k.chunk_hash for k in keys], "c",
-                              tier_timeout_s=2) == 3
-        assert retrieve_ok(b, keys, "c") and b.stats()["remote_errors"] == 0
+        assert a_tier.flush(5) and a.snapshot().remote.written_chunks == 3
+        assert b.lookup("m", groups(1), [k.chunk_hash for k in keys], "c",
+                        tier_timeout_s=2) == 3
+        assert retrieve_ok(b, keys, "c") and b.snapshot().remote.errors == 0
     finally:
         a_tier.stop()
         b_tier.stop()
@@ -212,10 +217,10 @@ def test_bad_values_are_never_served(redis_up: RedisServer) -> None:
         c.set(t.redis_key(keys[1]), bytes(flipped))
         c.set(t.redis_key(keys[2]), good[1])  # an intact record, but of another key
     try:
-        assert e.lookup("m", LAYOUT, ranges(1), [k.chunk_hash for k in keys], "q",
-                              tier_timeout_s=2) == 1
-        assert not e.is_resident(keys[1]) and not e.is_resident(keys[2])
-        assert e.stats()["remote_corrupt"] == 2
+        assert e.lookup("m", groups(1), [k.chunk_hash for k in keys], "q",
+                        tier_timeout_s=2) == 1
+        assert not e.store.inspect().resident(keys[1]) and not e.store.inspect().resident(keys[2])
+        assert e.snapshot().remote.corrupt == 2
         with redis_up.client() as c:
             assert not c.exists(t.redis_key(keys[1]))  # deleted so nobody fetches it again
     finally:
@@ -231,8 +236,8 @@ def test_a_value_of_another_head_range_is_never_served(redis_up: RedisServer) ->
         c.set(t.redis_key(low), record.encode(low, payload(low)))
         c.set(t.redis_key(high), record.encode(low, payload(low)))
     try:
-        assert e.lookup("m", LAYOUT, ranges(2), [low.chunk_hash], "q", tier_timeout_s=2) == 0
-        assert not e.is_resident(high) and e.stats()["remote_corrupt"] == 1
+        assert e.lookup("m", groups(2), [low.chunk_hash], "q", tier_timeout_s=2) == 0
+        assert not e.store.inspect().resident(high) and e.snapshot().remote.corrupt == 1
     finally:
         t.stop()
 
@@ -241,10 +246,11 @@ def test_full_queue_drops_writes_without_blocking(redis_up: RedisServer) -> None
     t = tier(redis_up.url, queue_size=2)  # writer not started: the queue only fills
     e = engine(t)
     store(e, [key(i) for i in range(5)])  # returns (a blocking submit would never, unstarted)
-    assert e.stats()["remote_write_dropped"] == 3 and e.stats()["remote_queued"] == 2
-    t.start()
+    assert e.snapshot().remote.write_dropped == 3 and e.snapshot().remote.queued == 2
+    assert e.tiers is not None
+    e.tiers.start()
     try:
-        assert t.flush(5) and e.stats()["remote_written_chunks"] == 2
+        assert t.flush(5) and e.snapshot().remote.written_chunks == 2
     finally:
         t.stop()
 
@@ -253,7 +259,8 @@ def test_redis_down_then_back(redis_up: RedisServer, caplog: pytest.LogCaptureFi
     caplog.set_level(logging.INFO, logger="lmcache_core.storage.remote")
     t = tier(redis_up.url)
     e = engine(t)
-    t.start()
+    assert e.tiers is not None
+    e.tiers.start()
     try:
         store(e, [key(0)])
         assert t.flush(5)
@@ -261,23 +268,23 @@ def test_redis_down_then_back(redis_up: RedisServer, caplog: pytest.LogCaptureFi
         hashes = [key(0).chunk_hash, key(1).chunk_hash]
         for i in range(20):  # memory keeps serving; every lookup answers within its budget
             start = time.monotonic()
-            assert e.lookup("m", LAYOUT, ranges(1), hashes, f"d{i}", tier_timeout_s=0.5) == 1
+            assert e.lookup("m", groups(1), hashes, f"d{i}", tier_timeout_s=0.5) == 1
             assert time.monotonic() - start < 5.0  # 10x the budget (Redis refuses: ~ms)
         store(e, [key(2)])  # queued while down
-        wait_until(lambda: e.stats()["remote_up"] == 0)
+        wait_until(lambda: e.snapshot().remote.up == 0)
         warnings = [r for r in caplog.records if "unavailable" in r.getMessage()]
         assert len(warnings) == 1  # once per outage, not per request
-        assert e.stats()["remote_outages"] == 1 and e.stats()["remote_errors"] >= 1
+        assert e.snapshot().remote.outages == 1 and e.snapshot().remote.errors >= 1
 
         redis_up.start()  # same port, empty
-        wait_until(lambda: e.stats()["remote_up"] == 1)
+        wait_until(lambda: e.snapshot().remote.up == 1)
         assert any("reachable again" in r.getMessage() for r in caplog.records)
-        wait_until(lambda: e.stats()["remote_written_chunks"] >= 2)  # the queued write went out
+        wait_until(lambda: e.snapshot().remote.written_chunks >= 2)  # the queued write went out
         other_tier = tier(redis_up.url)
         other = engine(other_tier)
         try:
-            assert other.lookup("m", LAYOUT, ranges(1), [key(2).chunk_hash], "o",
-                                      tier_timeout_s=2) == 1
+            assert other.lookup("m", groups(1), [key(2).chunk_hash], "o",
+                                tier_timeout_s=2) == 1
             assert retrieve_ok(other, [key(2)], "o")
         finally:
             other_tier.stop()
@@ -295,14 +302,14 @@ def test_hung_redis_costs_a_lookup_at_most_its_budget(redis_up: RedisServer) -> 
     try:
         with frozen(redis_up.proc.pid):
             start = time.monotonic()
-            assert e.lookup("m", LAYOUT, ranges(1), [key(5).chunk_hash], "h",
-                                  tier_timeout_s=0.3) == 0
+            assert e.lookup("m", groups(1), [key(5).chunk_hash], "h",
+                            tier_timeout_s=0.3) == 0
             assert time.monotonic() - start < 3.0
-            assert e.stats()["remote_lookup_timeouts"] == 1
+            assert e.snapshot().remote.lookup_timeouts == 1
             start = time.monotonic()
-            assert e.lookup("m", LAYOUT, ranges(1), [key(5).chunk_hash], "h") == 0  # never waits
+            assert e.lookup("m", groups(1), [key(5).chunk_hash], "h") == 0  # never waits
             assert time.monotonic() - start < 3.0  # a hang bound only; the behaviour is the next line
-            assert e.stats()["remote_lookup_timeouts"] == 1  # it never asked the hung Redis
+            assert e.snapshot().remote.lookup_timeouts == 1  # it never asked the hung Redis
     finally:
         t.stop()
 
@@ -320,12 +327,12 @@ def test_disk_first_then_redis_in_one_prefix(redis_up: RedisServer, tmp_path: Pa
         assert t.put(k, payload(k))
     keys = [k for chunk in chunks for k in chunk]
     try:
-        assert e.lookup("m", LAYOUT, ranges(world), [c[0].chunk_hash for c in chunks], "p",
-                              tier_timeout_s=2) == 4
+        assert e.lookup("m", groups(world), [c[0].chunk_hash for c in chunks], "p",
+                        tier_timeout_s=2) == 4
         assert retrieve_ok(e, keys, "p")  # every rank reads back its own bytes
-        stats = e.stats()
-        assert stats["disk_loaded_chunks"] == 2 * world
-        assert stats["remote_loaded_chunks"] == 2 * world
+        stats = e.snapshot()
+        assert stats.disk.loaded_chunks == 2 * world
+        assert stats.remote.loaded_chunks == 2 * world
     finally:
         t.stop()
 

@@ -9,9 +9,9 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from lmcache_core.engine import CacheEngine
+from lmcache_core.engine import CacheEngine, GroupTarget
 from lmcache_core.engine.async_lookup import PREFETCH_THREADS, AsyncLookups
-from lmcache_core.keys import ChunkKey, HeadRange, opaque_layout
+from lmcache_core.keys import ChunkKey, opaque_layout
 from lmcache_core.storage.disk import DiskTier
 from lmcache_core.storage.pool import MemoryPool
 
@@ -57,11 +57,11 @@ def test_cleanup_of_a_running_tiered_lookup_releases_what_it_locks(tmp_path: Pat
         go.set()
         assert answers.event("req").wait(5)
         assert answers.tokens["req"] == 0
-        assert engine.locks_of("req") == [] and engine.stats()["locks_held"] == 0
-        assert engine.clear() == (2, 0)  # the loaded pieces are not held by anyone
+        assert engine.store.inspect().locks_of("req") == [] and engine.snapshot().engine.locks_held == 0
+        assert engine.store.clear() == (2, 0)  # the loaded pieces are not held by anyone
         # A lookup of the same id afterwards is not cancelled: it locks and reports its hits.
         assert engine.async_lookup_and_prefetch("req", HASHES, model_name="m") == 32
-        assert len(engine.locks_of("req")) == 2
+        assert len(engine.store.inspect().locks_of("req")) == 2
     finally:
         go.set()
         engine.close()
@@ -70,9 +70,6 @@ def test_cleanup_of_a_running_tiered_lookup_releases_what_it_locks(tmp_path: Pat
 class FakeEngine:
     """Tiered lookups that wait on a gate per call; locks: lookup id -> chunks locked."""
 
-    chunk_size = 16
-    has_tiers = True
-
     def __init__(self) -> None:
         self.locks: dict[str, int] = {}
         self.gates: list[threading.Event] = []
@@ -80,9 +77,9 @@ class FakeEngine:
         self.calls = 0
         self.mutex = threading.Lock()
 
-    def lookup(self, model_name: str, layout: str, ranges: Sequence[HeadRange],
+    def lookup(self, model_name: str, groups: Sequence[GroupTarget],
                chunk_hashes: Sequence[bytes], lookup_id: str, lock: bool = True, *,
-               tier_timeout_s: float | None = None, readers: int = 1, shared: int = 1) -> int:
+               tier_timeout_s: float | None = None) -> int:
         assert tier_timeout_s is not None, "a tiered engine's async lookups have a tier budget"
         with self.mutex:
             gate, started = self.gates[self.calls], self.started[self.calls]
@@ -99,11 +96,15 @@ class FakeEngine:
         self.gates += [threading.Event() for _ in range(calls)]
         self.started += [threading.Event() for _ in range(calls)]
 
+    def lookups(self) -> AsyncLookups:
+        """The async lookups of a tiered engine of chunk size 16 over this one."""
+        return AsyncLookups(self.lookup, self.free_lookup_locks, chunk_size=16, tiered=True)
+
 
 def test_a_lookup_cancelled_while_queued_does_no_io_and_answers_0() -> None:
     engine = FakeEngine()
     engine.expect(PREFETCH_THREADS)
-    lookups = AsyncLookups(engine)
+    lookups = engine.lookups()
     answers = Answers()
     try:
         for i in range(PREFETCH_THREADS):  # every prefetch thread busy
@@ -128,7 +129,7 @@ def test_a_lookup_cancelled_while_queued_does_no_io_and_answers_0() -> None:
 def test_a_newer_lookup_of_the_id_keeps_its_locks() -> None:
     engine = FakeEngine()
     engine.expect(2)
-    lookups = AsyncLookups(engine)
+    lookups = engine.lookups()
     answers = Answers()
     try:
         lookups.lookup_and_prefetch("req", HASHES, on_result=answers)

@@ -41,10 +41,10 @@ class Copies:
 def handlers_with(monkeypatch: pytest.MonkeyPatch, copies: Copies,
                   clock: list[float]) -> CacheHandlers:
     monkeypatch.setattr(CacheHandlers, "_scatter", staticmethod(copies))
-    handlers = CacheHandlers(load_config(None), SimpleNamespace(has_tiers=False),  # type: ignore[arg-type]
-                             SimpleNamespace(), SimpleNamespace(), "tcp://x")  # type: ignore[arg-type]
-    handlers.deadline_clock = lambda: clock[0]
-    return handlers
+    engine = SimpleNamespace(store=SimpleNamespace(), tiers=None)
+    return CacheHandlers(load_config(None), engine, SimpleNamespace(),  # type: ignore[arg-type]
+                         SimpleNamespace(), started=0.0,  # type: ignore[arg-type]
+                         deadline_clock=lambda: clock[0])
 
 
 def registration(chunk_bytes: int) -> Any:

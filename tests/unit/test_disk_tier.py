@@ -13,6 +13,7 @@ import pytest
 import torch
 from blake3 import blake3
 
+from lmcache_core.engine import GroupTarget
 from lmcache_core.errors import ConfigError
 from lmcache_core.keys import ChunkKey, layout_key, opaque_layout, rank_heads, world_heads
 from lmcache_core.storage import disk as disk_module
@@ -56,10 +57,10 @@ def engine_with(disk: DiskTier | None, slots: int = 8) -> CacheEngine:
 
 
 def store(engine: CacheEngine, keys: list[ChunkKey]) -> None:
-    plan = engine.begin_store(keys, NBYTES)
+    plan = engine.store.begin_store(keys, NBYTES)
     for _, k, view in plan.writes:
         view.copy_(_tensor(payload(k.chunk_hash[0])))
-    engine.finish_store(plan)
+    engine.store.finish_store(plan)
 
 
 def _tensor(data: memoryview) -> torch.Tensor:
@@ -72,14 +73,14 @@ def retrieved(engine: CacheEngine, keys: list[ChunkKey], lookup_id: str = "") ->
     first = keys[0]
     assert all((k.model_name, k.layout, k.head_lo, k.head_hi) ==
                (first.model_name, first.layout, first.head_lo, first.head_hi) for k in keys)
-    plan = engine.begin_retrieve(first.model_name, first.layout, (first.head_lo, first.head_hi),
+    plan = engine.store.begin_retrieve(first.model_name, first.layout, (first.head_lo, first.head_hi),
                                  [k.chunk_hash for k in keys], lookup_id)
     out: list[bytes | None] = [None] * len(keys)
     for index, sources in plan.found:
         (view, lo, hi), = sources
         assert (lo, hi) == (first.head_lo, first.head_hi)
         out[index] = bytes(view.numpy())
-    engine.finish_retrieve(plan)
+    engine.store.finish_retrieve(plan)
     return out
 
 
@@ -88,7 +89,8 @@ def lookup_tiers(engine: CacheEngine, world: int, hashes: list[bytes], lookup_id
     """A tiered lookup of every rank of ``world`` (opaque layout: as ``key`` names pieces)."""
     layout = opaque_layout(world)
     kw.setdefault("tier_timeout_s", kw.pop("timeout_s", 1.0))
-    return engine.lookup("m", layout, world_heads(layout, world), hashes, lookup_id, **kw)
+    return engine.lookup("m", [GroupTarget(layout, world_heads(layout, world))], hashes, lookup_id,
+                         **kw)
 
 
 # ---------------------------------------------------------------- records
@@ -226,7 +228,7 @@ def test_damaged_file_is_a_miss_for_the_engine(tmp_path: Path) -> None:
     store(engine, keys)
     for k in keys:
         disk.write(k, payload(k.chunk_hash[0]))
-    engine.clear(force=True)
+    engine.store.clear(force=True)
     bad = tmp_path / file_name(keys[2])
     data = bytearray(bad.read_bytes())
     data[-1] ^= 0x55
@@ -234,10 +236,10 @@ def test_damaged_file_is_a_miss_for_the_engine(tmp_path: Path) -> None:
     hashes = [k.chunk_hash for k in keys]
     assert lookup_tiers(engine, 1, hashes, "r", timeout_s=2) == 2  # stops before the bad one
     assert retrieved(engine, keys[:2], "r") == [bytes(payload(0)), bytes(payload(1))]
-    assert not engine.is_resident(keys[2]) and not bad.exists()
-    stats = engine.stats()
-    assert stats["disk_corrupt"] == 1 and stats["chunks"] == 2 + 1  # chunk 3 loaded, unlocked
-    assert stats["lookup_hit_chunks"] == 2 and stats["lookup_miss_chunks"] == 2
+    assert not engine.store.inspect().resident(keys[2]) and not bad.exists()
+    stats = engine.snapshot()
+    assert stats.disk.corrupt == 1 and stats.engine.chunks == 2 + 1  # chunk 3 loaded, unlocked
+    assert stats.engine.lookup_hit_chunks == 2 and stats.engine.lookup_miss_chunks == 2
 
 
 def test_reindex_after_restart(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -378,7 +380,8 @@ def test_bad_settings(tmp_path: Path) -> None:
 def test_write_through_and_lookup_after_restart(tmp_path: Path) -> None:
     disk = DiskTier(tmp_path, 1 << 20, write_through=True)
     engine = engine_with(disk)
-    disk.start()
+    assert engine.tiers is not None
+    engine.tiers.start()  # the writer, writing the engine's pieces
     try:
         keys = [key(i, rank) for i in range(3) for rank in (0,)]
         store(engine, keys)
@@ -389,14 +392,14 @@ def test_write_through_and_lookup_after_restart(tmp_path: Path) -> None:
 
     fresh = engine_with(DiskTier(tmp_path, 1 << 20))  # a new server on the same directory
     hashes = [k.chunk_hash for k in keys] + [key(7).chunk_hash]
-    assert fresh.lookup("m", opaque_layout(1), [(0, 1)], hashes, "q") == 0
+    assert fresh.lookup("m", [GroupTarget(opaque_layout(1), ((0, 1),))], hashes, "q") == 0
     assert lookup_tiers(fresh, 1, hashes, "q", timeout_s=2) == 3
-    assert fresh.locks_of("q") and set(fresh.locks_of("q")) == set(keys)
+    assert fresh.store.inspect().locks_of("q") and set(fresh.store.inspect().locks_of("q")) == set(keys)
     assert retrieved(fresh, keys, "q") == [bytes(payload(i)) for i in range(3)]
-    assert fresh.locks_of("q") == []
-    stats = fresh.stats()
-    assert stats["disk_loaded_chunks"] == 3 and stats["lookups"] == 2
-    assert stats["lookup_hit_chunks"] == 3 and stats["lookup_miss_chunks"] == 4 + 1
+    assert fresh.store.inspect().locks_of("q") == []
+    stats = fresh.snapshot()
+    assert stats.disk.loaded_chunks == 3 and stats.engine.lookups == 2
+    assert stats.engine.lookup_hit_chunks == 3 and stats.engine.lookup_miss_chunks == 4 + 1
 
 
 def test_prefix_needs_every_rank(tmp_path: Path) -> None:
@@ -409,9 +412,9 @@ def test_prefix_needs_every_rank(tmp_path: Path) -> None:
     store(engine, [key(0, 0, world=2), key(0, 1, world=2), key(1, 1, world=2)])
     hashes = [key(i).chunk_hash for i in range(4)]
     assert lookup_tiers(engine, 2, hashes, "tp", timeout_s=2) == 2
-    assert len(engine.locks_of("tp")) == 4
-    assert not engine.is_resident(key(2, 0, world=2))  # beyond the prefix: not loaded
-    assert engine.stats()["disk_loaded_chunks"] == 1  # only (chunk 1, rank 0) was read
+    assert len(engine.store.inspect().locks_of("tp")) == 4
+    assert not engine.store.inspect().resident(key(2, 0, world=2))  # beyond the prefix: not loaded
+    assert engine.snapshot().disk.loaded_chunks == 1  # only (chunk 1, rank 0) was read
 
 
 def test_eviction_spills_to_disk_ahead(tmp_path: Path) -> None:
@@ -422,7 +425,7 @@ def test_eviction_spills_to_disk_ahead(tmp_path: Path) -> None:
     engine = engine_with(disk, slots=8)
     tiers = engine.tiers
     assert tiers is not None and tiers.spill_ahead_bytes == 8 * SLOT // 4
-    disk.start()
+    tiers.start()
     try:
         for i in range(7):  # separate stores: key(0) is the least recently used
             store(engine, [key(i)])
@@ -441,10 +444,10 @@ def test_eviction_spills_to_disk_ahead(tmp_path: Path) -> None:
             store(engine, [key(i)])
             wait_until(lambda: not tiers.spill_candidates(8))
             assert sorted(k.chunk_hash[0] for k in disk.lru_keys()) == list(range(i - 4))
-        assert engine.stats()["evictions"] == 4
-        assert engine.stats()["disk_evicted_unsaved"] == 0
+        assert engine.snapshot().engine.evictions == 4
+        assert engine.snapshot().disk.evicted_unsaved == 0
         evicted = [key(i) for i in range(4)]
-        assert all(disk.contains(k) and not engine.is_resident(k) for k in evicted)
+        assert all(disk.contains(k) and not engine.store.inspect().resident(k) for k in evicted)
         assert not any(disk.contains(key(i)) for i in range(7, 12))  # the warmest never went
         hashes = [k.chunk_hash for k in evicted]
         assert lookup_tiers(engine, 1, hashes, "back", timeout_s=2) == 4
@@ -458,17 +461,17 @@ def test_unsaved_evictions_and_dropped_writes_are_counted(tmp_path: Path) -> Non
     engine = engine_with(disk, slots=4)
     store(engine, [key(i) for i in range(4)])
     store(engine, [key(i) for i in range(4, 6)])
-    stats = engine.stats()
-    assert stats["disk_write_dropped"] == 4 and stats["disk_evicted_unsaved"] == 2
-    assert stats["disk_chunks"] == 0
+    stats = engine.snapshot()
+    assert stats.disk.write_dropped == 4 and stats.disk.evicted_unsaved == 2
+    assert stats.disk.chunks == 0
 
 
 def test_no_tier_means_no_tier_work(tmp_path: Path) -> None:
     engine = engine_with(None)
-    assert not engine.has_tiers
+    assert engine.tiers is None
     store(engine, [key(0)])
     assert lookup_tiers(engine, 1, [key(0).chunk_hash, key(1).chunk_hash], "x") == 1
-    assert "disk_chunks" not in engine.stats()
+    assert engine.snapshot().disk is None and engine.snapshot().remote is None
 
 
 def _resave_between(disk: DiskTier, k: ChunkKey, monkeypatch: pytest.MonkeyPatch) -> list[bool]:

@@ -8,10 +8,11 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from lmcache_core.engine import CacheEngine, RetrievePlan
+from lmcache_core.engine import CacheEngine, GroupTarget, RetrievePlan
 from lmcache_core.errors import IncompatibleError, ProtocolError
 from lmcache_core.keys import ChunkKey, HeadRange, layout_key, opaque_layout, rank_heads, world_heads
 from lmcache_core.protocol.messages import StoreReply
+from lmcache_core.server.listing import memory_rows, model_stats
 from lmcache_core.storage.pool import MemoryPool
 
 MODEL = "m"
@@ -42,10 +43,10 @@ def make(num_slots: int = 32, ttl: float = 300.0, clock: FakeClock | None = None
 
 def store(engine: CacheEngine, keys: Sequence[ChunkKey], nbytes: int = SLOT) -> StoreReply:
     """Store keys whose bytes are each key's first hash byte plus its head_lo (opaque: its rank)."""
-    plan = engine.begin_store(keys, nbytes)
+    plan = engine.store.begin_store(keys, nbytes)
     for _, k, view in plan.writes:
         view.fill_(k.chunk_hash[0] + k.head_lo)
-    engine.finish_store(plan)
+    engine.store.finish_store(plan)
     return StoreReply(stored=plan.stored, already_present=plan.already_present,
                       skipped_full=plan.skipped_full, skipped_quota=plan.skipped_quota)
 
@@ -59,22 +60,22 @@ def lookup(engine: CacheEngine, world_size: int, chunk_hashes: Sequence[bytes], 
            lock: bool = True, model: str = MODEL, layout: str | None = None) -> int:
     """A lookup for every rank of ``world_size`` (opaque layout unless ``layout``)."""
     layout = opaque_layout(world_size) if layout is None else layout
-    return engine.lookup(model, layout, world_heads(layout, world_size), chunk_hashes, lookup_id,
-                         lock)
+    return engine.lookup(model, [GroupTarget(layout, world_heads(layout, world_size))], chunk_hashes,
+                         lookup_id, lock)
 
 
 def begin(engine: CacheEngine, rank: int, world_size: int, chunk_hashes: Sequence[bytes],
           lookup_id: str = "", model: str = MODEL, layout: str | None = None) -> RetrievePlan:
     """``begin_retrieve`` of rank ``rank`` of ``world_size`` (opaque layout unless ``layout``)."""
     layout = opaque_layout(world_size) if layout is None else layout
-    return engine.begin_retrieve(model, layout, rank_heads(layout, world_size, rank), chunk_hashes,
+    return engine.store.begin_retrieve(model, layout, rank_heads(layout, world_size, rank), chunk_hashes,
                                  lookup_id)
 
 
 def retrieve(engine: CacheEngine, rank: int, world_size: int, chunk_hashes: Sequence[bytes],
              lookup_id: str = "", model: str = MODEL, layout: str | None = None) -> list[int]:
     plan = begin(engine, rank, world_size, chunk_hashes, lookup_id, model, layout)
-    engine.finish_retrieve(plan)
+    engine.store.finish_retrieve(plan)
     return plan.missing
 
 
@@ -99,7 +100,7 @@ def test_lookup_needs_every_rank() -> None:
     engine = make()
     store_ranks(engine, range(4), ranks=[0])
     assert lookup(engine, 2, hashes(4), "a") == 0
-    assert engine.locks_of("a") == []
+    assert engine.store.inspect().locks_of("a") == []
     store_ranks(engine, range(4), ranks=[1])
     assert lookup(engine, 2, hashes(4), "a") == 4
 
@@ -109,15 +110,15 @@ def test_lookup_counts_stats() -> None:
     store_ranks(engine, range(3))
     lookup(engine, 2, hashes(5), "a")
     lookup(engine, 2, [], "b")
-    stats = engine.stats()
-    assert (stats["lookups"], stats["lookup_hit_chunks"], stats["lookup_miss_chunks"]) == (2, 3, 2)
-    rows, _ = engine.list_chunks(sort="key")
-    assert all(row.hits == 1 for row in rows)
+    stats = engine.snapshot()
+    n = stats.engine
+    assert (n.lookups, n.lookup_hit_chunks, n.lookup_miss_chunks) == (2, 3, 2)
+    assert all(piece.hits == 1 for piece in engine.store.inspect().pieces.values())
 
 
 def test_lookup_refuses_no_head_ranges() -> None:
     with pytest.raises(ProtocolError, match="head range"):
-        make().lookup(MODEL, opaque_layout(2), [], hashes(1), "a")
+        make().lookup(MODEL, [GroupTarget(opaque_layout(2), ())], hashes(1), "a")
     with pytest.raises(ProtocolError, match="head range"):  # world size 0: no rank, no range
         lookup(make(), 0, hashes(1), "a")
 
@@ -126,29 +127,29 @@ def test_lookup_probes_with_plain_tuples_find_chunk_keys() -> None:
     engine = make()
     store(engine, [key(0, 0, world_size=1)])
     assert lookup(engine, 1, [h(0)], "a") == 1
-    assert engine.locks_of("a") == [key(0, 0, world_size=1)]
-    assert isinstance(engine.locks_of("a")[0], ChunkKey)
+    assert engine.store.inspect().locks_of("a") == [key(0, 0, world_size=1)]
+    assert isinstance(engine.store.inspect().locks_of("a")[0], ChunkKey)
 
 
 # ---------------------------------------------------------------- locks
 
 
 def locks_by_key(engine: CacheEngine) -> dict[ChunkKey, int]:
-    rows, _ = engine.list_chunks(limit=1000, sort="key")
-    return {ChunkKey(r.model_name, r.layout, r.head_lo, r.head_hi, r.chunk_hash): r.locks for r in rows}
+    return {key: piece.locks for key, piece in engine.store.inspect().pieces.items()}
 
 
 def test_lookup_locks_hit_keys_of_every_rank() -> None:
     engine = make()
     store_ranks(engine, range(4))
     assert lookup(engine, 2, hashes(2), "a") == 2
-    assert sorted(engine.locks_of("a")) == sorted(key(i, r) for i in range(2) for r in range(2))
+    assert sorted(engine.store.inspect().locks_of("a")) == sorted(
+        key(i, r) for i in range(2) for r in range(2))
     lookup(engine, 2, hashes(1), "b")
     locks = locks_by_key(engine)
     assert locks[key(0, 0)] == 2
     assert locks[key(1, 1)] == 1
     assert locks[key(3, 0)] == 0
-    assert engine.stats()["locks_held"] == 6
+    assert engine.snapshot().engine.locks_held == 6
 
 
 def test_retrieve_releases_that_ranks_lock_only() -> None:
@@ -156,11 +157,11 @@ def test_retrieve_releases_that_ranks_lock_only() -> None:
     store_ranks(engine, range(3))
     lookup(engine, 2, hashes(3), "a")
     assert retrieve(engine, 0, 2, hashes(3), "a") == []
-    assert sorted(engine.locks_of("a")) == sorted(key(i, 1) for i in range(3))
-    assert engine.free_lookup_locks("a") == 3
-    assert engine.locks_of("a") == []
-    assert engine.free_lookup_locks("a") == 0
-    assert engine.stats()["locks_held"] == 0
+    assert sorted(engine.store.inspect().locks_of("a")) == sorted(key(i, 1) for i in range(3))
+    assert engine.store.free_lookup_locks("a") == 3
+    assert engine.store.inspect().locks_of("a") == []
+    assert engine.store.free_lookup_locks("a") == 0
+    assert engine.snapshot().engine.locks_held == 0
 
 
 def test_retrieve_of_both_ranks_drops_the_lookup() -> None:
@@ -169,7 +170,7 @@ def test_retrieve_of_both_ranks_drops_the_lookup() -> None:
     lookup(engine, 2, hashes(2), "a")
     retrieve(engine, 0, 2, hashes(2), "a")
     retrieve(engine, 1, 2, hashes(2), "a")
-    assert engine.end_session("a") == 0
+    assert engine.store.free_lookup_locks("a") == 0
     assert all(n == 0 for n in locks_by_key(engine).values())
 
 
@@ -180,10 +181,10 @@ def test_retrieve_releases_only_its_own_lookup_id() -> None:
     lookup(engine, 2, hashes(2), "b")
     retrieve(engine, 0, 2, [h(0)], "a")
     retrieve(engine, 0, 2, [h(1)])  # no lookup id: releases nothing
-    assert len(engine.locks_of("a")) == 3
-    assert len(engine.locks_of("b")) == 4
-    assert engine.end_session("a") == 3
-    assert engine.end_session("b") == 4
+    assert len(engine.store.inspect().locks_of("a")) == 3
+    assert len(engine.store.inspect().locks_of("b")) == 4
+    assert engine.store.free_lookup_locks("a") == 3
+    assert engine.store.free_lookup_locks("b") == 4
 
 
 def test_relookup_replaces_locks() -> None:
@@ -196,7 +197,7 @@ def test_relookup_replaces_locks() -> None:
     locks = locks_by_key(engine)
     assert locks[key(0, 0)] == 1
     assert locks[key(3, 1)] == 0
-    assert engine.stats()["locks_held"] == 2
+    assert engine.snapshot().engine.locks_held == 2
 
 
 def test_unlocked_lookup_keeps_existing_locks() -> None:
@@ -204,7 +205,7 @@ def test_unlocked_lookup_keeps_existing_locks() -> None:
     store_ranks(engine, range(2))
     lookup(engine, 2, hashes(2), "a")
     lookup(engine, 2, hashes(2), "a", lock=False)
-    assert len(engine.locks_of("a")) == 4
+    assert len(engine.store.inspect().locks_of("a")) == 4
 
 
 def test_repeated_hash_locks_once() -> None:
@@ -212,7 +213,7 @@ def test_repeated_hash_locks_once() -> None:
     store(engine, [key(0, 0, world_size=1)])
     assert lookup(engine, 1, [h(0), h(0)], "a") == 2
     assert locks_by_key(engine)[key(0, 0, world_size=1)] == 1
-    assert engine.free_lookup_locks("a") == 1
+    assert engine.store.free_lookup_locks("a") == 1
     assert locks_by_key(engine)[key(0, 0, world_size=1)] == 0
 
 
@@ -222,12 +223,12 @@ def test_locks_expire_after_ttl() -> None:
     store_ranks(engine, range(2))
     lookup(engine, 2, hashes(2), "a")
     clock.now += 5
-    assert engine.expire_locks() == 0
+    assert engine.store.expire_locks() == 0
     clock.now += 5
-    assert engine.expire_locks() == 4
-    assert engine.locks_of("a") == []
-    stats = engine.stats()
-    assert (stats["locks_expired"], stats["locks_held"]) == (4, 0)
+    assert engine.store.expire_locks() == 4
+    assert engine.store.inspect().locks_of("a") == []
+    stats = engine.snapshot()
+    assert (stats.engine.locks_expired, stats.engine.locks_held) == (4, 0)
 
 
 def test_relookup_restarts_the_ttl() -> None:
@@ -238,10 +239,10 @@ def test_relookup_restarts_the_ttl() -> None:
     clock.now += 8
     lookup(engine, 2, hashes(2), "a")
     clock.now += 8  # the first lock's deadline has passed, the second's has not
-    assert engine.expire_locks() == 0
-    assert len(engine.locks_of("a")) == 4
+    assert engine.store.expire_locks() == 0
+    assert len(engine.store.inspect().locks_of("a")) == 4
     clock.now += 2
-    assert engine.expire_locks() == 4
+    assert engine.store.expire_locks() == 4
 
 
 def test_lookup_and_store_expire_due_locks_on_the_way() -> None:
@@ -252,11 +253,11 @@ def test_lookup_and_store_expire_due_locks_on_the_way() -> None:
     clock.now += 11
     # The pool is full of locked chunks whose locks are due: the store expires them and evicts.
     assert store(engine, [key(7, 0, world_size=1)]).stored == 1
-    assert engine.stats()["locks_expired"] == 2
+    assert engine.snapshot().engine.locks_expired == 2
     lookup(engine, 1, hashes(1), "b")
     clock.now += 11
     lookup(engine, 1, [h(7)], "c")
-    assert engine.locks_of("b") == []
+    assert engine.store.inspect().locks_of("b") == []
 
 
 def test_released_lock_sets_do_not_pile_up_in_the_expiry_heap() -> None:
@@ -264,8 +265,8 @@ def test_released_lock_sets_do_not_pile_up_in_the_expiry_heap() -> None:
     store_ranks(engine, range(2))
     for i in range(1000):
         lookup(engine, 2, hashes(2), f"id{i}")
-        engine.free_lookup_locks(f"id{i}")
-    assert len(engine.store.locks._expiry) <= 64 + 2
+        engine.store.free_lookup_locks(f"id{i}")
+    assert engine.store.inspect().lock_deadlines <= 64 + 2
 
 
 # ---------------------------------------------------------------- eviction
@@ -277,9 +278,9 @@ def test_lru_eviction_takes_least_recently_used() -> None:
         store(engine, [key(i, 0, world_size=1)])
     lookup(engine, 1, [h(0)], "a", lock=False)  # 0 becomes most recent; 1 is now the LRU
     store(engine, [key(3, 0, world_size=1)])
-    assert not engine.is_resident(key(1, 0, world_size=1))
-    assert engine.is_resident(key(0, 0, world_size=1))
-    assert engine.stats()["evictions"] == 1
+    assert not engine.store.inspect().resident(key(1, 0, world_size=1))
+    assert engine.store.inspect().resident(key(0, 0, world_size=1))
+    assert engine.snapshot().engine.evictions == 1
 
 
 def test_eviction_eats_a_prefix_from_its_tail() -> None:
@@ -296,10 +297,10 @@ def test_eviction_never_takes_a_locked_chunk() -> None:
     lookup(engine, 1, [h(0)], "a")
     for i in range(10, 20):
         store(engine, [key(i, 0, world_size=1)])
-    assert engine.is_resident(key(0, 0, world_size=1))
-    engine.free_lookup_locks("a")
+    assert engine.store.inspect().resident(key(0, 0, world_size=1))
+    engine.store.free_lookup_locks("a")
     store(engine, [key(30, 0, world_size=1), key(31, 0, world_size=1)])
-    assert not engine.is_resident(key(0, 0, world_size=1))
+    assert not engine.store.inspect().resident(key(0, 0, world_size=1))
 
 
 def test_eviction_never_takes_a_chunk_being_read() -> None:
@@ -309,11 +310,11 @@ def test_eviction_never_takes_a_chunk_being_read() -> None:
     before = plan.found[0][1][0][0].clone()
     for i in range(10, 15):
         store(engine, [key(i, 0, world_size=1)])
-    assert engine.is_resident(key(0, 0, world_size=1))
+    assert engine.store.inspect().resident(key(0, 0, world_size=1))
     assert torch.equal(plan.found[0][1][0][0], before)
-    engine.finish_retrieve(plan)
+    engine.store.finish_retrieve(plan)
     store(engine, [key(20, 0, world_size=1), key(21, 0, world_size=1)])
-    assert not engine.is_resident(key(0, 0, world_size=1))
+    assert not engine.store.inspect().resident(key(0, 0, world_size=1))
 
 
 def test_full_pool_of_locked_chunks_skips_without_raising() -> None:
@@ -322,10 +323,10 @@ def test_full_pool_of_locked_chunks_skips_without_raising() -> None:
     lookup(engine, 2, hashes(1), "a")
     reply = store(engine, [key(5, 0), key(6, 0), key(0, 0)])
     assert (reply.stored, reply.already_present, reply.skipped_full) == (0, 1, 2)
-    stats = engine.stats()
-    assert (stats["store_skipped_full"], stats["evictions"]) == (2, 0)
+    stats = engine.snapshot()
+    assert (stats.engine.store_skipped_full, stats.engine.evictions) == (2, 0)
     assert engine.pool.num_allocated == 2
-    assert stats["stores"] == 3
+    assert stats.engine.stores == 3
 
 
 def test_partial_room_stores_the_head_first() -> None:
@@ -339,10 +340,10 @@ def test_partial_room_stores_the_head_first() -> None:
 
 def test_slots_being_written_are_not_evicted() -> None:
     engine = make(num_slots=2)
-    pending = engine.begin_store([key(0, 0), key(1, 0)], SLOT)
+    pending = engine.store.begin_store([key(0, 0), key(1, 0)], SLOT)
     assert store(engine, [key(2, 0)]).skipped_full == 1
-    engine.finish_store(pending)
-    assert engine.is_resident(key(0, 0))
+    engine.store.finish_store(pending)
+    assert engine.store.inspect().resident(key(0, 0))
 
 
 # ---------------------------------------------------------------- store and retrieve
@@ -352,11 +353,11 @@ def test_bytes_round_trip_through_slot_views() -> None:
     engine = make()
     keys = [key(i, 0) for i in range(3)]
     data = [torch.randint(0, 256, (20,), dtype=torch.uint8) for _ in keys]
-    plan = engine.begin_store(keys, 20)
+    plan = engine.store.begin_store(keys, 20)
     for index, _, view in plan.writes:
         assert view.shape == (20,)
         view.copy_(data[index])
-    engine.finish_store(plan)
+    engine.store.finish_store(plan)
     out = begin(engine, 0, 2, [h(9), *hashes(3)])
     assert out.missing == [0]
     assert [index for index, _ in out.found] == [1, 2, 3]
@@ -365,10 +366,10 @@ def test_bytes_round_trip_through_slot_views() -> None:
         [(view, lo, hi)] = sources
         assert (lo, hi) == (keys[index - 1].head_lo, keys[index - 1].head_hi)
         assert torch.equal(view, data[index - 1])
-    engine.finish_retrieve(out)
-    stats = engine.stats()
-    assert (stats["retrieves"], stats["retrieved_chunks"], stats["retrieve_missing"]) == (1, 3, 1)
-    assert (stats["chunks"], stats["bytes_used"], stats["stored_chunks"]) == (3, 60, 3)
+    engine.store.finish_retrieve(out)
+    stats = engine.snapshot()
+    assert (stats.engine.retrieves, stats.engine.retrieved_chunks, stats.engine.retrieve_missing) == (1, 3, 1)
+    assert (stats.engine.chunks, stats.engine.bytes_used, stats.engine.stored_chunks) == (3, 60, 3)
 
 
 def test_store_twice_is_harmless() -> None:
@@ -376,8 +377,8 @@ def test_store_twice_is_harmless() -> None:
     assert store(engine, [key(0, 0), key(1, 0)]).stored == 2
     reply = store(engine, [key(0, 0), key(1, 0), key(2, 0)])
     assert (reply.stored, reply.already_present) == (1, 2)
-    stats = engine.stats()
-    assert (stats["chunks"], engine.pool.num_allocated, stats["stored_chunks"]) == (3, 3, 3)
+    stats = engine.snapshot()
+    assert (stats.engine.chunks, engine.pool.num_allocated, stats.engine.stored_chunks) == (3, 3, 3)
 
 
 def test_repeated_key_in_one_store_takes_one_slot() -> None:
@@ -389,24 +390,24 @@ def test_repeated_key_in_one_store_takes_one_slot() -> None:
 
 def test_chunk_is_invisible_until_finish_store() -> None:
     engine = make()
-    plan = engine.begin_store([key(0, 0, world_size=1)], SLOT)
+    plan = engine.store.begin_store([key(0, 0, world_size=1)], SLOT)
     assert lookup(engine, 1, [h(0)], "a") == 0
     assert begin(engine, 0, 1, [h(0)]).missing == [0]
-    assert engine.begin_store([key(0, 0, world_size=1)], SLOT).already_present == 1
-    assert engine.stats()["chunks"] == 0
-    engine.finish_store(plan)
+    assert engine.store.begin_store([key(0, 0, world_size=1)], SLOT).already_present == 1
+    assert engine.snapshot().engine.chunks == 0
+    engine.store.finish_store(plan)
     assert lookup(engine, 1, [h(0)], "a") == 1
 
 
 def test_failed_store_frees_its_slots() -> None:
     engine = make(num_slots=4)
-    plan = engine.begin_store([key(i, 0) for i in range(4)], SLOT)
+    plan = engine.store.begin_store([key(i, 0) for i in range(4)], SLOT)
     assert (engine.pool.num_allocated, engine.pool.free_slabs) == (4, 0)
-    engine.finish_store(plan, ok=False)
-    engine.finish_store(plan)  # a second finish does nothing
+    engine.store.finish_store(plan, ok=False)
+    engine.store.finish_store(plan)  # a second finish does nothing
     assert (engine.pool.num_allocated, engine.pool.free_slabs) == (0, 4)
     assert lookup(engine, 2, [h(0)], "a") == 0
-    assert not engine.is_resident(key(0, 0))
+    assert not engine.store.inspect().resident(key(0, 0))
     assert store(engine, [key(0, 0)]).stored == 1  # the key can be stored again
 
 
@@ -415,23 +416,23 @@ def test_finish_retrieve_twice_does_nothing() -> None:
     store_ranks(engine, [0])
     lookup(engine, 2, hashes(1), "a")
     plan = begin(engine, 0, 2, hashes(1), "a")
-    engine.finish_retrieve(plan)
-    engine.finish_retrieve(plan)
-    assert engine.locks_of("a") == [key(0, 1)]
-    assert engine.clear() == (1, 1)
+    engine.store.finish_retrieve(plan)
+    engine.store.finish_retrieve(plan)
+    assert engine.store.inspect().locks_of("a") == [key(0, 1)]
+    assert engine.store.clear() == (1, 1)
 
 
 def test_store_refuses_chunks_larger_than_the_pool() -> None:
     engine = make()
     whole = engine.pool.nbytes  # 32 units of SLOT rounded up to the pool's 64-byte classes
     with pytest.raises(IncompatibleError, match=rf"{whole + 1}.*{whole}.*server.pool_size"):
-        engine.begin_store([key(0, 0)], whole + 1)
+        engine.store.begin_store([key(0, 0)], whole + 1)
     with pytest.raises(IncompatibleError):
-        engine.begin_store([key(0, 0)], 0)
+        engine.store.begin_store([key(0, 0)], 0)
     assert engine.pool.num_allocated == 0
     assert store(engine, [key(1, 0)], nbytes=3 * SLOT).stored == 1  # 96 bytes: an extent of 2 units
     assert store(engine, [key(0, 0)], nbytes=whole).stored == 1  # the whole pool: evicts it
-    assert engine.stats()["evictions"] == 1 and engine.pool.free_slabs == 0
+    assert engine.snapshot().engine.evictions == 1 and engine.pool.free_slabs == 0
 
 
 # ---------------------------------------------------------------- admin
@@ -442,25 +443,25 @@ def test_clear_keeps_locked_and_read_chunks_unless_forced() -> None:
     store_ranks(engine, range(3))
     lookup(engine, 2, hashes(1), "a")  # locks chunk 0 of both ranks
     reading = begin(engine, 0, 2, [h(2)])
-    assert engine.clear() == (3, 3)
-    assert engine.clear(force=True) == (2, 1)
-    assert engine.locks_of("a") == []
-    assert engine.stats()["locks_held"] == 0
-    assert engine.is_resident(key(2, 0))
-    engine.finish_retrieve(reading)
-    assert engine.clear() == (1, 0)
-    stats = engine.stats()
-    assert (stats["chunks"], stats["pool_bytes_allocated"], stats["bytes_used"]) == (0, 0, 0)
-    assert stats["pool_slabs_free"] == stats["pool_slabs"]
+    assert engine.store.clear() == (3, 3)
+    assert engine.store.clear(force=True) == (2, 1)
+    assert engine.store.inspect().locks_of("a") == []
+    assert engine.snapshot().engine.locks_held == 0
+    assert engine.store.inspect().resident(key(2, 0))
+    engine.store.finish_retrieve(reading)
+    assert engine.store.clear() == (1, 0)
+    stats = engine.snapshot()
+    assert (stats.engine.chunks, stats.engine.pool_bytes_allocated, stats.engine.bytes_used) == (0, 0, 0)
+    assert stats.engine.pool_slabs_free == stats.engine.pool_slabs
 
 
 def test_forced_clear_forgets_locks_so_a_restored_key_is_unlocked() -> None:
     engine = make()
     store_ranks(engine, [0])
     lookup(engine, 2, hashes(1), "a")
-    engine.clear(force=True)
+    engine.store.clear(force=True)
     store_ranks(engine, [0])
-    assert engine.free_lookup_locks("a") == 0
+    assert engine.store.free_lookup_locks("a") == 0
     assert set(locks_by_key(engine).values()) == {0}
 
 
@@ -477,38 +478,38 @@ def test_list_chunks_sorts_filters_and_limits() -> None:
         lookup(engine, 1, [h(0)], "x", lock=False)
     lookup(engine, 1, hashes(2), "y")
 
-    rows, total = engine.list_chunks(sort="age")
+    rows, total = memory_rows(engine.store, sort="age")
     assert total == 3
     assert [r.chunk_hash[0] for r in rows] == [2, 1, 0]
     assert [r.age_s for r in rows] == [1.0, 2.0, 3.0]
-    rows, _ = engine.list_chunks(sort="hits")
+    rows, _ = memory_rows(engine.store, sort="hits")
     assert [(r.chunk_hash[0], r.hits) for r in rows] == [(0, 4), (1, 1), (2, 0)]
-    rows, _ = engine.list_chunks(sort="size")
+    rows, _ = memory_rows(engine.store, sort="size")
     assert [r.nbytes for r in rows] == [16, 8, 4]
-    rows, total = engine.list_chunks(model_name=MODEL, sort="key", limit=1)
+    rows, total = memory_rows(engine.store, model_name=MODEL, sort="key", limit=1)
     assert total == 2
     assert len(rows) == 1
     row = rows[0]
     assert (row.chunk_hash, row.model_name, row.layout) == (h(0), MODEL, opaque_layout(1))
     assert (row.head_lo, row.head_hi) == (0, 1)
     assert (row.locks, row.nbytes) == (1, 8)
-    assert engine.list_chunks(limit=0) == ([], 3)
+    assert memory_rows(engine.store, limit=0) == ([], 3)
     with pytest.raises(ProtocolError, match="sort"):
-        engine.list_chunks(sort="bogus")
+        memory_rows(engine.store, sort="bogus")
 
 
 def test_key_sort_keeps_ranks_of_a_chunk_together() -> None:
     engine = make()
     store(engine, [key(1, 1), key(0, 1)])
     store(engine, [key(1, 0), key(0, 0)])
-    rows, _ = engine.list_chunks(sort="key")
+    rows, _ = memory_rows(engine.store, sort="key")
     assert [(r.chunk_hash[0], r.head_lo) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
 def test_snapshot_fills_the_engine_section() -> None:
     engine = make(num_slots=8)
     store_ranks(engine, range(2))
-    stats = engine.snapshot()
+    stats = engine.snapshot().engine
     assert (stats.chunks, stats.pool_slabs, stats.pool_slabs_free, stats.bytes_used) == (4, 8, 4, 128)
     assert stats.pool_bytes_allocated == 4 * engine.pool.slab_bytes
 
@@ -529,13 +530,13 @@ def test_lookup_is_fast() -> None:
     chain = [bytes([i, 7]) * 16 for i in range(64)]
     for rank in range(2):
         keys = [ChunkKey(MODEL, opaque_layout(2), rank, rank + 1, c) for c in chain]
-        engine.finish_store(engine.begin_store(keys, 8))
+        engine.store.finish_store(engine.store.begin_store(keys, 8))
     ranges = world_heads(opaque_layout(2), 2)
     best = float("inf")
     for _ in range(5):
         start = time.perf_counter()
         for _ in range(200):
-            assert engine.lookup(MODEL, opaque_layout(2), ranges, chain, "bench") == 64
+            assert engine.lookup(MODEL, [GroupTarget(opaque_layout(2), tuple(ranges))], chain, "bench") == 64
         best = min(best, (time.perf_counter() - start) / 200)
     print(f"lookup 64 chunks x 2 ranks: {best * 1e6:.1f} us")
     assert best < 3e-3  # 10x what it takes on this machine: catches a per-key Python slide
@@ -587,8 +588,8 @@ def test_tp2_pieces_count_for_tp1_and_tp4_lookups() -> None:
         for index, sources in plan.found:  # each piece's own bytes: chunk + its head_lo
             for view, lo, _ in sources:
                 assert bool((view == index + lo).all())
-        engine.finish_retrieve(plan)
-    assert engine.stats()["retrieved_chunks"] == 9
+        engine.store.finish_retrieve(plan)
+    assert engine.snapshot().engine.retrieved_chunks == 9
 
 
 def test_one_tp1_piece_counts_for_tp2_and_tp4() -> None:
@@ -601,10 +602,10 @@ def test_one_tp1_piece_counts_for_tp2_and_tp4() -> None:
             plan = begin(engine, rank, world_size, hashes(2), layout=F16)
             assert heads_of(plan) == [[(0, 8)]] * 2
             assert not plan.is_exact(0) and plan.heads == rank_heads(F16, world_size, rank)
-            engine.finish_retrieve(plan)
+            engine.store.finish_retrieve(plan)
     plan = begin(engine, 0, 1, hashes(2), layout=F16)
     assert plan.is_exact(0) and plan.is_exact(1)
-    engine.finish_retrieve(plan)
+    engine.store.finish_retrieve(plan)
 
 
 def test_pieces_of_different_tp_sizes_cover_together() -> None:
@@ -614,10 +615,10 @@ def test_pieces_of_different_tp_sizes_cover_together() -> None:
     assert lookup(engine, 2, [h(0)], "a", lock=False, layout=F16) == 1
     plan = begin(engine, 0, 1, [h(0)], layout=F16)
     assert heads_of(plan) == [[(0, 2), (2, 4), (4, 8)]]
-    engine.finish_retrieve(plan)
+    engine.store.finish_retrieve(plan)
     plan = begin(engine, 0, 2, [h(0)], layout=F16)
     assert heads_of(plan) == [[(0, 2), (2, 4)]] and not plan.is_exact(0)
-    engine.finish_retrieve(plan)
+    engine.store.finish_retrieve(plan)
 
 
 def test_a_chunk_missing_one_ranks_heads_is_not_counted() -> None:
@@ -627,8 +628,8 @@ def test_a_chunk_missing_one_ranks_heads_is_not_counted() -> None:
     for world_size in (1, 2, 4):
         assert lookup(engine, world_size, hashes(4), "a", layout=F16) == 2  # the prefix stops
     assert lookup(engine, 1, [h(2)], "a", layout=F16) == 0
-    assert engine.lookup(MODEL, F16, [(0, 4)], hashes(4), "a") == 4  # rank 0 alone has it all
-    assert engine.lookup(MODEL, F16, [(2, 4)], hashes(4), "a") == 4
+    assert engine.lookup(MODEL, [GroupTarget(F16, ((0, 4),))], hashes(4), "a") == 4  # rank 0 alone has it all
+    assert engine.lookup(MODEL, [GroupTarget(F16, ((2, 4),))], hashes(4), "a") == 4
     low = begin(engine, 0, 2, hashes(4), layout=F16)
     assert (low.missing, heads_of(low)) == ([], [[(0, 4)]] * 4)
     high = begin(engine, 1, 2, hashes(4), layout=F16)
@@ -637,7 +638,7 @@ def test_a_chunk_missing_one_ranks_heads_is_not_counted() -> None:
     whole = begin(engine, 0, 1, hashes(4), layout=F16)
     assert whole.missing == [2] and heads_of(whole) == [[(0, 4), (4, 8)]] * 3
     for plan in (low, high, whole):
-        engine.finish_retrieve(plan)
+        engine.store.finish_retrieve(plan)
 
 
 def test_tp1_piece_locked_by_a_tp2_lookup_stays_locked_until_both_ranks_read() -> None:
@@ -645,58 +646,58 @@ def test_tp1_piece_locked_by_a_tp2_lookup_stays_locked_until_both_ranks_read() -
     whole = [piece(i, 0, 8) for i in range(2)]
     store(engine, whole)
     assert lookup(engine, 2, hashes(2), "a", layout=F16) == 2
-    assert sorted(engine.locks_of("a")) == sorted(whole)  # each piece once
+    assert sorted(engine.store.inspect().locks_of("a")) == sorted(whole)  # each piece once
     assert [locks_by_key(engine)[k] for k in whole] == [2, 2]  # once per rank's range
-    assert engine.stats()["locks_held"] == 4
+    assert engine.snapshot().engine.locks_held == 4
     assert retrieve(engine, 0, 2, hashes(2), "a", layout=F16) == []
     assert [locks_by_key(engine)[k] for k in whole] == [1, 1]
-    assert sorted(engine.locks_of("a")) == sorted(whole)
+    assert sorted(engine.store.inspect().locks_of("a")) == sorted(whole)
     # Still locked: a full pool evicts nothing of it.
     reply = store(engine, [piece(i, 0, 8) for i in range(10, 13)])
     assert (reply.stored, reply.skipped_full) == (1, 2)
-    assert all(engine.is_resident(k) for k in whole)
+    assert all(engine.store.inspect().resident(k) for k in whole)
     assert retrieve(engine, 0, 2, hashes(2), "a", layout=F16) == []  # rank 0 again: no change
     assert [locks_by_key(engine)[k] for k in whole] == [1, 1]
     assert retrieve(engine, 1, 2, hashes(2), "a", layout=F16) == []
-    assert engine.locks_of("a") == [] and engine.stats()["locks_held"] == 0
-    assert engine.free_lookup_locks("a") == 0
+    assert engine.store.inspect().locks_of("a") == [] and engine.snapshot().engine.locks_held == 0
+    assert engine.store.free_lookup_locks("a") == 0
     assert store(engine, [piece(i, 0, 8) for i in range(20, 23)]).stored == 3
-    assert not any(engine.is_resident(k) for k in whole)
+    assert not any(engine.store.inspect().resident(k) for k in whole)
 
 
 def test_tp2_pieces_locked_by_a_tp1_lookup_are_released_by_its_one_retrieve() -> None:
     engine = make()
     store(engine, tp_pieces(range(2), 2))
     assert lookup(engine, 1, hashes(2), "a", layout=F16) == 2
-    assert len(engine.locks_of("a")) == 4
+    assert len(engine.store.inspect().locks_of("a")) == 4
     assert retrieve(engine, 0, 1, hashes(2), "a", layout=F16) == []
-    assert engine.locks_of("a") == [] and engine.stats()["locks_held"] == 0
+    assert engine.store.inspect().locks_of("a") == [] and engine.snapshot().engine.locks_held == 0
 
 
 def test_another_layout_of_the_same_model_never_hits() -> None:
     """float16 and bfloat16 pieces of one model, one chunk hash, one head range: different bytes,
     so a bfloat16 engine must never be handed float16 pieces (silently wrong tokens)."""
     engine = make()
-    plan = engine.begin_store(tp_pieces(range(2), 2, F16), SLOT)
+    plan = engine.store.begin_store(tp_pieces(range(2), 2, F16), SLOT)
     for _, _, view in plan.writes:
         view.fill_(16)
-    engine.finish_store(plan)
+    engine.store.finish_store(plan)
     for world_size in (1, 2, 4):
         assert lookup(engine, world_size, hashes(2), "a", layout=BF16) == 0
-    assert engine.locks_of("a") == []
+    assert engine.store.inspect().locks_of("a") == []
     bf = begin(engine, 0, 2, hashes(2), layout=BF16)
     assert bf.missing == [0, 1] and bf.found == []
-    engine.finish_retrieve(bf)
-    plan = engine.begin_store(tp_pieces(range(2), 2, BF16), SLOT)
+    engine.store.finish_retrieve(bf)
+    plan = engine.store.begin_store(tp_pieces(range(2), 2, BF16), SLOT)
     assert (plan.stored, plan.already_present) == (4, 0)  # not "covered" by the float16 pieces
     for _, _, view in plan.writes:
         view.fill_(99)
-    engine.finish_store(plan)
-    assert sorted(engine.layouts(MODEL)) == [BF16, F16]
+    engine.store.finish_store(plan)
+    assert sorted(engine.store.layouts(MODEL)) == [BF16, F16]
     for layout, value in ((F16, 16), (BF16, 99)):
         got = begin(engine, 1, 2, hashes(2), layout=layout)
         assert all(bool((view == value).all()) for _, sources in got.found for view, _, _ in sources)
-        engine.finish_retrieve(got)
+        engine.store.finish_retrieve(got)
     assert lookup(engine, 2, hashes(2), "b", layout=opaque_layout(2)) == 0
 
 
@@ -705,12 +706,12 @@ def test_mla_one_piece_counts_for_any_world_size() -> None:
     store(engine, [piece(i, 0, 1, MLA) for i in range(3)])
     for world_size in (1, 2, 4, 8):
         assert lookup(engine, world_size, hashes(4), "a", layout=MLA) == 3
-    assert len(engine.locks_of("a")) == 3 and engine.stats()["locks_held"] == 3
+    assert len(engine.store.inspect().locks_of("a")) == 3 and engine.snapshot().engine.locks_held == 3
     plan = begin(engine, 3, 8, hashes(3), "a", layout=MLA)
     assert plan.heads == (0, 1) and heads_of(plan) == [[(0, 1)]] * 3
     assert all(plan.is_exact(p) for p in range(3))
-    engine.finish_retrieve(plan)
-    assert engine.locks_of("a") == []
+    engine.store.finish_retrieve(plan)
+    assert engine.store.inspect().locks_of("a") == []
     assert store(engine, [piece(0, 0, 1, MLA)]).already_present == 1
 
 
@@ -725,7 +726,7 @@ def test_storing_a_range_already_covered_is_already_present() -> None:
     store(engine, [piece(2, 0, 4)])
     reply = store(engine, [piece(2, 0, 8)])  # [4, 8) is not held: the whole piece is stored
     assert (reply.stored, reply.already_present) == (1, 0)
-    assert engine.stats()["chunks"] == 5
+    assert engine.snapshot().engine.chunks == 5
 
 
 def test_per_model_quota_evicts_the_models_own_oldest_pieces() -> None:
@@ -736,21 +737,21 @@ def test_per_model_quota_evicts_the_models_own_oldest_pieces() -> None:
     a_keys = [key(i, 0, world_size=1, model="a") for i in range(4)]
     for k in a_keys[:3]:
         store(engine, [k])
-    assert engine.stats()["evictions"] == 0
+    assert engine.snapshot().engine.evictions == 0
     assert store(engine, [a_keys[3]]).stored == 1
-    assert [engine.is_resident(k) for k in a_keys] == [False, True, True, True]
-    assert all(engine.is_resident(k) for k in b_keys)
-    stats = engine.stats()
-    assert (stats["evictions"], stats["store_skipped_quota"], stats["chunks"]) == (1, 0, 5)
-    by_model = {row.model_name: row for row in engine.model_stats()}
+    assert [engine.store.inspect().resident(k) for k in a_keys] == [False, True, True, True]
+    assert all(engine.store.inspect().resident(k) for k in b_keys)
+    stats = engine.snapshot()
+    assert (stats.engine.evictions, stats.engine.store_skipped_quota, stats.engine.chunks) == (1, 0, 5)
+    by_model = {row.model_name: row for row in model_stats(engine)}
     assert (by_model["a"].bytes_used, by_model["a"].quota_bytes) == (3 * SLOT, 3 * SLOT)
     assert (by_model["b"].bytes_used, by_model["b"].quota_bytes) == (2 * SLOT, None)
     # All of a's pieces locked: its next store is refused, b's pieces are still not taken.
     assert lookup(engine, 1, [h(1), h(2), h(3)], "lock", model="a") == 3
     reply = store(engine, [key(9, 0, world_size=1, model="a")])
     assert (reply.stored, reply.skipped_quota, reply.skipped_full) == (0, 1, 0)
-    assert engine.stats()["store_skipped_quota"] == 1
-    assert all(engine.is_resident(k) for k in b_keys)
+    assert engine.snapshot().engine.store_skipped_quota == 1
+    assert all(engine.store.inspect().resident(k) for k in b_keys)
     assert store(engine, [key(9, 0, world_size=1, model="b")]).stored == 1  # b has no quota
 
 
@@ -769,31 +770,31 @@ def slab_engine() -> tuple[CacheEngine, list[ChunkKey], dict[ChunkKey, torch.Ten
     for k in a_keys:
         data[k] = put(engine, k, X, gen)
     assert engine.pool.free_slabs == 0 and engine.pool.class_stats() == {X: (4, 16)}
-    assert [engine.pool.slab_of(engine.store.index.get(k).handle) for k in a_keys] == \
-        [i // 4 for i in range(16)]
+    pieces = engine.store.inspect().pieces
+    assert [engine.pool.slab_of(pieces[k].handle) for k in a_keys] == [i // 4 for i in range(16)]
     return engine, a_keys, data
 
 
 def put(engine: CacheEngine, k: ChunkKey, nbytes: int, gen: torch.Generator) -> torch.Tensor:
     payload = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
-    plan = engine.begin_store([k], nbytes)
+    plan = engine.store.begin_store([k], nbytes)
     assert plan.stored == 1, plan
     plan.writes[0][2].copy_(payload)
-    engine.finish_store(plan)
+    engine.store.finish_store(plan)
     return payload
 
 
 def check_bytes(engine: CacheEngine, data: dict[ChunkKey, torch.Tensor]) -> None:
     """Every resident piece of ``data`` reads back byte-exact."""
     for k, payload in data.items():
-        if not engine.is_resident(k):
+        if not engine.store.inspect().resident(k):
             continue
-        plan = engine.begin_retrieve(k.model_name, k.layout, (k.head_lo, k.head_hi),
+        plan = engine.store.begin_retrieve(k.model_name, k.layout, (k.head_lo, k.head_hi),
                                      [k.chunk_hash])
         [(_, [(view, lo, hi)])] = plan.found
         assert (lo, hi) == (k.head_lo, k.head_hi)
         assert torch.equal(view, payload), k.short()
-        engine.finish_retrieve(plan)
+        engine.store.finish_retrieve(plan)
 
 
 def test_eviction_across_size_classes_takes_whole_lru_slabs() -> None:
@@ -802,53 +803,53 @@ def test_eviction_across_size_classes_takes_whole_lru_slabs() -> None:
     b_keys = [piece(i, 0, 8, layout=BF16, model="B") for i in range(5)]
     data[b_keys[0]] = put(engine, b_keys[0], Y, gen)
     # A's least recently used slab (pieces 0-3) went whole; nothing else did.
-    assert [engine.is_resident(k) for k in a_keys] == [False] * 4 + [True] * 12
-    assert engine.stats()["evictions"] == 4
+    assert [engine.store.inspect().resident(k) for k in a_keys] == [False] * 4 + [True] * 12
+    assert engine.snapshot().engine.evictions == 4
     assert engine.pool.class_stats() == {X: (3, 12), Y: (1, 1)}
     data[b_keys[1]] = put(engine, b_keys[1], Y, gen)  # the second slot of B's slab: no eviction
-    assert engine.stats()["evictions"] == 4
+    assert engine.snapshot().engine.evictions == 4
     check_bytes(engine, data)
     # A lookup makes A's pieces 4-7 the most recently used: the next slab to go is 8-11's.
     assert lookup(engine, 1, [h(4), h(5), h(6), h(7)], "x", lock=False, model="A",
                   layout=F16) == 4
     data[b_keys[2]] = put(engine, b_keys[2], Y, gen)
-    assert [engine.is_resident(k) for k in a_keys[4:]] == [True] * 4 + [False] * 4 + [True] * 4
+    assert [engine.store.inspect().resident(k) for k in a_keys[4:]] == [True] * 4 + [False] * 4 + [True] * 4
     assert engine.pool.class_stats() == {X: (2, 8), Y: (2, 3)}
     check_bytes(engine, data)
-    stats = engine.stats()
-    assert (stats["chunks"], stats["bytes_used"]) == (11, 8 * X + 3 * Y)
-    assert stats["pool_bytes_allocated"] == 8 * X + 3 * Y and stats["pool_slabs_free"] == 0
+    stats = engine.snapshot()
+    assert (stats.engine.chunks, stats.engine.bytes_used) == (11, 8 * X + 3 * Y)
+    assert stats.engine.pool_bytes_allocated == 8 * X + 3 * Y and stats.engine.pool_slabs_free == 0
 
 
 def test_a_slab_holding_a_locked_piece_is_never_taken() -> None:
     engine, a_keys, data = slab_engine()
     gen = torch.Generator().manual_seed(9)
     # Lock piece 1 (slab 0, the least recently used slab after the lookup's touch of it).
-    assert engine.lookup("A", F16, [(0, 8)], [h(1)], "held") == 1
+    assert engine.lookup("A", [GroupTarget(F16, ((0, 8),))], [h(1)], "held") == 1
     b0 = piece(0, 0, 8, layout=BF16, model="B")
     data[b0] = put(engine, b0, Y, gen)
-    assert [engine.is_resident(k) for k in a_keys[:8]] == [True] * 4 + [False] * 4  # slab 1 went
+    assert [engine.store.inspect().resident(k) for k in a_keys[:8]] == [True] * 4 + [False] * 4  # slab 1 went
     check_bytes(engine, data)
     # A locked piece in every slab: B finds no room, and nothing is evicted.
-    assert engine.lookup("A", F16, [(0, 8)], [h(8)], "held2") == 1
-    assert engine.lookup("A", F16, [(0, 8)], [h(12)], "held3") == 1
+    assert engine.lookup("A", [GroupTarget(F16, ((0, 8),))], [h(8)], "held2") == 1
+    assert engine.lookup("A", [GroupTarget(F16, ((0, 8),))], [h(12)], "held3") == 1
     b_more = [piece(i, 0, 8, layout=BF16, model="B") for i in range(1, 4)]
     data[b_more[0]] = put(engine, b_more[0], Y, gen)  # B's own slab still has a free slot
-    assert engine.lookup("B", BF16, [(0, 8)], [h(0), h(1)], "heldB") == 2  # B's slab is full
-    evictions = engine.stats()["evictions"]
-    plan = engine.begin_store(b_more[1:], Y)
+    assert engine.lookup("B", [GroupTarget(BF16, ((0, 8),))], [h(0), h(1)], "heldB") == 2  # B's slab is full
+    evictions = engine.snapshot().engine.evictions
+    plan = engine.store.begin_store(b_more[1:], Y)
     assert (plan.stored, plan.skipped_full) == (0, 2)
-    engine.finish_store(plan)
-    assert engine.stats()["evictions"] == evictions
-    assert sum(engine.is_resident(k) for k in a_keys) == 12
+    engine.store.finish_store(plan)
+    assert engine.snapshot().engine.evictions == evictions
+    assert sum(engine.store.inspect().resident(k) for k in a_keys) == 12
     check_bytes(engine, data)
     # Unlocked, slab 0 can go: its four pieces make room for two of B's.
-    engine.free_lookup_locks("held")
-    plan = engine.begin_store(b_more[1:], Y)
+    engine.store.free_lookup_locks("held")
+    plan = engine.store.begin_store(b_more[1:], Y)
     assert plan.stored == 2
-    engine.finish_store(plan)
-    assert not any(engine.is_resident(k) for k in a_keys[:4])
-    assert engine.is_resident(a_keys[8]) and engine.is_resident(a_keys[12])
+    engine.store.finish_store(plan)
+    assert not any(engine.store.inspect().resident(k) for k in a_keys[:4])
+    assert engine.store.inspect().resident(a_keys[8]) and engine.store.inspect().resident(a_keys[12])
 
 
 # ---------------------------------------------------------------- found by review (fixed)
@@ -859,8 +860,9 @@ def test_a_locking_lookup_that_misses_holds_nothing() -> None:
     store_ranks(engine, range(2))
     for i in range(100):
         assert lookup(engine, 2, [h(50), h(0)], f"miss{i}") == 0
-    assert engine.stats()["locks_held"] == 0
-    assert (len(engine.store.locks), len(engine.store.locks._expiry)) == (0, 0)
+    assert engine.snapshot().engine.locks_held == 0
+    inspection = engine.store.inspect()
+    assert (inspection.locks, inspection.lock_deadlines) == ({}, 0)
 
 
 def test_quota_counts_only_the_models_own_pending_pieces() -> None:
@@ -869,7 +871,7 @@ def test_quota_counts_only_the_models_own_pending_pieces() -> None:
     keys = [key(i, 0, world_size=1, model="b") for i in range(3)]
     reply = store(engine, [*keys, key(0, 0, world_size=1, model="a")])
     assert (reply.stored, reply.skipped_full) == (4, 0)
-    assert engine.stats()["store_skipped_quota"] == 0
+    assert engine.snapshot().engine.store_skipped_quota == 0
 
 
 def test_one_store_over_the_quota_keeps_the_head_of_the_prefix() -> None:
@@ -878,8 +880,8 @@ def test_one_store_over_the_quota_keeps_the_head_of_the_prefix() -> None:
     keys = [key(i, 0, world_size=1, model="a") for i in range(5)]
     reply = store(engine, keys)
     assert (reply.stored, reply.skipped_quota, reply.skipped_full) == (3, 2, 0)
-    assert [engine.is_resident(k) for k in keys] == [True] * 3 + [False] * 2
-    assert engine.stats()["evictions"] == 0
+    assert [engine.store.inspect().resident(k) for k in keys] == [True] * 3 + [False] * 2
+    assert engine.snapshot().engine.evictions == 0
 
 
 def test_store_skipped_quota_counts_every_refused_piece() -> None:
@@ -887,7 +889,7 @@ def test_store_skipped_quota_counts_every_refused_piece() -> None:
                          quotas={"a": 3 * SLOT})
     reply = store(engine, [key(i, 0, world_size=1, model="a") for i in range(5)])
     assert (reply.skipped_quota, reply.skipped_full) == (2, 0)
-    assert engine.stats()["store_skipped_quota"] == 2
+    assert engine.snapshot().engine.store_skipped_quota == 2
 
 
 def test_a_quota_that_cannot_make_room_evicts_nothing() -> None:
@@ -899,5 +901,5 @@ def test_a_quota_that_cannot_make_room_evicts_nothing() -> None:
     assert lookup(engine, 1, [h(1), h(2)], "held", model="a") == 2
     reply = store(engine, [key(9, 0, world_size=1, model="a")], nbytes=2 * SLOT)
     assert (reply.stored, reply.skipped_quota) == (0, 1)  # 2 locked + 2 new pieces' worth > 3
-    assert all(engine.is_resident(k) for k in keys)
-    assert engine.stats()["evictions"] == 0
+    assert all(engine.store.inspect().resident(k) for k in keys)
+    assert engine.snapshot().engine.evictions == 0

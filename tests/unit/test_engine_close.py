@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_core.engine import CacheEngine
+from lmcache_core.engine import CacheEngine, GroupTarget
 from lmcache_core.engine.retention import Retention
 from lmcache_core.keys import ChunkKey, opaque_layout
 from lmcache_core.storage.disk import DiskTier
@@ -23,10 +23,10 @@ def _prefetch_threads(other_than: set[threading.Thread]) -> list[threading.Threa
 
 
 def _store(engine: CacheEngine, keys: list[ChunkKey]) -> None:
-    plan = engine.begin_store(keys, SLOT)
+    plan = engine.store.begin_store(keys, SLOT)
     for i, (_, _, view) in enumerate(plan.writes):
         view.fill_(i)
-    engine.finish_store(plan)
+    engine.store.finish_store(plan)
 
 
 def test_close_without_tiers_is_a_no_op_and_lookups_go_on() -> None:
@@ -34,7 +34,7 @@ def test_close_without_tiers_is_a_no_op_and_lookups_go_on() -> None:
     _store(engine, [ChunkKey("m", W1, 0, 1, b"a" * 16)])
     assert engine.close() and engine.close()  # idempotent
     assert engine.async_lookup_and_prefetch("x", [b"a" * 16], model_name="m") == 16
-    assert engine.lookup("m", W1, [(0, 1)], [b"a" * 16], "y") == 1
+    assert engine.lookup("m", [GroupTarget(W1, ((0, 1),))], [b"a" * 16], "y") == 1
 
 
 def test_close_shuts_the_prefetch_pool_down(tmp_path: Path) -> None:
@@ -48,7 +48,7 @@ def test_close_shuts_the_prefetch_pool_down(tmp_path: Path) -> None:
             assert held is not None and disk.write(k, held[1])
     engine = CacheEngine(MemoryPool.slots(SLOT, 8, pin=False), chunk_size=16,
                          disk=DiskTier(tmp_path, 1 << 20))
-    assert engine.has_tiers and engine.disk is not None and engine.remote is None
+    assert engine.tiers is not None and engine.tiers.disk is not None and engine.tiers.remote is None
     done = threading.Event()
     answers: list[int] = []
     before = set(threading.enumerate())  # other engines' pools, if any
@@ -81,7 +81,7 @@ def test_spill_ahead_follows_the_eviction_order(tmp_path: Path) -> None:
     keys = [ChunkKey("m", W1, 0, 1, bytes([i]) * 16) for i in range(8)]
     hints = {0: Retention(pin=True), 1: Retention(priority=5), 6: Retention(priority=-1)}
     for i, k in enumerate(keys):
-        engine.finish_store(engine.begin_store([k], SLOT, hints.get(i, Retention())))
+        engine.store.finish_store(engine.store.begin_store([k], SLOT, hints.get(i, Retention())))
     assert engine.tiers is not None
     # Full pool, 2 slots' worth ahead: priority -1 first, then the LRU of the priority-0 pieces.
     assert engine.tiers.spill_candidates(8) == [keys[6], keys[2]]
@@ -91,8 +91,7 @@ def test_spill_ahead_follows_the_eviction_order(tmp_path: Path) -> None:
 
 def test_stats_and_spill_hooks_without_and_with_a_disk(tmp_path: Path) -> None:
     plain = CacheEngine(MemoryPool.slots(SLOT, 4, pin=False), chunk_size=16)
-    assert plain.disk is None and plain.remote is None and not plain.has_tiers
-    assert plain.tiers is None
+    assert plain.tiers is None and plain.snapshot().disk is None
     disk = DiskTier(tmp_path, 1 << 20)
     engine = CacheEngine(MemoryPool.slots(SLOT, 8, pin=False), chunk_size=16, disk=disk)
     keys = [ChunkKey("m", W1, 0, 1, bytes([i]) * 16) for i in range(8)]
@@ -105,6 +104,6 @@ def test_stats_and_spill_hooks_without_and_with_a_disk(tmp_path: Path) -> None:
         assert held is not None and disk.write(keys[0], held[1])
     assert engine.tiers.spill_candidates(8) == keys[1:2]
     _store(engine, [ChunkKey("m", W1, 0, 1, b"z" * 16)])  # evicts keys[0] (saved), no unsaved loss
-    stats = engine.stats()
-    assert stats["evictions"] == 1 and stats["disk_evicted_unsaved"] == 0
-    assert stats["disk_chunks"] == 1
+    stats = engine.snapshot()
+    assert stats.engine.evictions == 1 and stats.disk.evicted_unsaved == 0
+    assert stats.disk.chunks == 1

@@ -37,8 +37,8 @@ def make(slots: int = 64) -> CacheEngine:
 
 def store(engine: CacheEngine, layout: str, chunks: Sequence[int], heads: tuple[int, int] = (0, 4)
           ) -> None:
-    plan = engine.begin_store([ChunkKey(MODEL, layout, *heads, h(i)) for i in chunks], SLOT)
-    engine.finish_store(plan)
+    plan = engine.store.begin_store([ChunkKey(MODEL, layout, *heads, h(i)) for i in chunks], SLOT)
+    engine.store.finish_store(plan)
     assert plan.stored == len(chunks)
 
 
@@ -53,7 +53,7 @@ HASHES = [h(i) for i in range(6)]
 def test_a_prefix_counts_where_every_group_can_be_restored():
     engine = make()
     store_all(engine, range(6))
-    assert engine.lookup_groups(MODEL, groups(), HASHES, "all") == 6
+    assert engine.lookup(MODEL, groups(), HASHES, "all") == 6
 
 
 def test_sliding_groups_need_only_their_window_before_the_hit():
@@ -61,9 +61,9 @@ def test_sliding_groups_need_only_their_window_before_the_hit():
     store(engine, FULL, range(6))
     for layout in (SLIDE_A, SLIDE_B):
         store(engine, layout, [4, 5])  # the window (2 chunks) before chunk 6, nothing earlier
-    assert engine.lookup_groups(MODEL, groups(window=2), HASHES, "w2") == 6
+    assert engine.lookup(MODEL, groups(window=2), HASHES, "w2") == 6
     # windows of 3: N = 6 needs [3, 6), and no shorter N has its window either
-    assert engine.lookup_groups(MODEL, groups(window=3), HASHES, "w3") == 0
+    assert engine.lookup(MODEL, groups(window=3), HASHES, "w3") == 0
 
 
 def test_the_hit_falls_back_to_the_last_boundary_whose_window_is_whole():
@@ -73,10 +73,10 @@ def test_the_hit_falls_back_to_the_last_boundary_whose_window_is_whole():
         store(engine, layout, [0, 1, 2, 4, 5])
     store(engine, SLIDE_B, [3])
     # SLIDE_A lacks chunk 3: N = 6 needs [4, 6) (whole); but it is the longest, so 6
-    assert engine.lookup_groups(MODEL, groups(window=2), HASHES, "a") == 6
+    assert engine.lookup(MODEL, groups(window=2), HASHES, "a") == 6
     # with windows of 3, N = 6 needs [3, 6): chunk 3 missing in SLIDE_A; N = 5 needs [2, 5):
     # missing too; N = 4 needs [1, 4): missing; N = 3 needs [0, 3): whole
-    assert engine.lookup_groups(MODEL, groups(window=3), HASHES, "b") == 3
+    assert engine.lookup(MODEL, groups(window=3), HASHES, "b") == 3
 
 
 def test_a_chunk_missing_one_groups_piece_is_a_miss_at_that_chunk():
@@ -84,12 +84,12 @@ def test_a_chunk_missing_one_groups_piece_is_a_miss_at_that_chunk():
     store_all(engine, range(6))
     store(engine, FULL, [6])  # the full group's chunk 6 without its sliding pieces
     hashes = [*HASHES, h(6)]
-    assert engine.lookup_groups(MODEL, groups(window=1), hashes, "x") == 6
-    engine.clear(force=True)
+    assert engine.lookup(MODEL, groups(window=1), hashes, "x") == 6
+    engine.store.clear(force=True)
     store(engine, SLIDE_A, range(6))
     store(engine, SLIDE_B, range(6))
     store(engine, FULL, [0, 1, 3, 4, 5])  # full attention lacks chunk 2: nothing past it counts
-    assert engine.lookup_groups(MODEL, groups(window=1), HASHES, "y") == 2
+    assert engine.lookup(MODEL, groups(window=1), HASHES, "y") == 2
 
 
 def test_every_ranks_heads_in_every_group():
@@ -97,38 +97,38 @@ def test_every_ranks_heads_in_every_group():
     for layout in (FULL, SLIDE_A, SLIDE_B):
         store(engine, layout, range(4), (0, 2))
         store(engine, layout, range(4), (2, 4))
-    assert engine.lookup_groups(MODEL, groups(world=2), HASHES[:4], "tp2") == 4
-    assert engine.lookup_groups(MODEL, groups(world=1), HASHES[:4], "tp1") == 4  # two pieces each
+    assert engine.lookup(MODEL, groups(world=2), HASHES[:4], "tp2") == 4
+    assert engine.lookup(MODEL, groups(world=1), HASHES[:4], "tp1") == 4  # two pieces each
     store(engine, SLIDE_A, [4], (0, 2))  # chunk 4's window piece of SLIDE_A lacks heads 2-4
     store(engine, FULL, [4])
     store(engine, SLIDE_B, [4])
-    assert engine.lookup_groups(MODEL, groups(world=2), HASHES[:5], "half") == 4
+    assert engine.lookup(MODEL, groups(world=2), HASHES[:5], "half") == 4
 
 
 def test_locks_cover_every_groups_pieces_of_the_hit_and_each_retrieve_releases_its_own():
     engine = make()
     store_all(engine, range(6))
-    assert engine.lookup_groups(MODEL, groups(window=2), HASHES, "req") == 6
-    locked = engine.locks_of("req")
+    assert engine.lookup(MODEL, groups(window=2), HASHES, "req") == 6
+    locked = engine.store.inspect().locks_of("req")
     by_layout = {layout: sorted(k.chunk_hash[0] - 1 for k in locked if k.layout == layout)
                  for layout in (FULL, SLIDE_A, SLIDE_B)}
     assert by_layout == {FULL: [0, 1, 2, 3, 4, 5], SLIDE_A: [4, 5], SLIDE_B: [4, 5]}
-    plan = engine.begin_retrieve(MODEL, SLIDE_A, (0, 4), HASHES[4:], "req")
-    engine.finish_retrieve(plan)
-    assert {k.layout for k in engine.locks_of("req")} == {FULL, SLIDE_B}
-    assert engine.clear()[1] == 8  # locked pieces stay: 6 full, 2 of SLIDE_B
+    plan = engine.store.begin_retrieve(MODEL, SLIDE_A, (0, 4), HASHES[4:], "req")
+    engine.store.finish_retrieve(plan)
+    assert {k.layout for k in engine.store.inspect().locks_of("req")} == {FULL, SLIDE_B}
+    assert engine.store.clear()[1] == 8  # locked pieces stay: 6 full, 2 of SLIDE_B
     for layout, hashes in ((FULL, HASHES), (SLIDE_B, HASHES[4:])):
-        engine.finish_retrieve(engine.begin_retrieve(MODEL, layout, (0, 4), hashes, "req"))
-    assert engine.locks_of("req") == []
+        engine.store.finish_retrieve(engine.store.begin_retrieve(MODEL, layout, (0, 4), hashes, "req"))
+    assert engine.store.inspect().locks_of("req") == []
 
 
 def test_a_miss_holds_nothing_and_drops_what_the_id_held():
     engine = make()
     store_all(engine, range(2))
-    assert engine.lookup_groups(MODEL, groups(), HASHES[:2], "r") == 2
-    engine.clear(force=True)
-    assert engine.lookup_groups(MODEL, groups(), HASHES[:2], "r") == 0
-    assert engine.locks_of("r") == []
+    assert engine.lookup(MODEL, groups(), HASHES[:2], "r") == 2
+    engine.store.clear(force=True)
+    assert engine.lookup(MODEL, groups(), HASHES[:2], "r") == 0
+    assert engine.store.inspect().locks_of("r") == []
 
 
 def test_hits_are_touched_tail_first_across_groups():
@@ -137,8 +137,8 @@ def test_hits_are_touched_tail_first_across_groups():
     the hit does not need are not touched."""
     engine = make()
     store_all(engine, range(3))
-    engine.lookup_groups(MODEL, groups(window=1), HASHES[:3], "t", lock=False)
-    order = [(k.layout, k.chunk_hash[0] - 1) for k in engine.store.index.lru]
+    engine.lookup(MODEL, groups(window=1), HASHES[:3], "t", lock=False)
+    order = [(k.layout, k.chunk_hash[0] - 1) for k in engine.store.inspect().pieces]
     assert set(order[:4]) == {(SLIDE_A, 0), (SLIDE_A, 1), (SLIDE_B, 0), (SLIDE_B, 1)}
     assert order[4:] == [(SLIDE_B, 2), (SLIDE_A, 2), (FULL, 2), (FULL, 1), (FULL, 0)]
 
@@ -146,9 +146,10 @@ def test_hits_are_touched_tail_first_across_groups():
 def test_counters_count_one_lookup_of_the_hit():
     engine = make()
     store_all(engine, range(4))
-    engine.lookup_groups(MODEL, groups(), HASHES, "c")
-    stats = engine.stats()
-    assert (stats["lookups"], stats["lookup_hit_chunks"], stats["lookup_miss_chunks"]) == (1, 4, 2)
+    engine.lookup(MODEL, groups(), HASHES, "c")
+    stats = engine.snapshot()
+    n = stats.engine
+    assert (n.lookups, n.lookup_hit_chunks, n.lookup_miss_chunks) == (1, 4, 2)
 
 
 @pytest.mark.parametrize("bad", [[], [GroupTarget(FULL, (), 0)]])
@@ -156,7 +157,7 @@ def test_a_group_lookup_needs_groups_with_ranges(bad):
     from lmcache_core.errors import ProtocolError
 
     with pytest.raises(ProtocolError):
-        make().lookup_groups(MODEL, bad, HASHES, "bad")
+        make().lookup(MODEL, bad, HASHES, "bad")
 
 
 def test_without_registered_groups_a_lookup_never_counts_one_groups_pieces_alone():
@@ -169,9 +170,9 @@ def test_without_registered_groups_a_lookup_never_counts_one_groups_pieces_alone
     engine = make()
     store_all(engine, range(2))
     store(engine, "bfloat16:2x4x8", range(2))  # a single-group engine of the same model name
-    resolver = LayoutResolver(engine, KVRegistry(lambda request: None, 60.0))
+    resolver = LayoutResolver(engine.store, KVRegistry(lambda request: None, 60.0))
     assert resolver.groups(MODEL, 1) is None
-    assert [layout for layout, _ in resolver.candidates(MODEL, 1, None)] == ["bfloat16:2x4x8"]
-    engine.clear(force=True)
+    assert [target.layout for target in resolver.candidates(MODEL, 1, None)] == ["bfloat16:2x4x8"]
+    engine.store.clear(force=True)
     store_all(engine, range(2))
-    assert [layout for layout, _ in resolver.candidates(MODEL, 1, None)] == [opaque_layout(1)]
+    assert [target.layout for target in resolver.candidates(MODEL, 1, None)] == [opaque_layout(1)]

@@ -40,35 +40,36 @@ def make() -> CacheEngine:
 
 def store(engine: CacheEngine, layout: str, chunks: Sequence[int],
           heads: tuple[int, int] = (0, 4)) -> None:
-    plan = engine.begin_store([ChunkKey(MODEL, layout, *heads, h(i)) for i in chunks], SLOT)
-    engine.finish_store(plan)
+    plan = engine.store.begin_store([ChunkKey(MODEL, layout, *heads, h(i)) for i in chunks], SLOT)
+    engine.store.finish_store(plan)
     assert plan.stored == len(chunks)
 
 
 def locked(engine: CacheEngine, lookup_id: str, layout: str) -> list[int]:
-    return sorted(k.chunk_hash[0] - 1 for k in engine.locks_of(lookup_id) if k.layout == layout)
+    return sorted(k.chunk_hash[0] - 1 for k in engine.store.inspect().locks_of(lookup_id)
+                  if k.layout == layout)
 
 
 def test_a_hit_at_an_attention_chunks_start_needs_nothing_of_the_group():
     engine = make()
     store(engine, FULL, range(6))  # no local piece at all
-    assert engine.lookup_groups(MODEL, groups(), HASHES, "even") == 6  # 96 = 3 x 32
+    assert engine.lookup(MODEL, groups(), HASHES, "even") == 6  # 96 = 3 x 32
     assert locked(engine, "even", LOCAL) == [] and locked(engine, "even", FULL) == list(range(6))
     # 80 tokens need [64, 80): chunk 4, missing; 64 starts an attention chunk
-    assert engine.lookup_groups(MODEL, groups(), HASHES[:5], "odd") == 4
+    assert engine.lookup(MODEL, groups(), HASHES[:5], "odd") == 4
 
 
 def test_a_hit_inside_an_attention_chunk_needs_its_pieces_from_its_start_and_locks_only_them():
     engine = make()
     store(engine, FULL, range(6))
     store(engine, LOCAL, [4])
-    assert engine.lookup_groups(MODEL, groups(), HASHES[:5], "r") == 5
+    assert engine.lookup(MODEL, groups(), HASHES[:5], "r") == 5
     assert locked(engine, "r", LOCAL) == [4]
     # attention chunks of 3 chunks: 80 tokens need [48, 80), chunks 3 and 4; 3 is missing,
     # 64 needs chunk 3 too; 48 starts one
-    assert engine.lookup_groups(MODEL, groups(attention=48), HASHES[:5], "3") == 3
+    assert engine.lookup(MODEL, groups(attention=48), HASHES[:5], "3") == 3
     store(engine, LOCAL, [3])
-    assert engine.lookup_groups(MODEL, groups(attention=48), HASHES[:5], "3") == 5
+    assert engine.lookup(MODEL, groups(attention=48), HASHES[:5], "3") == 5
     assert locked(engine, "3", LOCAL) == [3, 4]
 
 
@@ -77,8 +78,8 @@ def test_an_attention_chunk_that_is_no_whole_number_of_chunks_needs_part_of_its_
     engine = make()
     store(engine, FULL, range(6))
     store(engine, LOCAL, [4])
-    assert engine.lookup_groups(MODEL, groups(attention=24), HASHES[:5], "a") == 5
-    assert engine.lookup_groups(MODEL, groups(attention=24), HASHES[:4], "b") == 3  # 48: none
+    assert engine.lookup(MODEL, groups(attention=24), HASHES[:5], "a") == 5
+    assert engine.lookup(MODEL, groups(attention=24), HASHES[:4], "b") == 3  # 48: none
     assert locked(engine, "b", LOCAL) == []
 
 
@@ -86,11 +87,11 @@ def test_a_missing_needed_piece_cuts_the_hit_at_that_chunk():
     engine = make()
     store(engine, FULL, range(6))
     store(engine, LOCAL, [0, 1, 2, 3])
-    assert engine.lookup_groups(MODEL, groups(), HASHES[:5], "cut") == 4
-    engine.clear(force=True)
+    assert engine.lookup(MODEL, groups(), HASHES[:5], "cut") == 4
+    engine.store.clear(force=True)
     store(engine, FULL, [0, 1, 3, 4, 5])
     store(engine, LOCAL, range(6))
-    assert engine.lookup_groups(MODEL, groups(), HASHES, "full") == 2  # full attention lacks 2
+    assert engine.lookup(MODEL, groups(), HASHES, "full") == 2  # full attention lacks 2
 
 
 def test_every_ranks_heads_are_needed_and_pieces_of_another_tp_size_serve():
@@ -98,9 +99,9 @@ def test_every_ranks_heads_are_needed_and_pieces_of_another_tp_size_serve():
     store(engine, FULL, range(5), (0, 2))
     store(engine, FULL, range(5), (2, 4))
     store(engine, LOCAL, [4], (0, 2))
-    assert engine.lookup_groups(MODEL, groups(world=2), HASHES[:5], "half") == 4
+    assert engine.lookup(MODEL, groups(world=2), HASHES[:5], "half") == 4
     store(engine, LOCAL, [4], (2, 4))
-    assert engine.lookup_groups(MODEL, groups(world=1), HASHES[:5], "tp1") == 5  # two pieces
+    assert engine.lookup(MODEL, groups(world=1), HASHES[:5], "tp1") == 5  # two pieces
 
 
 def test_groups_rules_are_met_at_one_boundary_together():

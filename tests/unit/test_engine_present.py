@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lmcache_core.engine import CacheEngine, Retention
+from lmcache_core.engine import CacheEngine, GroupTarget, Retention
 from lmcache_core.engine.plans import StorePlan
 from lmcache_core.engine.retention import PLAIN
 from lmcache_core.keys import ChunkKey, opaque_layout
@@ -26,20 +26,20 @@ def key(i: int) -> ChunkKey:
     return ChunkKey("m", LAYOUT, 0, 1, bytes([i]) * 32)
 
 
-def make(slots: int = 3, **kw: object) -> CacheEngine:
+def make(slots: int = 3, clock: Clock | None = None, **kw: object) -> CacheEngine:
     return CacheEngine(MemoryPool.slots(SLOT, slots, pin=False), chunk_size=16,
-                       clock=Clock(), **kw)  # type: ignore[arg-type]
+                       clock=clock or Clock(), **kw)  # type: ignore[arg-type]
 
 
 def store(engine: CacheEngine, chunks: Sequence[int], retention: Retention = PLAIN) -> StorePlan:
-    plan = engine.begin_store([key(i) for i in chunks], SLOT, retention)
-    engine.finish_store(plan)
+    plan = engine.store.begin_store([key(i) for i in chunks], SLOT, retention)
+    engine.store.finish_store(plan)
     return plan
 
 
 def prefix(engine: CacheEngine, chunks: Sequence[int]) -> int:
-    return engine.lookup("m", LAYOUT, [(0, 1)], [key(i).chunk_hash for i in chunks], "x",
-                         lock=False)
+    return engine.lookup("m", [GroupTarget(LAYOUT, ((0, 1),))], [key(i).chunk_hash for i in chunks],
+                         "x", lock=False)
 
 
 def test_a_present_lru_piece_is_not_evicted_by_its_own_store() -> None:
@@ -49,7 +49,7 @@ def test_a_present_lru_piece_is_not_evicted_by_its_own_store() -> None:
     plan = store(engine, [0, 1, 2])  # a prefix: its head already held, the rest new
     assert (plan.stored, plan.already_present, plan.skipped_full) == (2, 1, 0)
     assert prefix(engine, [0, 1, 2]) == 3
-    assert not engine.is_resident(key(8)) and not engine.is_resident(key(9))
+    assert not engine.store.inspect().resident(key(8)) and not engine.store.inspect().resident(key(9))
 
 
 def test_a_present_piece_is_not_taken_for_the_models_quota() -> None:
@@ -58,18 +58,19 @@ def test_a_present_piece_is_not_taken_for_the_models_quota() -> None:
     store(engine, [8])  # the model's quota is full; chunk 0 is its oldest piece
     plan = store(engine, [0, 1])
     assert (plan.stored, plan.already_present, plan.skipped_quota) == (1, 1, 0)
-    assert prefix(engine, [0, 1]) == 2 and not engine.is_resident(key(8))
+    assert prefix(engine, [0, 1]) == 2 and not engine.store.inspect().resident(key(8))
 
 
 def test_a_present_piece_whose_ttl_ended_is_not_taken_by_its_store() -> None:
-    engine = make()
+    clock = Clock()
+    engine = make(clock=clock)
     store(engine, [0], Retention(ttl_s=5))
     store(engine, [8])
     store(engine, [9])
-    engine.store.clock.now += 10  # type: ignore[attr-defined]  # chunk 0 is expired: eviction's first
+    clock.now += 10  # chunk 0 is expired: eviction's first
     plan = store(engine, [0, 1])
     assert (plan.stored, plan.already_present) == (1, 1)
-    assert prefix(engine, [0, 1]) == 2 and not engine.is_resident(key(8))
+    assert prefix(engine, [0, 1]) == 2 and not engine.store.inspect().resident(key(8))
 
 
 def test_no_room_without_the_present_pieces_skips_the_new_ones() -> None:
@@ -84,8 +85,7 @@ def test_the_present_pieces_are_evictable_again_after_the_store() -> None:
     engine = make(slots=2)
     store(engine, [0])
     store(engine, [0, 1])
-    piece = engine.store.index.get(key(0))
-    assert piece is not None and piece.readers == 0
+    assert engine.store.inspect().pieces[key(0)].readers == 0
     store(engine, [1, 5])  # chunk 0 is now the least recently used: it goes
-    assert not engine.is_resident(key(0)) and prefix(engine, [0, 1]) == 0
-    assert engine.is_resident(key(5))
+    assert not engine.store.inspect().resident(key(0)) and prefix(engine, [0, 1]) == 0
+    assert engine.store.inspect().resident(key(5))

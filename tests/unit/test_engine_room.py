@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lmcache_core.engine import CacheEngine
+from lmcache_core.engine import CacheEngine, GroupTarget
 from lmcache_core.keys import ChunkKey, opaque_layout
 from lmcache_core.storage.pool import MemoryPool
 
@@ -37,10 +37,10 @@ def engine_of(units: int = UNITS) -> CacheEngine:
 
 def put(engine: CacheEngine, keys: Sequence[ChunkKey], nbytes: int) -> int:
     """Store ``keys`` with ``nbytes`` each, every byte of a piece its key's first hash byte."""
-    plan = engine.begin_store(keys, nbytes)
+    plan = engine.store.begin_store(keys, nbytes)
     for _, k, view in plan.writes:
         view.fill_(k.chunk_hash[3])
-    engine.finish_store(plan)
+    engine.store.finish_store(plan)
     return plan.stored
 
 
@@ -55,11 +55,12 @@ def fill_with_a(engine: CacheEngine, per_unit: int = 4) -> list[ChunkKey]:
 
 
 def resident(engine: CacheEngine, keys: Sequence[ChunkKey]) -> list[bool]:
-    return [engine.is_resident(k) for k in keys]
+    pieces = engine.store.inspect().pieces
+    return [k in pieces for k in keys]
 
 
 def lock(engine: CacheEngine, k: ChunkKey, lookup_id: str) -> None:
-    assert engine.lookup(k.model_name, k.layout, [(0, 1)], [k.chunk_hash], lookup_id) == 1
+    assert engine.lookup(k.model_name, [GroupTarget(k.layout, ((0, 1),))], [k.chunk_hash], lookup_id) == 1
 
 
 def test_a_new_small_size_evicts_one_unit_and_nothing_else() -> None:
@@ -67,9 +68,9 @@ def test_a_new_small_size_evicts_one_unit_and_nothing_else() -> None:
     a = fill_with_a(engine)
     assert put(engine, [chunk("B", 0)], 512) == 1  # class 512: a slab of its own
     assert resident(engine, a) == [False] * 4 + [True] * 60  # A's least recently used unit
-    assert engine.stats()["evictions"] == 4
+    assert engine.snapshot().engine.evictions == 4
     assert put(engine, [chunk("B", 1)], 512) == 1  # the slab's second slot: no eviction
-    assert engine.stats()["evictions"] == 4
+    assert engine.snapshot().engine.evictions == 4
 
 
 def test_a_new_large_size_evicts_only_its_window() -> None:
@@ -77,13 +78,14 @@ def test_a_new_large_size_evicts_only_its_window() -> None:
     a = fill_with_a(engine)
     assert put(engine, [chunk("B", 0)], 2500) == 1  # 2500 bytes: an extent of 3 units
     assert resident(engine, a) == [False] * 12 + [True] * 52  # 3072 bytes < 2500 + one unit
-    handle = engine.store.index.get(chunk("B", 0)).handle
+    handle = engine.store.inspect().pieces[chunk("B", 0)].handle
     assert engine.pool.units_of(handle) == range(0, 3)
     assert bool((engine.pool.view(handle, 2500) == 0).all())  # B's own bytes (hash byte 0)
     # A same-size store later takes the coldest same-size piece's units, exactly.
-    engine.lookup("A", LAYOUT, [(0, 1)], [k.chunk_hash for k in a[12:]], "warm", lock=False)
+    engine.lookup("A", [GroupTarget(LAYOUT, ((0, 1),))], [k.chunk_hash for k in a[12:]], "warm",
+                  lock=False)
     assert put(engine, [chunk("B", 1)], 2500) == 1
-    assert not engine.is_resident(chunk("B", 0)) and sum(resident(engine, a)) == 52
+    assert not engine.store.inspect().resident(chunk("B", 0)) and sum(resident(engine, a)) == 52
 
 
 def test_a_locked_piece_blocks_only_its_own_unit() -> None:
@@ -95,13 +97,13 @@ def test_a_locked_piece_blocks_only_its_own_unit() -> None:
     assert resident(engine, a) == [True] * 60 + [False] * 4  # the one unit nobody holds
     # Every unit holds a locked piece now (B's own is locked too): no room, nothing evicted.
     lock(engine, chunk("B", 0), "holdB")
-    evictions = engine.stats()["evictions"]
-    plan = engine.begin_store([chunk("C", 0)], 300)
+    evictions = engine.snapshot().engine.evictions
+    plan = engine.store.begin_store([chunk("C", 0)], 300)
     assert (plan.stored, plan.skipped_full) == (0, 1)
-    engine.finish_store(plan)
-    assert engine.stats()["evictions"] == evictions
+    engine.store.finish_store(plan)
+    assert engine.snapshot().engine.evictions == evictions
     # One unit's lock released: that unit alone goes.
-    engine.free_lookup_locks("hold7")
+    engine.store.free_lookup_locks("hold7")
     assert put(engine, [chunk("C", 0)], 300) == 1
     assert resident(engine, a[28:32]) == [False] * 4
     assert sum(resident(engine, a)) == 56
@@ -112,11 +114,11 @@ def test_an_extent_goes_around_locked_units() -> None:
     a = fill_with_a(engine)
     lock(engine, a[5], "hold")  # unit 1
     assert put(engine, [chunk("B", 0)], 3 * UNIT) == 1
-    handle = engine.store.index.get(chunk("B", 0)).handle
+    handle = engine.store.inspect().pieces[chunk("B", 0)].handle
     # The coldest unit (0) cannot anchor three units without unit 1; unit 2's window can.
     assert engine.pool.units_of(handle) == range(2, 5)
     assert resident(engine, a[:20]) == [True] * 8 + [False] * 12
-    assert engine.stats()["evictions"] == 12
+    assert engine.snapshot().engine.evictions == 12
 
 
 def test_no_store_evicts_more_than_its_room_whatever_the_mix() -> None:
@@ -129,7 +131,8 @@ def test_no_store_evicts_more_than_its_room_whatever_the_mix() -> None:
     sizes = [100, 256, 700, 1024, 1500, 2048, 3000, 5000]
     checked = 0
     for i in range(600):
-        before = {piece.key: (piece.nbytes, pool.units_of(piece.handle)) for piece in engine.store.index}
+        before = {key: (piece.nbytes, pool.units_of(piece.handle))
+                  for key, piece in engine.store.inspect().pieces.items()}
         nbytes = rng.choice(sizes)
         k = chunk(f"m{nbytes}", i)
         if not put(engine, [k], nbytes):
@@ -137,13 +140,13 @@ def test_no_store_evicts_more_than_its_room_whatever_the_mix() -> None:
         if rng.random() < 0.2:
             lock(engine, k, f"lock{i}")
         if rng.random() < 0.2:
-            engine.free_lookup_locks(f"lock{rng.randrange(i + 1)}")
-        gone = [(size, units) for key, (size, units) in before.items()
-                if not engine.is_resident(key)]
+            engine.store.free_lookup_locks(f"lock{rng.randrange(i + 1)}")
+        after = engine.store.inspect().pieces
+        gone = [(size, units) for key, (size, units) in before.items() if key not in after]
         if not gone:
             continue
         checked += 1
-        taken = pool.units_of(engine.store.index.get(k).handle)
+        taken = pool.units_of(after[k].handle)
         inside = [size for size, units in gone if units.start >= taken.start
                   and units.stop <= taken.stop]
         across = [units for _, units in gone if not (units.start >= taken.start
@@ -163,6 +166,6 @@ def test_the_bytes_of_every_piece_survive_the_shuffle() -> None:
     for i in range(300):
         nbytes = rng.choice([128, 900, 1100, 2100, 4000])
         put(engine, [chunk(f"m{nbytes}", i)], nbytes)
-    for piece in engine.store.index:
+    for key, piece in engine.store.inspect().pieces.items():
         view = engine.pool.view(piece.handle, piece.nbytes)
-        assert torch.equal(view, torch.full_like(view, piece.key.chunk_hash[3]))
+        assert torch.equal(view, torch.full_like(view, key.chunk_hash[3]))

@@ -7,8 +7,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from lmcache_core.engine import CacheEngine, RetrievePlan
+from lmcache_core.engine import CacheEngine, GroupTarget, RetrievePlan
 from lmcache_core.keys import ChunkKey, layout_key, opaque_layout, world_heads
+from lmcache_core.server.listing import memory_rows
 from lmcache_core.storage.pool import MemoryPool
 
 MODEL = "m"
@@ -40,10 +41,10 @@ def check_read(plan: RetrievePlan, chain: list[bytes], layout: str = LAYOUT) -> 
 def unlocked_read(engine: CacheEngine, chain: list[bytes], rng: random.Random) -> None:
     """A retrieve with no lookup: only its reader pin keeps the slots from being reused."""
     rank = rng.randrange(WORLD)
-    plan = engine.begin_retrieve(MODEL, LAYOUT, (rank, rank + 1), chain)
+    plan = engine.store.begin_retrieve(MODEL, LAYOUT, (rank, rank + 1), chain)
     time.sleep(0.0005)  # a slow copy: other threads store (and would evict) meanwhile
     check_read(plan, chain)
-    engine.finish_retrieve(plan)
+    engine.store.finish_retrieve(plan)
 
 
 def client(engine: CacheEngine, seed: int, deadline: float, strict: bool,
@@ -58,23 +59,23 @@ def client(engine: CacheEngine, seed: int, deadline: float, strict: bool,
             chain = [chunk_hash(doc, i) for i in range(rng.randint(1, CHUNKS))]
             if rng.random() < 0.2:
                 unlocked_read(engine, chain, rng)
-            hits = engine.lookup(MODEL, LAYOUT, RANGES, chain, lookup_id)
+            hits = engine.lookup(MODEL, [GroupTarget(LAYOUT, tuple(RANGES))], chain, lookup_id)
             for rank in range(WORLD):
                 keys = [ChunkKey(MODEL, LAYOUT, rank, rank + 1, c) for c in chain]
                 if rank == 1 and rng.random() < 0.3:
-                    released = engine.end_session(lookup_id)  # rank 1 never came to retrieve
+                    released = engine.store.free_lookup_locks(lookup_id)  # rank 1 never came to retrieve
                     assert not strict or released == hits
                 else:
-                    plan = engine.begin_retrieve(MODEL, LAYOUT, (rank, rank + 1), chain[:hits],
+                    plan = engine.store.begin_retrieve(MODEL, LAYOUT, (rank, rank + 1), chain[:hits],
                                                  lookup_id)
                     assert not strict or plan.missing == [], "a locked chunk went missing"
                     check_read(plan, chain)
-                    engine.finish_retrieve(plan)
-                store = engine.begin_store(keys[hits:], SLOT)
+                    engine.store.finish_retrieve(plan)
+                store = engine.store.begin_store(keys[hits:], SLOT)
                 for _, key, view in store.writes:
                     view.fill_(pattern(key))
-                engine.finish_store(store, ok=rng.random() > 0.1)
-            engine.free_lookup_locks(lookup_id)
+                engine.store.finish_store(store, ok=rng.random() > 0.1)
+            engine.store.free_lookup_locks(lookup_id)
     except BaseException as exc:  # pragma: no cover - reported by the test
         errors.append(exc)
 
@@ -92,27 +93,28 @@ def mixed_client(engine: CacheEngine, seed: int, deadline: float, strict: bool,
             chain = [chunk_hash(doc, i) for i in range(rng.randint(1, CHUNKS))]
             ranges = world_heads(F16, rng.choice((1, 2, 4)))
             if rng.random() < 0.2:  # an unlocked read: only its reader pin holds the pieces
-                plan = engine.begin_retrieve(MODEL, F16, rng.choice(ranges), chain)
+                plan = engine.store.begin_retrieve(MODEL, F16, rng.choice(ranges), chain)
                 time.sleep(0.0005)
                 check_read(plan, chain, F16)
-                engine.finish_retrieve(plan)
-            hits = engine.lookup(MODEL, F16, ranges, chain, lookup_id)
+                engine.store.finish_retrieve(plan)
+            hits = engine.lookup(MODEL, [GroupTarget(F16, tuple(ranges))], chain, lookup_id)
             for rank, heads in enumerate(ranges):
                 if rank and rank == len(ranges) - 1 and rng.random() < 0.3:
-                    engine.end_session(lookup_id)  # the last rank never came to retrieve
-                    assert not strict or engine.locks_of(lookup_id) == []
+                    engine.store.free_lookup_locks(lookup_id)  # the last rank never came to retrieve
+                    assert not strict or engine.store.inspect().locks_of(lookup_id) == []
                 else:
-                    plan = engine.begin_retrieve(MODEL, F16, heads, chain[:hits], lookup_id)
+                    plan = engine.store.begin_retrieve(MODEL, F16, heads, chain[:hits], lookup_id)
                     assert not strict or plan.missing == [], "a locked chunk went missing"
                     check_read(plan, chain, F16)
-                    engine.finish_retrieve(plan)
-                store = engine.begin_store([ChunkKey(MODEL, F16, *heads, c)
+                    engine.store.finish_retrieve(plan)
+                store = engine.store.begin_store([ChunkKey(MODEL, F16, *heads, c)
                                             for c in chain[hits:]], SLOT)
                 for _, key, view in store.writes:
                     view.fill_(pattern(key))
-                engine.finish_store(store, ok=rng.random() > 0.1)
-            assert not strict or engine.locks_of(lookup_id) == [], "a retrieve left locks"
-            engine.free_lookup_locks(lookup_id)
+                engine.store.finish_store(store, ok=rng.random() > 0.1)
+            assert not strict or engine.store.inspect().locks_of(lookup_id) == [], \
+                "a retrieve left locks"
+            engine.store.free_lookup_locks(lookup_id)
     except BaseException as exc:  # pragma: no cover - reported by the test
         errors.append(exc)
 
@@ -121,11 +123,12 @@ def admin(engine: CacheEngine, deadline: float, force: bool, errors: list[BaseEx
     rng = random.Random(99)
     try:
         while time.monotonic() < deadline:
-            engine.stats()
-            engine.list_chunks(limit=10, sort=rng.choice(["age", "hits", "size", "key"]))
-            engine.expire_locks()
+            engine.snapshot()
+            engine.store.inspect()
+            memory_rows(engine.store, limit=10, sort=rng.choice(["age", "hits", "size", "key"]))
+            engine.store.expire_locks()
             if rng.random() < 0.2:
-                engine.clear(force=force and rng.random() < 0.5)
+                engine.store.clear(force=force and rng.random() < 0.5)
             time.sleep(0.005)
     except BaseException as exc:  # pragma: no cover - reported by the test
         errors.append(exc)
@@ -151,21 +154,22 @@ def run_stress(force: bool, seconds: float = 0.6, target: Callable[..., None] = 
 
 
 def check_invariants(engine: CacheEngine) -> None:
-    pool, stats = engine.pool, engine.stats()
+    pool, state = engine.pool, engine.store.inspect()
+    stats = state.stats
     # MemoryPool.slots: each slot is a slab of its own.
     assert pool.num_allocated + pool.free_slabs == pool.num_slabs
-    assert pool.num_allocated == stats["chunks"] == len(engine), "a slot leaked"
-    assert stats["locks_held"] == 0 and len(engine.store.locks) == 0
-    handles = [piece.handle for piece in engine.store.index]
+    assert pool.num_allocated == stats.chunks == len(engine.store), "a slot leaked"
+    assert stats.locks_held == 0 and state.locks == {}
+    handles = [piece.handle for piece in state.pieces.values()]
     assert len(set(handles)) == len(handles)
     assert all(pool.is_allocated(handle) for handle in handles)
-    assert all(piece.locks == 0 and piece.readers == 0 for piece in engine.store.index)
-    assert len(engine.store.writing) == 0
-    assert engine.store.writing.models.bytes == {} and engine.store.writing.tenants.bytes == {}
-    assert stats["bytes_used"] == SLOT * stats["chunks"]
-    assert stats["evictions"] > 0
-    assert stats["lookup_hit_chunks"] > 0
-    engine.clear()
+    assert all(piece.locks == 0 and piece.readers == 0 for piece in state.pieces.values())
+    assert state.writing == {}
+    assert state.writing_models == {} and state.writing_tenants == {}
+    assert stats.bytes_used == SLOT * stats.chunks
+    assert stats.evictions > 0
+    assert stats.lookup_hit_chunks > 0
+    engine.store.clear()
     assert (pool.num_allocated, pool.free_slabs) == (0, pool.num_slabs)
 
 

@@ -27,8 +27,8 @@ def h(i: int) -> bytes:
 
 
 def stored(engine: CacheEngine, keys: list[ChunkKey], tenant: str = "") -> None:
-    plan = engine.begin_store(keys, SLOT, PLAIN, tenant)
-    engine.finish_store(plan)
+    plan = engine.store.begin_store(keys, SLOT, PLAIN, tenant)
+    engine.store.finish_store(plan)
 
 
 def test_the_engine_finds_a_hash_under_every_model_and_layout_and_touches_nothing() -> None:
@@ -36,7 +36,7 @@ def test_the_engine_finds_a_hash_under_every_model_and_layout_and_touches_nothin
     stored(engine, [ChunkKey("m", A, 0, 2, h(1))], tenant="aa")
     stored(engine, [ChunkKey("m", A, 2, 4, h(1)), ChunkKey("m", B, 0, 4, h(2))])
     stored(engine, [ChunkKey("/models/m", A, 0, 4, h(1))])
-    before = [(p.key, p.hits) for p in engine.store.index]
+    before = [(key, p.hits) for key, p in engine.store.inspect().pieces.items()]
 
     finds = engine.holders([h(1), h(2), h(3)], "m", [], 1.0)
     assert (finds.cut, finds.remote) == (False, "")
@@ -45,14 +45,15 @@ def test_the_engine_finds_a_hash_under_every_model_and_layout_and_touches_nothin
         (0, "/models/m", A, "memory", ((0, 4),), ()),
         (0, "m", A, "memory", ((0, 2), (2, 4)), ("aa",)),
         (1, "m", B, "memory", ((0, 4),), ())]
-    assert [(p.key, p.hits) for p in engine.store.index] == before  # no LRU move, no hit
-    assert engine.snapshot().lookups == 0
-    assert engine.model_tenants("m") == (3, {"aa": 1})
+    # no LRU move, no hit
+    assert [(key, p.hits) for key, p in engine.store.inspect().pieces.items()] == before
+    assert engine.snapshot().engine.lookups == 0
+    assert engine.store.model_tenants("m") == (3, {"aa": 1})
 
     found, cut = engine.store.holders([h(1)], "/models/m", max_pairs=1)
     assert cut and [(f.model_name, f.layout) for f in found] == [("/models/m", A)]
-    engine.clear(force=True)
-    assert engine.model_tenants("m") == (0, {})
+    engine.store.clear(force=True)
+    assert engine.store.model_tenants("m") == (0, {})
     assert engine.holders([h(1)], "m", [], 1.0).found == []
 
 

@@ -92,10 +92,8 @@ def served(tmp_path: Any) -> Iterator[tuple[MessageQueueServer, dict[int, Flag],
         handled.append(p.instance_id)
         return m.StoreReply(stored=len(p.chunk_hashes))
 
-    server = MessageQueueServer(f"ipc://{tmp_path}/g.sock",
-                                {RequestType.STORE: Route(store, blocking=True, gate=gate)},
-                                workers=1)
-    server.start()
+    server = MessageQueueServer(f"ipc://{tmp_path}/g.sock", workers=1)
+    server.start({RequestType.STORE: Route(store, blocking=True, gate=gate)})
     yield server, events, handled
     server.stop(1.0)
     assert server._gate_thread is not None and not server._gate_thread.is_alive()

@@ -179,12 +179,13 @@ def test_copy_threads_grow_with_the_gpus_registered(
     from lmcache_core.server.handlers import COPY_THREADS_PER_GPU, CacheHandlers
     from lmcache_core.transport.server import MessageQueueServer
 
-    server = MessageQueueServer(f"ipc://{tmp_path}/s.sock", {}, workers=2)
-    server.start()
+    server = MessageQueueServer(f"ipc://{tmp_path}/s.sock", workers=2)
+    server.start({})
     try:
-        handlers = CacheHandlers(load_config(None), SimpleNamespace(), registry,  # type: ignore[arg-type]
-                                 server.counters, server.url)
-        handlers.add_copy_threads = server.add_workers
+        engine = SimpleNamespace(store=SimpleNamespace(), tiers=None)
+        handlers = CacheHandlers(load_config(None), engine, registry,  # type: ignore[arg-type]
+                                 SimpleNamespace(), started=0.0,  # type: ignore[arg-type]
+                                 add_copy_threads=server.add_workers)
         FakeMapping.chunk_bytes, FakeMapping.blocks_per_chunk = 1, 1  # type: ignore[attr-defined]
         handlers.register_kv_cache(cuda_request(1, os.getpid(), "GPU-a"), b"")
         assert len(server._workers) == 2 + COPY_THREADS_PER_GPU
@@ -210,9 +211,9 @@ def test_the_event_gate_opens_the_worker_event_of_gpu_registrations_only(
         return "event"
 
     monkeypatch.setattr(handlers_module, "open_ipc_event", open_event)
-    engine = SimpleNamespace(has_tiers=False)
+    engine = SimpleNamespace(store=SimpleNamespace(), tiers=None)
     handlers = handlers_module.CacheHandlers(load_config(None), engine, registry,  # type: ignore[arg-type]
-                                             SimpleNamespace(), "tcp://x")  # type: ignore[arg-type]
+                                             SimpleNamespace(), started=0.0)  # type: ignore[arg-type]
     gpu = registry.register(cuda_request(1, os.getpid()))
     gpu.mapped.device = "cuda:3"
     store = m.StoreRequest(instance_id=1, chunk_hashes=[], block_ids=[], event_handle=b"e" * 64)

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmcache_core.engine import CacheEngine, StorePlan
+from lmcache_core.engine import CacheEngine, GroupTarget, StorePlan
+from lmcache_core.engine.index import Piece
 from lmcache_core.keys import ChunkKey, layout_key
 from lmcache_core.storage import integrity, record
 from lmcache_core.storage.disk import DiskTier, file_name
@@ -33,7 +34,7 @@ def engine_with(disk: DiskTier | None = None, slots: int = 8) -> CacheEngine:
 
 def begin(engine: CacheEngine, ids: list[int]) -> StorePlan:
     """A store's first half as the server's handler does it: copy in, then checksum."""
-    plan = engine.begin_store([key(i) for i in ids], NBYTES)
+    plan = engine.store.begin_store([key(i) for i in ids], NBYTES)
     for position, _, view in plan.writes:
         view.copy_(pattern(ids[position]))
     plan.checksums = [integrity.checksum(view) for _, _, view in plan.writes]
@@ -41,19 +42,25 @@ def begin(engine: CacheEngine, ids: list[int]) -> StorePlan:
 
 
 def store(engine: CacheEngine, ids: list[int]) -> None:
-    engine.finish_store(begin(engine, ids))
+    engine.store.finish_store(begin(engine, ids))
 
 
 def corrupt(engine: CacheEngine, i: int, at: int = 10) -> None:
-    piece = engine.store.index.get(key(i))
-    assert piece is not None
-    view = engine.store.memory(piece.handle, piece.nbytes)
-    view[at] = view[at] ^ 0x01
+    with engine.store.reading(key(i)) as held:
+        assert held is not None
+        view = held[1]
+        view[at] = view[at] ^ 0x01
+
+
+def piece_of(engine: CacheEngine, k: ChunkKey) -> Piece | None:
+    """The live piece of ``k`` (held for a moment, as a tier writer holds it), or None."""
+    with engine.store.reading(k) as held:
+        return held[0] if held is not None else None
 
 
 def lookup(engine: CacheEngine, ids: list[int]) -> int:
-    return engine.lookup("m", LAYOUT, [(0, 8)], [key(i).chunk_hash for i in ids], "q",
-                         lock=False, tier_timeout_s=1.0)
+    return engine.lookup("m", [GroupTarget(LAYOUT, ((0, 8),))], [key(i).chunk_hash for i in ids],
+                         "q", lock=False, tier_timeout_s=1.0)
 
 
 # ---------------------------------------------------------------- the checksum itself
@@ -76,17 +83,17 @@ def test_checksum_is_xxh3_of_the_bytes_whatever_holds_them(monkeypatch: pytest.M
 def test_store_records_each_pieces_checksum() -> None:
     engine = engine_with()
     store(engine, [1, 2])
+    pieces = engine.store.inspect().pieces
     for i in (1, 2):
-        piece = engine.store.index.get(key(i))
-        assert piece is not None and piece.checksum == integrity.checksum(pattern(i))
+        assert pieces[key(i)].checksum == integrity.checksum(pattern(i))
 
 
 def test_a_failed_store_leaves_nothing_visible() -> None:
     engine = engine_with()
-    plan = engine.begin_store([key(1), key(2)], NBYTES)
+    plan = engine.store.begin_store([key(1), key(2)], NBYTES)
     plan.writes[0][2].copy_(pattern(1))  # the first chunk's copy went in, the second's failed
-    engine.finish_store(plan, ok=False)
-    assert lookup(engine, [1]) == 0 and len(engine) == 0 and engine.pool.bytes_allocated == 0
+    engine.store.finish_store(plan, ok=False)
+    assert lookup(engine, [1]) == 0 and len(engine.store) == 0 and engine.pool.bytes_allocated == 0
     store(engine, [1, 2])
     assert lookup(engine, [1, 2]) == 2
 
@@ -122,18 +129,19 @@ def test_a_record_with_a_wrong_payload_xxh3_is_refused() -> None:
 def test_a_piece_corrupted_in_memory_is_never_written_to_disk(tmp_path: Path) -> None:
     disk = DiskTier(tmp_path, 2**20, write_through=True)
     engine = engine_with(disk)
-    disk.start()
+    assert engine.tiers is not None
+    engine.tiers.start()
     try:
         plan = begin(engine, [1, 2])
         view = plan.writes[1][2]
         view[10] ^= 0x01  # the bytes change after their checksum was taken (memory corruption)
-        engine.finish_store(plan)  # queued for the writer
+        engine.store.finish_store(plan)  # queued for the writer
         assert disk.flush(10)
     finally:
         disk.stop()
-    s = engine.stats()
-    assert s["integrity_failures"] == 1 and s["integrity_verified_chunks"] == 1
-    assert disk.contains(key(1)) and engine.store.index.get(key(2)) is None
+    s = engine.snapshot()
+    assert s.engine.integrity_failures == 1 and s.engine.integrity_verified_chunks == 1
+    assert disk.contains(key(1)) and not engine.store.inspect().resident(key(2))
     assert lookup(engine, [1, 2]) == 1
 
 
@@ -148,9 +156,9 @@ def test_a_piece_corrupted_in_memory_is_dropped_by_the_writer(tmp_path: Path) ->
             if found is not None:
                 assert disk.write(key(i), *found)
     assert disk.contains(key(1)) and not disk.contains(key(2))
-    s = engine.stats()
-    assert s["integrity_failures"] == 1 and s["integrity_verified_chunks"] == 1
-    assert len(engine) == 1 and engine.pool.bytes_allocated == SLOT  # its slot is free again
+    s = engine.snapshot()
+    assert s.engine.integrity_failures == 1 and s.engine.integrity_verified_chunks == 1
+    assert len(engine.store) == 1 and engine.pool.bytes_allocated == SLOT  # its slot is free again
 
 
 def test_a_writer_checks_the_piece_it_reads_not_a_newer_one_of_its_key(
@@ -160,17 +168,17 @@ def test_a_writer_checks_the_piece_it_reads_not_a_newer_one_of_its_key(
     other bytes, another checksum) is neither condemned nor written under the old bytes."""
     engine = engine_with(DiskTier(tmp_path, 2**20))
     store(engine, [1])
-    old = engine.store.index.get(key(1))
+    old = piece_of(engine, key(1))
     assert old is not None
     memory = engine.store.memory
 
     def restored_meanwhile(handle: int, nbytes: int) -> memoryview:
         with engine.store._mutex:  # a drop as eviction's: being read, its slot stays
             engine.store._drop(old)
-        plan = engine.begin_store([key(1)], NBYTES)
+        plan = engine.store.begin_store([key(1)], NBYTES)
         plan.writes[0][2].copy_(pattern(9))
         plan.checksums = [integrity.checksum(plan.writes[0][2])]
-        engine.finish_store(plan)
+        engine.store.finish_store(plan)
         return memory(handle, nbytes)
 
     monkeypatch.setattr(engine.store, "memory", restored_meanwhile)
@@ -178,10 +186,10 @@ def test_a_writer_checks_the_piece_it_reads_not_a_newer_one_of_its_key(
     with engine.tiers.guard.source(key(1)) as found:
         assert found is not None and found[1] == old.checksum
         assert integrity.checksum(found[0]) == old.checksum
-    newer = engine.store.index.get(key(1))
-    assert newer is not None and newer is not old and newer.checksum != old.checksum
-    s = engine.stats()
-    assert s["integrity_failures"] == 0 and s["integrity_verified_chunks"] == 1
+    newer = engine.store.inspect().pieces[key(1)]  # stored while the old one was held
+    assert newer.handle != old.handle and newer.checksum != old.checksum
+    s = engine.snapshot()
+    assert s.engine.integrity_failures == 0 and s.engine.integrity_verified_chunks == 1
 
 
 def test_a_tier_load_keeps_the_records_checksum_and_refuses_a_corrupt_payload(
@@ -195,10 +203,10 @@ def test_a_tier_load_keeps_the_records_checksum_and_refuses_a_corrupt_payload(
     path.write_bytes(bytes(data))
     engine = engine_with(disk)
     assert lookup(engine, [1, 2, 3]) == 1  # chunk 2 fails its check: the prefix stops there
-    piece = engine.store.index.get(key(1))
-    assert piece is not None and piece.checksum == integrity.checksum(pattern(1))
-    s = engine.stats()
-    assert s["disk_corrupt"] == 1 and not path.exists() and engine.store.index.get(key(2)) is None
+    pieces = engine.store.inspect().pieces
+    assert pieces[key(1)].checksum == integrity.checksum(pattern(1))
+    s = engine.snapshot()
+    assert s.disk.corrupt == 1 and not path.exists() and key(2) not in pieces
 
 
 # ---------------------------------------------------------------- retrieve
@@ -209,18 +217,19 @@ def test_verify_retrieve_moves_a_corrupt_chunk_to_missing_and_drops_it() -> None
     store(engine, [1, 2, 3])
     corrupt(engine, 2)
     hashes = [key(i).chunk_hash for i in (1, 2, 3)]
-    assert engine.lookup("m", LAYOUT, [(0, 8)], hashes, "r") == 3
-    plan = engine.begin_retrieve("m", LAYOUT, (0, 8), hashes, "r")
+    assert engine.lookup("m", [GroupTarget(LAYOUT, ((0, 8),))], hashes, "r") == 3
+    plan = engine.store.begin_retrieve("m", LAYOUT, (0, 8), hashes, "r")
     assert engine.integrity.verify_retrieve(plan) == [1]
     assert [at for at, _ in plan.found] == [0, 2] and plan.missing == [1]
     for at, sources in plan.found:
         assert torch.equal(sources[0][0], pattern(at + 1))
-    engine.finish_retrieve(plan)
-    s = engine.stats()
-    assert s["integrity_failures"] == 1 and s["integrity_verified_chunks"] == 2
-    assert s["retrieved_chunks"] == 2 and s["retrieve_missing"] == 1 and s["locks_held"] == 0
-    assert engine.store.index.get(key(2)) is None and engine.pool.bytes_allocated == 2 * SLOT
-    assert all(p.readers == 0 for p in engine.store.index)
+    engine.store.finish_retrieve(plan)
+    s = engine.snapshot()
+    assert s.engine.integrity_failures == 1 and s.engine.integrity_verified_chunks == 2
+    assert (s.engine.retrieved_chunks, s.engine.retrieve_missing, s.engine.locks_held) == (2, 1, 0)
+    pieces = engine.store.inspect().pieces
+    assert key(2) not in pieces and engine.pool.bytes_allocated == 2 * SLOT
+    assert all(p.readers == 0 for p in pieces.values())
 
 
 def test_a_corrupt_piece_another_retrieve_reads_is_freed_once_it_is_done() -> None:
@@ -228,15 +237,15 @@ def test_a_corrupt_piece_another_retrieve_reads_is_freed_once_it_is_done() -> No
     store(engine, [1])
     corrupt(engine, 1)
     hashes = [key(1).chunk_hash]
-    first = engine.begin_retrieve("m", LAYOUT, (0, 8), hashes)
-    second = engine.begin_retrieve("m", LAYOUT, (0, 8), hashes)  # reads it too, unverified
+    first = engine.store.begin_retrieve("m", LAYOUT, (0, 8), hashes)
+    second = engine.store.begin_retrieve("m", LAYOUT, (0, 8), hashes)  # reads it too, unverified
     assert engine.integrity.verify_retrieve(first) == [1 - 1]
-    engine.finish_retrieve(first)
-    assert len(engine) == 0 and engine.pool.bytes_allocated == SLOT  # still read: not freed
-    engine.finish_retrieve(second)
+    engine.store.finish_retrieve(first)
+    assert len(engine.store) == 0 and engine.pool.bytes_allocated == SLOT  # still read: not freed
+    engine.store.finish_retrieve(second)
     assert engine.pool.bytes_allocated == 0  # freed by its last reader's release
     store(engine, [2])
-    check = engine.begin_retrieve("m", LAYOUT, (0, 8), [key(2).chunk_hash])
+    check = engine.store.begin_retrieve("m", LAYOUT, (0, 8), [key(2).chunk_hash])
     assert engine.integrity.verify_retrieve(check) == []
-    engine.finish_retrieve(check)
+    engine.store.finish_retrieve(check)
     assert engine.pool.bytes_allocated == SLOT  # only chunk 2's

@@ -12,6 +12,7 @@ import pytest
 import zmq
 
 from lmcache_core.config import load_config
+from lmcache_core.engine import GroupTarget
 from lmcache_core.errors import BindError, ConfigError
 from lmcache_core.events import DISK, MEMORY
 from lmcache_core.keys import ChunkKey, layout_key, opaque_layout, rank_heads, world_heads
@@ -417,8 +418,8 @@ SLOT = 1024
 
 
 def store(engine: CacheEngine, keys: list[ChunkKey]) -> None:
-    plan = engine.begin_store(keys, SLOT)
-    engine.finish_store(plan)
+    plan = engine.store.begin_store(keys, SLOT)
+    engine.store.finish_store(plan)
 
 
 def test_engine_reports_stores_evictions_clears_and_tier_loads(tmp_path):
@@ -426,7 +427,7 @@ def test_engine_reports_stores_evictions_clears_and_tier_loads(tmp_path):
     from lmcache_core.storage.pool import MemoryPool
 
     sink = Recorder()
-    disk = DiskTier(tmp_path, 2**20, write_through=True)
+    disk = DiskTier(tmp_path, 2**20, write_through=True, events=sink)  # the server's: one sink
     engine = CacheEngine(MemoryPool.slots(SLOT, 3, pin=False), chunk_size=16, disk=disk, events=sink)
     store(engine, [key(1), key(2)])
     store(engine, [key(1), key(3), key(4)])  # 1 is there; 3 fills the pool, 4 evicts 2 (the LRU)
@@ -439,18 +440,18 @@ def test_engine_reports_stores_evictions_clears_and_tier_loads(tmp_path):
             assert held is not None and disk.write(k, held[1])
     assert sink.calls == [(STORED, DISK, [key(3)]), (STORED, DISK, [key(4)])]
     sink.calls.clear()
-    assert engine.clear() == (3, 0)
+    assert engine.store.clear() == (3, 0)
     assert sink.calls == [(REMOVED, MEMORY, [key(1), key(4), key(3)])]  # LRU order
     sink.calls.clear()
-    assert engine.lookup("m", opaque_layout(1), [(0, 1)], [key(3).chunk_hash, key(4).chunk_hash],
-                         "q", lock=False, tier_timeout_s=1.0) == 2
+    assert engine.lookup("m", [GroupTarget(opaque_layout(1), ((0, 1),))],
+                         [key(3).chunk_hash, key(4).chunk_hash], "q", lock=False,
+                         tier_timeout_s=1.0) == 2
     assert sink.calls == [(STORED, MEMORY, [key(3), key(4)])]  # loaded back, in prefix order
 
 
 def test_disk_tier_reports_cap_deletions_and_lost_files(tmp_path):
     sink = Recorder()
-    disk = DiskTier(tmp_path, 2500)  # two 1000-byte payloads (plus headers) fit, not three
-    disk.events = sink
+    disk = DiskTier(tmp_path, 2500, events=sink)  # two 1000-byte payloads (plus headers) fit
     data = memoryview(bytes(1000))
     for i in (1, 2, 3):
         assert disk.write(key(i), data)

@@ -244,9 +244,9 @@ def test_two_clients_of_one_engine_each_get_their_own_answers(setup):
 def _engine_with(hashes: Sequence[bytes], ranks_chunks: dict[int, int]) -> CacheEngine:
     engine = CacheEngine(MemoryPool.slots(8, 32, pin=False), chunk_size=CHUNK)
     for rank, n in ranks_chunks.items():
-        plan = engine.begin_store([ChunkKey("m", opaque_layout(2), rank, rank + 1, h)
+        plan = engine.store.begin_store([ChunkKey("m", opaque_layout(2), rank, rank + 1, h)
                                    for h in hashes[:n]], 8)
-        engine.finish_store(plan)
+        engine.store.finish_store(plan)
     return engine
 
 
@@ -258,11 +258,11 @@ def test_engine_counts_its_own_rank_pins_and_cleans_up():
     got = engine.async_lookup_and_prefetch("q", hashes, offsets, True, None, model_name="m",
                                            world_size=2, worker_id=1,
                                            on_result=lambda i, n: answers.append((i, n)))
-    assert got == 16 and answers == [("q", 16)] and len(engine.locks_of("q")) == 4
-    assert engine.cleanup_memory_objs("q") == 4 and engine.locks_of("q") == []
+    assert got == 16 and answers == [("q", 16)] and len(engine.store.inspect().locks_of("q")) == 4
+    assert engine.cleanup_memory_objs("q") == 4 and engine.store.inspect().locks_of("q") == []
     assert engine.async_lookup_and_prefetch("n", hashes, None, False, model_name="m", world_size=2,
                                             worker_id=0) == 2 * CHUNK
-    assert engine.locks_of("n") == []
+    assert engine.store.inspect().locks_of("n") == []
     assert engine.async_lookup_and_prefetch("w", hashes, model_name="other", world_size=2) == 0
     with pytest.raises(ProtocolError):
         engine.async_lookup_and_prefetch("e", hashes, [4], model_name="m", world_size=2)
@@ -275,13 +275,13 @@ def test_engine_counts_pieces_of_other_tp_sizes_under_a_real_layout():
     hashes = chain_hashes(TOKENS, CHUNK)
     engine = CacheEngine(MemoryPool.slots(8, 32, pin=False), chunk_size=CHUNK)
     keys = [ChunkKey("m", layout, 0, 8, h) for h in hashes[:3]]  # stored by a TP=1 engine
-    engine.finish_store(engine.begin_store(keys, 8))
+    engine.store.finish_store(engine.store.begin_store(keys, 8))
     for world_size, worker_id in ((1, 0), (2, 1), (4, 3)):
         lookup_id = f"tp{world_size}"
         assert engine.async_lookup_and_prefetch(lookup_id, hashes, model_name="m",
                                                 world_size=world_size, worker_id=worker_id,
                                                 layout=layout) == 3 * CHUNK
-        assert sorted(engine.locks_of(lookup_id)) == sorted(keys)
+        assert sorted(engine.store.inspect().locks_of(lookup_id)) == sorted(keys)
         assert engine.cleanup_memory_objs(lookup_id) == 3
     # No layout: the opaque one of the world size, which these pieces are not.
     assert engine.async_lookup_and_prefetch("o", hashes, model_name="m", world_size=2,
@@ -296,12 +296,14 @@ def test_engine_with_a_disk_tier_loads_the_prefix_off_the_callers_thread(tmp_pat
     hashes = chain_hashes(TOKENS, CHUNK)
     disk = DiskTier(tmp_path, 1 << 20, write_through=True)
     writer = CacheEngine(MemoryPool.slots(64, 8, pin=False), chunk_size=CHUNK, disk=disk)
-    disk.start()
+    assert writer.tiers is not None
+    writer.tiers.start()
     try:
-        plan = writer.begin_store([ChunkKey("m", opaque_layout(1), 0, 1, h) for h in hashes[:3]], 64)
+        plan = writer.store.begin_store([ChunkKey("m", opaque_layout(1), 0, 1, h)
+                                         for h in hashes[:3]], 64)
         for i, (_, _, view) in enumerate(plan.writes):
             view.fill_(i)
-        writer.finish_store(plan)
+        writer.store.finish_store(plan)
         assert disk.flush(5)
     finally:
         disk.stop()
@@ -319,7 +321,7 @@ def test_engine_with_a_disk_tier_loads_the_prefix_off_the_callers_thread(tmp_pat
     assert done.wait(5)
     lookup_id, tokens, thread = answers[0]
     assert (lookup_id, tokens) == ("d", 3 * CHUNK) and thread.startswith("lmcache-prefetch")
-    assert len(engine.locks_of("d")) == 3  # loaded into memory and pinned
+    assert len(engine.store.inspect().locks_of("d")) == 3  # loaded into memory and pinned
     assert engine.async_lookup_and_prefetch("e", hashes, model_name="m") == 3 * CHUNK  # no callback
     assert engine.cleanup_memory_objs("d") == 3
 

@@ -30,9 +30,8 @@ def _server(url: str, seen: list[bytes], gone: list[bytes],
         gone.append(identity)
         event.set()
 
-    server = MessageQueueServer(url, {RequestType.PING: Route(ping)}, workers=1)
-    server.on_disconnect = on_disconnect
-    server.start()
+    server = MessageQueueServer(url, workers=1, on_disconnect=on_disconnect)
+    server.start({RequestType.PING: Route(ping)})
     return server
 
 
@@ -90,8 +89,8 @@ def test_a_killed_process_is_reported(tmp_path: Any) -> None:
 
 
 def test_without_an_observer_nothing_is_monitored(tmp_path: Any) -> None:
-    server = MessageQueueServer(f"ipc://{tmp_path}/n.sock", {}, workers=1)
-    server.start()
+    server = MessageQueueServer(f"ipc://{tmp_path}/n.sock", workers=1)
+    server.start({})
     try:
         assert server._peers is None
     finally:

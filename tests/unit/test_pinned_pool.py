@@ -94,15 +94,16 @@ def test_no_cuda_no_pinning() -> None:
 def test_server_info_reports_the_pinned_bytes(cudart: FakeCudart) -> None:
     from lmcache_core.config import load_config
     from lmcache_core.engine import CacheEngine
-    from lmcache_core.server.handlers import CacheHandlers
+    from lmcache_core.server.listing import ServerViews
     from lmcache_core.server.registry import KVRegistry
     from lmcache_core.stats import TransportStats
 
     pool = MemoryPool.slots(5056, 3)
-    handlers = CacheHandlers(load_config(None), CacheEngine(pool, 16),
-                             KVRegistry(lambda r: None, 60.0), TransportStats, "tcp://x")
-    handlers.http_url = None
-    info = handlers.server_info(None, b"")  # type: ignore[arg-type]
+    views = ServerViews(load_config(None), CacheEngine(pool, 16), pool,
+                        KVRegistry(lambda r: None, 60.0), disk=None, remote=None,
+                        transport_stats=TransportStats, events_stats=None,
+                        url=lambda: "tcp://x", http_url=lambda: None, started=0.0)
+    info = views.server_info(None, b"")  # type: ignore[arg-type]
     assert info.stats.engine.pool_pinned_bytes == 15168 and info.stats.workers.gpu_instances == 0
 
 

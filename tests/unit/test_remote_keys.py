@@ -98,9 +98,10 @@ class _Sink:
         self.removed_keys.append((list(keys), medium))
 
 
-def test_a_value_of_another_piece_or_format_is_refused(tier: RemoteTier) -> None:
+def test_a_value_of_another_piece_or_format_is_refused() -> None:
     client, sink = _Client(), _Sink()
-    tier._client, tier.events = client, sink
+    tier = RemoteTier("redis://127.0.0.1:1", events=sink)  # never connects: its client is set
+    tier._client = client
     low, high = ChunkKey("m", LAYOUT, 0, 4, H), ChunkKey("m", LAYOUT, 4, 8, H)
     data = memoryview(bytes(range(200)))
     out = memoryview(bytearray(256))
@@ -118,3 +119,4 @@ def test_a_value_of_another_piece_or_format_is_refused(tier: RemoteTier) -> None
     assert sink.removed_keys == [([high], REMOTE), ([low], REMOTE)]
     assert tier.stats().corrupt == 2
     tier._client = None  # nothing to close
+    tier.stop(drain_timeout_s=0)

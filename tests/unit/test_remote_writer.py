@@ -29,7 +29,8 @@ def tier() -> Iterator[RemoteTier]:
 
 
 def serve(tier: RemoteTier, payloads: dict[ChunkKey, bytes]) -> list[tuple[bytes, bytes]]:
-    """Bind ``payloads`` as the tier's source; the returned list gets each (redis key, value) SET."""
+    """``payloads`` as the tier's source (what ``start`` gives its writer; the batches are written
+    here by hand); the returned list gets each (redis key, value) SET."""
     @contextlib.contextmanager
     def source(k: ChunkKey) -> Iterator[tuple[memoryview, int] | None]:
         p = payloads.get(k)
@@ -41,7 +42,7 @@ def serve(tier: RemoteTier, payloads: dict[ChunkKey, bytes]) -> list[tuple[bytes
         sent.extend((rkey, bytes(value)) for rkey, value in values)  # copied: buffers are reused
         return [True] * len(values)
 
-    tier.bind(source)
+    tier._source = source
     tier._set_many = set_many  # type: ignore[method-assign]
     return sent
 

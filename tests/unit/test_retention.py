@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from lmcache_core.engine import CacheEngine, Retention
+from lmcache_core.engine import CacheEngine, GroupTarget, PieceRow, Retention
 from lmcache_core.errors import PinLimitError
 from lmcache_core.keys import ChunkKey, opaque_layout
+from lmcache_core.server.listing import memory_rows
 from lmcache_core.storage.pool import MemoryPool
 
 SLOT = 64
 LAYOUT = opaque_layout(1)
-RANGES = [(0, 1)]
+GROUPS = [GroupTarget(LAYOUT, ((0, 1),))]  # a lookup's (or pin's) of one rank
 
 
 class Clock:
@@ -42,10 +43,10 @@ def store(engine: CacheEngine, ids: list[int], retention: Retention | None = Non
     """One store per id (within one request a prefix's tail is the least recently used)."""
     stored = skipped = refused = present = 0
     for i in ids:
-        plan = engine.begin_store([key(i)], SLOT, retention or Retention())
+        plan = engine.store.begin_store([key(i)], SLOT, retention or Retention())
         for _, k, view in plan.writes:
             view.fill_(k.chunk_hash[0])
-        engine.finish_store(plan)
+        engine.store.finish_store(plan)
         stored += plan.stored
         skipped += plan.skipped_full
         refused += plan.pin_refused
@@ -59,8 +60,14 @@ class Totals:
         self.pin_refused, self.already_present = pin_refused, present
 
 
+def rows(engine: CacheEngine) -> dict[int, PieceRow]:
+    """Each resident piece as the listing shows it, by its chunk (its hash's first byte)."""
+    return {row.chunk_hash[0]: row for row in memory_rows(engine.store)[0]}
+
+
 def resident(engine: CacheEngine, ids: list[int]) -> list[bool]:
-    return [engine.is_resident(key(i)) for i in ids]
+    pieces = engine.store.inspect().pieces
+    return [key(i) in pieces for i in ids]
 
 
 def test_without_hints_eviction_is_plain_lru():
@@ -68,7 +75,7 @@ def test_without_hints_eviction_is_plain_lru():
     store(engine, [0, 1, 2, 3])
     store(engine, [4])
     assert resident(engine, [0, 1, 2, 3, 4]) == [False, True, True, True, True]
-    assert engine.store.retention.special == 0
+    assert engine.store.inspect().hinted == 0
 
 
 def test_expired_pieces_go_first_then_lru():
@@ -101,16 +108,16 @@ def test_pinned_pieces_survive_a_flood_until_unpinned_or_their_ttl_ends():
     for i in range(10, 30):  # a flood of other stores
         store(engine, [i])
     assert resident(engine, [0, 1]) == [True, True]
-    stats = engine.stats()
-    assert (stats["pinned_pieces"], stats["pinned_bytes"]) == (2, 2 * SLOT)
+    stats = engine.snapshot()
+    assert (stats.engine.pinned_pieces, stats.engine.pinned_bytes) == (2, 2 * SLOT)
     clock.now += 31  # 1's pin lapses with its TTL
-    engine.expire_locks()
+    engine.store.expire_locks()
     store(engine, [30, 31])
     assert resident(engine, [0, 1]) == [True, False]
-    assert engine.unpin("m", LAYOUT, RANGES, [h(0)]) == 1
+    assert engine.store.unpin("m", GROUPS, [h(0)]) == 1
     store(engine, [32, 33])
-    assert not engine.is_resident(key(0))
-    assert engine.stats()["pinned_pieces"] == 0
+    assert not engine.store.inspect().resident(key(0))
+    assert engine.snapshot().engine.pinned_pieces == 0
 
 
 def test_a_pool_full_of_pinned_pieces_skips_stores():
@@ -125,37 +132,36 @@ def test_pins_past_max_pinned_are_refused_and_counted_never_dropped_silently():
     engine, _ = make(max_pinned=SLOT)
     plan = store(engine, [0, 1], Retention(pin=True))
     assert (plan.stored, plan.pin_refused) == (2, 1)  # both stored, one left unpinned
-    assert engine.stats()["store_pin_refused"] == 1
-    rows = {row.chunk_hash[0]: row for row in engine.list_chunks()[0]}
-    assert sorted(row.pinned for row in rows.values()) == [False, True]
+    assert engine.snapshot().engine.store_pin_refused == 1
+    assert sorted(row.pinned for row in rows(engine).values()) == [False, True]
     with pytest.raises(PinLimitError, match="max_pinned"):
-        engine.pin("m", LAYOUT, RANGES, [h(0), h(1)])
-    assert engine.stats()["pinned_pieces"] == 1  # nothing pinned by the refused call
+        engine.store.pin("m", GROUPS, [h(0), h(1)])
+    assert engine.snapshot().engine.pinned_pieces == 1  # nothing pinned by the refused call
 
 
 def test_pin_and_unpin_by_hand_and_a_store_of_present_pieces_applies_its_hints():
     engine, clock = make(max_pinned=4 * SLOT)
     store(engine, [0, 1, 2])
-    assert engine.pin("m", LAYOUT, RANGES, [h(0), h(1), h(9)], ttl_s=60) == 2  # a prefix
+    assert engine.store.pin("m", GROUPS, [h(0), h(1), h(9)], ttl_s=60) == 2  # a prefix
     plan = store(engine, [2], Retention(pin=True, priority=3, ttl_s=5))  # already present
     assert (plan.stored, plan.already_present) == (0, 1)
-    rows = {row.chunk_hash[0]: row for row in engine.list_chunks()[0]}
-    assert [rows[i].pinned for i in (0, 1, 2)] == [True, True, True]
+    listed = rows(engine)
+    assert [listed[i].pinned for i in (0, 1, 2)] == [True, True, True]
     # stored without a TTL: none is the longest, it keeps none
-    assert rows[2].priority == 3 and rows[2].expires_in_s is None
-    assert rows[0].expires_in_s == pytest.approx(60)
+    assert listed[2].priority == 3 and listed[2].expires_in_s is None
+    assert listed[0].expires_in_s == pytest.approx(60)
     clock.now += 1
     store(engine, [0], Retention(ttl_s=1, priority=-2))  # the longer TTL and higher priority stay
-    row = {r.chunk_hash[0]: r for r in engine.list_chunks()[0]}[0]
+    row = rows(engine)[0]
     assert (row.priority, row.expires_in_s) == (0, pytest.approx(59))
-    assert engine.unpin("m", LAYOUT, RANGES, [h(0), h(1), h(2)]) == 3
+    assert engine.store.unpin("m", GROUPS, [h(0), h(1), h(2)]) == 3
 
 
 def test_a_pin_with_a_ttl_replaces_the_ttl_and_keeps_the_priority():
     engine, _clock = make(max_pinned=4 * SLOT)
     store(engine, [0], Retention(priority=50, ttl_s=600))
-    assert engine.pin("m", LAYOUT, RANGES, [h(0)], ttl_s=60) == 1
-    row = engine.list_chunks()[0][0]
+    assert engine.store.pin("m", GROUPS, [h(0)], ttl_s=60) == 1
+    row = rows(engine)[0]
     assert (row.pinned, row.priority, row.expires_in_s) == (True, 50, pytest.approx(60))
 
 
@@ -163,23 +169,23 @@ def test_clear_keeps_pinned_pieces_unless_forced():
     engine, _ = make()
     store(engine, [0], Retention(pin=True))
     store(engine, [1])
-    assert engine.clear() == (1, 1)
-    assert engine.clear(force=True) == (1, 0)
-    assert engine.stats()["pinned_pieces"] == 0 and engine.store.retention.special == 0
+    assert engine.store.clear() == (1, 1)
+    assert engine.store.clear(force=True) == (1, 0)
+    assert engine.snapshot().engine.pinned_pieces == 0 and engine.store.inspect().hinted == 0
 
 
 def test_a_pin_without_a_ttl_holds_a_piece_stored_with_one_until_unpinned():
     engine, clock = make(slots=2, max_pinned=2 * SLOT)
     store(engine, [1], Retention(ttl_s=5))
-    assert engine.pin("m", LAYOUT, RANGES, [h(1)]) == 1  # "until unpinned"
-    assert engine.list_chunks()[0][0].expires_in_s is None
+    assert engine.store.pin("m", GROUPS, [h(1)]) == 1  # "until unpinned"
+    assert rows(engine)[1].expires_in_s is None
     clock.now += 10  # past the store's TTL
-    assert engine.expire_locks() == 0 and engine.stats()["pinned_pieces"] == 1
+    assert engine.store.expire_locks() == 0 and engine.snapshot().engine.pinned_pieces == 1
     store(engine, [2, 3, 4])  # a 2-slot pool: only the unpinned pieces come and go
     assert resident(engine, [1]) == [True]
-    assert engine.unpin("m", LAYOUT, RANGES, [h(1)]) == 1
+    assert engine.store.unpin("m", GROUPS, [h(1)]) == 1
     store(engine, [5, 6])
-    assert resident(engine, [1]) == [False] and engine.store.retention.special == 0
+    assert resident(engine, [1]) == [False] and engine.store.inspect().hinted == 0
 
 
 def test_a_store_that_pins_a_present_piece_without_a_ttl_pins_it_until_unpinned():
@@ -188,9 +194,9 @@ def test_a_store_that_pins_a_present_piece_without_a_ttl_pins_it_until_unpinned(
     plan = store(engine, [1], Retention(pin=True))  # already present: pinned, no TTL of its own
     assert (plan.already_present, plan.pin_refused) == (1, 0)
     clock.now += 10
-    engine.expire_locks()
+    engine.store.expire_locks()
     store(engine, [2, 3, 4])
-    assert resident(engine, [1]) == [True] and engine.stats()["pinned_pieces"] == 1
+    assert resident(engine, [1]) == [True] and engine.snapshot().engine.pinned_pieces == 1
 
 
 def test_a_refused_pin_without_a_ttl_leaves_the_pieces_ttl():
@@ -199,18 +205,18 @@ def test_a_refused_pin_without_a_ttl_leaves_the_pieces_ttl():
     store(engine, [1], Retention(ttl_s=5))
     plan = store(engine, [1], Retention(pin=True))
     assert plan.pin_refused == 1
-    row = {r.chunk_hash[0]: r for r in engine.list_chunks()[0]}[1]
+    row = rows(engine)[1]
     assert (row.pinned, row.expires_in_s) == (False, pytest.approx(5))
 
 
 def test_a_pin_with_a_ttl_still_ends_with_it_and_a_later_pin_without_one_holds():
     engine, clock = make(slots=2, max_pinned=2 * SLOT)
     store(engine, [1])
-    assert engine.pin("m", LAYOUT, RANGES, [h(1)], ttl_s=5) == 1
+    assert engine.store.pin("m", GROUPS, [h(1)], ttl_s=5) == 1
     clock.now += 10
-    assert engine.expire_locks() == 0 and engine.stats()["pinned_pieces"] == 0  # lapsed
-    assert engine.pin("m", LAYOUT, RANGES, [h(1)]) == 1
+    assert engine.store.expire_locks() == 0 and engine.snapshot().engine.pinned_pieces == 0  # lapsed
+    assert engine.store.pin("m", GROUPS, [h(1)]) == 1
     clock.now += 1000
-    engine.expire_locks()
-    assert engine.stats()["pinned_pieces"] == 1
-    assert engine.stats()["pinned_bytes"] == SLOT
+    engine.store.expire_locks()
+    assert engine.snapshot().engine.pinned_pieces == 1
+    assert engine.snapshot().engine.pinned_bytes == SLOT

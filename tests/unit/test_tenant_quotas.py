@@ -12,6 +12,7 @@ import pytest
 from lmcache_core.engine import CacheEngine, Retention
 from lmcache_core.keys import ChunkKey, opaque_layout, tenant_tag
 from lmcache_core.protocol import messages as m
+from lmcache_core.server.listing import tenant_stats
 from lmcache_core.storage.pool import MemoryPool
 from tests.unit.test_engine import SLOT, FakeClock, h, lookup
 
@@ -32,21 +33,27 @@ def make(slots: int = 16, quotas: dict[str, int] | None = None,
 
 def store(engine: CacheEngine, keys: Sequence[ChunkKey], tenant: str = "",
           nbytes: int = SLOT) -> m.StoreReply:
-    plan = engine.begin_store(keys, nbytes, tenant=tenant)
+    plan = engine.store.begin_store(keys, nbytes, tenant=tenant)
     for _, k, view in plan.writes:
         view.fill_(k.chunk_hash[0])
-    engine.finish_store(plan)
+    engine.store.finish_store(plan)
     return m.StoreReply(stored=plan.stored, already_present=plan.already_present,
                         skipped_full=plan.skipped_full, skipped_quota=plan.skipped_quota)
 
 
 def resident(engine: CacheEngine, keys: Sequence[ChunkKey]) -> list[bool]:
-    return [engine.is_resident(k) for k in keys]
+    pieces = engine.store.inspect().pieces
+    return [k in pieces for k in keys]
 
 
 def figures(engine: CacheEngine) -> dict[str, tuple[str, int, int, int | None]]:
     return {row.tenant: (row.name, row.pieces, row.bytes_used, row.quota_bytes)
-            for row in engine.tenant_stats()}
+            for row in tenant_stats(engine)}
+
+
+def tenant_bytes(engine: CacheEngine) -> dict[str, int]:
+    """The resident bytes of each tenant tag (the quotas' own count)."""
+    return {tag: nbytes for tag, (_, nbytes) in engine.store.inspect().tenants.items()}
 
 
 def test_a_tenant_at_its_quota_evicts_its_own_oldest_pieces_only() -> None:
@@ -58,11 +65,11 @@ def test_a_tenant_at_its_quota_evicts_its_own_oldest_pieces_only() -> None:
     alice = [key(i) for i in range(4)]
     for k in alice[:3]:
         assert store(engine, [k], ALICE).stored == 1
-    assert engine.stats()["evictions"] == 0
+    assert engine.snapshot().engine.evictions == 0
     assert store(engine, [alice[3]], ALICE).stored == 1
     assert resident(engine, alice) == [False, True, True, True]
     assert resident(engine, bob + plain) == [True, True, True]  # other tenants', no tenant's
-    assert engine.stats()["evictions"] == 1
+    assert engine.snapshot().engine.evictions == 1
     assert figures(engine) == {ALICE: ("team-alice", 3, 3 * SLOT, 3 * SLOT),
                                BOB: ("", 2, 2 * SLOT, None)}
     # bob has no quota: he stores on, past alice's figure
@@ -76,7 +83,7 @@ def test_a_store_of_many_pieces_over_the_tenant_quota_keeps_the_head() -> None:
     reply = store(engine, keys, ALICE)
     assert (reply.stored, reply.skipped_quota, reply.skipped_full) == (3, 2, 0)
     assert resident(engine, keys) == [True] * 3 + [False] * 2
-    assert engine.stats()["evictions"] == 0
+    assert engine.snapshot().engine.evictions == 0
 
 
 def test_over_quota_with_nothing_evictable_is_skipped_quota_and_evicts_nothing() -> None:
@@ -88,20 +95,20 @@ def test_over_quota_with_nothing_evictable_is_skipped_quota_and_evicts_nothing()
     assert lookup(engine, 1, [k.chunk_hash for k in alice], "held", model="a") == 2  # locked
     reply = store(engine, [key(5)], ALICE)
     assert (reply.stored, reply.skipped_quota, reply.skipped_full) == (0, 1, 0)
-    assert engine.stats()["store_skipped_quota"] == 1
-    assert engine.stats()["evictions"] == 0
+    assert engine.snapshot().engine.store_skipped_quota == 1
+    assert engine.snapshot().engine.evictions == 0
     assert resident(engine, alice + bob) == [True, True, True]
-    engine.free_lookup_locks("held")
+    engine.store.free_lookup_locks("held")
     assert store(engine, [key(5)], ALICE).stored == 1  # now alice's oldest may go: the tail
     assert resident(engine, alice + bob + [key(5)]) == [True, False, True, True]
 
 
 def test_pinned_pieces_of_a_tenant_stay_and_its_store_is_skipped() -> None:
     engine = make(tenant_quotas={"alice": SLOT})
-    engine.finish_store(engine.begin_store([key(1)], SLOT, Retention(pin=True), tenant=ALICE))
+    engine.store.finish_store(engine.store.begin_store([key(1)], SLOT, Retention(pin=True), tenant=ALICE))
     reply = store(engine, [key(2)], ALICE)
     assert (reply.stored, reply.skipped_quota) == (0, 1)
-    assert engine.is_resident(key(1))
+    assert engine.store.inspect().resident(key(1))
 
 
 def test_model_and_tenant_quotas_are_both_honoured() -> None:
@@ -113,7 +120,7 @@ def test_model_and_tenant_quotas_are_both_honoured() -> None:
     # bob fills model a to its quota: 1A 2A 10B 11B, oldest first.
     for i in (10, 11):
         assert store(engine, [key(i)], BOB).stored == 1
-    assert engine.stats()["evictions"] == 1
+    assert engine.snapshot().engine.evictions == 1
     # bob's next piece: the model's quota takes the model's oldest piece (alice's 1).
     assert store(engine, [key(12)], BOB).stored == 1
     assert resident(engine, [key(1), key(2), key(10), key(11), key(12)]) == [
@@ -123,13 +130,13 @@ def test_model_and_tenant_quotas_are_both_honoured() -> None:
     assert store(engine, [key(4)], ALICE).stored == 1
     assert resident(engine, [key(2), key(10), key(11), key(12), key(3), key(4)]) == [
         False, False, True, True, True, True]
-    assert engine.stats()["evictions"] == 4
+    assert engine.snapshot().engine.evictions == 4
     # Both at their quota: alice's oldest (3) goes for her quota and counts for the model's too,
     # one eviction (the model's oldest, bob's 11, stays: never another tenant's for hers).
     assert store(engine, [key(5)], ALICE).stored == 1
     assert resident(engine, [key(11), key(12), key(3), key(4), key(5)]) == [
         True, True, False, True, True]
-    assert engine.stats()["evictions"] == 5
+    assert engine.snapshot().engine.evictions == 5
     # bob's next piece: the model at its quota, its oldest is bob's 11.
     assert store(engine, [key(13)], BOB).stored == 1
     assert resident(engine, [key(11), key(12), key(13)]) == [False, True, True]
@@ -138,10 +145,10 @@ def test_model_and_tenant_quotas_are_both_honoured() -> None:
     assert store(engine, [key(6)], ALICE).stored == 1
     assert resident(engine, [key(4), key(5), key(6), key(12), key(13)]) == [
         False, True, True, True, True]
-    assert engine.stats()["evictions"] == 7
-    assert engine.store.index.models.bytes["a"] == 4 * SLOT
+    assert engine.snapshot().engine.evictions == 7
+    assert engine.store.inspect().models["a"][1] == 4 * SLOT
     assert figures(engine)[ALICE][1:3] == (2, 2 * SLOT)
-    assert engine.stats()["store_skipped_quota"] == 0
+    assert engine.snapshot().engine.store_skipped_quota == 0
 
 
 def test_a_tenant_quota_that_cannot_be_met_evicts_nothing_for_the_model_either() -> None:
@@ -155,23 +162,23 @@ def test_a_tenant_quota_that_cannot_be_met_evicts_nothing_for_the_model_either()
     reply = store(engine, [key(3)], ALICE)
     assert (reply.stored, reply.skipped_quota) == (0, 1)
     assert resident(engine, [bob, *alice]) == [True, True, True]
-    assert engine.stats()["evictions"] == 0
+    assert engine.snapshot().engine.evictions == 0
 
 
 def test_tenant_bytes_return_to_zero_after_eviction_and_clear() -> None:
     engine = make(slots=4, tenant_quotas={"alice": 8 * SLOT})
     store(engine, [key(i) for i in range(2)], ALICE)
     store(engine, [key(i) for i in range(10, 12)], BOB)
-    assert engine.store.index.tenants.bytes == {ALICE: 2 * SLOT, BOB: 2 * SLOT}
+    assert tenant_bytes(engine) == {ALICE: 2 * SLOT, BOB: 2 * SLOT}
     store(engine, [key(i) for i in range(20, 24)])  # no tenant: fills the pool, evicting all
-    assert engine.stats()["evictions"] == 4
-    assert engine.store.index.tenants.bytes == {} and engine.store.index.tenants.pieces == {}
+    assert engine.snapshot().engine.evictions == 4
+    assert engine.store.inspect().tenants == {}
     # listed at zero, by its label: the salt itself is in no figure
     assert figures(engine) == {ALICE: ("team-alice", 0, 0, 8 * SLOT)}
     store(engine, [key(30)], BOB)
-    assert engine.store.index.tenants.bytes == {BOB: SLOT}
-    assert engine.clear(force=True) == (4, 0)
-    assert engine.store.index.tenants.bytes == {} and engine.store.index.nbytes == 0
+    assert tenant_bytes(engine) == {BOB: SLOT}
+    assert engine.store.clear(force=True) == (4, 0)
+    assert tenant_bytes(engine) == {} and engine.snapshot().engine.bytes_used == 0
 
 
 def test_tier_loads_are_untagged_and_only_the_model_quota_applies() -> None:
@@ -181,10 +188,11 @@ def test_tier_loads_are_untagged_and_only_the_model_quota_applies() -> None:
     # Both reserved: the second passes the model's quota (the first counts, being written), so
     # alice's piece went; the loads are no tenant's, so her quota had no say.
     assert [item[0] for item in items] == [key(2), key(3)]
-    assert not engine.is_resident(key(1))
+    assert not engine.store.inspect().resident(key(1))
     engine.store.commit_loaded(items, [SLOT, SLOT])
-    assert [engine.store.index.get(k).tenant for k in (key(2), key(3))] == ["", ""]  # type: ignore[union-attr]
-    assert engine.store.index.tenants.bytes == {}
+    state = engine.store.inspect()
+    assert [state.pieces[k].tenant for k in (key(2), key(3))] == ["", ""]
+    assert state.tenants == {}
 
 
 def test_store_request_tenant_is_a_bounded_hex_tag() -> None:
@@ -203,17 +211,18 @@ def test_stores_in_flight_at_once_count_against_the_quotas() -> None:
     """Two stores of one tenant (or one model) copying at once: the second sees the first's
     pieces being written, so together they stay within the quota."""
     engine = make(quotas={"b": 3 * SLOT}, tenant_quotas={"alice": 3 * SLOT})
-    first = engine.begin_store([key(1), key(2)], SLOT, tenant=ALICE)
-    second = engine.begin_store([key(3), key(4)], SLOT, tenant=ALICE)  # first still copying
+    first = engine.store.begin_store([key(1), key(2)], SLOT, tenant=ALICE)
+    second = engine.store.begin_store([key(3), key(4)], SLOT, tenant=ALICE)  # first still copying
     assert (len(first.writes), len(second.writes), second.skipped_quota) == (2, 1, 1)
-    engine.finish_store(second)
-    engine.finish_store(first)
+    engine.store.finish_store(second)
+    engine.store.finish_store(first)
     assert figures(engine)[ALICE][1:3] == (3, 3 * SLOT)
     other = [ChunkKey("b", opaque_layout(1), 0, 1, h(i)) for i in range(10, 14)]
-    model_first = engine.begin_store(other[:2], SLOT)
-    model_second = engine.begin_store(other[2:], SLOT)
+    model_first = engine.store.begin_store(other[:2], SLOT)
+    model_second = engine.store.begin_store(other[2:], SLOT)
     assert (len(model_first.writes), len(model_second.writes)) == (2, 1)
-    engine.finish_store(model_first, ok=False)  # a failed store gives its share back
-    engine.finish_store(model_second)
-    assert engine.store.index.models.bytes["b"] == SLOT
-    assert len(engine.store.writing) == 0 and engine.store.writing.models.bytes == {}
+    engine.store.finish_store(model_first, ok=False)  # a failed store gives its share back
+    engine.store.finish_store(model_second)
+    state = engine.store.inspect()
+    assert state.models["b"][1] == SLOT
+    assert state.writing == {} and state.writing_models == {}

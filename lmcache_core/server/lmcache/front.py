@@ -31,6 +31,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from lmcache_core.engine import PieceStore
 from lmcache_core.errors import LMCacheError, NotRegisteredError, ProtocolError, clip
 from lmcache_core.log_budget import LogBudget
 from lmcache_core.protocol import lmcache_wire as w
@@ -40,6 +41,7 @@ from lmcache_core.server.handlers import CacheHandlers
 from lmcache_core.server.lmcache import translate as t
 from lmcache_core.server.lmcache.prefetch_status import DEFERRED, PrefetchResults
 from lmcache_core.server.lmcache.registrations import DialectRegistrations, registration_request
+from lmcache_core.server.registry import KVRegistry
 from lmcache_core.transport.routes import LATER, AfterReply, Route, silent_route
 
 logger = logging.getLogger(__name__)
@@ -59,16 +61,24 @@ _MAX_TOLD = 4096
 
 
 class LMCacheFrontEnd:
-    """LMCache's ops as routes over ``handlers``; one per server."""
+    """LMCache's ops as routes over ``handlers``; one per server. Given what else it uses: the
+    registry, the engine's ``store`` (LMCache's lock releases go to it directly), the
+    ``chunk_size``, whether lookups may read lower tiers (``tiered``: they then run behind their
+    ack), ``post`` (the transport's: a later reply) and the transport's ``limits``."""
 
-    def __init__(self, handlers: CacheHandlers, post: Post,
+    def __init__(self, handlers: CacheHandlers, registry: KVRegistry, store: PieceStore,
+                 chunk_size: int, *, tiered: bool, post: Post,
                  limits: Limits = DEFAULT_LIMITS) -> None:
         self.handlers = handlers
+        self.registry = registry
+        self._store = store
+        self.chunk_size = chunk_size
+        self.tiered = tiered
         self.limits = limits  # the transport's: what one request may weigh, in either dialect
         self.wire = w.LMCacheWire(limits.max_request_bytes)
         self.post = post
         self.results = PrefetchResults()  # lookup results by request id; parked waits
-        self.registrations = DialectRegistrations(handlers)  # in step with the registry
+        self.registrations = DialectRegistrations(handlers, registry)  # in step with the registry
         self._rejections = LogBudget(logger=logger)  # the client's to cause at any rate
         self._failures = LogBudget(logger=logger)
         self._told: set[bytes] = set()  # clients warned that engine-driven transfer is unserved
@@ -78,10 +88,10 @@ class LMCacheFrontEnd:
         def on(handler: Callable[..., Any], **policy: Any) -> Route:
             return Route(lambda call, client: handler(*call.args, client=client), **policy)
 
-        tiered = self.handlers.engine.has_tiers
+        tiered = self.tiered
         routes = {
             "noop": on(lambda *, client: "OK"),
-            "get_chunk_size": on(lambda *, client: self.handlers.config.chunk_size),
+            "get_chunk_size": on(lambda *, client: self.chunk_size),
             # Neither transfer_query nor kv_event_stream: the client skips both paths.
             "get_experimental": on(lambda *, client: []),
             "ping": on(self.ping),
@@ -109,7 +119,7 @@ class LMCacheFrontEnd:
 
     def ping(self, instance_id: int | None, *, client: bytes) -> bool:
         if instance_id is not None:
-            self.handlers.registry.touch(instance_id, client)
+            self.registry.touch(instance_id, client)
         return True
 
     def clear(self, force: bool, *, client: bytes) -> None:
@@ -138,7 +148,7 @@ class LMCacheFrontEnd:
 
     def store(self, key: w.IPCCacheServerKey, instance_id: int, groups: list[list[int]],
               event: bytes, *, client: bytes) -> tuple[bytes, bool] | AfterReply:
-        chunk = self.handlers.config.chunk_size
+        chunk = self.chunk_size
         reg = self._registration("store", key, instance_id, client)
         if isinstance(reg, tuple):
             return reg
@@ -159,7 +169,7 @@ class LMCacheFrontEnd:
 
     def retrieve(self, key: w.IPCCacheServerKey, instance_id: int, groups: list[list[int]],
                  event: bytes, skip_first_n_tokens: int, *, client: bytes) -> tuple[bytes, bool]:
-        chunk = self.handlers.config.chunk_size
+        chunk = self.chunk_size
         reg = self._registration("retrieve", key, instance_id, client)
         if isinstance(reg, tuple):
             return reg
@@ -186,7 +196,7 @@ class LMCacheFrontEnd:
         (LMCache's: none to use, or mapping it for this rank failed); a key of more chunks than
         one request may, or not chunk-aligned within its tokens, raises (LMCache's failure)."""
         self._check_size(key)
-        t.check_range(key, self.handlers.config.chunk_size)
+        t.check_range(key, self.chunk_size)
         try:
             reg = self.registrations.for_rank(instance_id, key.worker_id, client)
         except LMCacheError as exc:
@@ -202,7 +212,7 @@ class LMCacheFrontEnd:
         if heads is None:
             return
         try:
-            self.handlers.engine.release_lookup_reads(request_id, set(hashes), 1, heads)
+            self._store.release_lookup_reads(request_id, set(hashes), 1, heads)
         except Exception:
             self._failures.log(logging.ERROR, "LMCache retrieve: releasing the skipped chunks' "
                                "locks failed", exc_info=True)
@@ -218,7 +228,7 @@ class LMCacheFrontEnd:
         as for our own requests) before it is hashed: every chunk of its tokens up to ``end``
         is chain-hashed, on the loop thread for a memory-only lookup (a 4 MiB frame of token ids
         took ~0.2 s there)."""
-        chunks = key.end // self.handlers.config.chunk_size
+        chunks = key.end // self.chunk_size
         if chunks > self.limits.max_keys_per_request:
             raise w.DialectError(f"{chunks} chunks; at most {self.limits.max_keys_per_request} "
                                  "per request")
@@ -233,7 +243,7 @@ class LMCacheFrontEnd:
     def lookup(self, key: w.IPCCacheServerKey, _tp: int, *, client: bytes) -> None:
         try:
             self._check_size(key)
-            request = t.lookup_request(key, self.handlers.config.chunk_size)
+            request = t.lookup_request(key, self.chunk_size)
             reply = self.handlers.lookup(request, client, readers=key.num_kv_readers)
         except BaseException:  # the prefetch job ends with no hits, as LMCache's would
             self.results.set(key.request_id, 0)
@@ -241,7 +251,7 @@ class LMCacheFrontEnd:
         if not self.results.set(key.request_id, reply.hit_chunks) and reply.hit_chunks:
             # Its session ended while it ran on a worker (end_session is served at once, and
             # found nothing to release yet): nobody will read these chunks, release them now.
-            self.handlers.engine.free_lookup_locks(key.request_id)
+            self._store.free_lookup_locks(key.request_id)
 
     def query_prefetch_status(self, request_id: str, *, client: bytes) -> int | None:
         return self.results.take(request_id)  # once; an unknown id is 0, as in LMCache
@@ -266,9 +276,8 @@ class LMCacheFrontEnd:
         self._check_size(key)
         if key.start >= key.end or self.results.take(key.request_id) is None:
             return None
-        hashes = t.key_hashes(key, self.handlers.config.chunk_size)
-        self.handlers.engine.release_lookup_reads(key.request_id, set(hashes),
-                                                  key.num_kv_readers)
+        hashes = t.key_hashes(key, self.chunk_size)
+        self._store.release_lookup_reads(key.request_id, set(hashes), key.num_kv_readers)
         return None
 
     def end_session(self, request_id: str, *, client: bytes) -> None:

@@ -20,15 +20,17 @@ from lmcache_core.protocol import lmcache_wire as w
 from lmcache_core.protocol import messages as m
 from lmcache_core.server.handlers import CacheHandlers
 from lmcache_core.server.lmcache import translate as t
-from lmcache_core.server.registry import HOSTNAME, Registration
+from lmcache_core.server.registry import HOSTNAME, KVRegistry, Registration
 from lmcache_core.server.segments import process_gone
 
 
 class DialectRegistrations:
-    """instance id -> (LMCache's request as registered, the registry's registration of it)."""
+    """instance id -> (LMCache's request as registered, the registry's registration of it);
+    registrations go through ``handlers`` (as our dialect's), and are looked up in ``registry``."""
 
-    def __init__(self, handlers: CacheHandlers) -> None:
+    def __init__(self, handlers: CacheHandlers, registry: KVRegistry) -> None:
         self.handlers = handlers
+        self.registry = registry
         self._lock = threading.Lock()  # registers, stores and retrieves run on worker threads
         self._entries: dict[int, tuple[m.RegisterKVCacheRequest, Registration]] = {}
 
@@ -45,7 +47,7 @@ class DialectRegistrations:
         # touch() last: it says whether the registry still has the instance (a reaped one
         # must be mapped again, or the client is acked with nothing mapped).
         if known is not None and _same_cache(known[0], request) and \
-                self.handlers.registry.touch(request.instance_id, client):
+                self.registry.touch(request.instance_id, client):
             return
         self._register(request, client)
 
@@ -84,7 +86,7 @@ class DialectRegistrations:
         self.handlers.register_kv_cache(request, client)
         # The registration itself (its ``retired`` flag), fetched by a lease: just registered,
         # so the lease's liveness update changes nothing.
-        with self.handlers.registry.lease(request.instance_id) as registration:
+        with self.registry.lease(request.instance_id) as registration:
             pass
         with self._lock:
             self._entries[request.instance_id] = (request, registration)
