@@ -16,17 +16,24 @@ from __future__ import annotations
 
 import gc
 import os
+import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from lmcache_core.kv.shm import SCOPE_ENV
 from tests import forkserver
 from tests.harness import FakeClock, wait_until
 from tests.integration.servers import RedisServer, ServerProcess, WorkerProcess, redis_binary
 
 __all__ = ["FakeClock", "wait_until"]
+
+# One shared-memory scope for every process of this run (set before the fork server starts, so
+# its children inherit it): the servers the tests start sweep only this run's names of dead
+# owners at start, never the files a second copy of the suite on this machine keeps on purpose.
+os.environ.setdefault(SCOPE_ENV, f"run{secrets.token_hex(4)}")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -10,6 +10,7 @@ sleeping.
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -75,3 +76,13 @@ class FakeClock:
         with self._lock:
             self._now += seconds
             return self._now
+
+
+def segment_name(pid: int, ns: int | None = None) -> str:
+    """A shared-memory name of the project's form for process ``pid``, made here rather than by
+    that process (``kv.share.new_segment_name`` names this process's own): in this run's scope,
+    so only this run's servers would sweep it once ``pid`` is gone."""
+    from lmcache_core.kv.shm import pid_namespace, scoped_prefix
+
+    prefix = scoped_prefix("lmcache-test")
+    return f"{prefix}-{pid}-{pid_namespace() if ns is None else ns}-{secrets.token_hex(6)}"

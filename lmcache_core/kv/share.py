@@ -38,6 +38,7 @@ from lmcache_core.kv.shm import (
     SharedSegment,
     parse_segment_name,
     pid_namespace,
+    scoped_prefix,
     validate_segment_name,
 )
 from lmcache_core.kv.tensors import (
@@ -84,12 +85,14 @@ def find_segment(address: int, nbytes: int) -> tuple[SharedSegment, int] | None:
 
 
 def new_segment_name(prefix: str | None = None) -> str:
-    """``<prefix>-<pid>-<pid namespace>-<12 random hex>``, a fresh segment name.
+    """``<prefix>-<pid>-<pid namespace>-<12 random hex>``, a fresh segment name (with this
+    process's scope word after ``lmcache``, ``shm.scoped_prefix``).
 
     ``prefix`` is ``lmcache`` or starts with ``lmcache-`` (letters, digits, ``_`` and ``.`` between
     dashes): a server maps and cleans up only names of this form, created by the registering pid.
     """
-    name = f"{prefix or DEFAULT_PREFIX}-{os.getpid()}-{pid_namespace()}-{secrets.token_hex(6)}"
+    prefix = scoped_prefix(prefix or DEFAULT_PREFIX)
+    name = f"{prefix}-{os.getpid()}-{pid_namespace()}-{secrets.token_hex(6)}"
     if parse_segment_name(name) is None:
         raise ValueError(f"shared-memory name prefix {prefix!r} does not give a name of the form "
                          f"{NAME_FORM} (a server would refuse it)")

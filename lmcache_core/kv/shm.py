@@ -69,6 +69,44 @@ _OWN_NAME = re.compile(
     r"lmcache(?:-[A-Za-z0-9_.]+)*-(?P<pid>[1-9][0-9]{0,6})-(?P<ns>[0-9]{1,20})-[0-9a-f]{12}")
 NAME_FORM = "lmcache[-<word>...]-<pid>-<pid namespace>-<12 hex>"
 
+#: The environment variable naming this process's segment scope. A scope keeps one run's segments
+#: apart from another's on one machine: names made under it carry the word ``scope.<scope>``
+#: after ``lmcache`` (``scoped_prefix``), and a server's start-up sweep removes only its own
+#: scope's names of dead owners (no scope: names without one). A test suite gives all its
+#: processes one scope (``tests/conftest.py``), so a second suite's servers never sweep the
+#: names its tests left on purpose for a dead pid.
+SCOPE_ENV = "LMCACHE_SHM_SCOPE"
+_SCOPE_WORD = re.compile(r"[A-Za-z0-9_]{1,32}")
+_SCOPE_PREFIX = "scope."
+
+
+def segment_scope() -> str:
+    """This process's scope (``LMCACHE_SHM_SCOPE``), "" for none; ValueError for a value that is
+    not 1-32 letters, digits or underscores."""
+    scope = os.environ.get(SCOPE_ENV, "")
+    if scope and not _SCOPE_WORD.fullmatch(scope):
+        raise ValueError(f"{SCOPE_ENV}={scope[:40]!r}: a scope is 1-32 letters, digits or "
+                         "underscores")
+    return scope
+
+
+def scoped_prefix(prefix: str) -> str:
+    """``prefix`` (``lmcache`` or ``lmcache-...``) with this process's scope word after
+    ``lmcache``, if it has a scope and the prefix none yet."""
+    scope = segment_scope()
+    if not scope or name_scope(prefix + "-") or not (prefix == "lmcache"
+                                                     or prefix.startswith("lmcache-")):
+        return prefix  # (a prefix of another form stays as it is, and is refused as it was)
+    return f"lmcache-{_SCOPE_PREFIX}{scope}{prefix[len('lmcache'):]}"
+
+
+def name_scope(name: str) -> str:
+    """The scope a segment name was made under ("" for none)."""
+    for word in name.split("-")[1:]:
+        if word.startswith(_SCOPE_PREFIX):
+            return word[len(_SCOPE_PREFIX):]
+    return ""
+
 
 class SegmentOwner(NamedTuple):
     """The creator a segment name of this project's form embeds."""

@@ -10,6 +10,11 @@ it. The server unlinks a name only when all of these hold, checked again right b
 - the file is a regular file owned by this server's euid or an allowed uid; after a reap, it is the
   very file (device, inode, owner) the server mapped for that worker.
 
+At start, the sweep also takes only names of this server's own scope (``kv.shm.SCOPE_ENV``: a
+test suite's processes share one, so two suites on one machine never remove each other's files),
+and leaves any file some process still has open or mapped (another server that registered it,
+a process that took the name over): abandoned means used by nobody.
+
 So no client can make the server delete another program's shared memory, nor a live worker's.
 """
 
@@ -25,8 +30,10 @@ from lmcache_core.kv.shm import (
     SHM_DIR,
     SegmentFile,
     SegmentOwner,
+    name_scope,
     parse_segment_name,
     pid_namespace,
+    segment_scope,
 )
 
 logger = logging.getLogger(__name__)
@@ -97,13 +104,74 @@ def sweep_stale_segments(allowed_uids: Collection[int] = (), shm_dir: str = SHM_
         logger.warning("cannot list %s for stale shared memory: %s", shm_dir, exc.strerror)
         return []
     uids = {os.geteuid(), *allowed_uids}
-    swept = [name for name in names if _stale(name, uids, shm_dir) and _unlink(name, shm_dir)]
+    scope = segment_scope()
+    stale = [name for name in names if name_scope(name) == scope and _stale(name, uids, shm_dir)]
+    in_use = files_in_use({os.path.join(shm_dir, name) for name in stale}) if stale else set()
+    swept = [name for name in stale
+             if os.path.join(shm_dir, name) not in in_use and _unlink(name, shm_dir)]
     if swept:
         shown = ", ".join(swept[:LOGGED_NAMES])
         more = f" (+{len(swept) - LOGGED_NAMES} more)" if len(swept) > LOGGED_NAMES else ""
         logger.info("removed %d shared-memory segment(s) of exited workers: %s%s", len(swept),
                     shown, more)
     return swept
+
+
+def files_in_use(paths: Collection[str], proc: str = "/proc") -> set[str]:
+    """Those of ``paths`` that some process has open or mapped now, by the file each path names
+    (device and inode: a name replaced since is another file). Processes whose tables cannot be
+    read (another user's, or gone meanwhile) are passed over."""
+    wanted: dict[tuple[int, int], str] = {}
+    for path in paths:
+        st = _lstat(os.path.basename(path), os.path.dirname(path))
+        if st is not None:
+            wanted[(st.st_dev, st.st_ino)] = path
+    inodes = {ino for _, ino in wanted}
+    found: set[str] = set()
+    try:
+        pids = [entry for entry in os.listdir(proc) if entry.isdigit()]
+    except OSError:
+        return found
+    for pid in pids:
+        for key in _mapped(f"{proc}/{pid}/maps", inodes) + _open(f"{proc}/{pid}/fd", inodes):
+            if key in wanted:
+                found.add(wanted[key])
+        if len(found) == len(wanted):
+            break
+    return found
+
+
+def _mapped(maps: str, inodes: Collection[int]) -> list[tuple[int, int]]:
+    """(device, inode) of the mappings in a ``/proc/<pid>/maps`` whose inode is wanted."""
+    out: list[tuple[int, int]] = []
+    try:
+        with open(maps, "rb") as f:
+            lines = f.read().split(b"\n")
+    except OSError:
+        return out
+    for line in lines:
+        fields = line.split(None, 5)  # address perms offset dev inode path
+        if len(fields) >= 5 and fields[4] != b"0" and int(fields[4]) in inodes:
+            major, minor = (int(part, 16) for part in fields[3].split(b":"))
+            out.append((os.makedev(major, minor), int(fields[4])))
+    return out
+
+
+def _open(fd_dir: str, inodes: Collection[int]) -> list[tuple[int, int]]:
+    """(device, inode) of the files a ``/proc/<pid>/fd`` has open whose inode is wanted."""
+    out: list[tuple[int, int]] = []
+    try:
+        fds = os.listdir(fd_dir)
+    except OSError:
+        return out
+    for fd in fds:
+        try:
+            st = os.stat(f"{fd_dir}/{fd}")  # follows the link to the open file itself
+        except OSError:
+            continue
+        if st.st_ino in inodes:
+            out.append((st.st_dev, st.st_ino))
+    return out
 
 
 def _stale(name: str, uids: Collection[int], shm_dir: str) -> bool:

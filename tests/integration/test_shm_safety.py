@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 
 from lmcache_core.errors import IncompatibleError
-from lmcache_core.kv.shm import SHM_DIR, SharedSegment, pid_namespace
+from lmcache_core.kv.shm import SHM_DIR, SharedSegment
 from lmcache_core.kv.tensors import contiguous_stride
 from lmcache_core.protocol import messages as m
 from lmcache_core.transport.client import MessageQueueClient
-from tests.harness import wait_until
+from tests.harness import segment_name, wait_until
 from tests.integration.servers import ServerProcess, WorkerProcess, process_state
 
 NOBODY = 65534
@@ -34,10 +34,6 @@ SHAPE = [2, 8, 16, 4, 32]  # flash_attn, float16, the TINY server's model: 64 Ki
 LAYER_BYTES = 2 * 8 * 16 * 4 * 32 * 2
 CHUNK, PER_CHUNK = 64, 4
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
-
-
-def our_name(pid: int) -> str:
-    return f"lmcache-test-{pid}-{pid_namespace()}-{secrets.token_hex(6)}"
 
 
 def exited_pid() -> int:
@@ -122,7 +118,7 @@ def test_foreign_names_and_other_pids_are_refused_and_never_unlinked(
     foreign = create(made, f"otherapp-segment-{secrets.token_hex(4)}")
     with pytest.raises(IncompatibleError, match="is not an lmcache segment"):
         register(client, foreign, exited_pid())  # the attack: its pid is gone, so it'd be unlinked
-    someone_elses = create(made, our_name(exited_pid()))
+    someone_elses = create(made, segment_name(exited_pid()))
     with pytest.raises(IncompatibleError, match="was created by process"):
         register(client, someone_elses, os.getpid())
     # More than one housekeeping round (kept sleep: it waits for an unlink that must not happen,
@@ -135,7 +131,7 @@ def test_foreign_names_and_other_pids_are_refused_and_never_unlinked(
 @needs_root
 def test_another_users_segment_is_refused_unless_allowed(
         tmp_path: Path, made: list[str], make_server) -> None:
-    name = create(made, our_name(os.getpid()), uid=NOBODY)
+    name = create(made, segment_name(os.getpid()), uid=NOBODY)
     plain = make_server(name="plain")
     allowing = make_server({"server": {"shm_allowed_uids": [NOBODY]}},
                  name="allowing")
@@ -161,7 +157,7 @@ def test_reaper_never_unlinks_a_file_that_replaced_the_workers(
     before = stats(client)
     child = subprocess.Popen(["sleep", "30"])
     try:
-        name = create(made, our_name(child.pid))
+        name = create(made, segment_name(child.pid))
         register(client, name, child.pid)
         os.unlink(f"{SHM_DIR}/{name}")  # another file now stands under that name
         SharedSegment.create(name, 4096).close()
@@ -195,7 +191,7 @@ def test_a_pid_that_does_not_exist_never_stops_reaping(
         server: ServerProcess, client: MessageQueueClient, made: list[str]) -> None:
     before = stats(client)
     nowhere = 2**22  # the largest pid the wire takes; no process has it on this machine
-    ghost = create(made, our_name(nowhere))
+    ghost = create(made, segment_name(nowhere))
     register(client, ghost, nowhere)
     worker = WorkerProcess(server.url)
     worker.proc.kill()
@@ -212,10 +208,10 @@ def test_a_pid_that_does_not_exist_never_stops_reaping(
 
 def test_startup_sweep_removes_dead_owners_segments_only(
         tmp_path: Path, made: list[str], make_server) -> None:
-    dead = create(made, our_name(exited_pid()))
-    live = create(made, our_name(os.getpid()))
+    dead = create(made, segment_name(exited_pid()))
+    live = create(made, segment_name(os.getpid()))
     foreign = create(made, f"otherapp-{exited_pid()}-{secrets.token_hex(4)}")
-    other_user = create(made, our_name(exited_pid()), uid=NOBODY if os.geteuid() == 0 else None)
+    other_user = create(made, segment_name(exited_pid()), uid=NOBODY if os.geteuid() == 0 else None)
     srv = make_server()
     assert not exists(dead)
     assert exists(live) and exists(foreign)
@@ -233,7 +229,7 @@ def test_a_segment_its_worker_truncated_is_refused_not_a_crash(
     """The worker owns its segment file and may shrink it: a copy through the old mapping would
     touch pages past its end (SIGBUS: the server and every worker's session gone). Stores and
     retrieves are refused with a typed error instead, and the server keeps serving."""
-    name = create(made, our_name(os.getpid()))
+    name = create(made, segment_name(os.getpid()))
     instance_id = register(client, name, os.getpid())
     stored = secrets.token_bytes(32)
     assert client.request(m.StoreRequest(instance_id=instance_id, chunk_hashes=[stored],

@@ -134,7 +134,7 @@ def test_requests_in_flight_fail_at_once_when_the_server_goes_and_later_ones_rea
         start = time.monotonic()
         router.close(0)
         for future in (waited, polled):
-            with pytest.raises(ServerUnreachableError, match="connection .* closed"):
+            with pytest.raises(ServerUnreachableError, match=r"connection .* closed"):
                 future.result(10)
         assert time.monotonic() - start < 10  # ms in practice; the deadline is 30 s
         server = MessageQueueServer(url)

@@ -21,28 +21,26 @@ from lmcache_core.errors import ConfigError, IncompatibleError
 from lmcache_core.kv.mapped import MappedKVCache
 from lmcache_core.kv.share import new_segment_name
 from lmcache_core.kv.shm import (
+    SCOPE_ENV,
     SHM_DIR,
     SegmentOwner,
     SharedSegment,
+    name_scope,
     parse_segment_name,
     pid_namespace,
+    segment_scope,
 )
 from lmcache_core.kv.tensors import contiguous_stride
 from lmcache_core.protocol import messages as m
 from lmcache_core.server.registry import KVRegistry
-from lmcache_core.server.segments import process_gone, sweep_stale_segments
-from tests.harness import wait_until
+from lmcache_core.server.segments import files_in_use, process_gone, sweep_stale_segments
+from tests.harness import segment_name, wait_until
 from tests.integration.servers import process_state
 
 NOBODY = 65534
 SHAPE = [2, 8, 16, 4, 32]  # flash_attn, float16: 64 KiB per layer
 LAYER_BYTES = 2 * 8 * 16 * 4 * 32 * 2
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
-
-
-def our_name(pid: int, ns: int | None = None) -> str:
-    """A name of this project's form for process ``pid`` (made here, not by that process)."""
-    return f"lmcache-test-{pid}-{pid_namespace() if ns is None else ns}-{secrets.token_hex(6)}"
 
 
 def exited_pid() -> int:
@@ -108,7 +106,7 @@ def test_attach_refuses_a_foreign_name(made: list[str]) -> None:
 
 
 def test_attach_refuses_our_form_with_another_pid(made: list[str]) -> None:
-    name = our_name(exited_pid())
+    name = segment_name(exited_pid())
     create(made, name)
     with pytest.raises(IncompatibleError, match=r"was created by process \d+, not by the "
                                                 f"registering process {os.getpid()}"):
@@ -118,7 +116,7 @@ def test_attach_refuses_our_form_with_another_pid(made: list[str]) -> None:
 
 @needs_root
 def test_attach_refuses_another_users_segment_unless_allowed(made: list[str]) -> None:
-    name = our_name(os.getpid())
+    name = segment_name(os.getpid())
     create(made, name, uid=NOBODY)
     for owner_pid in (None, os.getpid()):
         with pytest.raises(IncompatibleError, match=f"is owned by uid {NOBODY}, not by this "
@@ -128,7 +126,7 @@ def test_attach_refuses_another_users_segment_unless_allowed(made: list[str]) ->
 
 
 def test_mapped_kv_cache_passes_the_rules_on(made: list[str]) -> None:
-    name = our_name(exited_pid())
+    name = segment_name(exited_pid())
     create(made, name)
     descs = [m.TensorDescriptor(kind="shm", dtype="float16", shape=SHAPE,
                                 stride=contiguous_stride(SHAPE), offset_bytes=i * LAYER_BYTES,
@@ -166,9 +164,9 @@ def test_process_gone_sees_exited_zombie_and_live_processes() -> None:
 
 
 def test_sweep_removes_only_dead_owners_segments_of_allowed_uids(made: list[str]) -> None:
-    dead, live = our_name(exited_pid()), new_segment_name("lmcache-test")
+    dead, live = segment_name(exited_pid()), new_segment_name("lmcache-test")
     foreign = f"otherapp-{exited_pid()}-{secrets.token_hex(4)}"
-    other_ns = our_name(exited_pid(), ns=pid_namespace() + 1)  # that pid is not ours to judge
+    other_ns = segment_name(exited_pid(), ns=pid_namespace() + 1)  # that pid is not ours to judge
     for name in (dead, live, foreign, other_ns):
         create(made, name, nbytes=4096)
     swept = sweep_stale_segments()
@@ -177,9 +175,48 @@ def test_sweep_removes_only_dead_owners_segments_of_allowed_uids(made: list[str]
         assert kept not in swept and os.path.exists(f"{SHM_DIR}/{kept}"), kept
 
 
+def test_sweep_takes_only_its_own_scopes_names(made: list[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two runs on one machine (two copies of the suite): a server sweeps only the dead owners'
+    names of its own scope (``LMCACHE_SHM_SCOPE``), and an unscoped one only unscoped names."""
+    ours = segment_name(exited_pid())  # this run's scope (tests/conftest.py)
+    assert name_scope(ours) == segment_scope() != ""
+    monkeypatch.setenv(SCOPE_ENV, "otherrun")
+    theirs = segment_name(exited_pid())
+    monkeypatch.delenv(SCOPE_ENV)
+    unscoped = segment_name(exited_pid())
+    assert (name_scope(theirs), name_scope(unscoped)) == ("otherrun", "")
+    for name in (ours, theirs, unscoped):
+        create(made, name, nbytes=4096).close()
+    assert unscoped in sweep_stale_segments()  # unscoped: production's
+    assert os.path.exists(f"{SHM_DIR}/{ours}") and os.path.exists(f"{SHM_DIR}/{theirs}")
+    monkeypatch.setenv(SCOPE_ENV, "otherrun")
+    assert sweep_stale_segments() == [theirs]
+    assert os.path.exists(f"{SHM_DIR}/{ours}")
+    monkeypatch.setenv(SCOPE_ENV, "no-dashes")
+    with pytest.raises(ValueError, match="LMCACHE_SHM_SCOPE='no-dashes': a scope is"):
+        new_segment_name()
+
+
+def test_sweep_leaves_a_dead_owners_file_that_is_still_open_or_mapped(made: list[str]) -> None:
+    """Abandoned means used by nobody: a file some process still maps (a server that registered
+    it) or holds open stays, whatever its creator's pid says."""
+    mapped, opened, free = (segment_name(exited_pid()) for _ in range(3))
+    kept = create(made, mapped, nbytes=4096)  # this process maps it
+    create(made, opened, nbytes=4096).close()
+    create(made, free, nbytes=4096).close()
+    with open(f"{SHM_DIR}/{opened}", "rb"):
+        assert files_in_use({f"{SHM_DIR}/{n}" for n in (mapped, opened, free)}) == {
+            f"{SHM_DIR}/{mapped}", f"{SHM_DIR}/{opened}"}
+        swept = sweep_stale_segments()
+    assert free in swept and mapped not in swept and opened not in swept
+    assert os.path.exists(f"{SHM_DIR}/{mapped}") and os.path.exists(f"{SHM_DIR}/{opened}")
+    kept.close()
+
+
 @needs_root
 def test_sweep_keeps_another_users_segment_unless_allowed(made: list[str]) -> None:
-    name = our_name(exited_pid())
+    name = segment_name(exited_pid())
     create(made, name, uid=NOBODY, nbytes=4096)
     assert name not in sweep_stale_segments()
     assert os.path.exists(f"{SHM_DIR}/{name}")
@@ -189,7 +226,7 @@ def test_sweep_keeps_another_users_segment_unless_allowed(made: list[str]) -> No
 
 def test_sweep_logs_one_line_with_count_and_names(made: list[str],
                                                   caplog: pytest.LogCaptureFixture) -> None:
-    names = [our_name(exited_pid()) for _ in range(7)]
+    names = [segment_name(exited_pid()) for _ in range(7)]
     for name in names:
         create(made, name, nbytes=4096)
     with caplog.at_level(logging.INFO, logger="lmcache_core.server.segments"):
@@ -221,7 +258,7 @@ def test_an_impossible_pid_never_stops_reaping_others(
     # The wire bounds pids now; the registry must not depend on it (os.kill(2**62, 0) raises
     # OverflowError, which used to end every housekeeping round from then on).
     registry = KVRegistry(open_mapping, reap_timeout_s=60)
-    impossible, dead = our_name(os.getpid()), our_name(exited_pid())
+    impossible, dead = segment_name(os.getpid()), segment_name(exited_pid())
     create(made, impossible)
     create(made, dead)
     register(registry, impossible, 2**62, 1)
@@ -241,7 +278,7 @@ def test_reaper_unlinks_only_the_file_it_mapped(made: list[str]) -> None:
     registry = KVRegistry(open_mapping, reap_timeout_s=60)
     child = subprocess.Popen(["sleep", "30"])
     try:
-        name = our_name(child.pid)
+        name = segment_name(child.pid)
         create(made, name)
         register(registry, name, child.pid, 3)
         os.unlink(f"{SHM_DIR}/{name}")  # someone else's file now stands under that name
@@ -282,7 +319,7 @@ def test_layouts_follow_registrations(made: list[str]) -> None:
     """Every lookup asks the registered layouts (cached): a registration, an unregistration and a
     reap each show at once."""
     registry = KVRegistry(open_mapping, reap_timeout_s=60)
-    live, dead = our_name(os.getpid()), our_name(exited_pid())
+    live, dead = segment_name(os.getpid()), segment_name(exited_pid())
     create(made, live)
     create(made, dead)
     assert registry.layouts("tiny", 1) == []
