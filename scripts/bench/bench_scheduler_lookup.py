@@ -200,7 +200,7 @@ def lookup_once(scheduler, request_id: str, keys, wait: bool = False, end: bool 
     scheduler.maybe_submit_lookup_request(request_id, keys)
     while (result := scheduler.check_lookup_result(request_id)) is None:
         if wait:  # block on the socket (receiving on this thread) until the reply is in
-            scheduler.mq_client.wait(scheduler._lookups[request_id], 1.0)
+            scheduler.wait_lookup_result(request_id, 1.0)
     if end:
         scheduler.end_session(request_id)
     else:
@@ -216,7 +216,7 @@ def lookup_many(scheduler, keys) -> None:
     while left:
         left = [request_id for request_id in left if scheduler.check_lookup_result(request_id) is None]
         if left:
-            scheduler.mq_client.wait(scheduler._lookups[left[0]], 1.0)
+            scheduler.wait_lookup_result(left[0], 1.0)
     for request_id in ids:
         scheduler.cleanup_lookup_result(request_id)
 
