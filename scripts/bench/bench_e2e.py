@@ -25,9 +25,8 @@ vllm       vLLM's own prefix cache, no connector: the floor of a hit (KV never l
 ours       this project's connector with ``lmcache serve`` (vLLM's prefix cache off for docs, so
            every hit comes from the server; on for chat and same, as one would run it)
 lmcache    LMCache 0.5.6's connector (vLLM's ``LMCacheMPConnector``) with LMCache's own server,
-           when LMCache 0.5.6 is installed beside the vLLM env (``scripts/test-lmcache``) and
-           ``--lmcache-python`` can run its server; started with ``--supported-transfer-mode auto``
-           (on a CPU host it serves vLLM's defaults only so)
+           when ``scripts/test-lmcache`` installed LMCache 0.5.6 beside the vLLM env and in an
+           env of its own that runs its server (``serving.py``)
 =========  ==================================================================================
 
 Figures: TTFT p50/p90 of each round, and ratios to the floor measured in the same run: a hit
@@ -49,7 +48,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -58,12 +56,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tiny_model import tiny_gemma3, tiny_llama  # noqa: E402  (beside this script)
+from serving import (  # noqa: E402  (beside this script)
+    LMCACHE_OVERLAY,
+    LMCACHE_PYTHON,
+    LMCache056Serve,
+    LMCacheServe,
+    lmcache_056_available,
+)
+from tiny_model import tiny_gemma3, tiny_llama  # noqa: E402
 
 RUNNER = Path(__file__).with_name("engine_runner.py")
 CHUNK = 256
@@ -100,8 +103,6 @@ HYBRIDS: dict[str, tuple[dict[str, Any], str, str]] = {
     "gemma3-270m": (GEMMA3_270M, "bench-e2e-gemma3-270m",
                     "random Gemma-3-270M (its architecture: window 512, every sixth full)"),
 }
-LMCACHE_OVERLAY = Path(os.path.expanduser("~/.cache/lmcache-vllm-venv-lmcache-0.5.6"))
-LMCACHE_PYTHON = Path(os.path.expanduser("~/.cache/lmcache-0.5.6-venv/bin/python"))
 
 
 def main() -> None:
@@ -117,7 +118,6 @@ def main() -> None:
                              "final histories)")
     parser.add_argument("--engines", default="full,vllm,ours,lmcache")
     parser.add_argument("--workloads", default="docs,chat")
-    parser.add_argument("--lmcache-python", type=Path, default=LMCACHE_PYTHON)
     parser.add_argument("--json", type=Path, help="write every TTFT sample here")
     parser.add_argument("--model", choices=["llama", *HYBRIDS], default="llama",
                         help="gemma3: a toy hybrid (sliding window + full attention) model, 6 "
@@ -135,9 +135,9 @@ def main() -> None:
                              "from the step before (0: off)")
     args = parser.parse_args()
     engines = [e for e in args.engines.split(",") if e]
-    if "lmcache" in engines and not lmcache_available(args.lmcache_python):
+    if "lmcache" in engines and not lmcache_056_available():
         print(f"(lmcache: skipped: LMCache 0.5.6 not found at {LMCACHE_OVERLAY} and "
-              f"{args.lmcache_python}; scripts/test-lmcache installs both)")
+              f"{LMCACHE_PYTHON}; scripts/test-lmcache installs both)")
         engines.remove("lmcache")
     work = Path(tempfile.mkdtemp(prefix="lmcache-bench-e2e-"))
     if args.model in HYBRIDS:
@@ -298,67 +298,26 @@ def run_engine(engine: str, workload: str, model: Path, steps: list[dict[str, An
                 server.kill()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def start_ours(work: Path, name: str, trace: Path | None = None
                ) -> tuple[subprocess.Popen[bytes], str]:
     """``lmcache serve`` for an engine of the benchmark's model; with ``trace``, through
     ``scripts/bench/server_trace.py`` (its requests and copies timestamped into that file)."""
-    from lmcache_core.transport.client import MessageQueueClient
-
-    url = f"ipc://{work}/{name}.sock"
-    config = {"model": {"name": "bench-e2e", "num_layers": MODEL["num_hidden_layers"],
-                        "num_kv_heads": MODEL["num_key_value_heads"],
-                        "head_dim": MODEL["head_dim"], "dtype": MODEL["dtype"]},
-              "chunk_size": CHUNK,
-              "server": {"url": url, "pool_size": "2GiB", "http_url": "off"}}
-    path = work / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    launcher = (["-m", "lmcache_cli"] if trace is None
-                else [str(Path(__file__).with_name("server_trace.py")), str(trace)])
-    proc = subprocess.Popen([sys.executable, *launcher, "serve", "-c", str(path)],
-                            stdout=(work / f"{name}.server.log").open("wb"),
-                            stderr=subprocess.STDOUT, cwd=ROOT)
-    with MessageQueueClient(url, connect_timeout_s=60.0) as client:
-        client.wait_until_reachable(60.0)
-    return proc, url
-
-
-def lmcache_available(python: Path) -> bool:
-    return (LMCACHE_OVERLAY / ".stamp").exists() and python.exists()
+    model = {"name": "bench-e2e", "num_layers": MODEL["num_hidden_layers"],
+             "num_kv_heads": MODEL["num_key_value_heads"], "head_dim": MODEL["head_dim"],
+             "dtype": MODEL["dtype"]}
+    server = LMCacheServe(work, name, model, CHUNK, "2GiB")
+    if trace is not None:
+        server.command = [sys.executable, str(Path(__file__).with_name("server_trace.py")),
+                          str(trace), *server.command[3:]]  # in place of "-m lmcache_cli"
+    server.start(60.0)
+    assert server.proc is not None
+    return server.proc, server.url
 
 
 def start_lmcache(work: Path, name: str) -> tuple[subprocess.Popen[bytes], int]:
-    import zmq
-
-    port = free_port()
-    log = work / f"{name}.server.log"
-    proc = subprocess.Popen(
-        [str(LMCACHE_PYTHON), "-m", "lmcache.v1.multiprocess.server", "--host", "127.0.0.1",
-         "--port", str(port), "--l1-size-gb", "2", "--no-l1-use-lazy", "--eviction-policy", "LRU",
-         "--disable-observability", "--chunk-size", str(CHUNK),
-         "--supported-transfer-mode", "auto"],
-        stdout=log.open("wb"), stderr=subprocess.STDOUT,
-        env=dict(os.environ, LMCACHE_TRACK_USAGE="false"))
-    deadline = time.monotonic() + 180  # its first start in a new env compiles a lot
-    ctx = zmq.Context.instance()
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"LMCache's server exited {proc.returncode}; log: {log}")
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(f"tcp://127.0.0.1:{port}")
-        sock.send_multipart([b"\x00", b"\x18"])  # [0, 24]: LMCache's noop
-        answered = sock.poll(500)
-        sock.close(0)
-        if answered:
-            return proc, port
-    proc.kill()
-    raise SystemExit(f"LMCache's server did not answer within 180 s; log: {log}")
+    server = LMCache056Serve(work, name, CHUNK).start()
+    assert server.proc is not None
+    return server.proc, server.port
 
 
 # ---------------------------------------------------------------------- report

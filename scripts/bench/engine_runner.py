@@ -258,9 +258,12 @@ def main(spec_path: str, out_path: str) -> int:
               num_gpu_blocks_override=spec.get("num_blocks"), kv_transfer_config=kv_config, seed=0,
               **spec.get("llm_args", {}))
     out["startup_s"] = time.perf_counter() - t0
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler  # in-process engine core
-    out["kv_cache_groups"] = [type(g.kv_cache_spec).__name__
-                              for g in scheduler.kv_cache_config.kv_cache_groups]
+    # The KV cache groups, where the engine core runs in this process (an engine core of its
+    # own, VLLM_ENABLE_V1_MULTIPROCESSING=1 as LMCache's connector needs, keeps them there).
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    if core is not None:
+        out["kv_cache_groups"] = [type(g.kv_cache_spec).__name__
+                                  for g in core.scheduler.kv_cache_config.kv_cache_groups]
 
     def prompts(step: dict[str, Any]) -> list[Any]:
         extra = {"cache_salt": step["salt"]} if step.get("salt") else {}
