@@ -70,8 +70,8 @@ def worker_main(conn: Connection, runtime_dir: str, worker_id: int, world_size: 
     # this rank's piece of each chunk is heads rank_heads(layout, world_size, worker_id).
     layout = opaque_layout(world_size)
     heads = rank_heads(layout, world_size, worker_id)
-    plan = engine.begin_store([ChunkKey(MODEL, layout, *heads, h) for h in hashes], 64)
-    engine.finish_store(plan)
+    plan = engine.store.begin_store([ChunkKey(MODEL, layout, *heads, h) for h in hashes], 64)
+    engine.store.finish_store(plan)
     server = LMCacheAsyncLookupServer(engine, LMCacheMetadata(
         model_name=MODEL, world_size=world_size, worker_id=worker_id, engine_id="bench",
         runtime_dir=runtime_dir))

@@ -24,7 +24,7 @@ import random
 import statistics
 import time
 
-from lmcache_core.engine import CacheEngine
+from lmcache_core.engine import CacheEngine, GroupTarget
 from lmcache_core.keys import ChunkKey, opaque_layout
 from lmcache_core.storage.pool import MemoryPool
 
@@ -56,18 +56,18 @@ def main() -> None:
         model = f"m{nbytes}"
         hashes = [f"{n}:{i}".encode().ljust(32, b".") for i in range(args.pieces)]
         keys = [ChunkKey(model, layout, 0, 1, chunk_hash) for chunk_hash in hashes]
-        before = engine.stats()["evictions"], engine.stats()["bytes_used"]
+        figures = engine.snapshot().engine
+        before = figures.evictions, figures.bytes_used
         start = time.perf_counter()
-        plan = engine.begin_store(keys, nbytes)
-        engine.finish_store(plan)
+        plan = engine.store.begin_store(keys, nbytes)
+        engine.store.finish_store(plan)
         spent += time.perf_counter() - start
         history.append((model, hashes))
         if n % 4 == 3 and history:
             warm_model, warm = rng.choice(history[-50:])
-            engine.lookup(warm_model, layout, [(0, 1)], warm, "warm", lock=False)
+            engine.lookup(warm_model, [GroupTarget(layout, ((0, 1),))], warm, "warm", lock=False)
         if n >= args.stores // 2:
-            stats = engine.stats()
-            held = stats["bytes_used"]
+            held = engine.snapshot().engine.bytes_used
             freed = before[1] + plan.stored * nbytes - held
             if freed > 0 and plan.stored:
                 ratios.append(freed / (plan.stored * nbytes))

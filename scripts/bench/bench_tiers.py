@@ -35,7 +35,7 @@ import redis  # noqa: E402
 import torch  # noqa: E402
 from redis.connection import Encoder, PythonRespSerializer  # noqa: E402
 
-from lmcache_core.engine import CacheEngine  # noqa: E402
+from lmcache_core.engine import CacheEngine, GroupTarget  # noqa: E402
 from lmcache_core.keys import ChunkKey, opaque_layout, world_heads  # noqa: E402
 from lmcache_core.storage.pool import MemoryPool  # noqa: E402
 from lmcache_core.storage.remote import RemoteTier  # noqa: E402
@@ -45,6 +45,7 @@ MODEL = "bench"
 LAYOUT = opaque_layout(1)
 HEADS = (0, 1)
 RANGES = world_heads(LAYOUT, 1)
+TARGET = [GroupTarget(LAYOUT, RANGES)]  # a single-layout model: one group
 
 
 def main() -> None:
@@ -137,18 +138,19 @@ def run(args: argparse.Namespace, url: str) -> None:
     pool_a = MemoryPool.slots(nbytes, n, pin=False)
     tier_a = RemoteTier(url, queue_size=4 * n, timeout_ms=5000)
     engine_a = CacheEngine(pool_a, 256, remote=tier_a)
-    tier_a.start()
+    assert engine_a.tiers is not None
+    engine_a.tiers.start()  # its writer, writing a's pieces behind the stores
     stored: list[list[ChunkKey]] = []
     reply_s: list[float] = []
 
     def tier_store() -> None:
-        engine_a.clear(force=True)
+        engine_a.store.clear(force=True)
         ks = keys()
         start = time.perf_counter()
-        plan = engine_a.begin_store(ks, nbytes)
+        plan = engine_a.store.begin_store(ks, nbytes)
         for i, _, view in plan.writes:
             view.copy_(data[i])
-        engine_a.finish_store(plan)
+        engine_a.store.finish_store(plan)
         reply_s.append(time.perf_counter() - start)
         assert tier_a.flush(60), "writer did not finish"
         stored.append(ks)
@@ -169,7 +171,7 @@ def run(args: argparse.Namespace, url: str) -> None:
                                                       forget_old)
     for i, blob in enumerate(blobs):
         raw.set(f"raw:{i}", blob)
-    assert engine_a.stats()["remote_write_dropped"] == 0
+    assert tier_a.stats().write_dropped == 0
     report("store (until written)", total, tier_set_s, raw_set_s, "redis-py SET per chunk")
     report("", total, tier_set_s, raw_set_py_s, "same, redis-py's own packer")
     print(f"  (the store itself returned in {min(reply_s) * 1e3:.2f} ms: writes go behind)")
@@ -188,24 +190,24 @@ def run(args: argparse.Namespace, url: str) -> None:
     load_s: list[float] = []
 
     def tier_get() -> None:
-        engine_b.clear(force=True)
+        engine_b.store.clear(force=True)
         ks = last
         start = time.perf_counter()
         hashes = [k.chunk_hash for k in ks]
-        hits = engine_b.lookup(MODEL, LAYOUT, RANGES, hashes, "bench", tier_timeout_s=60)
+        hits = engine_b.lookup(MODEL, TARGET, hashes, "bench", tier_timeout_s=60)
         load_s.append(time.perf_counter() - start)
         assert hits == n, f"{hits} of {n} hit"
-        plan = engine_b.begin_retrieve(MODEL, LAYOUT, HEADS, hashes, "bench")
+        plan = engine_b.store.begin_retrieve(MODEL, LAYOUT, HEADS, hashes, "bench")
         for _, ((view, _, _),) in plan.found:
             out.copy_(view)
-        engine_b.finish_retrieve(plan)
+        engine_b.store.finish_retrieve(plan)
 
     raw_get_s, tier_get_s = interleaved([raw_get, tier_get], args.rounds)
     report("lookup + load into memory", total, min(load_s), raw_get_s, "redis-py GET per chunk")
     report("retrieve (the above + copy out)", total, tier_get_s, raw_get_s, "redis-py GET per chunk")
-    check = engine_b.begin_retrieve(MODEL, LAYOUT, HEADS, [last[0].chunk_hash])
+    check = engine_b.store.begin_retrieve(MODEL, LAYOUT, HEADS, [last[0].chunk_hash])
     assert torch.equal(check.found[0][1][0][0], data[0]), "bytes differ"
-    engine_b.finish_retrieve(check)
+    engine_b.store.finish_retrieve(check)
 
     # ---- lookup that asks Redis (and finds nothing)
     missing = [ChunkKey(MODEL, LAYOUT, *HEADS, b"\xee" * 24 + i.to_bytes(8, "big"))
@@ -219,7 +221,7 @@ def run(args: argparse.Namespace, url: str) -> None:
             pipe.exists(rkey)
         pipe.execute()
 
-    tier_lookup = median_us(lambda: engine_b.lookup(MODEL, LAYOUT, RANGES, hashes, "miss",
+    tier_lookup = median_us(lambda: engine_b.lookup(MODEL, TARGET, hashes, "miss",
                                                     tier_timeout_s=5), args.lookups)
     raw_lookup = median_us(raw_exists, args.lookups)
     ping = median_us(raw.ping, args.lookups)
@@ -232,15 +234,17 @@ def run(args: argparse.Namespace, url: str) -> None:
     chain = [bytes([i, 7]) * 16 for i in range(64)]
     two = opaque_layout(2)
     for lo, hi in world_heads(two, 2):
-        plain.finish_store(plain.begin_store([ChunkKey(MODEL, two, lo, hi, c) for c in chain], 8))
-    fast = min(median_us(lambda: plain.lookup(MODEL, two, world_heads(two, 2), chain, "f"),
-                         args.lookups) for _ in range(3))
+        plain.store.finish_store(plain.store.begin_store(
+            [ChunkKey(MODEL, two, lo, hi, c) for c in chain], 8))
+    both = [GroupTarget(two, world_heads(two, 2))]
+    fast = min(median_us(lambda: plain.lookup(MODEL, both, chain, "f"), args.lookups)
+               for _ in range(3))
     print(f"memory lookup, no tier, 64 chunks x 2 ranks: {fast:.1f} us")
 
     tier_a.stop()
     tier_b.stop()
-    print("stats A:", {k: v for k, v in engine_a.stats().items() if k.startswith("remote_")})
-    print("stats B:", {k: v for k, v in engine_b.stats().items() if k.startswith("remote_")})
+    print("stats A:", tier_a.stats())
+    print("stats B:", tier_b.stats())
 
 
 def report(what: str, nbytes: int, tier_s: float, raw_s: float, floor: str) -> None:
