@@ -15,7 +15,8 @@ import os
 import random
 import socket
 import threading
-from collections.abc import Callable, Iterable, Sequence
+import time
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import zmq
@@ -441,6 +442,29 @@ class LMCacheMPWorkerAdapter:
                 if not transfer.future.query():  # one done since is called back at once
                     transfer.future.add_done_callback(check)
         return self.mq_client.wait(woken, timeout_s)
+
+    def settle_retrieves(self, request_ids: Collection[str], timeout_s: float) -> set[str]:
+        """Wait, within ``timeout_s`` for all, until the retrieves of ``request_ids`` are
+        answered (receiving on this thread), and settle them here rather than in
+        ``get_finished``, which then never reports them: loads their caller reads in its own
+        step (vLLM's synchronous loads). What they failed to fill goes to
+        ``get_block_ids_with_load_errors`` as always. Returns the requests not answered in time,
+        no longer tracked either: their blocks are the caller's to report unloaded."""
+        deadline = time.monotonic() + timeout_s
+        late: set[str] = set()
+        for request_id in request_ids:
+            state = self._retrieves.get(request_id)
+            if state is None:
+                continue
+            for transfer in state.transfers:
+                if not transfer.future.query():
+                    self.mq_client.wait(transfer.future, max(0.0, deadline - time.monotonic()))
+            if all_answered(state):
+                self._settle(request_id, self._retrieves, self.failed_retrieves)
+            else:
+                late.add(request_id)
+            del self._retrieves[request_id]
+        return late
 
     def store_futures(self, request_id: str) -> list[MessagingFuture[Any]]:
         """The futures of the stores still tracked for ``request_id`` (until ``get_finished``

@@ -219,6 +219,7 @@ class Engine:
         self.loads: dict[str, list[list[int]]] = {}  # each request's first load: blocks per group
         self.load_tokens: dict[str, list[int]] = {}  # tokens of each load sent, per request
         self.most_loads_in_a_step = 0
+        self.sync_loads: set[str] = set()  # requests whose load the step's forward read
         self.steps = 0
         #: Called after a step's schedule, before its loads and stores go out: (engine, output).
         self.before_transfers: Callable[[Engine, Any], None] | None = None
@@ -302,6 +303,8 @@ class Engine:
                                                     spec.group_block_ids or [spec.block_ids]])
             self.load_tokens.setdefault(spec.request_id, []).append(
                 len(spec.chunk_hashes) * CHUNK)
+            if getattr(spec, "sync", False):
+                self.sync_loads.add(spec.request_id)
             if spec.request_id in self.corrupt:
                 spec.chunk_hashes[-1] = os.urandom(32)  # a chunk the server never saw
         for rid in so.preempted_req_ids or ():
@@ -327,6 +330,11 @@ class Engine:
             self.before_transfers(self, so)
         self.worker.bind_connector_metadata(meta)
         self.worker.handle_preemptions(meta)
+        # As vLLM's model runner: loads the step's forward reads (synchronous ones) start before
+        # it, asynchronous ones after it, off the forward's path.
+        sync_loads = bool(getattr(so, "has_sync_kv_loads", False))
+        if sync_loads:
+            self.worker.start_load_kv(None)
         req_ids, sampled = [], []
         for rid, n in so.num_scheduled_tokens.items():
             start = computed[rid]
@@ -339,7 +347,8 @@ class Engine:
                 sampled.append([tok])
             else:
                 sampled.append([])
-        self.worker.start_load_kv(None)  # async loads start after the forward, as in vLLM
+        if not sync_loads:
+            self.worker.start_load_kv(None)
         self.worker.wait_for_save()
         results = self.worker.get_transfer_results(so.finished_req_ids)
         invalid = self.worker.get_block_ids_with_load_errors()
@@ -408,6 +417,7 @@ class Engine:
                 "finished_recving": sorted(self.finished_recving), "loads": self.loads,
                 "hits_by_source": self.hits_by_source,
                 "most_loads_in_a_step": self.most_loads_in_a_step,
+                "sync_loads": sorted(self.sync_loads),
                 "groups": [type(g.kv_cache_spec).__name__
                            for g in self.kv_cache_config.kv_cache_groups],
                 "pool_blocks": int(self.kv_cache_config.num_blocks),
@@ -535,7 +545,7 @@ def abort_load(s: Scenario, mode: str = "") -> dict[str, Any]:
     finished, which it must (else they leak), and the locks of B's lookup are released. R is
     aborted while its lookup is still unanswered. Then B2, the same prompt as B, loads S's
     chunks (they are intact) with every token right."""
-    engine = s.engine(mode)
+    engine = s.engine(mode, connector={"sync_loads": "never"})  # a load B waits for
     shared = s.tokens(800)
     engine.add("S", shared, 4)
     engine.run()
@@ -662,6 +672,34 @@ def inflight_loads(s: Scenario, mode: str = "") -> dict[str, Any]:
     return runs
 
 
+def busy_hit(s: Scenario, mode: str = "") -> dict[str, Any]:
+    """A hit arriving while the engine is busy (R decodes): with ``sync_loads`` "auto" its load
+    is synchronous, read by the forward pass of the step that admits it, so its first token
+    comes in that step; with "never" it waits for an asynchronous load (it starts after that
+    step's forward pass and is reported after the next one's). H2's synchronous load is made to
+    fail (a chunk the server never saw): vLLM recomputes its blocks and drops the token sampled
+    over them. Recorded per mode: steps from H's arrival to its first token."""
+    shared, busy = s.tokens(800), s.tokens(300)
+    runs: dict[str, Any] = {}
+    for label in ("auto", "never"):
+        engine = s.engine(mode, connector={"sync_loads": label})
+        if label == "auto":
+            engine.add("S", shared, 4)
+            engine.run()
+        engine.add("R", busy, 60)
+        engine.steps_until(functools.partial(_all_answering, engine, ["R"]))
+        arrived = engine.steps
+        engine.add("H", shared[:768] + s.tokens(100), 10)
+        engine.steps_until(functools.partial(_all_answering, engine, ["H"]))
+        first_token = engine.steps - arrived
+        if label == "auto":
+            engine.corrupt.add("H2")
+            engine.add("H2", shared[:768] + s.tokens(60), 10)
+        engine.run()
+        runs[label] = {**engine.result(s.url), "first_token_step": first_token}
+    return runs
+
+
 #: name -> (function, mode). The prefix scenarios of each hybrid mode, and the engine's life on
 #: one group and on a hybrid model.
 SCENARIOS: dict[str, tuple[Callable[..., dict[str, Any]], str]] = {
@@ -679,6 +717,7 @@ SCENARIOS: dict[str, tuple[Callable[..., dict[str, Any]], str]] = {
     "abort-load-hybrid": (abort_load, "hybrid"),
     "finish-before-store": (finish_before_store, ""),
     "inflight-loads": (inflight_loads, ""),
+    "busy-hit": (busy_hit, ""),
 }
 
 

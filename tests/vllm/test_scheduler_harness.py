@@ -82,6 +82,8 @@ def _run(tmp: Path, release: str) -> dict[str, Any]:
         server.stop()
     assert proc.returncode == 0 and out.exists(), (proc.stdout + proc.stderr)[-6000:]
     result = dict(json.loads(out.read_text()))
+    result["keys_lines"] = [line for line in (proc.stdout + proc.stderr).splitlines()
+                            if "chunk keys of this engine" in line]
     assert result["vllm"] == release, f"asked for vLLM {release}, ran {result['vllm']}"
     return result
 
@@ -221,8 +223,38 @@ def test_kv_cache_access_is_declared(harness: Callable[[str], dict[str, Any]],
     assert asked == (None if release_minor < (0, 34) else "LEGACY_IPC")
 
 
+@pytest.mark.parametrize("release", _releases())
+def test_each_engine_says_what_its_chunk_keys_depend_on(
+        harness: Callable[[str], dict[str, Any]], release: str) -> None:
+    """"Why are my hits 0?": each engine's rank-0 worker logs, once, where vLLM logs, the model
+    name, world size, chunk size, hash mode and layouts its keys depend on."""
+    lines = harness(release)["keys_lines"]
+    assert lines, "no engine logged its chunk keys"
+    assert all("model 'tiny-llama'" not in line for line in lines)  # vLLM's model: the dir
+    line = lines[0]
+    for part in ("world size 1", "chunk size 256 tokens", "hash mode tokens", "layout full "):
+        assert part in line, line
+
+
+@pytest.mark.parametrize("release", _releases())
+def test_a_hit_on_a_busy_engine_loads_in_the_step_that_admits_it(
+        harness: Callable[[str], dict[str, Any]], release: str) -> None:
+    """``sync_loads`` "auto": a hit arriving while the engine computes loads synchronously and
+    its first token comes sooner than from an asynchronous load (two steps: it starts after the
+    admitting step's forward pass, is reported after the next one's); a synchronous load that
+    fails is recomputed, every token right."""
+    outcome = harness(release)["scenarios"]["busy-hit"]
+    for label in ("auto", "never"):
+        _common(outcome[label])
+    auto, never = outcome["auto"], outcome["never"]
+    assert auto["sync_loads"] == ["H", "H2"] and never["sync_loads"] == []
+    assert auto["requests"]["H"]["cached"] == 768 and never["requests"]["H"]["cached"] == 768
+    assert auto["requests"]["H2"]["load_tokens"] == [768]  # tried, failed, recomputed right
+    assert auto["first_token_step"] < never["first_token_step"], (auto, never)
+
+
 def test_every_scenario_is_checked() -> None:
-    assert set(SCENARIOS) == set(CHECKS) | {"inflight-loads"}
+    assert set(SCENARIOS) == set(CHECKS) | {"inflight-loads", "busy-hit"}
 
 
 def test_the_tested_releases_ran(harness: Callable[[str], dict[str, Any]]) -> None:

@@ -8,7 +8,6 @@ no GPU KV cache that vLLM's sleep mode allocates. Part of :mod:`.lmcache_connect
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -16,14 +15,13 @@ import torch
 
 from lmcache_core.config import LMCacheConfig, load_config
 from lmcache_core.errors import IncompatibleError
+from lmcache_core.integration.vllm.connector_log import logger
 from lmcache_core.keys import GroupKind
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-# The connector's one logger, named as before the split, so logging configured for it still applies.
-logger = logging.getLogger("lmcache_core.integration.vllm.lmcache_connector")
 #: vLLM KV cache specs the connector stores, by the kind of group they make.
 SPEC_KINDS: dict[str, GroupKind] = {"FullAttentionSpec": "full", "MLAAttentionSpec": "full",
                                     "SlidingWindowSpec": "sliding", "MambaSpec": "mamba",

@@ -17,16 +17,13 @@ Part of :mod:`.lmcache_connector`; imports no vLLM.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from lmcache_core.integration.vllm.connector_log import logger
 from lmcache_core.protocol.messages import MAX_PRIORITY, MAX_TTL_S, MIN_PRIORITY, MIN_TTL_S
-
-# The connector's one logger, so logging configured for it applies.
-logger = logging.getLogger("lmcache_core.integration.vllm.lmcache_connector")
 
 PREFIX = "lmcache."
 TTL, PIN, PRIORITY, SKIP_STORE = (f"{PREFIX}{k}" for k in ("ttl_s", "pin", "priority", "skip_store"))

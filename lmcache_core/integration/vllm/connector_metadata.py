@@ -29,6 +29,9 @@ class TransferSpec:
     chunks from its attention chunk's start, which the position of the load's end tells."""
     fail: bool = False
     """A hybrid load that cannot be done as vLLM counts it: reported failed (vLLM recomputes)."""
+    sync: bool = False
+    """A load the step's forward pass reads (vLLM was told it is synchronous): the worker waits
+    for it before the forward and reports it only by its failed blocks, never as received."""
     ttl_s: float | None = None
     pin: bool = False
     priority: int = 0

@@ -31,6 +31,8 @@ class RequestTracker:
     load: tuple[int, int] | None = None  # chunk range to load
     load_invalid: list[int] = field(default_factory=list)
     load_fails: bool = False  # a hybrid load vLLM trimmed to a partial chunk: report it failed
+    load_sync: bool = False  # loaded in the step that schedules it, before its forward pass
+    async_promised: bool = False  # may_load_async said yes: vLLM queued it for an async load
     state: str = "lookup"  # lookup -> (load ->) ready
     stored_chunks: int = 0  # leading chunks present on the server or being stored
     ran: bool = False  # scheduled to run since its lookup (so a later re-ask is a preemption)

@@ -12,7 +12,6 @@ KV cache manager gives them); a single-group model is the case of one group.
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from lmcache_core.client.scheduler import LMCacheMPSchedulerAdapter
 from lmcache_core.integration.vllm.connector_config import KVGroupInfo
 from lmcache_core.integration.vllm.connector_hints import request_hints
+from lmcache_core.integration.vllm.connector_log import logger
 from lmcache_core.integration.vllm.connector_metadata import (
     LMCacheConnectorMetadata,
     TransferSpec,
@@ -41,8 +41,11 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-# The connector's one logger, named as before the split, so logging configured for it still applies.
-logger = logging.getLogger("lmcache_core.integration.vllm.lmcache_connector")
+
+
+#: ``kv_connector_extra_config`` ``sync_loads``: when a hit is loaded in the step that schedules
+#: its request (``ConnectorSchedulerSide._load_in_the_step``).
+SYNC_LOADS = ("auto", "always", "never")
 
 
 class ConnectorSchedulerSide(KVConnectorBase_V1, SupportsHMA):
@@ -60,6 +63,8 @@ class ConnectorSchedulerSide(KVConnectorBase_V1, SupportsHMA):
     _uncacheable_logged: set[str]
     _lookup_wait_s: float  # timeouts.lookup_wait_us: what a step may wait for its lookups
     _lookup_wait_left_s: float  # what is left of it in this step
+    _sync_loads: str  # SYNC_LOADS: when a hit is loaded in the step that schedules it
+    _engine_busy: bool  # the last step computed tokens
     _wait_clock = staticmethod(time.perf_counter)  # what the budget is measured on (tests: fake)
 
     def _tracker(self, request: Request) -> RequestTracker:
@@ -118,7 +123,26 @@ class ConnectorSchedulerSide(KVConnectorBase_V1, SupportsHMA):
             tracker.load = None
             return 0, False
         tracker.load = (num_computed_tokens // size, tracker.hit_chunks)
-        return hit - num_computed_tokens, True
+        tracker.load_sync = not tracker.async_promised and self._load_in_the_step()
+        return hit - num_computed_tokens, not tracker.load_sync
+
+    def _load_in_the_step(self) -> bool:
+        """Whether a hit is loaded in the step that schedules the request, before that step's
+        forward pass (vLLM told the load is synchronous), rather than asynchronously.
+
+        ``sync_loads`` "auto" (the default): synchronously while the engine is busy (the last
+        step computed tokens, so this one will too). An asynchronous load starts after the
+        forward pass of the step that admits the request and is reported after the next one's,
+        so the request waits two whole steps: under load, steps that prefill other requests'
+        prompts, hundreds of ms against the few ms of the copy. An idle engine's steps are
+        empty and short, and waits for the load in the one after it (``IDLE_WAIT_S``): there
+        the load stays asynchronous, which measured a little faster alone (the step's OpenMP
+        team, woken, spins beside a synchronous wait and takes the cores from the server's
+        copy). A hybrid model never loads synchronously: vLLM takes a failed load of several
+        KV cache groups only per request, from an asynchronous one."""
+        if self._sync_loads == "auto":
+            return self._engine_busy
+        return self._sync_loads == "always"
 
     def _look_up(self, tracker: RequestTracker, n_chunks: int, num_computed_tokens: int) -> int | None:
         """The request's hit in tokens (None while the answer is out): its lookup is sent once,
@@ -150,7 +174,9 @@ class ConnectorSchedulerSide(KVConnectorBase_V1, SupportsHMA):
         n_chunks = len(request.all_token_ids) // self._chunk_size
         if not tracker.cacheable or tracker.state != "lookup" or n_chunks == 0:
             return False
-        return bool(self._look_up(tracker, n_chunks, 0))
+        # a yes holds: vLLM takes this request's load only if it is asynchronous
+        tracker.async_promised = bool(self._look_up(tracker, n_chunks, 0))
+        return tracker.async_promised
 
     def _wait_for_lookup(self, request_id: str) -> bool:
         """Wait for the lookup just sent, within what is left of this step's budget: answered
@@ -201,12 +227,13 @@ class ConnectorSchedulerSide(KVConnectorBase_V1, SupportsHMA):
         meta.preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
         # vLLM's total_num_scheduled_tokens == 0, from the dict every vLLM version has
         meta.idle = not any(scheduler_output.num_scheduled_tokens.values())
+        self._engine_busy = not meta.idle
         for tracker in self._trackers.values():
             if tracker.state != "load" or tracker.load is None:
                 continue
             start, end = tracker.load
             meta.loads.append(self._spec(tracker, start, end, invalid_block_ids=tracker.load_invalid,
-                                         fail=tracker.load_fails))
+                                         fail=tracker.load_fails, sync=tracker.load_sync))
             tracker.state = "ready"
         for request_id in self._orphan_loads:  # finished before its load went out: release it
             meta.loads.append(TransferSpec(request_id, [], []))

@@ -5,14 +5,12 @@ Part of :mod:`.lmcache_connector` (its ``get_mem_pool_context``).
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-# The connector's one logger, named as before the split, so logging configured for it still applies.
-logger = logging.getLogger("lmcache_core.integration.vllm.lmcache_connector")
+from lmcache_core.integration.vllm.connector_log import logger
 
 
 class SharedKVAllocation(TorchFunctionMode):

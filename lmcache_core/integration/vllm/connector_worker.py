@@ -34,6 +34,7 @@ from lmcache_core.integration.vllm.connector_config import (
     backend_name,
     refuse_unexportable,
 )
+from lmcache_core.integration.vllm.connector_log import logger
 from lmcache_core.integration.vllm.connector_metadata import (
     LMCacheConnectorMetadata,
     TransferSpec,
@@ -46,8 +47,6 @@ from lmcache_core.kv.cuda_events import InflightEvents
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
 
-# The connector's one logger, named as before the split, so logging configured for it still applies.
-logger = logging.getLogger("lmcache_core.integration.vllm.lmcache_connector")
 
 #: The longest a step that computes nothing waits for a load in flight to land (less when the load
 #: deadline is shorter). Waiting, vLLM does not spin through empty steps (on a 2-core host that
@@ -55,6 +54,9 @@ logger = logging.getLogger("lmcache_core.integration.vllm.lmcache_connector")
 #: Bounded well below the deadline: a request that arrives meanwhile is scheduled after the wait,
 #: and a slow load costs one empty step per wait, not a spin.
 IDLE_WAIT_S = 0.02
+#: What a synchronous load's wait allows beyond its load deadline for the reply to come back (the
+#: server answers once the run of chunks in progress at the deadline is done: a few ms).
+SYNC_REPLY_S = 1.0
 
 
 class ConnectorWorkerSide(KVConnectorBase_V1):
@@ -285,13 +287,36 @@ class ConnectorWorkerSide(KVConnectorBase_V1):
         except Exception as exc:  # the blocks stay unfilled: vLLM recomputes them
             logger.warning("lmcache: submitting loads for %s failed, recomputing: %s", ids, exc)
             self._fail_loads(loads)
+            return
+        self._finish_sync_loads([spec for spec in loads if spec.sync])
+
+    def _finish_sync_loads(self, specs: list[TransferSpec]) -> None:
+        """Wait for the loads this step's forward pass reads (vLLM was told they are
+        synchronous), within the load deadline and the time its reply takes: they are settled
+        here, never reported as received; a chunk that did not land is reported by its blocks
+        (``get_block_ids_with_load_errors``), so vLLM recomputes them and drops the token
+        sampled over them. A load with no answer in that time is reported unloaded whole."""
+        if not specs or self._worker is None:
+            return
+        deadline_ms = self._worker.load_deadline_ms
+        if deadline_ms is None:
+            deadline_ms = self._config.timeouts.load_ms
+        timeout_s = (deadline_ms / 1000 + SYNC_REPLY_S if deadline_ms
+                     else self._config.timeouts.request_s)
+        late = self._worker.settle_retrieves([spec.request_id for spec in specs], timeout_s)
+        for spec in specs:
+            if spec.request_id in late:
+                logger.warning("lmcache: load of %s not answered within %.1f s: recomputing",
+                               spec.request_id, timeout_s)
+                self._local_load_errors.update(spec.block_ids)
 
     def _fail_loads(self, specs: list[TransferSpec]) -> None:
-        """Loads that were not sent: reported finished, and failed (vLLM recomputes them): by
-        their blocks for one group, by request for a hybrid model."""
+        """Loads that were not sent: failed (vLLM recomputes them), by their blocks for one group,
+        by request for a hybrid model; an asynchronous one also reported finished."""
         for spec in specs:
             self._local_load_errors.update(spec.block_ids)
-            self._loads_failed_to_submit.add(spec.request_id)
+            if not spec.sync:
+                self._loads_failed_to_submit.add(spec.request_id)
             if spec.group_block_ids is not None:
                 self._failed_loads.add(spec.request_id)
 

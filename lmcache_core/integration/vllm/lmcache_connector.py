@@ -82,7 +82,6 @@ are the only ones in ``lmcache_core`` that import vLLM.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -98,13 +97,14 @@ from lmcache_core.integration.vllm.connector_config import (
     SUPPORTED_SPECS as SUPPORTED_SPECS,
 )
 from lmcache_core.integration.vllm.connector_config import client_config, kv_groups
+from lmcache_core.integration.vllm.connector_log import logger
 from lmcache_core.integration.vllm.connector_metadata import LMCacheConnectorMetadata
 from lmcache_core.integration.vllm.connector_metadata import TransferSpec as TransferSpec
 from lmcache_core.integration.vllm.connector_metadata import (
     per_block_hashes as per_block_hashes,
 )
 from lmcache_core.integration.vllm.connector_requests import RequestTracker
-from lmcache_core.integration.vllm.connector_scheduler import ConnectorSchedulerSide
+from lmcache_core.integration.vllm.connector_scheduler import SYNC_LOADS, ConnectorSchedulerSide
 from lmcache_core.integration.vllm.connector_shm import SharedKVAllocation
 from lmcache_core.integration.vllm.connector_versions import untested_warning
 from lmcache_core.integration.vllm.connector_worker import ConnectorWorkerSide
@@ -122,7 +122,6 @@ if TYPE_CHECKING:
 
 __all__ = ["LMCacheConnector", "LMCacheConnectorMetadata"]
 
-logger = logging.getLogger(__name__)
 
 
 class LMCacheConnector(ConnectorSchedulerSide, ConnectorWorkerSide):
@@ -189,6 +188,13 @@ class LMCacheConnector(ConnectorSchedulerSide, ConnectorWorkerSide):
                 min_hit_tokens=self._config.min_hit_tokens, **common)
             self._lookup_wait_s = timeouts.lookup_wait_us / 1e6
             self._lookup_wait_left_s = self._lookup_wait_s
+            sync = str(extra.get("sync_loads", "auto"))
+            if sync not in SYNC_LOADS:
+                raise ValueError(f"kv_connector_extra_config sync_loads={sync!r}: expected one "
+                                 f"of {', '.join(SYNC_LOADS)}")
+            # (a hybrid model's failed load can only be reported from an asynchronous one)
+            self._sync_loads = sync if len(self._groups) == 1 else "never"
+            self._engine_busy = False
             self._chunk_size = self._scheduler.chunk_size
             self._bpc = self._scheduler.num_blocks_per_chunk()
             self._group_bpc = [self._blocks_per_chunk(g.block_size) for g in self._groups]
