@@ -5,7 +5,12 @@ tests skipped without CUDA.
 Factories (arq's ``tests/conftest.py`` is the model): ``make_server(overrides, name=...)`` starts an
 ``lmcache serve`` in the test's temp dir, ``make_worker(url, **shape)`` a stand-in vLLM worker
 process, ``make_redis(cluster=False)`` a ``redis-server``; whatever a test made is stopped after it,
-however it ended, so tests hold no try/finally of their own for that.
+however it ended, so tests hold no try/finally of their own for that. ``module_server`` is
+``make_server`` for a whole module (its servers outlive each test, and are killed after the last),
+and ``server`` is a module's one shared server made by it: TINY with the overrides the module's
+``server_config`` marker names, e.g. ``pytestmark = pytest.mark.server_config({"server":
+{"pool_size": "2MiB"}})`` (its tests store chunks of their own, so they do not need a fresh one).
+``short_tmp`` and ``module_tmp`` are temp dirs short enough for ``ipc://`` paths (107 bytes).
 
 ``perf`` tests measure real latency (bounds generous, but still about speed): they are deselected
 by default (``-m "not perf"`` in pyproject.toml's addopts) and run with ``-m perf`` or
@@ -14,9 +19,12 @@ by default (``-m "not perf"`` in pyproject.toml's addopts) and run with ``-m per
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import secrets
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -76,21 +84,67 @@ def fake_clock() -> FakeClock:
     return FakeClock()
 
 
+@contextlib.contextmanager
+def _short_dir(prefix: str) -> Iterator[Path]:
+    """A new dir under /tmp (an ``ipc://`` path holds at most 107 bytes), removed afterwards."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture
-def make_server(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
-    """``make_server(overrides=None, name="srv", start=True)``: an ``lmcache serve`` on an ipc://
-    socket in the test's temp dir (``ServerProcess``), killed after the test if still running."""
+def short_tmp() -> Iterator[Path]:
+    """The test's own temp dir, short enough for ``ipc://`` socket paths."""
+    with _short_dir("lmt") as path:
+        yield path
+
+
+@pytest.fixture(scope="module")
+def module_tmp() -> Iterator[Path]:
+    """A temp dir for a whole module (its ``module_server`` servers' files), as ``short_tmp``."""
+    with _short_dir("lmm") as path:
+        yield path
+
+
+def _servers(workdir: Path) -> Iterator[Callable[..., ServerProcess]]:
+    """The server factory of ``make_server`` and ``module_server``: it kills what it made last."""
     made: list[ServerProcess] = []
 
     def make(overrides: dict[str, Any] | None = None, *, name: str = "srv",
              start: bool = True) -> ServerProcess:
-        server = ServerProcess(tmp_path, overrides, name=name)
+        server = ServerProcess(workdir, overrides, name=name)
         made.append(server)
         return server.start() if start else server
 
     yield make
     for server in reversed(made):
         server.kill()
+
+
+@pytest.fixture
+def make_server(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
+    """``make_server(overrides=None, name="srv", start=True)``: an ``lmcache serve`` on an ipc://
+    socket in the test's temp dir (``ServerProcess``), killed after the test if still running."""
+    yield from _servers(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def module_server(module_tmp: Path) -> Iterator[Callable[..., ServerProcess]]:
+    """``make_server`` for a whole module: the servers it starts serve every test of the module
+    that asks, and are killed after its last test."""
+    yield from _servers(module_tmp)
+
+
+@pytest.fixture(scope="module")
+def server(request: pytest.FixtureRequest,
+           module_server: Callable[..., ServerProcess]) -> ServerProcess:
+    """The module's one ``lmcache serve``, shared by its tests: TINY with the arguments of the
+    module's ``server_config`` marker (``module_server``'s: overrides, ``name=``), if it has one.
+    A module-level ``pytestmark`` names it; a test's own marker is not seen (one server a module)."""
+    marker = request.node.get_closest_marker("server_config")
+    return module_server(*marker.args, **marker.kwargs) if marker else module_server()
 
 
 @pytest.fixture

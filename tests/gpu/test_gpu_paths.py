@@ -28,7 +28,7 @@ from lmcache_core.kv.cuda_events import InflightEvents, export_event, wait_event
 from lmcache_core.kv.share import describe_kv_caches
 from lmcache_core.storage.pool import MemoryPool
 from lmcache_core.transport.future import MessagingFuture
-from tests.gpu.test_kv_cuda import REPO, SHAPE, _ask, _finish, _start_server
+from tests.gpu.ipc_server import REPO, SHAPE, ask, finish, start_server
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
 SPIN = 4_000_000_000  # GPU cycles: ~2 s on current parts
@@ -62,12 +62,12 @@ def _late_write(layers: list[torch.Tensor], value: float) -> tuple[torch.cuda.St
 def test_server_sees_the_writes_behind_a_held_event(wait: bool) -> None:
     layers = [torch.zeros(SHAPE, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
     layout, block_size, descs = describe_kv_caches({"a": layers[0], "b": layers[1]})
-    proc = _start_server(descs, layout, block_size)
+    proc = start_server(descs, layout, block_size)
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().startswith("ready")
         side, handle, keeper = _late_write(layers, 7.0)
-        got = _ask(proc, f"gather {handle.hex() if wait else '-'} 0,1,2,3")
+        got = ask(proc, f"gather {handle.hex() if wait else '-'} 0,1,2,3")
         if wait:
             assert got == _digest_of(7.0)  # the event outlived our reference: waited on
         else:
@@ -75,7 +75,7 @@ def test_server_sees_the_writes_behind_a_held_event(wait: bool) -> None:
         side.synchronize()
         assert len(keeper) == 1
     finally:
-        _finish(proc)
+        finish(proc)
 
 
 def test_a_wait_on_an_unfinished_event_times_out_then_completes() -> None:

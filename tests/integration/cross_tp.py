@@ -5,7 +5,7 @@ and ``check_model``: every rank holds its slice of one seeded cache of all heads
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import zmq
 
@@ -13,19 +13,12 @@ from lmcache_core.client.scheduler import LMCacheMPSchedulerAdapter
 from lmcache_core.protocol import messages as m
 from lmcache_core.transport.client import MessageQueueClient
 from tests.harness import lookup_result
-from tests.integration.servers import WorkerProcess
+from tests.integration.chunks import BLOCK, blocks
+from tests.integration.servers import ServerProcess, WorkerProcess
 
-CHUNK, BLOCK = 64, 16
-PER_CHUNK = CHUNK // BLOCK
 HEADS = 8  # the model's KV heads, over all ranks
-
-
-def tokens(n_chunks: int, seed: int) -> list[int]:
-    return [(seed * 7919 + i * 37) % 32000 for i in range(n_chunks * CHUNK)]
-
-
-def blocks(first_chunk: int, n_chunks: int) -> list[int]:
-    return list(range(first_chunk * PER_CHUNK, (first_chunk + n_chunks) * PER_CHUNK))
+#: A server and the ranks of an engine at TP=1 and of one at TP=2 on it.
+Node = tuple[ServerProcess, dict[int, list[WorkerProcess]]]
 
 
 def in_parallel(*jobs: Callable[[], object]) -> list[object]:
@@ -82,3 +75,39 @@ def load_and_check(workers: list[WorkerProcess], request_id: str, toks: list[int
 def server_info(url: str) -> m.ServerInfoReply:
     with MessageQueueClient(url, connect_timeout_s=2) as client:
         return client.server_info()
+
+
+def stats(url: str) -> m.ServerStats:
+    return server_info(url).stats
+
+
+def clear(url: str) -> None:
+    """Drop every piece from the server's memory (the lower tiers keep theirs)."""
+    with MessageQueueClient(url, connect_timeout_s=2) as client:
+        assert client.request(m.ClearRequest(force=True)).kept_locked == 0
+    assert stats(url).engine.chunks == 0
+
+
+def start_node(server: ServerProcess, make: Callable[[str, int], list[WorkerProcess]]
+               ) -> Iterator[Node]:
+    """An engine (``make(url, world_size)``: its ranks) at TP=1 and one at TP=2 on ``server``,
+    for a fixture to yield from; the workers are killed at its end (the server is its factory's)."""
+    made: dict[int, list[WorkerProcess]] = {}
+    try:
+        for world_size in (1, 2):
+            made[world_size] = make(server.url, world_size)
+        yield server, made
+    finally:
+        for workers in made.values():
+            for worker in workers:
+                worker.kill()
+
+
+def redis_pair(make_server: Callable[..., ServerProcess], redis_url: str,
+               config: dict) -> tuple[ServerProcess, ServerProcess]:
+    """Two servers of ``config`` (``make_server``'s: stopped after the test) sharing the Redis at
+    ``redis_url`` as their remote tier, started side by side."""
+    remote = {"url": redis_url, "timeout_ms": 500, "retry_interval_s": 0.2}
+    pair = [make_server({**config, "remote": remote}, name=name, start=False) for name in "ab"]
+    in_parallel(*(server.start for server in pair))
+    return pair[0], pair[1]

@@ -1,6 +1,7 @@
-"""The real processes tests run beside them: ``lmcache serve``, a stand-in vLLM worker
-(``kv_worker.py``) and ``redis-server``. Tests get them from the factory fixtures in
-``tests/conftest.py`` (``make_server``, ``make_worker``, ``make_redis``), which stop them afterwards."""
+"""The real processes tests run beside them: ``lmcache serve`` (``FaultyServer``: one with a fault
+injected, ``faulty_server.py``), a stand-in vLLM worker (``kv_worker.py``) and ``redis-server``.
+Tests get them from the factory fixtures in ``tests/conftest.py`` (``make_server``,
+``module_server``, ``make_worker``, ``make_redis``), which stop them afterwards."""
 
 from __future__ import annotations
 
@@ -10,13 +11,16 @@ import shutil
 import signal
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 import yaml
 
+from lmcache_core.config import LMCacheConfig, load_config
 from lmcache_core.errors import LMCacheError
 from lmcache_core.transport.client import MessageQueueClient
 from tests import forkserver
@@ -31,6 +35,17 @@ TINY = {
                "http_url": "http://127.0.0.1:0"},  # any free port: servers run side by side
     "timeouts": {"connect_s": 2, "request_s": 10, "lookup_ms": 1000, "lock_ttl_s": 60},
 }
+
+
+def tiny_config(tmp: Path, **overrides: Any) -> LMCacheConfig:
+    """TINY as the config of an in-process ``CacheServer``, dotted ``overrides`` on top: its
+    socket ``ipc://<tmp>/srv.sock``, its HTTP listener off unless ``server.http_url`` says."""
+    tiny: dict[str, Any] = TINY
+    flat: dict[str, Any] = {f"{section}.{key}": value for section in ("model", "server", "timeouts")
+                            for key, value in tiny[section].items()}
+    flat.update({"chunk_size": TINY["chunk_size"], "server.url": f"ipc://{tmp}/srv.sock",
+                 "server.http_url": "off", **overrides})
+    return load_config(overrides=flat)
 
 
 class ServerProcess:
@@ -108,6 +123,45 @@ class ServerProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(5)
+
+
+_FAULTY = Path(__file__).with_name("faulty_server.py")
+
+
+class FaultyServer(ServerProcess):
+    """``faulty_server.py``: ``trigger()`` arms the housekeeper's fault (it dies at the next tick),
+    so the server can come up first however long that takes."""
+
+    def __init__(self, tmp: Path, fault: str) -> None:
+        super().__init__(tmp, {"server": {"workers": 1}})
+        self.fault = fault
+        self.trigger_path = tmp / f"{fault}.trigger"
+
+    def trigger(self) -> None:
+        self.trigger_path.touch()
+
+    def command(self) -> list[str]:
+        return [str(_FAULTY), self.fault, "serve", "-c", str(self.config_path)]
+
+    def environment(self) -> dict[str, str]:
+        return {**super().environment(), "LMCACHE_TEST_FAULT_TRIGGER": str(self.trigger_path)}
+
+    def start(self, timeout_s: float = 120.0) -> FaultyServer:
+        if self.fault == "loop":  # the loop dies on its first request: a readiness ping included
+            self.spawn()
+            return self
+        super().start(timeout_s)
+        return self
+
+    def exit_code_within(self, timeout_s: float) -> tuple[int, float]:
+        assert self.proc is not None
+        start = time.monotonic()
+        try:
+            code = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"the server did not exit within {timeout_s}s:\n{self.log()}")
+        return code, time.monotonic() - start
 
 
 def _merge(base: dict, extra: dict) -> dict:

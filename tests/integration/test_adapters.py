@@ -21,14 +21,8 @@ from lmcache_core.client.scheduler import LMCacheMPSchedulerAdapter
 from lmcache_core.errors import ServerUnreachableError
 from lmcache_core.protocol import messages as m
 from tests.harness import lookup_result, wait_until
+from tests.integration.chunks import BLOCK, CHUNK, PER_CHUNK, blocks, tokens
 from tests.integration.servers import ServerProcess, WorkerProcess, freeze
-
-CHUNK, BLOCK = 64, 16
-PER_CHUNK = CHUNK // BLOCK
-
-
-def tokens(n_chunks: int, seed: int = 0) -> list[int]:
-    return [(seed * 104729 + i * 31) % 32000 for i in range(n_chunks * CHUNK)]
 
 
 def block_hashes(n_blocks: int, seed: int = 0) -> list[bytes]:
@@ -40,21 +34,10 @@ def block_hashes(n_blocks: int, seed: int = 0) -> list[bytes]:
     return out
 
 
-def blocks(first_chunk: int, n_chunks: int) -> list[int]:
-    return list(range(first_chunk * PER_CHUNK, (first_chunk + n_chunks) * PER_CHUNK))
-
-
 def wait_lookup(adapter: LMCacheMPSchedulerAdapter, request_id: str, keys: list,
                 num_computed_tokens: int = 0) -> int:
     adapter.maybe_submit_lookup_request(request_id, keys)
     return lookup_result(adapter, request_id, num_computed_tokens)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("adapters")).start()
-    yield srv
-    srv.kill()
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,60 +27,15 @@ from lmcache_core.config import leaf_keys
 from lmcache_core.errors import LMCacheError
 from lmcache_core.transport.client import MessageQueueClient
 from tests.harness import wait_until
+from tests.integration.cli import ROOT, assert_no_torch, cli
 from tests.integration.servers import TINY, ServerProcess
 
-ROOT = Path(__file__).resolve().parents[2]
 CHUNK = TINY["chunk_size"]
 runner = CliRunner()
-
-
-class Result:
-    def __init__(self, proc: subprocess.CompletedProcess[str]) -> None:
-        self.code = proc.returncode
-        self.out = proc.stdout
-        self.err = proc.stderr
-
-    def json(self) -> Any:
-        return json.loads(self.out)
-
-    def one_error_line(self) -> str:
-        lines = [line for line in self.err.splitlines() if line.strip()]
-        assert "Traceback" not in self.err, self.err
-        assert len(lines) == 1 and lines[0].startswith("error: "), self.err
-        return lines[0]
-
-
-def cli(*args: str, env: dict[str, str] | None = None, stdin: str | None = None,
-        importtime: bool = False, timeout: float = 60) -> Result:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
-    cmd = [sys.executable, *(["-X", "importtime"] if importtime else []), "-m", "lmcache_cli", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, input=stdin,
-                          cwd=ROOT, env={**base, "COLUMNS": "200", **(env or {})})
-    return Result(proc)
-
-
-def assert_no_torch(result: Result) -> None:
-    """Neither torch (nor numpy) nor redis was imported: the command starts in well under a second."""
-    modules = {line.split("|")[-1].strip() for line in result.err.splitlines()
-               if line.startswith("import time:")}
-    assert modules, "run with importtime=True"
-    assert not {"torch", "numpy", "redis"} & modules, sorted(modules)
-
-
-@pytest.fixture(scope="module")
-def workdir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="lmcli", dir="/tmp"))  # short: ipc paths max 107 bytes
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def server(workdir: Path) -> Iterator[ServerProcess]:
+pytestmark = pytest.mark.server_config(
     # 8 slabs of 1 MiB: the runs of one and of two workers store pieces of two sizes (classes),
     # each in slabs of its own (one 8 MiB slab would make each size evict the other's pieces)
-    srv = ServerProcess(workdir, {"server": {"slab_size": "1MiB"}}, name="cli").start()
-    yield srv
-    srv.kill()
+    {"server": {"slab_size": "1MiB"}})
 
 
 @pytest.fixture(scope="module")
@@ -92,9 +44,9 @@ def cfg(server: ServerProcess) -> str:
 
 
 @pytest.fixture(scope="module")
-def bench(server: ServerProcess, cfg: str, workdir: Path) -> dict[str, Any]:
+def bench(server: ServerProcess, cfg: str, module_tmp: Path) -> dict[str, Any]:
     """One small CPU store-bench run (its JSON report), and the prompts it stored."""
-    tokens = workdir / "stored.json"
+    tokens = module_tmp / "stored.json"
     result = cli("store-bench", "-c", cfg, "--gpus", "cpu", "--chunks", "4", "--rounds", "2",
                  "--warmup", "1", "--lookups", "3", "--tokens-out", str(tokens), "--json")
     assert result.code == 0, result.err
@@ -126,8 +78,8 @@ def test_unknown_flag_is_a_usage_error() -> None:
 
 @pytest.mark.parametrize("command", [["ping"], ["lookup", "--tokens", "-"], ["inspect-chunks"],
                                      ["store-bench", "--gpus", "cpu"], ["serve"]])
-def test_bad_config_is_one_line_and_exit_2(command: list[str], workdir: Path) -> None:
-    bad = workdir / "bad.yaml"
+def test_bad_config_is_one_line_and_exit_2(command: list[str], module_tmp: Path) -> None:
+    bad = module_tmp / "bad.yaml"
     bad.write_text("model:\n  num_layerz: 2\n")
     result = cli(*command, "-c", str(bad), stdin="[1, 2]")
     assert result.code == 2
@@ -136,8 +88,8 @@ def test_bad_config_is_one_line_and_exit_2(command: list[str], workdir: Path) ->
 
 @pytest.mark.parametrize("command", [["ping"], ["lookup", "--tokens", "-"], ["inspect-chunks"],
                                      ["store-bench", "--gpus", "cpu"]])
-def test_unreachable_server_is_one_line_and_exit_1(command: list[str], workdir: Path) -> None:
-    url = f"ipc://{workdir}/nobody.sock"
+def test_unreachable_server_is_one_line_and_exit_1(command: list[str], module_tmp: Path) -> None:
+    url = f"ipc://{module_tmp}/nobody.sock"
     result = cli(*command, "--url", url, env={"LMCACHE_TIMEOUTS_CONNECT_S": "0.3"},
                  stdin="[1, 2]")
     assert result.code == 1
@@ -161,8 +113,8 @@ def test_ping_table_and_url_from_environment(server: ServerProcess) -> None:
     assert result.code == 0 and result.out.startswith(f"ok {server.url}: rtt"), result.err
 
 
-def test_ping_unreachable_json_says_why(workdir: Path) -> None:
-    result = cli("ping", "--url", f"ipc://{workdir}/nobody.sock", "--timeout", "0.3", "--json")
+def test_ping_unreachable_json_says_why(module_tmp: Path) -> None:
+    result = cli("ping", "--url", f"ipc://{module_tmp}/nobody.sock", "--timeout", "0.3", "--json")
     assert result.code == 1
     data = json.loads(result.out)
     assert data["ok"] is False and "no lmcache server answered" in data["error"]
@@ -238,10 +190,10 @@ def test_lookup_finds_what_store_bench_stored_and_leaves_no_locks(
 
 
 def test_two_cpu_workers_store_as_world_size_2_and_lookup_follows_the_tokens_file(
-        server: ServerProcess, cfg: str, workdir: Path) -> None:
+        server: ServerProcess, cfg: str, module_tmp: Path) -> None:
     """The config says world size 1, store-bench runs 2 workers (ranks 0 and 1 of world size 2):
     it says so, its tokens file carries the model and world size, and lookup uses them."""
-    tokens = workdir / "two-ranks.json"
+    tokens = module_tmp / "two-ranks.json"
     result = cli("store-bench", "-c", cfg, "--gpus", "cpu", "--cpu-workers", "2", "--chunks", "2",
                  "--rounds", "1", "--warmup", "0", "--lookups", "1", "--tokens-out", str(tokens))
     assert result.code == 0, result.err
@@ -260,13 +212,13 @@ def test_two_cpu_workers_store_as_world_size_2_and_lookup_follows_the_tokens_fil
     assert cli("inspect-chunks", "-c", cfg, "--json").json()["summary"]["locks_held"] == 0
 
 
-def test_tier_sections_import_neither_torch_nor_redis(server: ServerProcess, workdir: Path) -> None:
+def test_tier_sections_import_neither_torch_nor_redis(server: ServerProcess, module_tmp: Path) -> None:
     """A config with disk: and remote: sections (as the server's may have) is checked without
     importing the tiers: ping, lookup and inspect-chunks still import neither torch nor redis."""
     config = yaml.safe_load(server.config_path.read_text())
-    config["disk"] = {"path": str(workdir / "disk"), "max_size": "1GiB"}
+    config["disk"] = {"path": str(module_tmp / "disk"), "max_size": "1GiB"}
     config["remote"] = {"url": "redis+cluster://127.0.0.1:7000", "key_prefix": "cli"}
-    tiered = workdir / "tiered.yaml"
+    tiered = module_tmp / "tiered.yaml"
     tiered.write_text(yaml.safe_dump(config))
     prompts = json.dumps([list(range(3, 3 + 2 * CHUNK))])
     for args in (["ping"], ["lookup", "--tokens", "-"], ["inspect-chunks"]):
@@ -491,8 +443,8 @@ def test_serve_flag_of_the_wrong_type_exit_2(cfg: str) -> None:
     assert runner.invoke(app, ["serve", "-c", cfg, "--model-dtype", "int4"]).exit_code == 2
 
 
-def test_serve_runs_with_flags_and_exits_0_on_sigterm(workdir: Path, cfg: str) -> None:
-    url = f"ipc://{workdir}/flags.sock"
+def test_serve_runs_with_flags_and_exits_0_on_sigterm(module_tmp: Path, cfg: str) -> None:
+    url = f"ipc://{module_tmp}/flags.sock"
     proc = subprocess.Popen(
         [sys.executable, "-m", "lmcache_cli", "serve", "-c", cfg, "--url", url, "--workers", "1",
          "--set", "timeouts.lock_ttl_s=5", "--log-level", "warning"],

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_cli import cli
+from tests.integration.cli import cli
 
 NOWHERE = "ipc:///tmp/lmcache-cli-limits-nowhere.sock"  # never bound: nothing answers there
 

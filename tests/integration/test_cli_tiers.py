@@ -34,8 +34,8 @@ from lmcache_core.storage.pool import MemoryPool
 from lmcache_core.storage.remote import RemoteTier, glob_escape
 from lmcache_core.transport.client import MessageQueueClient
 from tests.harness import wait_until
+from tests.integration.cli import Result, cli
 from tests.integration.servers import TINY, RedisServer, ServerProcess, WorkerProcess, freeze
-from tests.integration.test_cli import Result, cli
 
 CHUNK = 64  # tokens: the servers' chunk size
 assert TINY["chunk_size"] == CHUNK

@@ -10,6 +10,7 @@ import secrets
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,7 +21,7 @@ from lmcache_core.kv.tensors import contiguous_stride
 from lmcache_core.protocol import messages as m
 from lmcache_core.server.app import CacheServer
 from lmcache_core.transport.client import MessageQueueClient
-from tests.integration.test_lmcache_dialect_waits import server_config, short_tmp  # noqa: F401
+from tests.integration.servers import tiny_config
 
 SHAPE = [2, 8, 16, 4, 32]  # flash_attn, float16, TINY's model: 2 chunks of 4 blocks per layer
 LAYER_BYTES = 2 * 8 * 16 * 4 * 32 * 2
@@ -39,10 +40,10 @@ class StalledStream:
 
 
 @pytest.fixture
-def served(short_tmp: str) -> Iterator[tuple[CacheServer, MessageQueueClient, int]]:  # noqa: F811
+def served(short_tmp: Path) -> Iterator[tuple[CacheServer, MessageQueueClient, int]]:
     name = f"lmcache-{os.getpid()}-{pid_namespace()}-{secrets.token_hex(6)}"
     SharedSegment.create(name, 2 * LAYER_BYTES).close()
-    srv = CacheServer(server_config(short_tmp))
+    srv = CacheServer(tiny_config(short_tmp))
     srv.start()
     client = MessageQueueClient(srv.url, request_timeout_s=10)
     try:

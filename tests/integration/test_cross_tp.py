@@ -5,27 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.cross_tp import (
-    BLOCK,
-    CHUNK,
-    HEADS,
-    PER_CHUNK,
-    blocks,
-    load_and_check,
-    server_info,
-    store,
-    tokens,
-)
+from tests.integration.chunks import BLOCK, CHUNK, PER_CHUNK, blocks, tokens
+from tests.integration.cross_tp import HEADS, load_and_check, server_info, store
 from tests.integration.cross_tp import lookup as shared_lookup
-from tests.integration.servers import ServerProcess, WorkerProcess
+from tests.integration.servers import WorkerProcess
 
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("cross_tp"),
-                        {"server": {"pool_size": "16MiB", "slab_size": "1MiB"}}).start()
-    yield srv
-    srv.kill()
+pytestmark = pytest.mark.server_config({"server": {"pool_size": "16MiB", "slab_size": "1MiB"}})
 
 
 def group(url: str, world_size: int, model: str = "xtp", **spec: object) -> list[WorkerProcess]:

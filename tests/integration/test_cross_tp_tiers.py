@@ -9,17 +9,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from lmcache_core.protocol import messages as m
-from lmcache_core.transport.client import MessageQueueClient
 from tests.harness import wait_until
-from tests.integration.cross_tp import (
-    CHUNK,
-    HEADS,
-    in_parallel,
-    load_and_check,
-    store,
-    tokens,
-)
+from tests.integration.chunks import CHUNK, tokens
+from tests.integration.cross_tp import HEADS, Node, clear, in_parallel, load_and_check, stats, store
 from tests.integration.cross_tp import lookup as shared_lookup
 from tests.integration.servers import RedisServer, ServerProcess, WorkerProcess, redis_binary
 
@@ -53,23 +45,7 @@ def kill_groups(*groups: dict[int, list[WorkerProcess]]) -> None:
                 worker.kill()
 
 
-def stats(url: str) -> m.ServerStats:
-    with MessageQueueClient(url, connect_timeout_s=2) as client:
-        return client.server_info().stats
-
-
-def clear(url: str) -> None:
-    """Drop every piece from the server's memory (the lower tiers keep theirs)."""
-    with MessageQueueClient(url, connect_timeout_s=2) as client:
-        reply = client.request(m.ClearRequest(force=True))
-    assert reply.kept_locked == 0
-    assert stats(url).engine.chunks == 0
-
-
 # ---------------------------------------------------------------- disk
-
-
-Node = tuple[ServerProcess, dict[int, list[WorkerProcess]]]
 
 
 @pytest.fixture(scope="class")

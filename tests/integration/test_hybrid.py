@@ -25,11 +25,20 @@ from lmcache_core.protocol import messages as m
 from lmcache_core.storage.disk_files import iter_files, read_meta
 from lmcache_core.transport.client import MessageQueueClient
 from tests.harness import wait_until
-from tests.integration.cross_tp import in_parallel, lookup, server_info, tokens
-from tests.integration.servers import RedisServer, ServerProcess, WorkerProcess, redis_binary
-from tests.integration.test_cli import cli
+from tests.integration.chunks import BLOCK, CHUNK, PER_CHUNK, tokens
+from tests.integration.cli import cli
+from tests.integration.cross_tp import (
+    Node,
+    clear,
+    in_parallel,
+    lookup,
+    redis_pair,
+    server_info,
+    start_node,
+    stats,
+)
+from tests.integration.servers import ServerProcess, WorkerProcess
 
-CHUNK, BLOCK, PER_CHUNK = 64, 16, 4
 HEADS = 4  # the model's KV heads over all ranks
 MODEL = "gemma-like"
 #: Full attention; a window of 40 tokens (pieces: each chunk's last 3 blocks; resuming needs the
@@ -105,16 +114,6 @@ def load_and_check(workers: list[WorkerProcess], request_id: str, toks: list[int
         assert check == {"equal": True, "null_untouched": True}
 
 
-def stats(url: str) -> m.ServerStats:
-    return server_info(url).stats
-
-
-def clear(url: str) -> None:
-    with MessageQueueClient(url, connect_timeout_s=2) as client:
-        assert client.request(m.ClearRequest(force=True)).kept_locked == 0
-    assert stats(url).engine.chunks == 0
-
-
 #: Pieces one store of n chunks at TP=2 makes: every group's chunks, of both ranks.
 def stored_pieces(n: int, world: int = 2) -> int:
     return 3 * n * world
@@ -129,29 +128,9 @@ def needed_pieces(n: int, stored_by: int = 2) -> int:
 # ---------------------------------------------------------------- memory
 
 
-Node = tuple[ServerProcess, dict[int, list[WorkerProcess]]]
-
-
-def start_node(tmp: Path, config: dict, name: str,
-               make: Callable[[str, int], list[WorkerProcess]] | None = None) -> Iterator[Node]:
-    """A server and a hybrid engine (``make``, else ``engine``) at TP=1 and at TP=2 on it; all
-    killed at the end."""
-    make = make or engine
-    server = ServerProcess(tmp, config, name=name).start()
-    made: dict[int, list[WorkerProcess]] = {}
-    try:
-        made = {1: make(server.url, 1), 2: make(server.url, 2)}
-        yield server, made
-    finally:
-        for workers in made.values():
-            for worker in workers:
-                worker.kill()
-        server.kill()
-
-
 @pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    yield from start_node(tmp_path_factory.mktemp("hybrid"), POOL, "mem")
+def node(module_server: Callable[..., ServerProcess]) -> Iterator[Node]:
+    yield from start_node(module_server(POOL, name="mem"), engine)
 
 
 def test_each_group_registers_on_its_own_under_its_own_fingerprint(node):
@@ -401,11 +380,10 @@ def test_a_chunk_size_no_group_block_size_divides_is_refused_at_registration(nod
 
 
 @pytest.fixture(scope="module")
-def disk_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    tmp = tmp_path_factory.mktemp("hybrid_disk")
-    config = {**POOL, "disk": {"path": str(tmp / "disk"), "max_size": "64MiB",
+def disk_node(module_server: Callable[..., ServerProcess], module_tmp: Path) -> Iterator[Node]:
+    config = {**POOL, "disk": {"path": str(module_tmp / "disk"), "max_size": "64MiB",
                                "write_through": True}}
-    yield from start_node(tmp, config, "disk")
+    yield from start_node(module_server(config, name="disk"), engine)
 
 
 def store_on_disk_only(server: ServerProcess, workers: list[WorkerProcess], toks: list[int],
@@ -470,14 +448,10 @@ def test_window_pieces_removed_from_disk_make_a_miss_at_that_chunk(disk_node):
 
 
 @pytest.mark.redis
-def test_through_redis_another_server_loads_the_hybrid_chunks_at_tp1(tmp_path):
-    redis_server = RedisServer(redis_binary(), tmp_path).start()
-    remote = {"url": redis_server.url, "timeout_ms": 500, "retry_interval_s": 0.2}
-    server_a = ServerProcess(tmp_path, {**POOL, "remote": remote}, name="a")
-    server_b = ServerProcess(tmp_path, {**POOL, "remote": remote}, name="b")
+def test_through_redis_another_server_loads_the_hybrid_chunks_at_tp1(make_redis, make_server):
+    server_a, server_b = redis_pair(make_server, make_redis().url, POOL)
     made: list[WorkerProcess] = []
     try:
-        in_parallel(server_a.start, server_b.start)
         on_a = engine(server_a.url, 2)
         on_b = engine(server_b.url, 1)
         made = on_a + on_b
@@ -495,9 +469,6 @@ def test_through_redis_another_server_loads_the_hybrid_chunks_at_tp1(tmp_path):
     finally:
         for worker in made:
             worker.kill()
-        server_a.kill()
-        server_b.kill()
-        redis_server.stop()
 
 
 # ---------------------------------------------------------------- Mamba state (Granite-4-like)
@@ -524,8 +495,8 @@ def state_table(first: int, n: int, live: list[int] | None = None) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def mamba_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    yield from start_node(tmp_path_factory.mktemp("hybrid_mamba"), POOL, "mamba", mamba_engine)
+def mamba_node(module_server: Callable[..., ServerProcess]) -> Iterator[Node]:
+    yield from start_node(module_server(POOL, name="mamba"), mamba_engine)
 
 
 def mamba_store(workers: list[WorkerProcess], toks: list[int], seed: int,

@@ -8,18 +8,26 @@ prompt missing such a piece is a miss at that chunk."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
-from lmcache_core.protocol import messages as m
 from tests.harness import wait_until
-from tests.integration.cross_tp import in_parallel, lookup, server_info, tokens
-from tests.integration.servers import RedisServer, ServerProcess, WorkerProcess, redis_binary
-from tests.integration.test_cli import cli
-from tests.integration.test_hybrid import Node, clear, start_node
+from tests.integration.chunks import BLOCK, CHUNK, PER_CHUNK, tokens
+from tests.integration.cli import cli
+from tests.integration.cross_tp import (
+    Node,
+    clear,
+    in_parallel,
+    lookup,
+    redis_pair,
+    server_info,
+    start_node,
+    stats,
+)
+from tests.integration.servers import ServerProcess, WorkerProcess
 
-CHUNK, BLOCK, PER_CHUNK = 64, 16, 4
 HEADS = 4
 MODEL = "llama4-like"
 ATTENTION = 96  # tokens of an attention chunk: 6 blocks
@@ -85,18 +93,14 @@ def load_and_check(workers: list[WorkerProcess], request_id: str, toks: list[int
         assert check == {"equal": True, "null_untouched": True}
 
 
-def stats(url: str) -> m.ServerStats:
-    return server_info(url).stats
-
-
 def needed_pieces(n: int, stored_by: int = 2) -> int:
     """Pieces a TP=1 hit of ``n`` chunks needs, of pieces stored at TP=``stored_by``."""
     return (n + needed_local_chunks(n)) * stored_by
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    yield from start_node(tmp_path_factory.mktemp("local"), POOL, "mem", engine)
+def node(module_server: Callable[..., ServerProcess]) -> Iterator[Node]:
+    yield from start_node(module_server(POOL, name="mem"), engine)
 
 
 def test_the_local_group_registers_under_a_fingerprint_naming_its_attention_chunk(node):
@@ -171,11 +175,10 @@ def test_lmcache_lookup_counts_a_local_prefix_as_its_lookup_does(node):
 
 
 @pytest.fixture(scope="module")
-def disk_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    tmp = tmp_path_factory.mktemp("local_disk")
-    config = {**POOL, "disk": {"path": str(tmp / "disk"), "max_size": "64MiB",
+def disk_node(module_server: Callable[..., ServerProcess], module_tmp: Path) -> Iterator[Node]:
+    config = {**POOL, "disk": {"path": str(module_tmp / "disk"), "max_size": "64MiB",
                                "write_through": True}}
-    yield from start_node(tmp, config, "disk", engine)
+    yield from start_node(module_server(config, name="disk"), engine)
 
 
 def test_through_the_disk_tier_only_the_needed_local_pieces_load(disk_node):
@@ -198,14 +201,10 @@ def test_through_the_disk_tier_only_the_needed_local_pieces_load(disk_node):
 
 
 @pytest.mark.redis
-def test_through_redis_another_server_loads_the_local_chunks_at_tp1(tmp_path):
-    redis_server = RedisServer(redis_binary(), tmp_path).start()
-    remote = {"url": redis_server.url, "timeout_ms": 500, "retry_interval_s": 0.2}
-    server_a = ServerProcess(tmp_path, {**POOL, "remote": remote}, name="a")
-    server_b = ServerProcess(tmp_path, {**POOL, "remote": remote}, name="b")
+def test_through_redis_another_server_loads_the_local_chunks_at_tp1(make_redis, make_server):
+    server_a, server_b = redis_pair(make_server, make_redis().url, POOL)
     made: list[WorkerProcess] = []
     try:
-        in_parallel(server_a.start, server_b.start)
         on_a = engine(server_a.url, 2)
         on_b = engine(server_b.url, 1)
         made = on_a + on_b
@@ -221,6 +220,3 @@ def test_through_redis_another_server_loads_the_local_chunks_at_tp1(tmp_path):
     finally:
         for worker in made:
             worker.kill()
-        server_a.kill()
-        server_b.kill()
-        redis_server.stop()

@@ -10,8 +10,6 @@ adapter over real shared-memory KV caches).
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import threading
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -20,7 +18,6 @@ from typing import Any
 
 import pytest
 
-from lmcache_core.config import load_config
 from lmcache_core.engine.store import PieceView
 from lmcache_core.keys import ChunkKey, chain_hashes, layout_key
 from lmcache_core.kv.mapped import MappedKVCache
@@ -31,49 +28,19 @@ from lmcache_core.storage.disk import file_name
 from lmcache_core.storage.remote_keys import redis_key
 from lmcache_core.transport.client import MessageQueueClient
 from tests.harness import wait_until
-from tests.integration.servers import TINY, RedisServer, WorkerProcess
+from tests.integration.chunks import CHUNK, blocks, lookup, stats, tokens
+from tests.integration.servers import RedisServer, WorkerProcess, tiny_config
 
-CHUNK = 64  # tokens: 4 blocks of 16 in the tiny model
 TINY_LAYOUT = layout_key("float16", 2, 4, 32, False)  # the tiny model at TP=1
-
-
-def tokens(n_chunks: int, seed: int) -> list[int]:
-    return [(seed * 7919 + i) % 50000 for i in range(n_chunks * CHUNK)]
-
-
-def blocks(first_chunk: int, n_chunks: int) -> list[int]:
-    return list(range(first_chunk * 4, (first_chunk + n_chunks) * 4))
-
-
-def lookup(client: MessageQueueClient, toks: list[int], lookup_id: str, lock: bool = True) -> int:
-    return client.request(m.LookupRequest(
-        model_name="tiny", world_size=1, lookup_id=lookup_id, lock=lock,
-        chunk_hashes=chain_hashes(toks, CHUNK))).hit_chunks
-
-
-def stats(client: MessageQueueClient) -> m.ServerStats:
-    return client.server_info().stats
 
 
 def piece_key(toks: list[int], chunk: int) -> ChunkKey:
     return ChunkKey("tiny", TINY_LAYOUT, 0, 4, chain_hashes(toks, CHUNK)[chunk])
 
 
-@pytest.fixture
-def short_tmp() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="lmint", dir="/tmp"))  # ipc paths: at most 107 bytes
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 def in_process(tmp: Path, **extra: Any) -> CacheServer:
-    tiny: dict[str, Any] = TINY
-    overrides: dict[str, Any] = {f"{section}.{key}": v
-                                 for section in ("model", "server", "timeouts")
-                                 for key, v in tiny[section].items()}
-    overrides.update({"chunk_size": TINY["chunk_size"], "server.url": f"ipc://{tmp}/int.sock",
-                      "server.http_url": False, **extra})
-    server = CacheServer(load_config(overrides=overrides))
+    """A started in-process server: ``tiny_config`` with ``extra``."""
+    server = CacheServer(tiny_config(tmp, **extra))
     server.start()
     return server
 
@@ -97,7 +64,7 @@ def test_a_corrupt_pool_piece_is_reported_missing_and_never_served(short_tmp: Pa
         view = engine.store.memory(pieces[1].handle, pieces[1].nbytes)
         view[100] = view[100] ^ 0x10
         with MessageQueueClient(server.url) as client:
-            assert lookup(client, toks, "r") == 3  # a lookup does not hash
+            assert lookup(client, toks, "r", lock=True) == 3  # a lookup does not hash
             worker("zero", blocks=blocks(0, 3))
             result = worker("retrieve", req="r", keys=toks, blocks=blocks(0, 3))
             assert result["finished"]
@@ -257,7 +224,7 @@ def test_corrupt_disk_files_and_redis_values_are_dropped_not_loaded(
         s = stats(client)
         assert s.disk.corrupt == 1 and not path.exists()
         # Then Redis: its value fails too, and is deleted there.
-        assert lookup(client, toks, "b") == 2
+        assert lookup(client, toks, "b", lock=True) == 2
         s = stats(client)
         assert s.remote.corrupt == 1 and not redis_client.exists(rkey)
         # What is served is exactly what was stored.

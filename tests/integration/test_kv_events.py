@@ -16,15 +16,11 @@ from lmcache_core.keys import chain_hashes
 from lmcache_core.protocol import messages as m
 from lmcache_core.server.events import END_SEQ, wire_hash
 from lmcache_core.transport.client import MessageQueueClient
-from tests.unit.test_kv_events import V32, V32BlockRemoved, V32BlockStored
+from tests.integration.chunks import CHUNK, tokens
+from tests.vllm_events import V32, V32BlockRemoved, V32BlockStored
 
-CHUNK = 64  # tokens (4 blocks of 16); one chunk of the tiny model is 64 KiB
 POOL_CHUNKS = 4
 Event = tuple[str, str, int]  # ("stored" | "removed", medium, wire hash)
-
-
-def tokens(n_chunks: int, seed: int) -> list[int]:
-    return [(seed * 7919 + i) % 50000 for i in range(n_chunks * CHUNK)]
 
 
 def wire(toks: list[int]) -> list[int]:

@@ -8,41 +8,17 @@ import random
 
 import msgspec
 import pytest
-import zmq
 
 from lmcache_core.transport.client import MessageQueueClient
-from tests.integration.servers import ServerProcess
-
-enc = msgspec.msgpack.encode
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("dialect")).start()
-    yield srv
-    srv.kill()
+from tests.integration import dialect
+from tests.integration.dialect import call, enc, key
 
 
 @pytest.fixture
 def dealer(server):
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(server.url)
+    sock = dialect.dealer(server.url)
     yield sock
     sock.close(0)
-
-
-def call(sock: zmq.Socket, frames: list[bytes], timeout_ms: int = 5000) -> list[bytes] | None:
-    sock.send_multipart(frames)
-    if not sock.poll(timeout_ms):
-        return None
-    return sock.recv_multipart()
-
-
-def key(request_id: str = "r") -> dict:
-    return {"model_name": "tiny", "world_size": 1, "worker_id": None,
-            "token_ids": list(range(200)), "start": 0, "end": 128, "request_id": request_id,
-            "cache_salt": "", "request_configs": None, "num_kv_readers": 1}
 
 
 def test_lmcache_ops_answer_as_lmcache_does(dealer):

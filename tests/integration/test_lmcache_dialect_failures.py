@@ -12,15 +12,8 @@ import msgspec
 import pytest
 
 from lmcache_core.transport.routes import Route
-from tests.integration.test_lmcache_dialect_waits import (  # noqa: F401 (fixtures)
-    call,
-    dealer,
-    key,
-    kv_server,
-    short_tmp,
-)
+from tests.integration.dialect import call, dealer, enc, key
 
-enc = msgspec.msgpack.encode
 #: Where LMCache's requests are logged: the pipeline's error boundary, and its front end.
 DIALECT_LOGGERS = ("lmcache_core.transport.server", "lmcache_core.server.lmcache.front")
 
@@ -42,8 +35,7 @@ def _dialect_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord
     return [r for r in caplog.records if r.name in DIALECT_LOGGERS]
 
 
-def test_bad_hnd_registers_are_bad_frames_and_cost_few_lines(kv_server,  # noqa: F811
-                                                             caplog) -> None:
+def test_bad_hnd_registers_are_bad_frames_and_cost_few_lines(kv_server, caplog) -> None:
     srv, _, _ = kv_server
     set_levels(caplog)
     layer = msgspec.msgpack.Ext(1, enc({"type": "cpu_shm", "version": 1, "metadata": {
@@ -69,8 +61,7 @@ def test_bad_hnd_registers_are_bad_frames_and_cost_few_lines(kv_server,  # noqa:
     assert len(records) <= 20
 
 
-def test_unexpected_failures_are_logged_rationed(kv_server, caplog,  # noqa: F811
-                                                 monkeypatch) -> None:
+def test_unexpected_failures_are_logged_rationed(kv_server, caplog, monkeypatch) -> None:
     srv, _, _ = kv_server
     set_levels(caplog)
 
@@ -94,8 +85,7 @@ def test_unexpected_failures_are_logged_rationed(kv_server, caplog,  # noqa: F81
     assert 1 <= len(failed) <= 20  # with their traceback, but not one per request
 
 
-def test_keys_over_the_request_limit_are_refused_before_hashing(kv_server,  # noqa: F811
-                                                               monkeypatch) -> None:
+def test_keys_over_the_request_limit_are_refused_before_hashing(kv_server, monkeypatch) -> None:
     """TINY allows 1000 keys (chunks) per request: a key whose tokens up to ``end`` make more is
     refused unhashed (a lookup acknowledged with 0 hits, a store or retrieve in-band, any other
     op as a failure), not chain-hashed
@@ -135,8 +125,7 @@ def test_keys_over_the_request_limit_are_refused_before_hashing(kv_server,  # no
         sock.close(0)
 
 
-def test_a_long_prompts_lookup_is_decoded_and_hashed_off_the_loop_thread(kv_server,  # noqa: F811
-                                                                         monkeypatch) -> None:
+def test_a_long_prompts_lookup_is_decoded_and_hashed_off_the_loop_thread(kv_server, monkeypatch) -> None:
     """A lookup frame of ~100k token ids (~40 ms per MiB to decode and hash) runs on a worker
     thread, so it stalls no other client; its ack comes once its result is in. A short one
     stays inline (a hand-off would cost more than it saves)."""
@@ -174,7 +163,7 @@ ENGINE_DRIVEN = [(14, [{"instance_id": 7}]), (15, [7]), (16, [key("e", worker_id
 
 
 @pytest.mark.parametrize(("op", "payloads"), ENGINE_DRIVEN, ids=[str(o) for o, _ in ENGINE_DRIVEN])
-def test_engine_driven_ops_fail_at_once_naming_the_variable(kv_server, caplog,  # noqa: F811
+def test_engine_driven_ops_fail_at_once_naming_the_variable(kv_server, caplog,
                                                             op: Any, payloads: list[Any]) -> None:
     """LMCache's engine-driven path is not served: each of its ops is answered at once with a
     failure its client raises, naming what to set; the server logs it once per client."""
@@ -217,8 +206,7 @@ UNANSWERABLE = [
 
 @pytest.mark.parametrize(("frames", "answer"), UNANSWERABLE,
                          ids=[f"{i}-{a}" for i, (_, a) in enumerate(UNANSWERABLE)])
-def test_every_lmcache_request_is_answered_at_once(kv_server, frames: list[bytes],  # noqa: F811
-                                                   answer: str) -> None:
+def test_every_lmcache_request_is_answered_at_once(kv_server, frames: list[bytes], answer: str) -> None:
     srv, _, _ = kv_server
     sock = dealer(srv.url)
     try:
@@ -234,7 +222,7 @@ def test_every_lmcache_request_is_answered_at_once(kv_server, frames: list[bytes
         sock.close(0)
 
 
-def test_a_streams_credit_is_not_answered(kv_server) -> None:  # noqa: F811
+def test_a_streams_credit_is_not_answered(kv_server) -> None:
     """``[uid, b"", b"ack" | b"cancel"]``: the one frame LMCache's protocol defines no reply to
     (no stream is served: get_experimental offers none). An empty op frame with anything else
     is no LMCache frame: our typed error answers it."""
@@ -252,7 +240,7 @@ def test_a_streams_credit_is_not_answered(kv_server) -> None:  # noqa: F811
 
 
 def test_a_cuda_registration_reaches_the_cuda_path_and_fails_at_once_without_cuda(
-        kv_server) -> None:  # noqa: F811
+        kv_server) -> None:
     """LMCache's ``cuda`` descriptors go our CUDA path (its handle checks first): on a host
     without CUDA the register fails at once saying so (it was "unsupported KV descriptor")."""
     import os

@@ -6,17 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
-
-from tests.integration.test_lmcache_dialect_waits import (  # noqa: F401 (fixtures)
-    call,
-    dealer,
-    key,
-    kv_server,
-    short_tmp,
-)
-
-enc = msgspec.msgpack.encode
+from tests.integration.dialect import call, dealer, enc, key
 
 
 def register(instance_id: int, descs: list[Any], world_size: int = 1) -> list[bytes]:
@@ -29,7 +19,7 @@ def store(instance_id: int, request_id: str, worker_id: int = 0) -> list[bytes]:
             enc([list(range(8))]), enc(b"")]
 
 
-def test_a_heartbeat_re_register_maps_an_instance_the_registry_dropped(kv_server  # noqa: F811
+def test_a_heartbeat_re_register_maps_an_instance_the_registry_dropped(kv_server
                                                                         ) -> None:
     srv, _, descs = kv_server
     sock = dealer(srv.url)
@@ -53,7 +43,7 @@ def test_a_heartbeat_re_register_maps_an_instance_the_registry_dropped(kv_server
         sock.close(0)
 
 
-def test_instances_the_registry_dropped_are_not_kept(kv_server) -> None:  # noqa: F811
+def test_instances_the_registry_dropped_are_not_kept(kv_server) -> None:
     srv, _, descs = kv_server
     registrations = srv.lmcache.registrations
     sock = dealer(srv.url)
@@ -71,8 +61,7 @@ def test_instances_the_registry_dropped_are_not_kept(kv_server) -> None:  # noqa
         sock.close(0)
 
 
-def test_a_failing_re_map_for_another_rank_answers_in_band(kv_server,  # noqa: F811
-                                                          monkeypatch) -> None:
+def test_a_failing_re_map_for_another_rank_answers_in_band(kv_server, monkeypatch) -> None:
     from lmcache_core.errors import IncompatibleError
 
     srv, _, descs = kv_server

@@ -5,65 +5,26 @@ histogram of ``/metrics`` under their own labels (issue 15)."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import numpy as np
 import pytest
-import zmq
 
-from lmcache_core.config import load_config
 from lmcache_core.protocol import messages as m
 from lmcache_core.server.app import CacheServer
-from tests.integration.servers import TINY
-
-enc = msgspec.msgpack.encode
-
-
-def call(sock: zmq.Socket, frames: list[bytes], timeout_ms: int = 5000) -> list[bytes] | None:
-    sock.send_multipart(frames)
-    if not sock.poll(timeout_ms):
-        return None
-    return sock.recv_multipart()
+from tests.integration.dialect import call, dealer, enc, key, kv_server_with
+from tests.integration.servers import tiny_config
 
 
-def key(request_id: str, end: int = 128, **extra: Any) -> dict:
-    return {"model_name": "tiny", "world_size": 1, "worker_id": None,
-            "token_ids": list(range(200)), "start": 0, "end": end, "request_id": request_id,
-            "cache_salt": "", "request_configs": None, "num_kv_readers": 1, **extra}
-
-
-def dealer(url: str) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(url)
-    return sock
-
-
-def server_config(tmp: str, **extra: Any) -> Any:
-    overrides = {f"{s}.{k}": v for s in ("model", "server", "timeouts") for k, v in TINY[s].items()}
-    overrides.update({"chunk_size": 64, "server.url": f"ipc://{tmp}/w.sock",
-                      "server.http_url": "off", **extra})
-    return load_config(overrides=overrides)
-
-
-@pytest.fixture
-def short_tmp() -> Iterator[str]:
-    tmp = tempfile.mkdtemp(prefix="lmwait", dir="/tmp")  # ipc paths: at most 107 bytes
-    yield tmp
-    shutil.rmtree(tmp, ignore_errors=True)
-
-
-def blocked_lookups_server(tmp: str, **extra: Any) -> tuple[CacheServer, threading.Event]:
+def blocked_lookups_server(tmp: Path, **extra: Any) -> tuple[CacheServer, threading.Event]:
     """A started server with a disk tier (LMCache lookups then run on a copy thread) whose
     lookups wait for ``release`` and then report 3 hit chunks."""
-    srv = CacheServer(server_config(tmp, **{"disk.path": f"{tmp}/disk", **extra}))
+    srv = CacheServer(tiny_config(tmp, **{"disk.path": f"{tmp}/disk", **extra}))
     release = threading.Event()
 
     def lookup(request: m.LookupRequest, client: bytes, readers: int = 1) -> m.LookupReply:
@@ -76,11 +37,18 @@ def blocked_lookups_server(tmp: str, **extra: Any) -> tuple[CacheServer, threadi
 
 
 @pytest.fixture
-def slow_lookups(short_tmp: str) -> Iterator[tuple[CacheServer, threading.Event]]:
+def slow_lookups(short_tmp: Path) -> Iterator[tuple[CacheServer, threading.Event]]:
     srv, release = blocked_lookups_server(short_tmp)
     yield srv, release
     release.set()
     srv.stop(2)
+
+
+@pytest.fixture
+def tiered_kv_server(short_tmp: Path
+                     ) -> Iterator[tuple[CacheServer, list[np.ndarray], list[msgspec.msgpack.Ext]]]:
+    """``kv_server`` with a disk tier: LMCache's lookups run on a copy thread after their ack."""
+    yield from kv_server_with(short_tmp, **{"disk.path": f"{short_tmp}/disk"})
 
 
 def test_wait_prefetch_status_waits_without_blocking_anyone(slow_lookups) -> None:
@@ -115,48 +83,6 @@ def test_wait_prefetch_status_waits_without_blocking_anyone(slow_lookups) -> Non
 
 
 # ---------------------------------------------------------------- num_kv_readers, free_lookup_locks
-
-NB, BS, H, D = 32, 16, 4, 32  # TINY: 2 layers of 4 KV heads x 32, fp16; chunk 64 = 4 blocks
-
-
-@pytest.fixture
-def kv_server(short_tmp: str) -> Iterator[tuple[CacheServer, list[np.ndarray], list[dict]]]:
-    """An in-process server, and two NHD layers in LMCache-named shared memory of this process
-    (``/lmcache_kv_<pid>_<n>``) as its ``cpu_shm`` descriptors."""
-    yield from kv_server_with(short_tmp)
-
-
-@pytest.fixture
-def tiered_kv_server(short_tmp: str) -> Iterator[tuple[CacheServer, list[np.ndarray], list[dict]]]:
-    """``kv_server`` with a disk tier: LMCache's lookups run on a copy thread after their ack."""
-    yield from kv_server_with(short_tmp, **{"disk.path": f"{short_tmp}/disk"})
-
-
-def kv_server_with(short_tmp: str, **extra: Any
-                   ) -> Iterator[tuple[CacheServer, list[np.ndarray], list[dict]]]:
-    from multiprocessing import shared_memory
-
-    srv = CacheServer(server_config(short_tmp, **{"server.http_url": "http://127.0.0.1:0",
-                                                  **extra}))
-    srv.start()
-    shape, nbytes = (2, NB, BS, H, D), 2 * NB * BS * H * D * 2
-    segments = [shared_memory.SharedMemory(f"lmcache_kv_{os.getpid()}_{i + 900}", create=True,
-                                           size=nbytes) for i in range(2)]
-    layers = [np.ndarray(shape, np.float16, buffer=seg.buf) for seg in segments]
-    stride = [NB * BS * H * D, BS * H * D, H * D, D, 1]
-    descs = [msgspec.msgpack.Ext(1, enc({
-        "type": "cpu_shm", "version": 1, "shm_name": "/" + seg.name, "nbytes": nbytes,
-        "metadata": {"dtype": "float16", "shape": list(shape), "stride": stride,
-                     "storage_offset": 0, "device_uuid": "cpu"}})) for seg in segments]
-    try:
-        yield srv, layers, descs
-    finally:
-        srv.stop(2)
-        del layers
-        for seg in segments:
-            seg.close()
-            seg.unlink()
-
 
 def test_lookup_locks_wait_for_every_reader_and_free_releases_its_range(kv_server) -> None:
     srv, layers, descs = kv_server
@@ -240,7 +166,7 @@ def test_lmcache_ops_are_timed_under_their_own_labels(kv_server) -> None:
         "lmcache_request_duration_seconds_count", {"op": "store"}) == 0
 
 
-def test_a_lookup_dropped_from_a_full_queue_ends_with_no_hits(short_tmp: str) -> None:
+def test_a_lookup_dropped_from_a_full_queue_ends_with_no_hits(short_tmp: Path) -> None:
     """An acknowledged LMCache lookup that the copy threads' queue has no room for reports 0 hit
     chunks (its client recomputes) instead of staying "running" until the client gives up."""
     srv, release = blocked_lookups_server(short_tmp, **{"server.max_request_bytes": 4096})
@@ -272,7 +198,7 @@ def test_a_lookup_dropped_from_a_full_queue_ends_with_no_hits(short_tmp: str) ->
         srv.stop(2)
 
 
-def test_a_long_lookup_dropped_from_a_full_queue_is_acknowledged(short_tmp: str) -> None:
+def test_a_long_lookup_dropped_from_a_full_queue_is_acknowledged(short_tmp: Path) -> None:
     """A long prompt's lookup goes to the copy threads before its ack: dropped there (the queue
     full), it is acknowledged at once, undecoded (its status then 0: it recomputes), rather than
     left without an answer until its client's own timeout."""

@@ -25,8 +25,8 @@ from lmcache_core.protocol import messages as m
 from lmcache_core.protocol import ops
 from lmcache_core.transport.client import MessageQueueClient
 from tests.harness import wait_until
+from tests.integration.cli import cli
 from tests.integration.servers import TINY, RedisServer, ServerProcess, WorkerProcess, frozen
-from tests.integration.test_cli import cli
 
 CHUNK = TINY["chunk_size"]
 LAYOUT = "float16:2x4x32"  # the servers' model at TP=1 (2 layers, 4 KV heads of 32, fp16)

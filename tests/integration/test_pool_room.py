@@ -3,15 +3,8 @@ server, engines of two models and two TP sizes as real worker processes."""
 
 from __future__ import annotations
 
-from tests.integration.cross_tp import (
-    CHUNK,
-    HEADS,
-    load_and_check,
-    lookup,
-    server_info,
-    store,
-    tokens,
-)
+from tests.integration.chunks import CHUNK, tokens
+from tests.integration.cross_tp import HEADS, load_and_check, lookup, server_info, store
 from tests.integration.servers import ServerProcess, WorkerProcess
 
 

@@ -16,29 +16,14 @@ import pytest
 from lmcache_core.keys import chain_hashes
 from lmcache_core.protocol import messages as m
 from lmcache_core.transport.client import MessageQueueClient
+from tests.integration.chunks import CHUNK, blocks, stats, tokens
 from tests.integration.servers import ServerProcess, WorkerProcess
 
-CHUNK, BLOCK = 64, 16
-PER_CHUNK = CHUNK // BLOCK
 # A tiny model's chunk is 64 KiB: the 2 MiB pool holds 32 chunks, and pins at most 8 (a quarter).
 POOL_CHUNKS, MAX_PINNED_CHUNKS = 32, 8
 FLOOD_CHUNKS = 16  # one store of the whole worker cache (64 blocks)
 
-
-def tokens(n_chunks: int, seed: int) -> list[int]:
-    return [(seed * 7919 + i * 37) % 32000 for i in range(n_chunks * CHUNK)]
-
-
-def blocks(first_chunk: int, n_chunks: int) -> list[int]:
-    return list(range(first_chunk * PER_CHUNK, (first_chunk + n_chunks) * PER_CHUNK))
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    srv = ServerProcess(tmp_path_factory.mktemp("retention"),
-                        {"server": {"pool_size": "2MiB", "prefault": False}}).start()
-    yield srv
-    srv.kill()
+pytestmark = pytest.mark.server_config({"server": {"pool_size": "2MiB", "prefault": False}})
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +45,6 @@ def held(client: MessageQueueClient, toks: list[int]) -> int:
     request = m.LookupRequest(model_name="tiny", world_size=1, lookup_id="retention-test",
                               chunk_hashes=chain_hashes(toks, CHUNK), lock=False)
     return client.request(request).hit_chunks
-
-
-def stats(client: MessageQueueClient) -> m.ServerStats:
-    return client.server_info().stats
 
 
 _stores = iter(range(10**9))

@@ -10,10 +10,8 @@
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -126,10 +124,8 @@ def poll(check: Callable[[], int | None], timeout_s: float = 10.0) -> int:
 
 
 @pytest.fixture
-def runtime_dir() -> Iterator[str]:
-    path = tempfile.mkdtemp(prefix="lks", dir="/tmp")  # short: ipc paths max 107 bytes
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+def runtime_dir(short_tmp: Path) -> str:
+    return str(short_tmp)
 
 
 def test_async_lookup_seed_example(runtime_dir: str) -> None:
@@ -229,15 +225,6 @@ def vllm_block_hashes(n_blocks: int, seed: int) -> list[bytes]:
         prev = blake3(prev + i.to_bytes(4, "big")).digest()
         out.append(prev)
     return out
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    path = tempfile.mkdtemp(prefix="lks", dir="/tmp")  # short: ipc paths max 107 bytes
-    srv = ServerProcess(Path(path), name="seed").start()
-    yield srv
-    srv.kill()
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def wait_finished(worker_adapter: Any, request_id: str, kind: str) -> None:

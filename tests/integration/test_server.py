@@ -11,29 +11,11 @@ import pytest
 import zmq
 
 from lmcache_core.errors import RequestTooLargeError
-from lmcache_core.keys import chain_hashes
 from lmcache_core.protocol import messages as m
 from lmcache_core.transport.client import MessageQueueClient
 from tests.harness import wait_until
+from tests.integration.chunks import CHUNK, CHUNK_BYTES, blocks, lookup, tokens
 from tests.integration.servers import ServerProcess, WorkerProcess
-
-CHUNK = 64  # tokens; 4 blocks of 16
-CHUNK_BYTES = 2 * 2 * CHUNK * 4 * 32 * 2  # K/V x layers x tokens x heads x dim x fp16 = 64 KiB
-
-
-def tokens(n_chunks: int, seed: int = 0) -> list[int]:
-    return [(seed * 7919 + i) % 50000 for i in range(n_chunks * CHUNK)]
-
-
-def blocks(first_chunk: int, n_chunks: int) -> list[int]:
-    return list(range(first_chunk * 4, (first_chunk + n_chunks) * 4))
-
-
-@pytest.fixture
-def server(tmp_path):
-    srv = ServerProcess(tmp_path).start()
-    yield srv
-    srv.kill()
 
 
 @pytest.fixture
@@ -42,20 +24,15 @@ def client(server):
         yield c
 
 
-def lookup(client, toks, world_size=1, lookup_id="q", lock=False, model="tiny") -> int:
-    reply = client.request(m.LookupRequest(
-        model_name=model, world_size=world_size, lookup_id=lookup_id,
-        chunk_hashes=chain_hashes(toks, CHUNK), lock=lock))
-    return reply.hit_chunks
-
-
 def info(client) -> m.ServerInfoReply:
     return client.server_info()
 
 
-def test_store_lookup_retrieve_byte_exact(server, client):
-    worker = WorkerProcess(server.url)
-    try:
+def test_store_lookup_retrieve_byte_exact(make_server, make_worker):
+    """On a server of its own: its figures are this test's alone."""
+    server = make_server()
+    worker = make_worker(server.url)
+    with MessageQueueClient(server.url) as client:
         toks = tokens(4)
         worker("fill", blocks=blocks(0, 4), seed=1)
         stored = worker("digest", blocks=blocks(0, 4))["digest"]
@@ -73,38 +50,33 @@ def test_store_lookup_retrieve_byte_exact(server, client):
         assert engine.chunks == 4 and engine.stored_chunks == 4 and engine.retrieved_chunks == 4
         assert stats.engine.locks_held == 0  # the retrieve consumed the lookup's locks
         assert stats.workers.registered_instances == 1
-    finally:
         worker.close()
-    # shutdown unregistered (and unmapped)
-    wait_until(lambda: info(client).stats.workers.registered_instances == 0)
+        # shutdown unregistered (and unmapped)
+        wait_until(lambda: info(client).stats.workers.registered_instances == 0)
 
 
-def test_two_ranks_count_a_chunk_only_when_both_stored(server, client):
-    ranks = [WorkerProcess(server.url, rank=r, world_size=2) for r in range(2)]
-    try:
-        toks = tokens(4, seed=3)
-        for r, worker in enumerate(ranks):
-            worker("fill", blocks=blocks(0, 4), seed=10 + r)
-        assert ranks[0]("store", req="a", keys=toks, blocks=blocks(0, 4))["finished"]
-        assert lookup(client, toks, world_size=2) == 0
-        assert ranks[1]("store", req="a", keys=toks[:2 * CHUNK], blocks=blocks(0, 2))["finished"]
-        assert lookup(client, toks, world_size=2) == 2
-        assert ranks[1]("store", req="a", keys=toks, blocks=blocks(0, 4))["finished"]
-        assert lookup(client, toks, world_size=2) == 4
-        # both ranks' pieces together hold every head: a TP=1 engine reads them too; 3 ranks
-        # cannot split the 8 heads
-        assert lookup(client, toks, world_size=1) == 4
-        assert lookup(client, toks, world_size=3) == 0
-        # each rank gets its own shard back
-        assert lookup(client, toks, world_size=2, lookup_id="r", lock=True) == 4
-        for worker in ranks:
-            want = worker("digest", blocks=blocks(0, 4))["digest"]
-            worker("zero", blocks=blocks(4, 4))
-            assert worker("retrieve", req="r", keys=toks, blocks=blocks(4, 4))["finished"]
-            assert worker("digest", blocks=blocks(4, 4))["digest"] == want
-    finally:
-        for worker in ranks:
-            worker.close()
+def test_two_ranks_count_a_chunk_only_when_both_stored(server, client, make_worker):
+    ranks = [make_worker(server.url, rank=r, world_size=2) for r in range(2)]
+    toks = tokens(4, seed=3)
+    for r, worker in enumerate(ranks):
+        worker("fill", blocks=blocks(0, 4), seed=10 + r)
+    assert ranks[0]("store", req="a", keys=toks, blocks=blocks(0, 4))["finished"]
+    assert lookup(client, toks, world_size=2) == 0
+    assert ranks[1]("store", req="a", keys=toks[:2 * CHUNK], blocks=blocks(0, 2))["finished"]
+    assert lookup(client, toks, world_size=2) == 2
+    assert ranks[1]("store", req="a", keys=toks, blocks=blocks(0, 4))["finished"]
+    assert lookup(client, toks, world_size=2) == 4
+    # both ranks' pieces together hold every head: a TP=1 engine reads them too; 3 ranks
+    # cannot split the 8 heads
+    assert lookup(client, toks, world_size=1) == 4
+    assert lookup(client, toks, world_size=3) == 0
+    # each rank gets its own shard back
+    assert lookup(client, toks, world_size=2, lookup_id="r", lock=True) == 4
+    for worker in ranks:
+        want = worker("digest", blocks=blocks(0, 4))["digest"]
+        worker("zero", blocks=blocks(4, 4))
+        assert worker("retrieve", req="r", keys=toks, blocks=blocks(4, 4))["finished"]
+        assert worker("digest", blocks=blocks(4, 4))["digest"] == want
 
 
 def test_eviction_never_takes_a_locked_chunk(tmp_path, make_server, make_worker):

@@ -27,12 +27,12 @@ from lmcache_core.kv.tensors import contiguous_stride
 from lmcache_core.protocol import messages as m
 from lmcache_core.transport.client import MessageQueueClient
 from tests.harness import segment_name, wait_until
+from tests.integration.chunks import blocks, stats, tokens
 from tests.integration.servers import ServerProcess, WorkerProcess, process_state
 
 NOBODY = 65534
 SHAPE = [2, 8, 16, 4, 32]  # flash_attn, float16, the TINY server's model: 64 KiB per layer
 LAYER_BYTES = 2 * 8 * 16 * 4 * 32 * 2
-CHUNK, PER_CHUNK = 64, 4
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
 
 
@@ -76,31 +76,12 @@ def register(client: MessageQueueClient, name: str, pid: int,
     return instance_id
 
 
-def stats(client: MessageQueueClient) -> m.ServerStats:
-    return client.server_info().stats
-
-
 def wait_reaped(client: MessageQueueClient, before: m.ServerStats, count: int,
                 timeout_s: float = 10.0) -> None:
     """Wait (bounded) until ``count`` more workers were reaped than in ``before``."""
     wait_until(lambda: stats(client).workers.reaped_instances
                >= before.workers.reaped_instances + count,
                timeout_s, f"fewer than {count} worker(s) reaped")
-
-
-def blocks(first_chunk: int, n_chunks: int) -> list[int]:
-    return list(range(first_chunk * PER_CHUNK, (first_chunk + n_chunks) * PER_CHUNK))
-
-
-def tokens(n_chunks: int, seed: int) -> list[int]:
-    return [(seed * 7919 + i) % 50000 for i in range(n_chunks * CHUNK)]
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = ServerProcess(tmp_path_factory.mktemp("shm")).start()
-    yield srv
-    srv.kill()
 
 
 @pytest.fixture

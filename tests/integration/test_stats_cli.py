@@ -2,29 +2,14 @@
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
-import pytest
-
 from lmcache_core.transport.client import MessageQueueClient
+from tests.integration.chunks import CHUNK, CHUNK_BYTES
+from tests.integration.cli import assert_no_torch, cli
 from tests.integration.servers import ServerProcess, WorkerProcess
-from tests.integration.test_cli import assert_no_torch, cli
-
-CHUNK = 64
-CHUNK_BYTES = 2 * 2 * CHUNK * 4 * 32 * 2  # the tiny model's chunk: 64 KiB
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    path = Path(tempfile.mkdtemp(prefix="lmstat", dir="/tmp"))  # ipc paths: at most 107 bytes
-    srv = ServerProcess(path, name="stats").start()
-    yield srv
-    srv.kill()
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def test_json_is_one_snapshot_of_a_server_that_stored_and_looked_up(

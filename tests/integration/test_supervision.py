@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
@@ -13,45 +11,7 @@ from lmcache_core.errors import LMCacheError
 from lmcache_core.protocol import messages as m
 from lmcache_core.transport.client import MessageQueueClient
 from tests.harness import wait_until
-from tests.integration.servers import ServerProcess
-
-FAULTY = Path(__file__).with_name("faulty_server.py")
-
-
-class FaultyServer(ServerProcess):
-    """``faulty_server.py``: ``trigger()`` arms the housekeeper's fault (it dies at the next tick),
-    so the server can come up first however long that takes."""
-
-    def __init__(self, tmp: Path, fault: str) -> None:
-        super().__init__(tmp, {"server": {"workers": 1}})
-        self.fault = fault
-        self.trigger_path = tmp / f"{fault}.trigger"
-
-    def trigger(self) -> None:
-        self.trigger_path.touch()
-
-    def command(self) -> list[str]:
-        return [str(FAULTY), self.fault, "serve", "-c", str(self.config_path)]
-
-    def environment(self) -> dict[str, str]:
-        return {**super().environment(), "LMCACHE_TEST_FAULT_TRIGGER": str(self.trigger_path)}
-
-    def start(self, timeout_s: float = 120.0) -> FaultyServer:
-        if self.fault == "loop":  # the loop dies on its first request: a readiness ping included
-            self.spawn()
-            return self
-        super().start(timeout_s)
-        return self
-
-    def exit_code_within(self, timeout_s: float) -> tuple[int, float]:
-        assert self.proc is not None
-        start = time.monotonic()
-        try:
-            code = self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            pytest.fail(f"the server did not exit within {timeout_s}s:\n{self.log()}")
-        return code, time.monotonic() - start
+from tests.integration.servers import FaultyServer
 
 
 def _poke(url: str, payload: m.PingRequest | m.UnregisterKVCacheRequest) -> None:

@@ -19,7 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from lmcache_core.client.scheduler import LMCacheMPSchedulerAdapter
 from lmcache_core.keys import tenant_tag
 from tests.harness import lookup_result, wait_until
-from tests.integration.cross_tp import BLOCK, CHUNK, HEADS, PER_CHUNK, blocks, server_info, tokens
+from tests.integration.chunks import BLOCK, CHUNK, PER_CHUNK, blocks, tokens
+from tests.integration.cross_tp import HEADS, server_info
 from tests.integration.servers import ServerProcess
 
 PIECE = 2 * 2 * CHUNK * HEADS * 32 * 2  # layers x K/V x tokens x heads x dim x fp16

@@ -31,6 +31,7 @@ from lmcache_core.storage.pool import MemoryPool
 from lmcache_core.storage.remote import RemoteTier
 from lmcache_core.transport.client import MessageQueueClient
 from tests.harness import wait_until
+from tests.integration.chunks import CHUNK, blocks, lookup, stats, tokens
 from tests.integration.cross_tp import in_parallel
 from tests.integration.servers import RedisServer, ServerProcess, WorkerProcess, frozen
 
@@ -38,7 +39,6 @@ pytestmark = pytest.mark.redis
 
 SLOT = 4096
 NBYTES = 4000
-CHUNK = 64  # tokens: 4 blocks of 16 in the servers' tiny model
 LOOKUP_MS = 1000
 
 
@@ -338,26 +338,6 @@ def test_disk_first_then_redis_in_one_prefix(redis_up: RedisServer, tmp_path: Pa
 
 
 # ---------------------------------------------------------------- lmcache serve processes
-
-
-def tokens(n_chunks: int, seed: int) -> list[int]:
-    return [(seed * 7919 + i) % 50000 for i in range(n_chunks * CHUNK)]
-
-
-def blocks(first_chunk: int, n_chunks: int) -> list[int]:
-    return list(range(first_chunk * 4, (first_chunk + n_chunks) * 4))
-
-
-def lookup(client: MessageQueueClient, toks: list[int], lookup_id: str = "q",
-           lock: bool = False) -> int:
-    reply = client.request(m.LookupRequest(
-        model_name="tiny", world_size=1, lookup_id=lookup_id, chunk_hashes=chain_hashes(toks, CHUNK),
-        lock=lock))
-    return reply.hit_chunks
-
-
-def stats(client: MessageQueueClient) -> m.ServerStats:
-    return client.server_info().stats
 
 
 def test_two_servers_share_redis_and_disk_survives_restart(

@@ -18,32 +18,25 @@ from lmcache.integration.vllm.vllm_multi_process_adapter import (
     LMCacheMPSchedulerAdapter,
     LMCacheMPWorkerAdapter,
     LoadStoreOp,
-    ParallelStrategy,
 )
 
 from lmcache_core.integration.vllm import vllm_multi_process_adapter as ours
 from tests.integration.servers import WorkerProcess
-
-CHUNK, BLOCK, NUM_BLOCKS = 64, 16, 64
-PER_CHUNK = CHUNK // BLOCK
-N_CHUNKS = 4
-TOKENS = [(7 + i * 31) % 32000 for i in range(N_CHUNKS * CHUNK + 10)]  # a partial tail too
-SRC = list(range(0, N_CHUNKS * PER_CHUNK))
-DST = list(range(N_CHUNKS * PER_CHUNK, 2 * N_CHUNKS * PER_CHUNK))
-EXTRA = {"lmcache.mp.mq_timeout": 20, "lmcache.mp.heartbeat_interval": 1}
-
-
-def strategy() -> ParallelStrategy:
-    return ParallelStrategy(mla_only=False, vllm_world_size=1, vllm_worker_id=0, tp_size=1,
-                            pp_size=1, n_servers=1)
-
-
-def until(fn, what: str, timeout_s: float = 20.0):
-    deadline = time.monotonic() + timeout_s
-    while (result := fn()) is None or result is False:
-        assert time.monotonic() < deadline, f"{what} did not finish within {timeout_s}s"
-        time.sleep(0.005)
-    return result
+from tests.lmcache.clients import (
+    BLOCK,
+    CHUNK,
+    DST,
+    EXTRA,
+    N_CHUNKS,
+    NUM_BLOCKS,
+    PER_CHUNK,
+    SRC,
+    TOKENS,
+    finished,
+    lookup,
+    strategy,
+    until,
+)
 
 
 @pytest.fixture(scope="module")
@@ -63,18 +56,6 @@ def scheduler(server):
                                         strategy(), extra_config=EXTRA)
     yield adapter
     adapter.shutdown()
-
-
-def lookup(scheduler: LMCacheMPSchedulerAdapter, request_id: str) -> int:
-    scheduler.maybe_submit_lookup_request(request_id, TOKENS)
-    return until(lambda: scheduler.check_lookup_result(request_id), "lookup")
-
-
-def finished(adapter: LMCacheMPWorkerAdapter, request_id: str, store: bool) -> None:
-    def done() -> bool:
-        stores, retrieves = adapter.get_finished({request_id} if store else set())
-        return request_id in ((stores if store else retrieves) or set())
-    until(done, "store" if store else "retrieve")
 
 
 def test_lmcache_client_store_lookup_retrieve_byte_exact(worker, scheduler):

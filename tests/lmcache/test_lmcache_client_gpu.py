@@ -21,7 +21,7 @@ from lmcache.integration.vllm.vllm_multi_process_adapter import (
     LoadStoreOp,
 )
 
-from tests.lmcache.test_lmcache_client import (
+from tests.lmcache.clients import (
     BLOCK,
     CHUNK,
     DST,

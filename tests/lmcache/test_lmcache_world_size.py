@@ -19,11 +19,10 @@ from lmcache.integration.vllm.vllm_multi_process_adapter import (
     LMCacheMPSchedulerAdapter,
     LMCacheMPWorkerAdapter,
     LoadStoreOp,
-    ParallelStrategy,
 )
 
 from tests.integration.servers import ServerProcess
-from tests.lmcache.test_lmcache_client import (
+from tests.lmcache.clients import (
     BLOCK,
     CHUNK,
     DST,
@@ -33,15 +32,11 @@ from tests.lmcache.test_lmcache_client import (
     SRC,
     TOKENS,
     finished,
+    strategy,
     until,
 )
 
 WORLD = 2
-
-
-def strategy(worker_id: int) -> ParallelStrategy:
-    return ParallelStrategy(mla_only=False, vllm_world_size=WORLD, vllm_worker_id=worker_id,
-                            tp_size=WORLD, pp_size=1, n_servers=1)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +46,7 @@ def workers(server):
         layers = {f"model.layers.{i}.attn": torch.zeros(2, NUM_BLOCKS, BLOCK, 4, 32,
                                                         dtype=torch.float16) for i in range(2)}
         adapter = LMCacheMPWorkerAdapter(server.url, zmq.Context.instance(), "tiny", BLOCK,
-                                         strategy(rank), extra_config=EXTRA)
+                                         strategy(rank, WORLD), extra_config=EXTRA)
         adapter.register_kv_caches(layers, layout_hints={"kv_layout": "NHD"})
         out.append((adapter, layers))
     yield out
@@ -62,7 +57,7 @@ def workers(server):
 @pytest.fixture(scope="module")
 def scheduler(server):
     adapter = LMCacheMPSchedulerAdapter([server.url], zmq.Context.instance(), "tiny", BLOCK,
-                                        strategy(0), extra_config=EXTRA)
+                                        strategy(0, WORLD), extra_config=EXTRA)
     yield adapter
     adapter.shutdown()
 

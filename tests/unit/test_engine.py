@@ -10,78 +10,28 @@ import torch
 
 from lmcache_core.engine import CacheEngine, GroupTarget, RetrievePlan
 from lmcache_core.errors import IncompatibleError, ProtocolError
-from lmcache_core.keys import ChunkKey, HeadRange, layout_key, opaque_layout, rank_heads, world_heads
-from lmcache_core.protocol.messages import StoreReply
+from lmcache_core.keys import ChunkKey, HeadRange, opaque_layout, rank_heads, world_heads
 from lmcache_core.server.listing import memory_rows, model_stats
 from lmcache_core.storage.pool import MemoryPool
-
-MODEL = "m"
-SLOT = 32
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def h(i: int) -> bytes:
-    return bytes([i]) * 32
-
-
-def key(i: int, rank: int = 0, world_size: int = 2, model: str = MODEL) -> ChunkKey:
-    """Rank ``rank``'s piece of chunk ``i`` under the opaque layout of ``world_size``."""
-    return ChunkKey(model, opaque_layout(world_size), rank, rank + 1, h(i))
-
-
-def make(num_slots: int = 32, ttl: float = 300.0, clock: FakeClock | None = None) -> CacheEngine:
-    pool = MemoryPool.slots(SLOT, num_slots, pin=False)
-    return CacheEngine(pool, chunk_size=16, lock_ttl_s=ttl, clock=clock or FakeClock())
-
-
-def store(engine: CacheEngine, keys: Sequence[ChunkKey], nbytes: int = SLOT) -> StoreReply:
-    """Store keys whose bytes are each key's first hash byte plus its head_lo (opaque: its rank)."""
-    plan = engine.store.begin_store(keys, nbytes)
-    for _, k, view in plan.writes:
-        view.fill_(k.chunk_hash[0] + k.head_lo)
-    engine.store.finish_store(plan)
-    return StoreReply(stored=plan.stored, already_present=plan.already_present,
-                      skipped_full=plan.skipped_full, skipped_quota=plan.skipped_quota)
-
-
-def store_ranks(engine: CacheEngine, chunks: Sequence[int], ranks: Sequence[int] = (0, 1)) -> None:
-    for rank in ranks:
-        store(engine, [key(i, rank) for i in chunks])
-
-
-def lookup(engine: CacheEngine, world_size: int, chunk_hashes: Sequence[bytes], lookup_id: str,
-           lock: bool = True, model: str = MODEL, layout: str | None = None) -> int:
-    """A lookup for every rank of ``world_size`` (opaque layout unless ``layout``)."""
-    layout = opaque_layout(world_size) if layout is None else layout
-    return engine.lookup(model, [GroupTarget(layout, world_heads(layout, world_size))], chunk_hashes,
-                         lookup_id, lock)
-
-
-def begin(engine: CacheEngine, rank: int, world_size: int, chunk_hashes: Sequence[bytes],
-          lookup_id: str = "", model: str = MODEL, layout: str | None = None) -> RetrievePlan:
-    """``begin_retrieve`` of rank ``rank`` of ``world_size`` (opaque layout unless ``layout``)."""
-    layout = opaque_layout(world_size) if layout is None else layout
-    return engine.store.begin_retrieve(model, layout, rank_heads(layout, world_size, rank), chunk_hashes,
-                                 lookup_id)
-
-
-def retrieve(engine: CacheEngine, rank: int, world_size: int, chunk_hashes: Sequence[bytes],
-             lookup_id: str = "", model: str = MODEL, layout: str | None = None) -> list[int]:
-    plan = begin(engine, rank, world_size, chunk_hashes, lookup_id, model, layout)
-    engine.store.finish_retrieve(plan)
-    return plan.missing
-
-
-def hashes(n: int) -> list[bytes]:
-    return [h(i) for i in range(n)]
-
+from tests.harness import FakeClock
+from tests.unit.engines import (
+    BF16,
+    F16,
+    MLA,
+    MODEL,
+    SLOT,
+    begin,
+    h,
+    hashes,
+    key,
+    locks_by_key,
+    lookup,
+    make,
+    piece,
+    retrieve,
+    store,
+    store_ranks,
+)
 
 # ---------------------------------------------------------------- lookup
 
@@ -132,10 +82,6 @@ def test_lookup_probes_with_plain_tuples_find_chunk_keys() -> None:
 
 
 # ---------------------------------------------------------------- locks
-
-
-def locks_by_key(engine: CacheEngine) -> dict[ChunkKey, int]:
-    return {key: piece.locks for key, piece in engine.store.inspect().pieces.items()}
 
 
 def test_lookup_locks_hit_keys_of_every_rank() -> None:
@@ -222,9 +168,9 @@ def test_locks_expire_after_ttl() -> None:
     engine = make(ttl=10.0, clock=clock)
     store_ranks(engine, range(2))
     lookup(engine, 2, hashes(2), "a")
-    clock.now += 5
+    clock.advance(5)
     assert engine.store.expire_locks() == 0
-    clock.now += 5
+    clock.advance(5)
     assert engine.store.expire_locks() == 4
     assert engine.store.inspect().locks_of("a") == []
     stats = engine.snapshot()
@@ -236,12 +182,12 @@ def test_relookup_restarts_the_ttl() -> None:
     engine = make(ttl=10.0, clock=clock)
     store_ranks(engine, range(2))
     lookup(engine, 2, hashes(2), "a")
-    clock.now += 8
+    clock.advance(8)
     lookup(engine, 2, hashes(2), "a")
-    clock.now += 8  # the first lock's deadline has passed, the second's has not
+    clock.advance(8)  # the first lock's deadline has passed, the second's has not
     assert engine.store.expire_locks() == 0
     assert len(engine.store.inspect().locks_of("a")) == 4
-    clock.now += 2
+    clock.advance(2)
     assert engine.store.expire_locks() == 4
 
 
@@ -250,12 +196,12 @@ def test_lookup_and_store_expire_due_locks_on_the_way() -> None:
     engine = make(num_slots=2, ttl=10.0, clock=clock)
     store(engine, [key(0, 0, world_size=1), key(1, 0, world_size=1)])
     lookup(engine, 1, hashes(2), "a")
-    clock.now += 11
+    clock.advance(11)
     # The pool is full of locked chunks whose locks are due: the store expires them and evicts.
     assert store(engine, [key(7, 0, world_size=1)]).stored == 1
     assert engine.snapshot().engine.locks_expired == 2
     lookup(engine, 1, hashes(1), "b")
-    clock.now += 11
+    clock.advance(11)
     lookup(engine, 1, [h(7)], "c")
     assert engine.store.inspect().locks_of("b") == []
 
@@ -469,11 +415,11 @@ def test_list_chunks_sorts_filters_and_limits() -> None:
     clock = FakeClock()
     engine = make(clock=clock)
     store(engine, [key(0, 0, world_size=1)], nbytes=8)
-    clock.now += 1
+    clock.advance(1)
     store(engine, [key(1, 0, world_size=1)], nbytes=16)
-    clock.now += 1
+    clock.advance(1)
     store(engine, [key(2, 0, world_size=1, model="other")], nbytes=4)
-    clock.now += 1
+    clock.advance(1)
     for _ in range(3):
         lookup(engine, 1, [h(0)], "x", lock=False)
     lookup(engine, 1, hashes(2), "y")
@@ -544,15 +490,6 @@ def test_lookup_is_fast() -> None:
 
 # ---------------------------------------------------------------- pieces of a real layout
 # H = 8 KV heads: TP=1 stores one piece [0, 8), TP=2 pieces [0, 4) and [4, 8), TP=4 [0, 2) ...
-
-F16 = layout_key("float16", 2, 8, 16, False)
-BF16 = layout_key("bfloat16", 2, 8, 16, False)  # the same shape: only the dtype differs
-MLA = layout_key("bfloat16", 2, 1, 64, True)
-
-
-def piece(i: int, lo: int, hi: int, layout: str = F16, model: str = MODEL) -> ChunkKey:
-    return ChunkKey(model, layout, lo, hi, h(i))
-
 
 def tp_pieces(chunks: Sequence[int], world_size: int, layout: str = F16) -> list[ChunkKey]:
     return [piece(i, lo, hi, layout) for i in chunks for lo, hi in world_heads(layout, world_size)]

@@ -10,25 +10,19 @@ from lmcache_core.engine.plans import StorePlan
 from lmcache_core.engine.retention import PLAIN
 from lmcache_core.keys import ChunkKey, opaque_layout
 from lmcache_core.storage.pool import MemoryPool
+from tests.harness import FakeClock
 
 LAYOUT = opaque_layout(1)
 SLOT = 64
-
-
-class Clock:
-    now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def key(i: int) -> ChunkKey:
     return ChunkKey("m", LAYOUT, 0, 1, bytes([i]) * 32)
 
 
-def make(slots: int = 3, clock: Clock | None = None, **kw: object) -> CacheEngine:
+def make(slots: int = 3, clock: FakeClock | None = None, **kw: object) -> CacheEngine:
     return CacheEngine(MemoryPool.slots(SLOT, slots, pin=False), chunk_size=16,
-                       clock=clock or Clock(), **kw)  # type: ignore[arg-type]
+                       clock=clock or FakeClock(start=100.0), **kw)  # type: ignore[arg-type]
 
 
 def store(engine: CacheEngine, chunks: Sequence[int], retention: Retention = PLAIN) -> StorePlan:
@@ -62,12 +56,12 @@ def test_a_present_piece_is_not_taken_for_the_models_quota() -> None:
 
 
 def test_a_present_piece_whose_ttl_ended_is_not_taken_by_its_store() -> None:
-    clock = Clock()
+    clock = FakeClock(start=100.0)
     engine = make(clock=clock)
     store(engine, [0], Retention(ttl_s=5))
     store(engine, [8])
     store(engine, [9])
-    clock.now += 10  # chunk 0 is expired: eviction's first
+    clock.advance(10)  # chunk 0 is expired: eviction's first
     plan = store(engine, [0, 1])
     assert (plan.stored, plan.already_present) == (1, 1)
     assert prefix(engine, [0, 1]) == 2 and not engine.store.inspect().resident(key(8))

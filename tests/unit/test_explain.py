@@ -17,13 +17,10 @@ from lmcache_core.protocol import explain_messages as em
 from lmcache_core.server.explain import MAX_MODE_MODELS, StoreModes
 from lmcache_core.storage.disk import DiskTier
 from lmcache_core.storage.pool import MemoryPool
+from tests.unit.engines import h
 
 A, B = "float16:2x4x32", "bfloat16:2x4x32"
 SLOT = 64
-
-
-def h(i: int) -> bytes:
-    return bytes([i]) * 32
 
 
 def stored(engine: CacheEngine, keys: list[ChunkKey], tenant: str = "") -> None:

@@ -4,7 +4,19 @@ released at once) is the engine's own dialect's and stays as it was."""
 
 from __future__ import annotations
 
-from tests.unit.test_engine import h, hashes, key, locks_by_key, lookup, make, retrieve, store_ranks
+from tests.unit.engines import (
+    MLA,
+    h,
+    hashes,
+    key,
+    locks_by_key,
+    lookup,
+    make,
+    piece,
+    retrieve,
+    store,
+    store_ranks,
+)
 
 
 def test_a_lock_waits_for_each_expected_reader_of_its_range() -> None:
@@ -83,7 +95,6 @@ def test_a_release_may_count_one_range_only() -> None:
 def test_mla_locks_wait_for_every_rank_and_a_free_counts_them_all() -> None:
     """MLA: every rank of world size W reads the one piece, so its lock waits for W reads (times
     LMCache's num_kv_readers); a free_lookup_locks (reads by every rank) counts all W."""
-    from tests.unit.test_engine import MLA, piece, store
 
     engine = make()
     store(engine, [piece(i, 0, 1, MLA) for i in range(2)])

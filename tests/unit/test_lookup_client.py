@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -61,13 +62,8 @@ class ScriptedEngine:
 
 
 @pytest.fixture
-def runtime_dir() -> Iterator[str]:
-    import shutil
-    import tempfile
-
-    path = tempfile.mkdtemp(prefix="lku", dir="/tmp")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+def runtime_dir(short_tmp: Path) -> str:
+    return str(short_tmp)
 
 
 class Setup:

@@ -10,30 +10,20 @@ from lmcache_core.errors import PinLimitError
 from lmcache_core.keys import ChunkKey, opaque_layout
 from lmcache_core.server.listing import memory_rows
 from lmcache_core.storage.pool import MemoryPool
+from tests.harness import FakeClock
+from tests.unit.engines import h
 
 SLOT = 64
 LAYOUT = opaque_layout(1)
 GROUPS = [GroupTarget(LAYOUT, ((0, 1),))]  # a lookup's (or pin's) of one rank
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def h(i: int) -> bytes:
-    return bytes([i]) * 32
-
-
 def key(i: int, model: str = "m") -> ChunkKey:
     return ChunkKey(model, LAYOUT, 0, 1, h(i))
 
 
-def make(slots: int = 4, max_pinned: int | None = None) -> tuple[CacheEngine, Clock]:
-    clock = Clock()
+def make(slots: int = 4, max_pinned: int | None = None) -> tuple[CacheEngine, FakeClock]:
+    clock = FakeClock(start=100.0)
     engine = CacheEngine(MemoryPool.slots(SLOT, slots, pin=False), chunk_size=16, clock=clock,
                          max_pinned_bytes=max_pinned)
     return engine, clock
@@ -85,7 +75,7 @@ def test_expired_pieces_go_first_then_lru():
     store(engine, [3])
     store(engine, [4])  # nothing expired yet: LRU takes 0
     assert resident(engine, [0, 2]) == [False, True]
-    clock.now += 11
+    clock.advance(11)
     store(engine, [5])  # 2 expired: it goes before the older 1
     assert resident(engine, [1, 2, 3, 4, 5]) == [True, False, True, True, True]
 
@@ -110,7 +100,7 @@ def test_pinned_pieces_survive_a_flood_until_unpinned_or_their_ttl_ends():
     assert resident(engine, [0, 1]) == [True, True]
     stats = engine.snapshot()
     assert (stats.engine.pinned_pieces, stats.engine.pinned_bytes) == (2, 2 * SLOT)
-    clock.now += 31  # 1's pin lapses with its TTL
+    clock.advance(31)  # 1's pin lapses with its TTL
     engine.store.expire_locks()
     store(engine, [30, 31])
     assert resident(engine, [0, 1]) == [True, False]
@@ -150,7 +140,7 @@ def test_pin_and_unpin_by_hand_and_a_store_of_present_pieces_applies_its_hints()
     # stored without a TTL: none is the longest, it keeps none
     assert listed[2].priority == 3 and listed[2].expires_in_s is None
     assert listed[0].expires_in_s == pytest.approx(60)
-    clock.now += 1
+    clock.advance(1)
     store(engine, [0], Retention(ttl_s=1, priority=-2))  # the longer TTL and higher priority stay
     row = rows(engine)[0]
     assert (row.priority, row.expires_in_s) == (0, pytest.approx(59))
@@ -179,7 +169,7 @@ def test_a_pin_without_a_ttl_holds_a_piece_stored_with_one_until_unpinned():
     store(engine, [1], Retention(ttl_s=5))
     assert engine.store.pin("m", GROUPS, [h(1)]) == 1  # "until unpinned"
     assert rows(engine)[1].expires_in_s is None
-    clock.now += 10  # past the store's TTL
+    clock.advance(10)  # past the store's TTL
     assert engine.store.expire_locks() == 0 and engine.snapshot().engine.pinned_pieces == 1
     store(engine, [2, 3, 4])  # a 2-slot pool: only the unpinned pieces come and go
     assert resident(engine, [1]) == [True]
@@ -193,7 +183,7 @@ def test_a_store_that_pins_a_present_piece_without_a_ttl_pins_it_until_unpinned(
     store(engine, [1], Retention(ttl_s=5))
     plan = store(engine, [1], Retention(pin=True))  # already present: pinned, no TTL of its own
     assert (plan.already_present, plan.pin_refused) == (1, 0)
-    clock.now += 10
+    clock.advance(10)
     engine.store.expire_locks()
     store(engine, [2, 3, 4])
     assert resident(engine, [1]) == [True] and engine.snapshot().engine.pinned_pieces == 1
@@ -213,10 +203,10 @@ def test_a_pin_with_a_ttl_still_ends_with_it_and_a_later_pin_without_one_holds()
     engine, clock = make(slots=2, max_pinned=2 * SLOT)
     store(engine, [1])
     assert engine.store.pin("m", GROUPS, [h(1)], ttl_s=5) == 1
-    clock.now += 10
+    clock.advance(10)
     assert engine.store.expire_locks() == 0 and engine.snapshot().engine.pinned_pieces == 0  # lapsed
     assert engine.store.pin("m", GROUPS, [h(1)]) == 1
-    clock.now += 1000
+    clock.advance(1000)
     engine.store.expire_locks()
     assert engine.snapshot().engine.pinned_pieces == 1
     assert engine.snapshot().engine.pinned_bytes == SLOT

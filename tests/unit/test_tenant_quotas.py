@@ -14,7 +14,8 @@ from lmcache_core.keys import ChunkKey, opaque_layout, tenant_tag
 from lmcache_core.protocol import messages as m
 from lmcache_core.server.listing import tenant_stats
 from lmcache_core.storage.pool import MemoryPool
-from tests.unit.test_engine import SLOT, FakeClock, h, lookup
+from tests.harness import FakeClock
+from tests.unit.engines import SLOT, h, lookup
 
 ALICE, BOB = tenant_tag("alice"), tenant_tag("bob")
 

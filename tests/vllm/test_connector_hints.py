@@ -8,27 +8,15 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
-import pytest
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
 from lmcache_core.integration.vllm import lmcache_connector as lc
 from lmcache_core.keys import chain_hashes
-from tests.vllm.test_connector_logic import (
+from tests.vllm.connectors import (
     CHUNK,
     TOKENS,
-    FakeSchedulerAdapter,
-    _blocks,
-    _config,
-    _output,
-    _request,
+    allocated_blocks,
+    scheduler_output,
+    vllm_request,
 )
-
-
-@pytest.fixture
-def conn(monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.setattr(lc, "LMCacheMPSchedulerAdapter", FakeSchedulerAdapter)
-    vllm_config, kv_cache_config = _config()
-    return lc.LMCacheConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
 
 
 def _store_meta(connector: Any, req: Any) -> Any:
@@ -36,13 +24,13 @@ def _store_meta(connector: Any, req: Any) -> Any:
     connector._scheduler.answers[req.request_id] = 0
     assert connector.get_num_new_matched_tokens(req, 0) == (0, False)
     blocks = list(range(10, 18))
-    connector.update_state_after_alloc(req, _blocks(blocks), 0)
-    return connector.build_connector_meta(_output(new=[(req.request_id, blocks, 0)],
+    connector.update_state_after_alloc(req, allocated_blocks(blocks), 0)
+    return connector.build_connector_meta(scheduler_output(new=[(req.request_id, blocks, 0)],
                                                   scheduled={req.request_id: len(TOKENS)}))
 
 
 def test_hints_reach_the_stores(conn: Any) -> None:
-    req = _request("r", TOKENS, kv_transfer_params={
+    req = vllm_request("r", TOKENS, kv_transfer_params={
         "lmcache.pin": True, "lmcache.ttl_s": 120, "lmcache.priority": 3, "x": 1})
     (store,) = _store_meta(conn, req).stores
     assert store.chunk_hashes == chain_hashes(TOKENS, CHUNK)
@@ -52,16 +40,16 @@ def test_hints_reach_the_stores(conn: Any) -> None:
 
 
 def test_bad_or_missing_hints_store_plainly(conn: Any) -> None:
-    req = _request("r", TOKENS, kv_transfer_params={"lmcache.pin": "yes",
+    req = vllm_request("r", TOKENS, kv_transfer_params={"lmcache.pin": "yes",
                                                     "lmcache.priority": 1000})
     (store,) = _store_meta(conn, req).stores
     assert (store.ttl_s, store.pin, store.priority) == (None, False, 0)
-    (plain,) = _store_meta(conn, _request("q", TOKENS)).stores  # no kv_transfer_params at all
+    (plain,) = _store_meta(conn, vllm_request("q", TOKENS)).stores  # no kv_transfer_params at all
     assert (plain.ttl_s, plain.pin, plain.priority) == (None, False, 0)
 
 
 def test_skip_store_stores_nothing(conn: Any) -> None:
-    req = _request("r", TOKENS, kv_transfer_params={"lmcache.skip_store": True})
+    req = vllm_request("r", TOKENS, kv_transfer_params={"lmcache.skip_store": True})
     meta = _store_meta(conn, req)
     assert meta.stores == []
     assert conn.request_finished(req, list(range(10, 18))) == (False, None)
@@ -80,11 +68,11 @@ def test_the_worker_side_passes_the_hints_to_the_adapter() -> None:
 
 
 def test_a_salted_requests_stores_carry_its_tenant(conn: Any) -> None:
-    req = _request("r", TOKENS)
+    req = vllm_request("r", TOKENS)
     req.cache_salt = "team-a"
     (store,) = _store_meta(conn, req).stores
     assert store.cache_salt == "team-a"
     assert store.chunk_hashes != chain_hashes(TOKENS, CHUNK)  # salted chain, as before
     assert pickle.loads(pickle.dumps(store)).cache_salt == "team-a"
-    (plain,) = _store_meta(conn, _request("q", TOKENS)).stores
+    (plain,) = _store_meta(conn, vllm_request("q", TOKENS)).stores
     assert plain.cache_salt is None

@@ -15,20 +15,16 @@ import os
 import random
 import signal
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.integration.servers import ServerProcess
+from tests.vllm.engines import EXTRA, run_engine
 from tests.vllm.tiny_model import CHUNK, SERVER, TINY_LLAMA, tiny_llama
 
 pytestmark = pytest.mark.timeout(1500)
-
-RUNNER = Path(__file__).resolve().parents[2] / "scripts" / "bench" / "engine_runner.py"
-EXTRA = {"connect_timeout_s": 2, "request_timeout_s": 5, "lookup_timeout_s": 1, "heartbeat_s": 2}
 
 
 def _prompts() -> dict[str, list[list[int]]]:
@@ -103,37 +99,19 @@ SERVER_RESTART_STEPS = [
 ]
 
 
-def _run_engine(tmp: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    spec_path, out_path, log_path = tmp / f"{name}.json", tmp / f"{name}.out.json", tmp / f"{name}.log"
-    spec_path.write_text(json.dumps(spec))
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]),
-                                          os.environ.get("PYTHONPATH", "")])}
-    with log_path.open("w") as log:
-        proc = subprocess.run([sys.executable, str(RUNNER), str(spec_path), str(out_path)],
-                              stdout=log, stderr=subprocess.STDOUT, env=env, timeout=600,
-                              check=False)
-    text = log_path.read_text(errors="replace")
-    if proc.returncode != 0 or not out_path.exists():
-        raise AssertionError(f"engine {name} exited {proc.returncode}:\n{text[-6000:]}")
-    out = json.loads(out_path.read_text())
-    out["log"] = text
-    return out
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("vllm")
     model = str(tiny_llama())
-    baseline = _run_engine(tmp, "baseline", {"model": model, "steps": BASELINE_STEPS})
+    baseline = run_engine(tmp, "baseline", {"model": model, "steps": BASELINE_STEPS})
     server = ServerProcess(tmp, SERVER, name="lmcache").start()
     try:
         common = {"model": model, "connector": {"url": server.url, "extra": EXTRA},
                   "server_url": server.url, "server_pid": server.proc.pid if server.proc else None}
-        first = _run_engine(tmp, "connector", {**common, "steps": CONNECTOR_STEPS})
-        small = _run_engine(tmp, "preempt", {**common, "num_blocks": 20, "max_model_len": 2048,
+        first = run_engine(tmp, "connector", {**common, "steps": CONNECTOR_STEPS})
+        small = run_engine(tmp, "preempt", {**common, "num_blocks": 20, "max_model_len": 2048,
                                              "steps": PREEMPT_STEPS})
-        restart = _run_engine(tmp, "restart", {**common, "prefix_caching": True,
+        restart = run_engine(tmp, "restart", {**common, "prefix_caching": True,
                                                "steps": RESTART_STEPS})
     finally:
         server.kill()
@@ -153,7 +131,7 @@ def server_restart(runs: dict[str, Any], tmp_path_factory: pytest.TempPathFactor
             "server_config": str(server.config_path), "server_log": str(server.log_path),
             "steps": SERVER_RESTART_STEPS}
     try:
-        run = _run_engine(tmp, "server_restart", spec)
+        run = run_engine(tmp, "server_restart", spec)
     finally:
         server.kill()
         _kill_restarted_server(tmp / "server_restart.out.json")

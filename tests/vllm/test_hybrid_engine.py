@@ -27,7 +27,7 @@ import pytest
 
 from lmcache_core.integration.vllm.connector_worker import IDLE_WAIT_S
 from tests.integration.servers import ServerProcess
-from tests.vllm.test_engine import EXTRA, _run_engine
+from tests.vllm.engines import EXTRA, run_engine
 from tests.vllm.tiny_model import CHUNK, SERVER, TINY_GEMMA3, tiny_gemma3, tiny_granite_hybrid
 
 pytestmark = pytest.mark.timeout(1500)
@@ -84,14 +84,14 @@ SERVER_GEMMA3 = {**SERVER, "model": {**SERVER["model"], "name": "tiny-gemma3"}}
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp: Path = tmp_path_factory.mktemp("vllm-hybrid")
     model = str(tiny_gemma3())
-    baseline = _run_engine(tmp, "baseline", {"model": model, "steps": [
+    baseline = run_engine(tmp, "baseline", {"model": model, "steps": [
         _gen(name) for name in PROMPTS]})
     server = ServerProcess(tmp, SERVER_GEMMA3, name="lmcache").start()
     try:
         common = {"model": model, "connector": {"url": server.url, "extra": EXTRA},
                   "server_url": server.url}
-        first = _run_engine(tmp, "first", {**common, "steps": FIRST})
-        second = _run_engine(tmp, "second", {**common, "steps": SECOND, "trace_loads": True})
+        first = run_engine(tmp, "first", {**common, "steps": FIRST})
+        second = run_engine(tmp, "second", {**common, "steps": SECOND, "trace_loads": True})
     finally:
         server.kill()
     return {"baseline": baseline, "first": first, "second": second, "server_log": server.log()}
@@ -176,14 +176,14 @@ def mamba(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     def gen(name: str, prompt: str) -> dict[str, Any]:
         return {"op": "generate", "name": name, "prompts": prompts[prompt], "max_tokens": 8}
 
-    plain = _run_engine(tmp, "plain", {"model": model, "steps": [gen("A", "A"), gen("B", "B")]})
+    plain = run_engine(tmp, "plain", {"model": model, "steps": [gen("A", "A"), gen("B", "B")]})
     server = ServerProcess(tmp, SERVER, name="lmcache").start()
     try:
         common = {"model": model, "prefix_caching": True, "llm_args": MAMBA_ARGS,
                   "connector": {"url": server.url, "extra": EXTRA}, "server_url": server.url}
-        first = _run_engine(tmp, "first", {**common, "steps": [
+        first = run_engine(tmp, "first", {**common, "steps": [
             gen("A", "A"), gen("A_again", "A"), _stats("after_A")]})
-        second = _run_engine(tmp, "second", {**common, "steps": [
+        second = run_engine(tmp, "second", {**common, "steps": [
             _stats("before_B"), gen("B", "B"), _stats("after_B")]})
     finally:
         server.kill()
@@ -226,13 +226,13 @@ def wide(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     def gen(name: str) -> dict[str, Any]:
         return {"op": "generate", "name": name, "prompts": prompts[name], "max_tokens": 16}
 
-    baseline = _run_engine(tmp, "baseline", {"model": model, "steps": [gen("A"), gen("B")]})
+    baseline = run_engine(tmp, "baseline", {"model": model, "steps": [gen("A"), gen("B")]})
     server = ServerProcess(tmp, SERVER_GEMMA3, name="lmcache").start()
     try:
         common = {"model": model, "connector": {"url": server.url, "extra": EXTRA},
                   "server_url": server.url}
-        first = _run_engine(tmp, "first", {**common, "steps": [gen("A"), _stats("after_A")]})
-        second = _run_engine(tmp, "second", {**common, "steps": [
+        first = run_engine(tmp, "first", {**common, "steps": [gen("A"), _stats("after_A")]})
+        second = run_engine(tmp, "second", {**common, "steps": [
             _stats("before_B"), gen("B"), _stats("after_B")]})
     finally:
         server.kill()

@@ -17,7 +17,7 @@ from lmcache_core.protocol import messages as m
 from lmcache_core.transport.client import MessageQueueClient
 from tests.harness import wait_until
 from tests.integration.servers import RedisServer, ServerProcess, redis_binary
-from tests.vllm.test_engine import EXTRA, _run_engine
+from tests.vllm.engines import EXTRA, run_engine
 from tests.vllm.tiny_model import CHUNK, SERVER, TINY_LLAMA, tiny_llama
 
 pytestmark = pytest.mark.timeout(1200)
@@ -45,7 +45,7 @@ def _stats(client: MessageQueueClient) -> m.ServerStats:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp: Path = tmp_path_factory.mktemp("vllm-integrity")
     model = str(tiny_llama())
-    baseline = _run_engine(tmp, "baseline", {"model": model, "steps": [_gen("A")]})
+    baseline = run_engine(tmp, "baseline", {"model": model, "steps": [_gen("A")]})
     redis_server = RedisServer(redis_binary(), tmp).start()
     disk = tmp / "disk"
     config = {**SERVER, "disk": {"path": str(disk), "max_size": "256MiB", "write_through": True},
@@ -54,7 +54,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     try:
         common = {"model": model, "connector": {"url": server.url, "extra": EXTRA},
                   "server_url": server.url}
-        stored = _run_engine(tmp, "store", {**common, "steps": [_gen("A")]})
+        stored = run_engine(tmp, "store", {**common, "steps": [_gen("A")]})
         bad = chain_hashes(PROMPT, CHUNK)[1].hex()  # the second chunk (the connector hashes tokens)
         with MessageQueueClient(server.url) as client, redis_server.client() as redis_client:
             wait_until(lambda: (_stats(client).disk.written_chunks >= 3
@@ -68,7 +68,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             client.request(m.ClearRequest(force=True))
         # A fresh engine (its own prefix cache off): the first lookup loads from disk and meets the
         # corrupt file; the second, with that file gone, asks Redis and meets the corrupt value.
-        verify = _run_engine(tmp, "verify", {**common, "steps": [
+        verify = run_engine(tmp, "verify", {**common, "steps": [
             {"op": "stats", "name": "before"},
             _gen("A_disk", kv_transfer_params=NO_STORE), {"op": "stats", "name": "after_disk"},
             _gen("A_redis", kv_transfer_params=NO_STORE), {"op": "stats", "name": "after_redis"}]})

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from tests.integration.servers import ServerProcess
-from tests.vllm.test_engine import EXTRA, _run_engine
+from tests.vllm.engines import EXTRA, run_engine
 from tests.vllm.tiny_model import CHUNK, SERVER, TINY_LLAMA, tiny_llama
 
 pytestmark = pytest.mark.timeout(1200)
@@ -49,13 +49,13 @@ STEPS = [
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp: Path = tmp_path_factory.mktemp("vllm-deadline")
     model = str(tiny_llama())
-    baseline = _run_engine(tmp, "baseline", {"model": model, "steps": [
+    baseline = run_engine(tmp, "baseline", {"model": model, "steps": [
         _gen("A", "A"), _gen("B", "B")]})
     slow = {**SERVER, "server": {**SERVER["server"], "test_copy_delay_ms": DELAY_MS},
             "timeouts": {**SERVER["timeouts"], "load_ms": DEADLINE_MS}}
     server = ServerProcess(tmp, slow, name="slow").start()
     try:
-        conn = _run_engine(tmp, "connector", {
+        conn = run_engine(tmp, "connector", {
             "model": model, "connector": {"url": server.url, "extra": EXTRA},
             "server_url": server.url, "steps": STEPS})
     finally:

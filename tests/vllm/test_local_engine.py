@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from tests.integration.servers import ServerProcess
-from tests.vllm.test_engine import EXTRA, _run_engine
+from tests.vllm.engines import EXTRA, run_engine
 from tests.vllm.tiny_model import CHUNK, SERVER, TINY_LLAMA4, tiny_llama4
 
 pytestmark = pytest.mark.timeout(1500)
@@ -71,15 +71,15 @@ SERVER_LLAMA4 = {**SERVER, "model": {**SERVER["model"], "name": "tiny-llama4"}}
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp: Path = tmp_path_factory.mktemp("vllm-llama4")
     model = str(tiny_llama4())
-    baseline = _run_engine(tmp, "baseline", {"model": model, "steps": [
+    baseline = run_engine(tmp, "baseline", {"model": model, "steps": [
         _gen(name) for name in PROMPTS]})
     server = ServerProcess(tmp, SERVER_LLAMA4, name="lmcache").start()
     try:
         common = {"model": model, "connector": {"url": server.url, "extra": EXTRA},
                   "server_url": server.url}
-        first = _run_engine(tmp, "first", {**common, "llm_args": FIRST_ARGS,
+        first = run_engine(tmp, "first", {**common, "llm_args": FIRST_ARGS,
                                            "steps": [_gen("A"), _stats("after_A")]})
-        second = _run_engine(tmp, "second", {**common, "steps": SECOND})
+        second = run_engine(tmp, "second", {**common, "steps": SECOND})
     finally:
         server.kill()
     return {"baseline": baseline, "first": first, "second": second}

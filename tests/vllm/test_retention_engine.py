@@ -16,7 +16,7 @@ from lmcache_core.keys import chain_hashes
 from lmcache_core.protocol import messages as m
 from lmcache_core.transport.client import MessageQueueClient
 from tests.integration.servers import ServerProcess
-from tests.vllm.test_engine import EXTRA, _run_engine
+from tests.vllm.engines import EXTRA, run_engine
 from tests.vllm.tiny_model import CHUNK, SERVER, TINY_LLAMA, tiny_llama
 
 pytestmark = pytest.mark.timeout(1200)
@@ -67,12 +67,12 @@ def _held(client: MessageQueueClient, prompt: list[int]) -> int:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp: Path = tmp_path_factory.mktemp("vllm-retention")
     model = str(tiny_llama())
-    baseline = _run_engine(tmp, "baseline", {"model": model, "steps": [
+    baseline = run_engine(tmp, "baseline", {"model": model, "steps": [
         _gen("P"), _gen("P2"), _gen("K")]})
     small = {**SERVER, "server": {**SERVER["server"], "pool_size": POOL, "prefault": False}}
     server = ServerProcess(tmp, small, name="retention").start()
     try:
-        conn = _run_engine(tmp, "connector", {
+        conn = run_engine(tmp, "connector", {
             "model": model, "connector": {"url": server.url, "extra": EXTRA},
             "server_url": server.url, "steps": STEPS})
         with MessageQueueClient(server.url, connect_timeout_s=5) as client:
