@@ -7,6 +7,8 @@ preemption, aborts while a load is pending, refusals).
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -15,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.request import RequestStatus
 
 from lmcache_core.integration.vllm import lmcache_connector as lc
+from lmcache_core.integration.vllm.connector_log import LOGGER_NAME
 from lmcache_core.keys import chain_hashes
 from tests.harness import FakeClock
 from tests.vllm.connectors import (
@@ -429,8 +432,30 @@ def test_may_load_async_says_yes_for_a_hit_only(conn: Any) -> None:
     assert [r for r, _ in sched.waits] == sent  # answered: no second wait, no second lookup
 
 
-def test_an_untested_vllm_gets_one_warning_at_start(monkeypatch: pytest.MonkeyPatch,
-                                                    caplog: pytest.LogCaptureFixture) -> None:
+@pytest.fixture
+def connector_records(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    """caplog for the connector's logger, a child of vLLM's, which does not propagate to the root
+    logger caplog listens on."""
+    connector_logger = logging.getLogger(LOGGER_NAME)
+    propagates = connector_logger.propagate
+    connector_logger.addHandler(caplog.handler)
+    connector_logger.propagate = False  # each record once, whether vLLM's logger is set up or not
+    try:
+        yield caplog
+    finally:
+        connector_logger.removeHandler(caplog.handler)
+        connector_logger.propagate = propagates
+
+
+def test_the_connector_logs_where_vllm_logs() -> None:
+    """Under vLLM's logger, whose handler and level vLLM sets when it runs an engine."""
+    vllm_logger = logging.getLogger("vllm")  # (made now if vLLM has not set up its logging yet)
+    assert logging.getLogger(LOGGER_NAME).parent is vllm_logger
+
+
+def test_an_untested_vllm_gets_one_warning_at_start(
+        monkeypatch: pytest.MonkeyPatch, connector_records: pytest.LogCaptureFixture) -> None:
+    caplog = connector_records
     monkeypatch.setattr(lc, "LMCacheMPSchedulerAdapter", FakeSchedulerAdapter)
     monkeypatch.setattr(lc.vllm, "__version__", "0.31.2")
     with caplog.at_level("WARNING"):
@@ -442,3 +467,60 @@ def test_an_untested_vllm_gets_one_warning_at_start(monkeypatch: pytest.MonkeyPa
     with caplog.at_level("WARNING"):
         lc.LMCacheConnector(*vllm_configs()[:1], KVConnectorRole.SCHEDULER, vllm_configs()[1])
     assert not [r for r in caplog.records if "outside the range" in r.getMessage()]
+
+
+# ------------------------------------------------------------------ synchronous loads
+
+
+def _busy(conn: Any) -> None:
+    """A step that computed tokens: the engine is busy."""
+    conn.build_connector_meta(scheduler_output(scheduled={"other": 1}))
+
+
+def test_a_hit_loads_in_its_step_while_the_engine_is_busy_and_async_when_idle(conn: Any) -> None:
+    """sync_loads "auto": a hit admitted while the engine computes is loaded before the forward
+    pass of the step that admits it (vLLM told the load is synchronous); on an idle engine it
+    loads asynchronously."""
+    sched: FakeSchedulerAdapter = conn._scheduler
+    sched.answers["idle"] = sched.answers["busy"] = 2 * CHUNK
+    assert conn.get_num_new_matched_tokens(vllm_request("idle", TOKENS), 0) == (2 * CHUNK, True)
+    _busy(conn)
+    busy = vllm_request("busy", TOKENS)
+    assert conn.get_num_new_matched_tokens(busy, 0) == (2 * CHUNK, False)
+    conn.update_state_after_alloc(busy, allocated_blocks(list(range(8))), 2 * CHUNK)
+    (load,) = conn.build_connector_meta(scheduler_output(new=[("busy", list(range(8)), 2 * CHUNK)],
+                                                scheduled={"busy": 488})).loads
+    assert load.sync and load.block_ids == list(range(4))
+
+
+def test_may_load_async_keeps_its_word_on_a_busy_engine(conn: Any) -> None:
+    """A request vLLM queued for an async load (may_load_async said yes) gets one."""
+    sched: FakeSchedulerAdapter = conn._scheduler
+    sched.arriving["r"] = 2 * CHUNK
+    req = vllm_request("r", TOKENS)
+    assert conn.may_load_async(req)
+    _busy(conn)
+    assert conn.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, True)
+
+
+@pytest.mark.parametrize(("mode", "idle", "busy"), [("always", False, False),
+                                                    ("never", True, True)])
+def test_sync_loads_always_and_never(monkeypatch: pytest.MonkeyPatch, mode: str, idle: bool,
+                                     busy: bool) -> None:
+    conn = scheduler_connector(monkeypatch, sync_loads=mode)
+    conn._scheduler.answers["a"] = conn._scheduler.answers["b"] = CHUNK
+    assert conn.get_num_new_matched_tokens(vllm_request("a", TOKENS), 0) == (CHUNK, idle)
+    _busy(conn)
+    assert conn.get_num_new_matched_tokens(vllm_request("b", TOKENS), 0) == (CHUNK, busy)
+
+
+def test_a_bad_sync_loads_value_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="sync_loads='sometimes': expected one of auto, always"):
+        scheduler_connector(monkeypatch, sync_loads="sometimes")
+
+
+def test_a_hybrid_model_always_loads_asynchronously(hybrid: Any) -> None:
+    """vLLM takes a failed load of several KV cache groups only per request, from an async one."""
+    hybrid._scheduler.answers["r"] = 2 * CHUNK
+    _busy(hybrid)
+    assert hybrid.get_num_new_matched_tokens(vllm_request("r", TOKENS), 0) == (2 * CHUNK, True)
