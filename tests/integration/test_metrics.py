@@ -12,7 +12,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,19 +21,21 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from lmcache_core.config import load_config
-from lmcache_core.keys import chain_hashes
 from lmcache_core.protocol import RequestType
 from lmcache_core.protocol import messages as m
 from lmcache_core.server.app import CacheServer
 from lmcache_core.server.http import HttpListener
 from lmcache_core.transport.client import MessageQueueClient
 from tests.harness import wait_until
-from tests.integration.servers import TINY, RedisServer, ServerProcess, WorkerProcess
-from tests.integration.test_supervision import FaultyServer
-
-CHUNK = 64  # tokens: 4 blocks of 16
-CHUNK_BYTES = 2 * 2 * CHUNK * 4 * 32 * 2  # K/V x layers x tokens x heads x dim x fp16 = 64 KiB
+from tests.integration.chunks import CHUNK, CHUNK_BYTES, blocks, lookup, tokens
+from tests.integration.cli import cli
+from tests.integration.servers import (
+    FaultyServer,
+    RedisServer,
+    ServerProcess,
+    WorkerProcess,
+    tiny_config,
+)
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -60,21 +62,6 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 
 def delta(after: Samples, before: Samples, name: str, **labels: str) -> float:
     return value(after, name, **labels) - value(before, name, **labels)
-
-
-def tokens(n_chunks: int, seed: int) -> list[int]:
-    return [(seed * 7919 + i) % 50000 for i in range(n_chunks * CHUNK)]
-
-
-def blocks(first_chunk: int, n_chunks: int) -> list[int]:
-    return list(range(first_chunk * 4, (first_chunk + n_chunks) * 4))
-
-
-def lookup(client: MessageQueueClient, toks: list[int], lookup_id: str = "q",
-           lock: bool = False) -> int:
-    return client.request(m.LookupRequest(
-        model_name="tiny", world_size=1, lookup_id=lookup_id, chunk_hashes=chain_hashes(toks, CHUNK),
-        lock=lock)).hit_chunks
 
 
 # ---------------------------------------------------------------- /metrics after real work
@@ -205,26 +192,8 @@ def test_a_redis_outage_shows_in_the_metrics_and_readyz(
 # ---------------------------------------------------------------- probes
 
 
-def tiny_config(tmp: Path, http_url: str = "http://127.0.0.1:0") -> Any:
-    overrides = {f"{section}.{key}": v for section in ("model", "server", "timeouts")
-                 for key, v in TINY[section].items()}
-    overrides.update({"chunk_size": TINY["chunk_size"], "server.url": f"ipc://{tmp}/probe.sock",
-                      "server.http_url": http_url})
-    return load_config(overrides=overrides)
-
-
-@pytest.fixture
-def short_tmp() -> Iterator[Path]:
-    import shutil
-    import tempfile
-
-    path = Path(tempfile.mkdtemp(prefix="lmmet", dir="/tmp"))  # ipc paths: at most 107 bytes
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 def test_readyz_is_503_before_start_and_200_after(short_tmp: Path) -> None:
-    server = CacheServer(tiny_config(short_tmp))
+    server = CacheServer(tiny_config(short_tmp, **{"server.http_url": "http://127.0.0.1:0"}))
     assert server.metrics is not None
     # The server's own listener starts with it; to see "before", serve its probes meanwhile.
     early = HttpListener("127.0.0.1", 0, server.metrics.registry,
@@ -262,7 +231,7 @@ class InjectedFault(BaseException):
 
 
 def test_healthz_is_503_with_the_reason_once_a_thread_died(short_tmp: Path) -> None:
-    server = CacheServer(tiny_config(short_tmp))
+    server = CacheServer(tiny_config(short_tmp, **{"server.http_url": "http://127.0.0.1:0"}))
 
     def reap() -> list[int]:
         raise InjectedFault("injected into the housekeeper")
@@ -430,36 +399,66 @@ def test_kv_events_show_in_the_metrics_and_server_info(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- every figure of the schema
 
 
+#: Frames each answered with an error (5, of three codes): the errors the schema test drives.
+BAD_FRAMES = [
+    [b"\x01", msgspec.msgpack.encode("lmc.nope"), b"\x80"],  # unknown_op
+    [b"\x02", msgspec.msgpack.encode("lmc.lookup"), b"\xc1"],  # bad_request: no msgpack
+    [b"\x03", msgspec.msgpack.encode("lmc.lookup"), msgspec.msgpack.encode([1, 2])],  # bad_request
+    [b"\x04", msgspec.msgpack.encode("lmc.ping")],  # bad_request: two frames
+    [b"\x05", msgspec.msgpack.encode("lmc.store"), msgspec.msgpack.encode(
+        {"instance_id": 987654321, "chunk_hashes": [b"h" * 32], "block_ids": [0, 1, 2, 3]})],
+]
+
+
 @pytest.mark.redis
 def test_every_field_of_every_stats_section_is_in_server_info_lmcache_stats_and_metrics(
-        tmp_path: Path, make_redis: Callable[..., RedisServer]) -> None:
+        tmp_path: Path, make_redis: Callable[..., RedisServer],
+        make_server: Callable[..., ServerProcess], make_worker: Callable[..., WorkerProcess]) -> None:
     """A figure is declared once (``lmcache_core.stats``); this walks the schema, so a field added
     to any section is checked here with no other edit: SERVER_INFO sends it, ``lmcache stats
-    --json`` prints it by its flat name, ``/metrics`` has its family (and its label's sample)."""
+    --json`` prints it by its flat name, ``/metrics`` has its family (and its label's sample). A
+    figure that is the total of another family (``total_of``) is driven to a value no other
+    family has (5 error replies, 3 KV caches of two engines), so one declared the total of the
+    wrong family fails here rather than passing with 0 == 0."""
+    from lmcache_core.server.metrics import LABELLED
     from lmcache_core.stats import declared, flat, sections
-    from tests.integration.test_cli import cli
 
     redis_server = make_redis()
-    srv = ServerProcess(tmp_path, {
+    srv = make_server({
         "disk": {"path": str(tmp_path / "disk"), "max_size": "64MiB", "write_through": True},
         "remote": {"url": redis_server.url},
-        "server": {"events_url": f"ipc://{tmp_path}/ev.sock"}}).start()
-    worker = WorkerProcess(srv.url)
+        # 1 MiB slabs: 8, 7 of them free (4 MiB ones: 3 free, as many as the KV caches)
+        "server": {"events_url": f"ipc://{tmp_path}/ev.sock", "slab_size": "1MiB"}})
+    worker = make_worker(srv.url)
+    for rank in range(2):  # another engine: TP=2 of another model
+        make_worker(srv.url, model="other", rank=rank, world_size=2)
+    worker("fill", blocks=blocks(0, 2), seed=6)
+    assert worker("store", req="w", keys=tokens(2, seed=9), blocks=blocks(0, 2))["finished"]
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.setsockopt(zmq.RCVTIMEO, 5000)
+    raw.connect(srv.url)
     try:
-        worker("fill", blocks=blocks(0, 2), seed=6)
-        assert worker("store", req="w", keys=tokens(2, seed=9), blocks=blocks(0, 2))["finished"]
-        with MessageQueueClient(srv.url) as client:
-            wait_until(lambda: value(scrape(srv.http_url()), "lmcache_tier_written_chunks_total",
-                                     tier="disk") == 2)
-            info = client.server_info()
-        samples = scrape(srv.http_url())
-        printed = cli("stats", "--url", srv.url, "--json")
-        assert printed.code == 0, printed.err
-        counters = printed.json()["counters"]
+        for frames in BAD_FRAMES:
+            raw.send_multipart(frames)
+            assert msgspec.msgpack.decode(raw.recv_multipart()[2], type=m.ErrorReply).code
     finally:
-        worker.close()
-        srv.kill()
+        raw.close(0)
+    with MessageQueueClient(srv.url) as client:
+        wait_until(lambda: value(scrape(srv.http_url()), "lmcache_tier_written_chunks_total",
+                                 tier="disk") == 2)
+        info = client.server_info()
+    samples = scrape(srv.http_url())
+    printed = cli("stats", "--url", srv.url, "--json")
+    assert printed.code == 0, printed.err
+    counters = printed.json()["counters"]
     assert value(samples, "lmcache_stores_total") == info.stats.engine.stores == 1
+    assert (info.stats.transport.errors, info.stats.workers.registered_instances) == (5, 3)
+    # Every family a total could name, and the sum of its samples.
+    families = {figure.family for _, struct in sections() for figure in declared(struct)}
+    families |= {f"lmcache_{name}" for name, family in LABELLED.items() if family.kind != "histogram"}
+    sums = {family: sum(v for (sample, _), v in samples.items() if sample == family)
+            for family in families}
     checked = 0
     for name, struct in sections():
         section = getattr(info.stats, name)
@@ -475,7 +474,10 @@ def test_every_field_of_every_stats_section_is_in_server_info_lmcache_stats_and_
             elif figure.label:
                 assert {frozenset({(figure.label, key)}) for key in field} <= set(family), figure
             elif figure.total_of:
-                assert sum(family.values()) == field, figure  # the sum of its family's samples
+                assert field > 0 and sum(family.values()) == field, figure  # its family's sum
+                # ... and no other family's: a total of the wrong family cannot match by chance
+                assert sorted(f for f, total in sums.items() if total == field) == [figure.family], (
+                    figure, sums)
             else:
                 assert frozenset() in family, figure
     assert checked == sum(len(declared(struct)) for _, struct in sections()) > 60

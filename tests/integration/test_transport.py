@@ -32,7 +32,10 @@ def release():
 
 
 @pytest.fixture(params=["tcp", "ipc"])
-def server(request, tmp_path, release):
+def queue_server(request, tmp_path, release):
+    """The transport alone, in this process: a ``MessageQueueServer`` on tcp:// and on ipc://
+    serving three routes these tests control (a store held until ``release``, a handler that
+    raises), not an ``lmcache serve`` (the suite's ``server``)."""
     def slow_store(p, _c):
         release.wait(5)
         return m.StoreReply(stored=len(p.chunk_hashes))
@@ -52,8 +55,8 @@ def server(request, tmp_path, release):
     srv.stop(1.0)
 
 
-def test_round_trip_and_a_slow_store_does_not_delay_ping(server, release):
-    with MessageQueueClient(server.bound_url) as client:
+def test_round_trip_and_a_slow_store_does_not_delay_ping(queue_server, release):
+    with MessageQueueClient(queue_server.bound_url) as client:
         assert client.wait_until_reachable(2).chunk_size == 16
         store = client.request_async(m.StoreRequest(
             instance_id=1, chunk_hashes=[b"x"], block_ids=[0]))
@@ -64,23 +67,23 @@ def test_round_trip_and_a_slow_store_does_not_delay_ping(server, release):
         assert store.result(2) == m.StoreReply(stored=1)
 
 
-def test_errors_come_back_typed_and_the_server_keeps_serving(server):
-    with MessageQueueClient(server.bound_url) as client:
+def test_errors_come_back_typed_and_the_server_keeps_serving(queue_server):
+    with MessageQueueClient(queue_server.bound_url) as client:
         with pytest.raises(ServerError, match=r"RuntimeError: kaboom"):
             client.request_async(m.ClearRequest()).result(2)
         with pytest.raises(UnknownOperationError):
             client.request_async(m.LookupRequest(
                 model_name="m", world_size=1, lookup_id="a", chunk_hashes=[])).result(2)
         assert client.wait_until_reachable(2)
-    assert server.counters.errors == 2
+    assert queue_server.counters.errors == 2
 
 
-def test_raw_garbage_gets_error_replies(server):
+def test_raw_garbage_gets_error_replies(queue_server):
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, 2000)
-    sock.connect(server.bound_url)
+    sock.connect(queue_server.bound_url)
     try:
         for frames in ([b"\x05", msgspec.msgpack.encode(24)],          # LMCache noop, not ours
                        [b"\x06", b"\xc1", b""],
@@ -94,12 +97,29 @@ def test_raw_garbage_gets_error_replies(server):
             assert error.code in {"bad_request", "unknown_op"}
     finally:
         sock.close(0)
-    with MessageQueueClient(server.bound_url) as client:
+    with MessageQueueClient(queue_server.bound_url) as client:
         assert client.wait_until_reachable(2)
 
 
-def test_many_requests_in_flight(server):
-    with MessageQueueClient(server.bound_url) as client:
+def test_an_untrusted_uid_is_never_echoed(queue_server):
+    """A uid frame the server cannot read as one msgpack int (oversized, a str, no msgpack) gets
+    its error reply at once with a nil in the uid's place, never the client's bytes back."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 2000)
+    sock.connect(queue_server.bound_url)
+    try:
+        for uid in (msgspec.msgpack.encode(b"u" * 2**16), msgspec.msgpack.encode("a uid"), b"\xc1"):
+            sock.send_multipart([uid, msgspec.msgpack.encode("lmc.ping"), msgspec.msgpack.encode({})])
+            reply = sock.recv_multipart()
+            assert reply[:2] == [msgspec.msgpack.encode(None), msgspec.msgpack.encode("lmc.ping")]
+            assert msgspec.msgpack.decode(reply[2], type=m.ErrorReply).code == "bad_request"
+    finally:
+        sock.close(0)
+
+
+def test_many_requests_in_flight(queue_server):
+    with MessageQueueClient(queue_server.bound_url) as client:
         futures = [client.request_async(m.PingRequest()) for _ in range(2000)]
         assert all(f.result(5).chunk_size == 16 for f in futures)
 
@@ -258,11 +278,11 @@ def test_a_flood_of_long_requests_is_bounded_and_pings_still_answer(release):
         srv.stop(1.0)
 
 
-def test_polled_requests_wake_no_thread_yet_resolve_and_expire(server, release):
+def test_polled_requests_wake_no_thread_yet_resolve_and_expire(queue_server, release):
     """``polled=True`` (the scheduler adapter's lookups): the caller's ``poll_replies`` takes the
     reply on its own thread; unpolled, the I/O thread still fails it at its deadline; and while the
     I/O thread watches the socket for another request, it resolves polled replies too."""
-    with MessageQueueClient(server.bound_url) as client:
+    with MessageQueueClient(queue_server.bound_url) as client:
         client.wait_until_reachable(2)
         futures = [client.submit(ops.PING, m.PingRequest(), polled=True)
                    for _ in range(32)]
@@ -287,15 +307,15 @@ def test_polled_requests_wake_no_thread_yet_resolve_and_expire(server, release):
         assert client.in_flight == 0
 
 
-def test_a_sleeping_call_wakes_when_another_thread_sends_past_its_reply(server, release,
-                                                                        monkeypatch):
+def test_a_sleeping_call_wakes_when_another_thread_sends_past_its_reply(
+        queue_server, release, monkeypatch):
     """ZMQ_FD is edge-triggered and any socket call may take the edge: a thread that sends while
     a caller sleeps in ``wait`` on that fd, its reply already queued, must see that someone wakes
     it (it slept until its own timeout: seconds)."""
     from lmcache_core.transport import client as client_module
 
     monkeypatch.setattr(client_module, "_IDLE_WAKE_S", 60.0)  # the I/O thread's own look: later
-    with MessageQueueClient(server.bound_url) as client:
+    with MessageQueueClient(queue_server.bound_url) as client:
         client.wait_until_reachable(2)
         took: list[float] = []
 
@@ -322,13 +342,13 @@ def test_a_sleeping_call_wakes_when_another_thread_sends_past_its_reply(server, 
         assert not caller.is_alive() and took and took[0] < 3.0
 
 
-def test_a_watched_polled_request_is_settled_without_polling(server, release, monkeypatch):
+def test_a_watched_polled_request_is_settled_without_polling(queue_server, release, monkeypatch):
     """``watch``: a polled request nobody polls any more (a lookup with a release chained behind
     it) is settled as soon as its reply arrives, not at the I/O thread's next look."""
     from lmcache_core.transport import client as client_module
 
     monkeypatch.setattr(client_module, "_IDLE_WAKE_S", 60.0)
-    with MessageQueueClient(server.bound_url) as client:
+    with MessageQueueClient(queue_server.bound_url) as client:
         client.wait_until_reachable(2)
         store = client.submit(ops.STORE, m.StoreRequest(
             instance_id=1, chunk_hashes=[b"x"], block_ids=[0]), timeout_s=100.0, polled=True)
@@ -341,14 +361,14 @@ def test_a_watched_polled_request_is_settled_without_polling(server, release, mo
         assert client.in_flight == 0
 
 
-def test_a_polled_request_waited_on_is_received_by_its_waiter(server, release, monkeypatch):
+def test_a_polled_request_waited_on_is_received_by_its_waiter(queue_server, release, monkeypatch):
     """A polled request's future (a release the scheduler adapter sends) is taken by whoever waits
     on it: ``result`` receives on the waiting thread, without the I/O thread watching the socket
     (its own look is pushed an hour away here, so only the waiter can settle it)."""
     from lmcache_core.transport import client as client_module
 
     monkeypatch.setattr(client_module, "_IDLE_WAKE_S", 3600.0)
-    with MessageQueueClient(server.bound_url) as client:
+    with MessageQueueClient(queue_server.bound_url) as client:
         client.wait_until_reachable(2)
         ping = client.submit(ops.PING, m.PingRequest(), timeout_s=3600.0, polled=True)
         assert ping.result(5).chunk_size == 16
@@ -390,11 +410,11 @@ def test_future_semantics():
     assert MessagingFuture.completed(3).result() == 3
 
 
-def test_call_later_runs_on_the_io_thread_once_due(server):
+def test_call_later_runs_on_the_io_thread_once_due(queue_server):
     """``call_later`` runs its function on the client's I/O thread, not before the delay has
     passed; one still due when the client closes is dropped."""
     ran: list[tuple[str, float]] = []
-    with MessageQueueClient(server.bound_url, name="io-under-test") as client:
+    with MessageQueueClient(queue_server.bound_url, name="io-under-test") as client:
         start = time.monotonic()
         client.call_later(0.05, lambda: ran.append((threading.current_thread().name,
                                                     time.monotonic() - start)))

@@ -12,18 +12,11 @@ import torch
 from lmcache_core.engine import CacheEngine, GroupTarget
 from lmcache_core.keys import ChunkKey, opaque_layout
 from lmcache_core.storage.pool import MemoryPool
+from tests.harness import FakeClock
 
 UNIT = 1024
 UNITS = 16
 LAYOUT = opaque_layout(1)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def chunk(model: str, i: int) -> ChunkKey:
@@ -119,6 +112,30 @@ def test_an_extent_goes_around_locked_units() -> None:
     assert engine.pool.units_of(handle) == range(2, 5)
     assert resident(engine, a[:20]) == [True] * 8 + [False] * 12
     assert engine.snapshot().engine.evictions == 12
+
+
+def test_an_extent_takes_the_cheapest_window_around_its_anchor() -> None:
+    """The least recently used piece anchors the windows that overlap it; of those, the one whose
+    pieces hold the fewest bytes goes: here the anchor's unit and the next, holding one 128-byte
+    piece, not the anchor's and the one before, holding a whole unit's piece (either keeps within
+    the bound of the random test below: only this test tells them apart)."""
+    engine = engine_of()
+    fuller, anchor, lighter = chunk("A", 0), chunk("A", 1), chunk("S", 0)
+    assert put(engine, [fuller], UNIT) == 1 and put(engine, [anchor], UNIT) == 1
+    assert put(engine, [lighter], 128) == 1  # a slab of 128-byte slots, one used
+    rest = [chunk("A", i) for i in range(2, UNITS - 1)]
+    assert all(put(engine, [k], UNIT) == 1 for k in rest) and engine.pool.free_slabs == 0
+    pieces = engine.store.inspect().pieces
+    assert [engine.pool.units_of(pieces[k].handle) for k in (fuller, anchor, lighter)] == [
+        range(0, 1), range(1, 2), range(2, 3)]
+    for k in (fuller, lighter, *rest):  # used since: the anchor is the least recently used
+        assert engine.lookup(k.model_name, [GroupTarget(LAYOUT, ((0, 1),))], [k.chunk_hash],
+                             "warm", lock=False) == 1
+    assert put(engine, [chunk("B", 0)], 2 * UNIT - 100) == 1  # an extent of 2 units
+    taken = engine.store.inspect().pieces[chunk("B", 0)].handle
+    assert engine.pool.units_of(taken) == range(1, 3)  # units 1-2: 1152 bytes, not 0-1: 2048
+    assert resident(engine, [fuller, anchor, lighter, *rest]) == [True, False, False] + [True] * 13
+    assert engine.snapshot().engine.evictions == 2
 
 
 def test_no_store_evicts_more_than_its_room_whatever_the_mix() -> None:

@@ -7,22 +7,23 @@ cleared; a checksum given up drops its pieces, never written to a tier without o
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TypeVar
 
 import pytest
 
-from lmcache_core.engine import CacheEngine, GroupTarget, StorePlan
+from lmcache_core.engine import CacheEngine, GroupTarget, StorePlan, verify
 from lmcache_core.engine import store as store_module
+from lmcache_core.engine.index import Piece
 from lmcache_core.engine.lifecycle import State
 from lmcache_core.engine.store import PieceView
 from lmcache_core.keys import ChunkKey
 from lmcache_core.storage import integrity, record
 from lmcache_core.storage.disk import DiskTier, file_name
 from tests.harness import wait_until
-from tests.unit.test_integrity import LAYOUT, NBYTES, SLOT, engine_with, key, pattern, store
+from tests.unit.checksummed import LAYOUT, NBYTES, SLOT, engine_with, key, pattern, store
 
 T = TypeVar("T")
 
@@ -119,27 +120,67 @@ def test_a_store_waits_for_pending_checksums_at_most_the_lane_timeout(
     engine.store.record_checksums(pending, None)
 
 
-def test_a_tier_writer_waits_for_the_digest_and_writes_it(tmp_path: Path) -> None:
-    disk = DiskTier(tmp_path, 2**20)
+def waits_recorded(engine: CacheEngine, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Set once anyone waits for pending checksums (``PieceStore.wait_checksums``), before the
+    wait: while the test holds the checksums back, whoever set it is still waiting."""
+    waiting = threading.Event()
+    real_wait = engine.store.wait_checksums
+
+    def wait_checksums(pieces: Sequence[Piece], timeout_s: float) -> bool:
+        waiting.set()
+        return real_wait(pieces, timeout_s)
+
+    monkeypatch.setattr(engine.store, "wait_checksums", wait_checksums)
+    return waiting
+
+
+def test_the_disk_writer_waits_for_a_pending_checksum_and_writes_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The disk's writer thread takes a write-through piece whose checksum is pending and waits
+    for it: the test holds the checksum (records it only once the writer waits), so a writer that
+    went on without it is seen every run. Then it writes the store's own checksum."""
+    disk = DiskTier(tmp_path, 2**20, write_through=True)
     engine = engine_with(disk)
-    plan = store_pending(engine, [1])
+    waiting = waits_recorded(engine, monkeypatch)
     assert engine.tiers is not None
-    guard = engine.tiers.guard
-
-    def write() -> bool:
-        with guard.source(key(1)) as found:
-            assert found is not None and found[1] == integrity.checksum(pattern(1))
-            return disk.write(key(1), *found)
-
-    writing = in_thread(write)
-    wait_until(lambda: readers(engine, key(1)) == 2,  # + its hash
-               what="the writer never took the piece")
-    assert not writing.done()
-    engine.store.record_checksums(plan, digests_of(plan))
-    assert writing.result(10)
+    engine.tiers.start()
+    try:
+        plan = store_pending(engine, [1])  # queued for the writer as it commits
+        wait_until(lambda: waiting.is_set() or disk.flush(0), what="the writer never took the piece")
+        assert waiting.is_set(), "the writer went on without waiting for the piece's checksum"
+        assert not disk.contains(key(1)) and not disk.flush(0)  # it waits, nothing written
+        assert readers(engine, key(1)) == 2  # its hash's and the writer's
+        engine.store.record_checksums(plan, digests_of(plan))
+        assert disk.flush(10)
+    finally:
+        disk.stop()
     header = record.parse_header((tmp_path / file_name(key(1))).read_bytes())
     assert header.payload_xxh3 == integrity.checksum(pattern(1))  # the store's own checksum
     assert engine.snapshot().engine.integrity_verified_chunks == 1
+
+
+def test_a_tier_writer_never_writes_a_piece_whose_checksum_is_held(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checksum held past the writer's bound: the writer gives the piece up and writes nothing
+    (no record without the store's checksum, none of its own making); the piece stays, and once
+    its checksum is recorded it is written with it."""
+    monkeypatch.setattr(verify, "LANE_TIMEOUT_S", 0.05)
+    disk = DiskTier(tmp_path, 2**20, write_through=True)
+    engine = engine_with(disk)
+    assert engine.tiers is not None
+    engine.tiers.start()
+    try:
+        plan = store_pending(engine, [1])
+        assert disk.flush(10)  # taken, waited for at most its bound, given up
+        assert not disk.contains(key(1)) and disk.stats().written_chunks == 0
+        assert hits(engine, [1]) == 1 and engine.snapshot().engine.checksums_pending == 1
+        engine.store.record_checksums(plan, digests_of(plan))
+        disk.submit([key(1)])
+        assert disk.flush(10) and disk.contains(key(1))
+    finally:
+        disk.stop()
+    header = record.parse_header((tmp_path / file_name(key(1))).read_bytes())
+    assert header.payload_xxh3 == integrity.checksum(pattern(1))
 
 
 def test_a_checksum_given_up_drops_its_pieces_and_writes_nothing(tmp_path: Path) -> None:
@@ -168,14 +209,7 @@ def test_verify_retrieve_waits_for_pending_checksums(monkeypatch: pytest.MonkeyP
     engine = engine_with()
     plan = store_pending(engine, [1, 2])
     retrieve = engine.store.begin_retrieve("m", LAYOUT, (0, 8), [key(i).chunk_hash for i in (1, 2)])
-    waits = threading.Event()
-    real_wait = engine.store.wait_checksums
-
-    def wait_checksums(pieces, timeout_s):  # type: ignore[no-untyped-def]
-        waits.set()
-        return real_wait(pieces, timeout_s)
-
-    monkeypatch.setattr(engine.store, "wait_checksums", wait_checksums)
+    waits = waits_recorded(engine, monkeypatch)
     verifying = in_thread(lambda: engine.integrity.verify_retrieve(retrieve, 10.0))
     assert waits.wait(10)
     engine.store.record_checksums(plan, digests_of(plan))

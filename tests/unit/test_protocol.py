@@ -227,6 +227,28 @@ def test_client_input_is_never_echoed_whole():
     assert len(error_reply(info.value).message) < 4 * MAX_MESSAGE_CHARS
 
 
+@pytest.mark.parametrize("uid", [
+    msgspec.msgpack.encode(b"u" * 2**20),  # a 1 MiB bin: over MAX_UID_FRAME, refused unread
+    msgspec.msgpack.encode("a uid"),  # short, but a str: no uid
+    b"\xc1" * 9,  # 9 bytes (a uid's most), no msgpack at all
+    b"\x01\x02",  # two msgpack values
+    b"",
+], ids=["oversized", "str", "not-msgpack", "two-values", "empty"])
+def test_an_untrusted_uid_frame_is_answered_with_a_nil_in_its_place(uid: bytes) -> None:
+    """The reply to a request whose uid frame is no msgpack int echoes none of that frame, not
+    even a cut of it: a nil stands in its place (the op, one short msgpack str, still goes back)."""
+    from lmcache_core.protocol.codec import MAX_UID_FRAME, rejection_frames
+
+    frames = [uid, msgspec.msgpack.encode("lmc.ping"), msgspec.msgpack.encode({})]
+    with pytest.raises(ProtocolError) as info:
+        decode_request(frames)
+    reply = rejection_frames(frames, info.value)
+    assert reply[0] == msgspec.msgpack.encode(None) and len(reply[0]) <= MAX_UID_FRAME
+    assert reply[1] == frames[1]
+    assert msgspec.msgpack.decode(reply[2], type=m.ErrorReply).code == "bad_request"
+    assert sum(map(len, reply)) < 1000
+
+
 def test_no_pickle_anywhere():
     import pathlib
 
