@@ -81,7 +81,9 @@ def test_ttft_and_itl_come_from_the_streams_and_json_has_every_figure() -> None:
         "distinct", 2, None, 1)
     assert data["ignore_eos"] and data["include_usage"]
     assert 0.2 <= data["overall"]["ttft_s"]["p50"] < 2.0
-    assert 0.05 <= data["overall"]["itl_s"]["p50"] < 0.5
+    # the stub writes chunks 50 ms apart; the client reads them as they arrive, so one gap may
+    # come out a little shorter than the next (0.0498 s seen on a busy machine): half as a floor
+    assert 0.025 <= data["overall"]["itl_s"]["p50"] < 0.5
     assert data["output_tokens"] == 16 and data["requests_per_s"] > 0
     assert data["prompt_tokens_from"] == "words"  # the stub sent no usage
     assert data["prompt_tokens"] == 4 * 5 and data["lmcache"] is None
@@ -93,7 +95,7 @@ def test_ttft_and_itl_come_from_the_streams_and_json_has_every_figure() -> None:
                                "answer_digest"}
         assert record["ok"] and record["error"] is None and record["output_tokens"] == 4
         assert 0.2 <= record["ttft_s"] < 2.0 and record["itl"]["count"] == 3
-        assert 0.05 <= record["itl"]["p50_s"] < 0.5 and record["scheduled_s"] is None
+        assert 0.025 <= record["itl"]["p50_s"] < 0.5 and record["scheduled_s"] is None
         assert 0 <= record["start_s"] < record["end_s"] <= data["duration_s"]
 
 
