@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-import random
+import secrets
 import socket
 import threading
 import time
@@ -84,6 +84,14 @@ def wrap_kv_caches(kv_caches: dict[str, torch.Tensor]) -> KVCache:
     return KVCache(layout, block_size, layers)
 
 
+def new_instance_id() -> int:
+    """A KV cache registration's id, from the OS's random source: never from ``random``, which
+    vLLM seeds alike in every engine (``seed=0``), so that two engines registered the same id
+    and the second took over the first's registration (its stores then read, and its loads
+    wrote, the other engine's KV cache)."""
+    return secrets.randbits(63)
+
+
 class LMCacheMPWorkerAdapter:
     """A vLLM worker's side: register KV caches once, then batched stores and retrieves.
 
@@ -117,7 +125,7 @@ class LMCacheMPWorkerAdapter:
         #: The connection's ``MessageQueueClient`` (LMCache's adapters name theirs so too).
         self.mq_client = self._conn.mq_client
         self.chunk_size = self._conn.chunk_size
-        self.instance_id = random.getrandbits(63)
+        self.instance_id = new_instance_id()
         self.registered: KVCache | None = None
         #: With groups: each group's registration (``registered`` is the first's).
         self.registered_groups: list[KVCache] = []
@@ -154,7 +162,7 @@ class LMCacheMPWorkerAdapter:
             pieces = None
         else:
             pieces = group_pieces(self.chunk_size, groups)
-            ids = [self.instance_id] + [random.getrandbits(63) for _ in groups[1:]]
+            ids = [self.instance_id] + [new_instance_id() for _ in groups[1:]]
             registrations = [(iid, layers, spec.descriptor(i, len(groups))) for i, (iid, layers, spec)
                              in enumerate(zip(ids, group_caches(kv_caches, groups), groups,
                                               strict=True))]

@@ -71,6 +71,7 @@ class Registration:
                        if fingerprint is not None else opaque_layout(request.world_size))
         self.heads = rank_heads(self.layout, request.world_size, request.kv_rank)
         self.pid = request.pid
+        self.hostname = request.hostname
         cuda = [d.device_uuid for d in request.layers if d.kind == "cuda"]
         self.device_uuid = cuda[0] if cuda else ""  # "" for shared memory (CPU)
         self.local = _is_local(request)
@@ -82,6 +83,14 @@ class Registration:
         self.disconnected_at: float | None = None  # when that client's connection closed
         self.leases = 0
         self.retired = False
+
+    def owned_by_another(self, request: RegisterKVCacheRequest) -> bool:
+        """Whether ``request``, for this registration's id, comes from another process than
+        this registration's, one that is not known to be gone (a pid of 0 says nothing)."""
+        if not self.pid or not request.pid:
+            return False
+        same = request.pid == self.pid and request.hostname == self.hostname
+        return not same and not self.process_gone()
 
     def process_gone(self) -> bool:
         """True when the worker ran here and its process no longer exists (or is a zombie).
@@ -212,13 +221,25 @@ class KVRegistry:
         self.reaped = 0
 
     def register(self, request: RegisterKVCacheRequest, client: bytes = b"") -> Registration:
-        """Map a worker's tensors; registering the same instance again replaces its mapping."""
+        """Map a worker's tensors; its process registering the same instance again replaces its
+        mapping (after a reconnect, a server restart). An id held by another process that still
+        runs is refused (``IncompatibleError``): taking it over would send that worker's stores
+        and loads to this one's KV cache."""
         mapped = self._open_mapping(request)  # slow (mmap), outside the lock
         registration = Registration(request, mapped, self._clock(), client)
         with self._lock:
-            old = self._by_id.pop(request.instance_id, None)
-            self._by_id[request.instance_id] = registration
-            self._forget_layouts()
+            old = self._by_id.get(request.instance_id)
+            taken = old is not None and old.owned_by_another(request)
+            if not taken:
+                self._by_id[request.instance_id] = registration
+                self._forget_layouts()
+        if taken:
+            assert old is not None
+            mapped.close()
+            raise IncompatibleError(
+                f"KV cache instance {request.instance_id} is registered by process {old.pid} "
+                f"on {old.hostname or 'an unknown host'}, which still runs: each worker needs "
+                "an id of its own (the worker client draws one from the OS's random source)")
         if old is not None:
             self._retire(old)
         return registration
