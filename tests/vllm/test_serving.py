@@ -45,3 +45,21 @@ def test_answers_under_load_with_disconnects_preemptions_and_a_server_restart(
     # most of the 16 turns came whole in both runs (a quarter are cut by the client)
     assert ours["answers_compared"] >= 8 and ours["answers_differing"] == 0, ours
     assert ours["restart_hits"] and all(hits > 0 for hits in ours["restart_hits"]), ours
+
+
+def test_two_engines_sharing_one_server_answer_as_vllm_alone(tmp_path: Path) -> None:
+    """Two replicas behind one ``lmcache serve``, a user's next turn on the other replica: the
+    second loads what the first stored and must answer exactly as the same two replicas without
+    lmcache (every engine once drew the same registration id from vLLM's seeded ``random``,
+    and the second engine's loads then read zeros)."""
+    out = tmp_path / "replicas.json"
+    args = ["--configs", "alone-x2,ours-x2", "--users", "2", "--turns", "3",
+            "--message-words", "300", "--output-tokens", "16", "--concurrency", "1",
+            "--distinct", "0", "--check", "--json", str(out), "--work", str(tmp_path / "logs")]
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    proc = subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True,
+                          timeout=1100, env=env, check=False)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    ours = json.loads(out.read_text())["summary"]["ours-x2"]
+    assert ours["answers_compared"] == 6 and ours["answers_differing"] == 0, ours
+    assert ours["hit_ratio"] and ours["hit_ratio"] > 0, ours  # the other replica's chunks
