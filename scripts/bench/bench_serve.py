@@ -358,12 +358,8 @@ def problems(summary: dict[str, Any], args: argparse.Namespace) -> list[str]:
     return out
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", default="alone,ours,lmcache,floor",
-                        help=f"comma-separated, of {', '.join(CONFIGS)}")
-    parser.add_argument("--repeat", type=int, default=1)
+def add_workload_options(parser: argparse.ArgumentParser) -> None:
+    """The workload's and the engine's options (``profile_serve.py`` runs the same workload)."""
     parser.add_argument("--users", type=int, default=16)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--message-words", type=int, default=400)
@@ -374,16 +370,25 @@ def main() -> int:
     parser.add_argument("--distinct-words", type=int, default=1500)
     parser.add_argument("--rate", type=float, default=1.0, help="distinct prompts per second")
     parser.add_argument("--kv-blocks", type=int, default=64)
-    parser.add_argument("--floor-kv-blocks", type=int, default=512)
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--cores", default="0-1", help="the cores vLLM's model threads use")
-    parser.add_argument("--replica-cores", default="0/1", help="x2: each replica's cores")
     parser.add_argument("--nice", type=int, default=2,
                         help="the servers' niceness (the load generator stays at 0)")
     parser.add_argument("--pool", default="2GiB", help="lmcache serve's memory pool")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=120.0)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", default="alone,ours,lmcache,floor",
+                        help=f"comma-separated, of {', '.join(CONFIGS)}")
+    parser.add_argument("--repeat", type=int, default=1)
+    add_workload_options(parser)
+    parser.add_argument("--floor-kv-blocks", type=int, default=512)
+    parser.add_argument("--replica-cores", default="0/1", help="x2: each replica's cores")
     parser.add_argument("--restart-lmcache-after", type=int, default=None, metavar="LOOKUPS",
                         help="ours: kill lmcache serve once it answered this many lookups, and "
                         "start it again")

@@ -28,8 +28,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,17 +45,31 @@ def _run_delay_ns() -> float:
         return math.nan
 
 
-def _timed(log: TextIO, event: str, function: Callable[..., Any],
-           detail: Callable[..., object]) -> Callable[..., Any]:
+class LineSink(Protocol):
+    """Where trace lines go: a file, or anything with its ``write``."""
+
+    def write(self, line: str, /) -> object: ...
+
+
+def timed(log: LineSink, event: str, function: Callable[..., Any],
+          detail: Callable[..., object]) -> Callable[..., Any]:
+    """``function`` writing one trace line a call: ``detail(result, *args)`` is its DETAIL (the
+    result None when the call raised; the line is written either way)."""
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         delay = _run_delay_ns()
         start, cpu = time.perf_counter(), time.thread_time()
+        result = None
         try:
-            return function(*args, **kwargs)
+            result = function(*args, **kwargs)
+            return result
         finally:
             end, cpu = time.perf_counter(), time.thread_time() - cpu
+            try:
+                words = detail(result, *args)
+            except Exception as exc:  # a traced API that changed: the trace says so, the call stands
+                words = f"detail-error={type(exc).__name__}"
             log.write(f"{event} {start:.6f} {end:.6f} {threading.get_ident()} {cpu * 1e3:.3f} "
-                      f"{(_run_delay_ns() - delay) / 1e6:.3f} {detail(*args)}\n")
+                      f"{(_run_delay_ns() - delay) / 1e6:.3f} {words}\n")
     return wrapper
 
 
@@ -64,18 +79,19 @@ def install(log: TextIO) -> None:
     from lmcache_core.server.handlers import CacheHandlers
     from lmcache_core.transport.server import MessageQueueServer
 
-    def chunks(_self: Any, request: Any, *_: Any) -> int:
+    def chunks(_result: Any, _self: Any, request: Any, *_: Any) -> int:
         return len(getattr(request, "chunk_hashes", ()))
 
     for name in ("lookup", "store", "retrieve"):
-        setattr(CacheHandlers, name, _timed(log, name, getattr(CacheHandlers, name), chunks))
-    CacheHandlers._scatter = staticmethod(_timed(  # type: ignore[method-assign]
-        log, "scatter", CacheHandlers._scatter, lambda _reg, _plan, positions, _blocks: len(positions)))
-    MessageQueueServer._dispatch = _timed(  # type: ignore[method-assign]
+        setattr(CacheHandlers, name, timed(log, name, getattr(CacheHandlers, name), chunks))
+    CacheHandlers._scatter = staticmethod(timed(  # type: ignore[method-assign]
+        log, "scatter", CacheHandlers._scatter,
+        lambda _result, _reg, _plan, positions, _blocks: len(positions)))
+    MessageQueueServer._dispatch = timed(  # type: ignore[method-assign]
         log, "dispatch", MessageQueueServer._dispatch,
-        lambda _self, _identity, frames: sum(len(f) for f in frames))
-    MessageQueueServer._send = _timed(  # type: ignore[method-assign]
-        log, "send", MessageQueueServer._send, lambda _self, frames: len(frames))
+        lambda _result, _self, _identity, frames: sum(len(f) for f in frames))
+    MessageQueueServer._send = timed(  # type: ignore[method-assign]
+        log, "send", MessageQueueServer._send, lambda _result, _self, frames: len(frames))
 
 
 class TraceTail:
@@ -95,20 +111,51 @@ class TraceTail:
         return parse(whole.decode())
 
 
-def parse(text: str) -> list[tuple[float, str]]:
-    """Trace lines as events ``(start, text)``, the text naming the wall, CPU and queued time;
-    for ``profile_hit`` to merge into its timeline (lines cut short by a crash are skipped)."""
+@dataclass(frozen=True)
+class Event:
+    """One trace line: a call's name, its wall time, the thread, its CPU and queued ms, and its
+    DETAIL (``words``: its ``key=value`` words; ``size``: a number, the server's chunks or bytes)."""
+
+    name: str
+    start: float
+    end: float
+    thread: int
+    cpu_ms: float
+    queued_ms: float
+    detail: str
+
+    @property
+    def ms(self) -> float:
+        return (self.end - self.start) * 1e3
+
+    @property
+    def words(self) -> dict[str, str]:
+        return dict(w.split("=", 1) for w in self.detail.split() if "=" in w)
+
+    @property
+    def size(self) -> int:
+        return int(self.detail) if self.detail.isdigit() else 0
+
+
+def read_events(text: str) -> list[Event]:
+    """Trace lines as events (lines cut short by a crash are skipped)."""
     events = []
     for line in text.splitlines():
         parts = line.split(" ", 6)
         if len(parts) != 7:
             continue
-        event, start, end, thread, cpu, queued, detail = parts
-        begin = float(start)
-        events.append((begin, f"server {event} ({detail}) {(float(end) - begin) * 1e3:.2f}ms "
-                              f"cpu {float(cpu):.2f}ms queued {float(queued):.2f}ms "
-                              f"thread {int(thread) % 10000:04d}"))
+        name, start, end, thread, cpu, queued, detail = parts
+        events.append(Event(name, float(start), float(end), int(thread), float(cpu),
+                            0.0 if queued == "nan" else float(queued), detail))
     return events
+
+
+def parse(text: str) -> list[tuple[float, str]]:
+    """Trace lines as ``(start, text)``, the text naming the wall, CPU and queued time; for
+    ``profile_hit`` to merge into its timeline."""
+    return [(e.start, f"server {e.name} ({e.detail}) {e.ms:.2f}ms cpu {e.cpu_ms:.2f}ms "
+                      f"queued {e.queued_ms:.2f}ms thread {e.thread % 10000:04d}")
+            for e in read_events(text)]
 
 
 def main() -> None:
