@@ -170,11 +170,11 @@ def run_config(config: str, repeat: int, args: argparse.Namespace, model: Path,
         lmcache = None
         if base == "ours":
             lmcache = LMCacheServe(work, f"{tag}-lmcache", server_model(), CHUNK, args.pool,
-                                   nice=args.nice).start()
+                                   nice=cache_nice(args)).start()
             servers.append(lmcache)
             connector = our_connector(lmcache.url, heartbeat_s=args.heartbeat_s)
         elif base == "lmcache":
-            original = LMCache056Serve(work, f"{tag}-lmcache056", CHUNK, nice=args.nice).start()
+            original = LMCache056Serve(work, f"{tag}-lmcache056", CHUNK, nice=cache_nice(args)).start()
             servers.append(original)
             connector = lmcache_056_connector(original.port)
             pythonpath = [LMCACHE_OVERLAY]
@@ -207,6 +207,10 @@ def run_config(config: str, repeat: int, args: argparse.Namespace, model: Path,
     finally:
         for server in reversed(servers):
             server.close()
+
+
+def cache_nice(args: argparse.Namespace) -> int:
+    return int(args.nice if args.cache_nice is None else args.cache_nice)
 
 
 def server_model() -> dict[str, Any]:
@@ -375,6 +379,9 @@ def add_workload_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cores", default="0-1", help="the cores vLLM's model threads use")
     parser.add_argument("--nice", type=int, default=2,
                         help="the servers' niceness (the load generator stays at 0)")
+    parser.add_argument("--cache-nice", type=int, default=None,
+                        help="the cache servers' niceness (lmcache serve, LMCache's), if not "
+                        "--nice's")
     parser.add_argument("--pool", default="2GiB", help="lmcache serve's memory pool")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=120.0)

@@ -411,6 +411,7 @@ def profile(args: argparse.Namespace, work: Path) -> None:
         MODEL,
         SERVED,
         bench,
+        cache_nice,
         chat_args,
         distinct_args,
         server_model,
@@ -420,7 +421,8 @@ def profile(args: argparse.Namespace, work: Path) -> None:
     from tiny_model import tiny_llama
 
     model = tiny_llama(MODEL, "bench-serve-llama")
-    lmcache = LMCacheServe(work, "lmcache", server_model(), CHUNK, args.pool, nice=args.nice)
+    lmcache = LMCacheServe(work, "lmcache", server_model(), CHUNK, args.pool,
+                           nice=cache_nice(args))
     lmcache.command = [sys.executable, str(HERE / "server_trace.py"), str(work / "server.trace"),
                        *lmcache.command[3:]]  # in place of "-m lmcache_cli"
     connector = dict(our_connector(lmcache.url), kv_connector="TracedLMCacheConnector",
