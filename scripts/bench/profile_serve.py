@@ -13,6 +13,8 @@ clock (``time.perf_counter``: CLOCK_MONOTONIC in every process). Then, per phase
   and the forward pass's (``start_load_kv``'s end to ``wait_for_save``'s start);
 - **lookups**: answered in the call that sent them, or how many steps later (a lookup that misses
   its step delays the request's load by that step);
+- **admissions**: a request's wait from the scheduler's first look at it to its admission, and
+  the length of the step that admits it (hits past vLLM's own cache apart from misses);
 - **loads**: a synchronous load's wait before the forward pass; an asynchronous one's steps and
   ms from the step that sent it to the one that reported it;
 - **stores**: chunks, the worker's time submitting them each step, the server's CPU per chunk;
@@ -191,6 +193,28 @@ def lookups(traces: Traces, start: float, end: float) -> dict[str, Any]:
             "first_call_ms": _pcts(first_call_ms), "with_a_hit_past_vllm": hits}
 
 
+def admissions(traces: Traces, start: float, end: float) -> dict[str, Any]:
+    """Each request from the scheduler's first look at it (its first lookup call) to its
+    admission (``update_state_after_alloc``), and the step that admits it (its meta to the next):
+    a request with a hit past vLLM's own cache (``external`` tokens) apart from one without."""
+    metas = [e.start for e in traces.connector if e.name == "meta"]
+    first: dict[str, Event] = {}
+    out: dict[str, dict[str, list[float]]] = {"hit": defaultdict(list), "miss": defaultdict(list)}
+    for e in traces.connector:
+        request = e.words.get("req", "?")
+        if e.name in ("lookup", "may_load"):
+            first.setdefault(request, e)
+        elif e.name == "alloc" and request in first and start <= first[request].start < end:
+            seen = first.pop(request)
+            kind = "hit" if e.words.get("external", "0") != "0" else "miss"
+            out[kind]["queued_ms"].append((e.start - seen.start) * 1e3)
+            i = bisect.bisect_left(metas, e.end)
+            if i + 1 < len(metas):
+                out[kind]["admitting_step_ms"].append((metas[i + 1] - metas[i]) * 1e3)
+    return {kind: {name: _pcts(values) for name, values in figures.items()}
+            for kind, figures in out.items()}
+
+
 def loads(traces: Traces, start: float, end: float) -> dict[str, Any]:
     metas = [e for e in traces.connector if e.name == "meta"]
     meta_starts = [e.start for e in metas]
@@ -293,6 +317,7 @@ def analyse(traces: Traces) -> dict[str, Any]:
         report[phase] = {
             "bench": traces.phases[phase].get("bench", {}),
             "steps": steps(traces, start, end), "lookups": lookups(traces, start, end),
+            "admissions": admissions(traces, start, end),
             "loads": loads(traces, start, end), "stores": stores(traces, start, end),
             "server": server(traces, start, end), "pings": pings(traces, start, end),
             "cpu": cpu(traces, phase)}
@@ -321,6 +346,10 @@ def render(report: dict[str, Any]) -> None:
               f"call that sent them, {lk['answered_later']} later (steps {p(lk['steps_later'])}); "
               f"first call ms {p(lk['first_call_ms'])}; {lk['with_a_hit_past_vllm']} hit past "
               "vLLM's own cache")
+        for kind, a in r["admissions"].items():
+            if a:
+                print(f"admitted {kind}s: queued ms {p(a['queued_ms'])}; the admitting step's ms "
+                      f"{p(a.get('admitting_step_ms', {}))}")
         ld = r["loads"]
         print(f"loads    {ld['sync']} sync ({ld['sync_chunks']} chunks), the forward's wait ms "
               f"{p(ld['sync_wait_ms'])}; {ld['async']} async: steps {p(ld['async_steps'])}, "
@@ -407,7 +436,6 @@ class Pinger(threading.Thread):
 def profile(args: argparse.Namespace, work: Path) -> None:
     from bench_serve import (
         BLOCK,
-        CHUNK,
         MODEL,
         SERVED,
         bench,
@@ -421,7 +449,7 @@ def profile(args: argparse.Namespace, work: Path) -> None:
     from tiny_model import tiny_llama
 
     model = tiny_llama(MODEL, "bench-serve-llama")
-    lmcache = LMCacheServe(work, "lmcache", server_model(), CHUNK, args.pool,
+    lmcache = LMCacheServe(work, "lmcache", server_model(), args.chunk_size, args.pool,
                            nice=cache_nice(args))
     lmcache.command = [sys.executable, str(HERE / "server_trace.py"), str(work / "server.trace"),
                        *lmcache.command[3:]]  # in place of "-m lmcache_cli"

@@ -21,7 +21,9 @@ meta 1.020000 1.020100 11 0.100 0.000 idle=0 tokens=100 loads=- stores=-
 meta 1.040000 1.040100 11 0.100 0.000 idle=0 tokens=100 loads=- stores=-
 lookup 1.040500 1.041500 11 0.100 0.000 req=b computed=0 hit=256 async=1
 lookup 1.041600 1.041700 11 0.100 0.000 req=a computed=0 hit=512 async=0
+alloc 1.041800 1.041900 11 0.100 0.000 req=a external=512
 lookup 1.042000 1.042100 11 0.100 0.000 req=c computed=0 hit=0 async=0
+alloc 1.042200 1.042300 11 0.100 0.000 req=c external=0
 meta 1.060000 1.060200 11 0.200 0.000 idle=0 tokens=600 loads=a:2:s,b:1 stores=c:3
 meta 1.080000 1.080100 11 0.100 0.000 idle=1 tokens=0 loads=- stores=-
 meta 1.100000 1.100100 11 0.100 0.000 idle=0 tokens=4 loads=- stores=-
@@ -81,8 +83,18 @@ def test_steps_and_their_forward_pass(report: dict) -> None:
     assert steps["forward_ms"]["p50"] == pytest.approx(10.0, abs=1e-6)
     assert steps["worker_connector_ms"]["p50"] == pytest.approx(3.3, abs=1e-6)
     assert steps["busy_step_ms"]["max"] == pytest.approx(20.0, abs=1e-6)
-    # the lookups that scheduled that step: 1.0 + 1.0 + 0.1 + 0.1 ms, and meta's own 0.2 ms
-    assert steps["scheduler_connector_ms"]["max"] == pytest.approx(1.4, abs=1e-6)
+    # the calls that scheduled that step: lookups 1.0 + 0.1 + 0.1 ms (b's, a's, c's), allocs
+    # 0.1 + 0.1 ms, and meta's own 0.2 ms
+    assert steps["scheduler_connector_ms"]["max"] == pytest.approx(1.6, abs=1e-6)
+
+
+def test_admissions_hits_apart_from_misses(report: dict) -> None:
+    hits, misses = report["admissions"]["hit"], report["admissions"]["miss"]
+    # a: first looked at 1.000, admitted 1.0418, by the step of 1.060 (20 ms to the next)
+    assert hits["queued_ms"]["n"] == 1
+    assert hits["queued_ms"]["p50"] == pytest.approx(41.8, abs=1e-6)
+    assert hits["admitting_step_ms"]["p50"] == pytest.approx(20.0, abs=1e-6)
+    assert misses["queued_ms"]["p50"] == pytest.approx(0.2, abs=1e-6)  # c
 
 
 def test_lookups_answered_in_their_call_or_steps_later(report: dict) -> None:
