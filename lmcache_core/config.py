@@ -30,9 +30,11 @@ from lmcache_core.config_parse import (
     named_sizes,
     parse_events_urls,
     parse_http_url,
+    parse_mooncake_url,
     parse_remote_url,
     parse_size,
     parse_uids,
+    remote_kind,
     size_of,
 )
 from lmcache_core.errors import ConfigError
@@ -226,24 +228,73 @@ class DiskConfig(_Section):
         return parse_size(self.max_size)
 
 
-class RemoteConfig(_Section):
-    """The L3 Redis/Valkey tier (optional), shared by every server that names the same url."""
+class MooncakeConfig(_Section):
+    """``remote.mooncake``: this server as a node of a Mooncake Store pool (``remote.url`` is
+    ``mooncake://MASTER_HOST:PORT``). The pool is the nodes' own memory: each server mounts
+    ``segment_size`` bytes of its host's RAM into it (beside ``server.pool_size``), and reads and
+    writes the pool through Mooncake's transfer engine straight from and into its memory pool."""
 
-    url: str  # redis://, rediss://, valkey://, valkeys://, unix://; redis+cluster:// for a cluster
+    # The master's HTTP metadata server (mooncake_master --enable_http_metadata_server), or an
+    # etcd url (etcd://host:2379); None: http://<the master's host>:8080/metadata.
+    metadata_server: str | None = None
+    # The address other nodes reach this one at (its transfer engine's segment); on one host
+    # 127.0.0.1, on a cluster this host's address on the transfer network.
+    local_hostname: str = "127.0.0.1"
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    device_name: str = ""  # RDMA devices (e.g. "mlx5_0,mlx5_1"); "" for tcp
+    segment_size: int | str = "1GiB"  # this host's memory mounted into the pool
+    replicas: Annotated[int, msgspec.Meta(ge=1, le=8)] = 1  # copies of each chunk, on distinct nodes
+
+    def __post_init__(self) -> None:
+        self.segment_size = size_of("segment_size", self.segment_size)
+        if self.segment_size <= 0:
+            raise ValueError("segment_size: must be positive (this node's share of the pool)")
+        if not self.local_hostname.strip():
+            raise ValueError("local_hostname: must name this host (127.0.0.1 on one host)")
+
+    @property
+    def segment_bytes(self) -> int:
+        return parse_size(self.segment_size)
+
+
+class RemoteConfig(_Section):
+    """The L3 tier (optional), shared by every server that names the same url: Redis/Valkey, or
+    a Mooncake Store pool (``mooncake://`` url, settings in ``mooncake``)."""
+
+    # redis://, rediss://, valkey://, valkeys://, unix://; redis+cluster:// for a cluster;
+    # mooncake://HOST:PORT for a Mooncake Store master
+    url: str
     queue_size: Positive = 256  # chunk writes waiting for the writer; beyond it they are dropped
     timeout_ms: TimeoutMs = 500  # socket connect/read timeout of every Redis call
     key_prefix: str = "lmcache"
     ttl_s: RemoteTtlS | None = None  # expire chunks in Redis after this long (None: Redis decides)
     cluster: bool = False
-    retry_interval_s: TimeoutS = 1.0  # how often a down Redis is probed
+    retry_interval_s: TimeoutS = 1.0  # how often a down Redis or Mooncake master is probed
+    mooncake: MooncakeConfig | None = None  # mooncake:// only (None there: the defaults)
 
     def __post_init__(self) -> None:
         try:
-            parse_remote_url(self.url)
+            if self.kind == "mooncake":
+                parse_mooncake_url(self.url)
+            else:
+                parse_remote_url(self.url)
         except ConfigError as exc:
             raise ValueError(str(exc).replace("remote.url: ", "url: ", 1)) from None
         if not self.key_prefix or ":" in self.key_prefix:
             raise ValueError("key_prefix: must be non-empty and hold no ':'")
+        if self.kind == "redis" and self.mooncake is not None:
+            raise ValueError("mooncake: only with a mooncake:// url")
+        if self.kind == "mooncake":
+            if self.ttl_s is not None or self.cluster:
+                raise ValueError(f"{'ttl_s' if self.ttl_s is not None else 'cluster'}: Redis "
+                                 f"only (Mooncake Store evicts by its own watermarks)")
+            if self.mooncake is None:
+                self.mooncake = MooncakeConfig()
+
+    @property
+    def kind(self) -> str:
+        """``"redis"`` or ``"mooncake"``: which store ``url`` names."""
+        return remote_kind(self.url)
 
 
 class IntegrityConfig(_Section):

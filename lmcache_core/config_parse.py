@@ -142,9 +142,16 @@ def named_sizes(field: str, sizes: dict[str, int | str]) -> dict[str, int | str]
         raise ValueError(f"{field}: {exc}") from None
 
 
-# The remote tier's url (remote.url): checked as the config loads, without importing redis.
+# The remote tier's url (remote.url): checked as the config loads, without importing redis or
+# mooncake. Its scheme chooses the store: Redis/Valkey, or Mooncake Store (mooncake://MASTER).
 _SCHEMES = {"redis": "redis", "rediss": "rediss", "valkey": "redis", "valkeys": "rediss",
             "unix": "unix"}
+MOONCAKE_SCHEME = "mooncake"
+
+
+def remote_kind(url: str) -> str:
+    """``"mooncake"`` for a mooncake:// url, else ``"redis"`` (``parse_remote_url`` checks it)."""
+    return "mooncake" if url.lower().startswith(f"{MOONCAKE_SCHEME}://") else "redis"
 
 
 def parse_remote_url(url: str) -> tuple[str, bool]:
@@ -157,5 +164,19 @@ def parse_remote_url(url: str) -> tuple[str, bool]:
     if base not in _SCHEMES or (plus and flavour != "cluster") or (plus and base == "unix"):
         raise ConfigError(
             f"remote.url: scheme {scheme!r} is not one of redis://, rediss://, valkey://, valkeys://, "
-            "unix:// (add +cluster, e.g. redis+cluster://, for a cluster)")
+            "unix:// (add +cluster, e.g. redis+cluster://, for a cluster), or mooncake://")
     return f"{_SCHEMES[base]}://{rest}", bool(plus)
+
+
+def parse_mooncake_url(url: str) -> tuple[str, int]:
+    """``(host, port)`` of the Mooncake master from ``mooncake://HOST:PORT``."""
+    hint = "expected mooncake://HOST:PORT (the master's RPC address, e.g. mooncake://10.0.0.1:50051)"
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port
+    except ValueError as exc:
+        raise ConfigError(f"remote.url: {url!r}: {exc}; {hint}") from None
+    if parts.scheme.lower() != MOONCAKE_SCHEME or not parts.hostname or port is None or (
+            parts.path not in ("", "/") or parts.query or parts.fragment or parts.username):
+        raise ConfigError(f"remote.url: {hint}, got {url!r}")
+    return parts.hostname, port

@@ -108,6 +108,11 @@ class CopiesStalledError(LMCacheTimeoutError):
     memory they touch must not be handed out again (the server stops)."""
 
 
+class RemoteTierError(LMCacheError, ConnectionError):
+    """A remote tier's store (Mooncake Store) failed a call or cannot be reached: the tier counts
+    it and goes down until a probe succeeds; a lookup misses."""
+
+
 class ConnectionClosedError(LMCacheError, ConnectionError):
     """The client was closed while requests were still waiting for replies."""
 

@@ -4,7 +4,8 @@ tests skipped without CUDA.
 
 Factories (arq's ``tests/conftest.py`` is the model): ``make_server(overrides, name=...)`` starts an
 ``lmcache serve`` in the test's temp dir, ``make_worker(url, **shape)`` a stand-in vLLM worker
-process, ``make_redis(cluster=False)`` a ``redis-server``; whatever a test made is stopped after it,
+process, ``make_redis(cluster=False)`` a ``redis-server``, ``mooncake_master`` (a module's) a
+Mooncake Store master with its metadata server; whatever a test made is stopped after it,
 however it ended, so tests hold no try/finally of their own for that. ``module_server`` is
 ``make_server`` for a whole module (its servers outlive each test, and are killed after the last),
 and ``server`` is a module's one shared server made by it: TINY with the overrides the module's
@@ -34,7 +35,14 @@ import pytest
 from lmcache_core.kv.shm import SCOPE_ENV
 from tests import forkserver
 from tests.harness import FakeClock, wait_until
-from tests.integration.servers import RedisServer, ServerProcess, WorkerProcess, redis_binary
+from tests.integration.servers import (
+    MooncakeMaster,
+    RedisServer,
+    ServerProcess,
+    WorkerProcess,
+    mooncake_binaries,
+    redis_binary,
+)
 
 __all__ = ["FakeClock", "wait_until"]
 
@@ -195,3 +203,12 @@ def redis_up(redis_server: RedisServer) -> RedisServer:
     with redis_server.client() as c:
         c.flushall()
     return redis_server
+
+
+@pytest.fixture(scope="module")
+def mooncake_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeMaster]:
+    """One ``mooncake_master`` (and metadata server) for a whole test module; skipped where the
+    ``mooncake`` extra or its libraries are missing. A test that stops it starts it again."""
+    server = MooncakeMaster(mooncake_binaries(), tmp_path_factory.mktemp("mooncake")).start()
+    yield server
+    server.close()

@@ -31,7 +31,7 @@ from lmcache_core.storage.pool import MemoryPool
 
 if TYPE_CHECKING:
     from lmcache_core.storage.disk import DiskTier
-    from lmcache_core.storage.remote import RemoteTier
+    from lmcache_core.storage.remote_tier import RemoteTier
 
 #: (model, layout) pairs an explain looks through per tier (memory, disk) at most.
 EXPLAIN_PAIRS = 4096

@@ -55,7 +55,7 @@ from lmcache_core.supervision import Supervisor
 
 if TYPE_CHECKING:
     from lmcache_core.storage.disk import DiskTier
-    from lmcache_core.storage.remote import RemoteTier
+    from lmcache_core.storage.remote_tier import RemoteTier
 
 T = TypeVar("T")
 #: A piece to load: ``(key, nbytes, from_disk)``.

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from lmcache_core.config import LMCacheConfig
+from lmcache_core.config_parse import parse_mooncake_url
 from lmcache_core.engine import CacheEngine
 from lmcache_core.protocol.codec import Limits
 from lmcache_core.protocol.ops import RequestType
@@ -59,7 +60,7 @@ from lmcache_core.transport.server import MessageQueueServer, Route
 
 if TYPE_CHECKING:
     from lmcache_core.events import KVEventSink
-    from lmcache_core.storage.remote import RemoteTier
+    from lmcache_core.storage.remote_tier import RemoteTier
 
 logger = logging.getLogger(__name__)
 HOUSEKEEPING_INTERVAL_S = 1.0
@@ -88,7 +89,7 @@ class CacheServer:
         server = config.server
         self.pool = MemoryPool(server.pool_bytes, server.slab_bytes)
         self.events = KVEventPublisher.from_config(config, context)  # None unless server.events_url
-        self.disk, self.remote = build_tiers(config, self.events)
+        self.disk, self.remote = build_tiers(config, self.events, self.pool)
         self.engine = CacheEngine(self.pool, config.chunk_size,
                                   lock_ttl_s=config.timeouts.lock_ttl_s, disk=self.disk,
                                   remote=self.remote, events=self.events,
@@ -259,19 +260,31 @@ class CacheServer:
             self.registry.reap()
 
 
-def build_tiers(config: LMCacheConfig, events: KVEventSink | None = None
-                ) -> tuple[DiskTier | None, RemoteTier | None]:
+def build_tiers(config: LMCacheConfig, events: KVEventSink | None = None,
+                pool: MemoryPool | None = None) -> tuple[DiskTier | None, RemoteTier | None]:
     """The disk and remote tiers the config asks for (None for each it does not), each telling
-    ``events`` of the pieces it writes and drops."""
+    ``events`` of the pieces it writes and drops; ``pool``: the memory pool a Mooncake tier reads
+    into and writes from in place (registered with its transfer engine)."""
     disk = None
     if config.disk is not None:
         disk = DiskTier(config.disk.path, config.disk.max_bytes, config.disk.write_through,
                         config.disk.queue_size, events=events)
-    remote = None
-    if config.remote is not None:
-        from lmcache_core.storage.remote import RemoteTier  # imports redis: only when asked for
+    cfg = config.remote
+    if cfg is None:
+        return disk, None
+    if cfg.kind == "mooncake":
+        from lmcache_core.storage.mooncake_tier import MooncakeTier  # imports mooncake: if asked for
 
-        cfg = config.remote
-        remote = RemoteTier(cfg.url, cfg.queue_size, cfg.timeout_ms, cfg.key_prefix, cfg.ttl_s,
-                            cfg.cluster, cfg.retry_interval_s, events=events)
-    return disk, remote
+        mc = cfg.mooncake
+        assert mc is not None and pool is not None  # RemoteConfig fills it in; the server's pool
+        host, port = parse_mooncake_url(cfg.url)
+        return disk, MooncakeTier(
+            f"{host}:{port}", mc.metadata_server or f"http://{host}:8080/metadata",
+            memory=(pool.address, pool.nbytes), local_hostname=mc.local_hostname,
+            protocol=mc.protocol, device_name=mc.device_name, segment_bytes=mc.segment_bytes,
+            replicas=mc.replicas, queue_size=cfg.queue_size, timeout_ms=cfg.timeout_ms,
+            key_prefix=cfg.key_prefix, retry_interval_s=cfg.retry_interval_s, events=events)
+    from lmcache_core.storage.remote import RedisTier  # imports redis: only when asked for
+
+    return disk, RedisTier(cfg.url, cfg.queue_size, cfg.timeout_ms, cfg.key_prefix, cfg.ttl_s,
+                           cfg.cluster, cfg.retry_interval_s, events=events)

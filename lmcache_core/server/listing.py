@@ -37,7 +37,7 @@ from lmcache_core.transport.routes import Route
 
 if TYPE_CHECKING:
     from lmcache_core.storage.disk import DiskTier
-    from lmcache_core.storage.remote import RemoteTier
+    from lmcache_core.storage.remote_tier import RemoteTier
 
 #: A listing's orders, over every tier's rows: ``age`` newest first, ``hits`` and ``size`` most
 #: first (then newest), ``key`` by (model, layout, chunk hash, heads) so a chunk's pieces sit
@@ -211,7 +211,7 @@ class ServerViews:
     def _count_remote(self, remote: RemoteTier, request: m.ListChunksRequest) -> m.TierTotal:
         """Redis's keys matching the request's pattern (default: the model's keys, or all), counted
         on the tier's own thread for at most the request's budget."""
-        from lmcache_core.storage.remote import glob_escape  # (imports redis: here, it is in)
+        from lmcache_core.storage.remote_tier import glob_escape
 
         match = request.remote_match
         if match is None:
@@ -225,7 +225,8 @@ class ServerViews:
                 timeout=budget_s + remote.timeout_s)
         except FutureTimeout:
             return m.TierTotal(tier=remote.name, pieces=0, complete=False,
-                               error=f"Redis did not answer within {budget_s + remote.timeout_s:.1f}s")
+                               error=f"{remote.label} did not answer within "
+                                     f"{budget_s + remote.timeout_s:.1f}s")
         except RuntimeError:  # the tier is shutting down
             return m.TierTotal(tier=remote.name, pieces=0, complete=False, error="stopping")
         return m.TierTotal(tier=remote.name, pieces=count.keys, complete=count.complete,

@@ -510,6 +510,12 @@ class MemoryPool:
         return self._nbytes
 
     @property
+    def address(self) -> int:
+        """The buffer's first byte in this process (a transfer engine registers the pool by it, to
+        read and write pieces in place)."""
+        return int(self._buf.data_ptr())
+
+    @property
     def slab_bytes(self) -> int:
         """Bytes of one unit (``server.slab_size``)."""
         return self._slab_bytes

@@ -1,5 +1,5 @@
 """The remote tier's redis-py client: how one is made for a url (timeouts, one retry, the packer),
-which errors count as a Redis fault, and how a url or a fault is shown in logs."""
+which errors count as a Redis fault, and how a url is shown in logs."""
 
 from __future__ import annotations
 
@@ -29,12 +29,6 @@ def make_client(url: str, cluster: bool, timeout_s: float, extra: dict[str, Any]
     options.setdefault("command_packer", PythonRespSerializer(
         PACK_CUTOFF, Encoder("utf-8", "strict", False).encode))
     return redis.Redis.from_url(url, health_check_interval=0, **options)
-
-
-def reason(exc: BaseException) -> str:
-    """``ErrorType: first line of its message`` (or just the type), for a log line."""
-    text = str(exc).splitlines()[0] if str(exc) else ""
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def without_password(url: str) -> str:

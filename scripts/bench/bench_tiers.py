@@ -38,7 +38,7 @@ from redis.connection import Encoder, PythonRespSerializer  # noqa: E402
 from lmcache_core.engine import CacheEngine, GroupTarget  # noqa: E402
 from lmcache_core.keys import ChunkKey, opaque_layout, world_heads  # noqa: E402
 from lmcache_core.storage.pool import MemoryPool  # noqa: E402
-from lmcache_core.storage.remote import RemoteTier  # noqa: E402
+from lmcache_core.storage.remote import RedisTier  # noqa: E402
 
 MODEL = "bench"
 #: No KV shape here: one rank's opaque layout, so each chunk is one piece of heads [0, 1).
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace, url: str) -> None:
             raw.set(f"raw:{i}", blob)
 
     pool_a = MemoryPool.slots(nbytes, n, pin=False)
-    tier_a = RemoteTier(url, queue_size=4 * n, timeout_ms=5000)
+    tier_a = RedisTier(url, queue_size=4 * n, timeout_ms=5000)
     engine_a = CacheEngine(pool_a, 256, remote=tier_a)
     assert engine_a.tiers is not None
     engine_a.tiers.start()  # its writer, writing a's pieces behind the stores
@@ -182,7 +182,7 @@ def run(args: argparse.Namespace, url: str) -> None:
             raw.get(f"raw:{i}")
 
     pool_b = MemoryPool.slots(nbytes, n, pin=False)
-    tier_b = RemoteTier(url, timeout_ms=5000)
+    tier_b = RedisTier(url, timeout_ms=5000)
     engine_b = CacheEngine(pool_b, 256, remote=tier_b)
     out = torch.empty(nbytes, dtype=torch.uint8)
     (last,) = stored

@@ -106,14 +106,26 @@ MEANINGS: dict[str, str] = {
     "disk.write_through": "write every store behind (else only chunks near eviction)",
     "disk.queue_size": "writes waiting for the disk writer; a full queue drops writes (counted)",
     "remote.url": "L3: `redis://`, `rediss://`, `valkey://`, `valkeys://`, `unix://`; `redis+cluster://` "
-                  "(or `remote.cluster: true`) for a cluster; no remote tier unless set",
+                  "(or `remote.cluster: true`) for a cluster; `mooncake://HOST:PORT` for a Mooncake "
+                  "Store master (settings in `remote.mooncake`); no remote tier unless set",
     "remote.queue_size": "the write-behind queue (a full queue drops writes, counted)",
-    "remote.timeout_ms": "socket timeout of each Redis call (must be < `timeouts.lookup_ms`)",
+    "remote.timeout_ms": "socket timeout of each Redis call; for Mooncake, how long a call waits for "
+                         "a free header buffer (must be < `timeouts.lookup_ms`)",
     "remote.key_prefix": "keys are `<prefix>:v2:<model>:<layout>:<head_lo>-<head_hi>:<hash hex>`; "
                          "non-empty, no `:`",
-    "remote.ttl_s": "optional expiry of the chunks in Redis (none: Redis decides)",
-    "remote.cluster": "the url names a Redis cluster",
-    "remote.retry_interval_s": "probe interval while Redis is down",
+    "remote.ttl_s": "optional expiry of the chunks in Redis (none: Redis decides); Redis only",
+    "remote.cluster": "the url names a Redis cluster; Redis only",
+    "remote.retry_interval_s": "probe interval while Redis or the Mooncake master is down",
+    "remote.mooncake.metadata_server": "the transfer engine's metadata service: the master's HTTP "
+                                       "one (`http://HOST:PORT/metadata`) or `etcd://HOST:PORT`",
+    "remote.mooncake.local_hostname": "the address other nodes reach this one's segment at: "
+                                      "`127.0.0.1` on one host, this host's address on a cluster",
+    "remote.mooncake.protocol": "the transfer engine's transport: `tcp`, or `rdma` on RDMA NICs",
+    "remote.mooncake.device_name": "RDMA devices to use (e.g. `mlx5_0,mlx5_1`); `\"\"` for tcp",
+    "remote.mooncake.segment_size": "this host's memory mounted into the pool (its global segment, "
+                                    "besides `server.pool_size`): the pool is the nodes' memory",
+    "remote.mooncake.replicas": "copies of each chunk on distinct nodes (a dead node loses nothing "
+                                "replicated); fewer when fewer nodes have room",
     "integrity.verify_on_retrieve": "also check every piece against its store-time checksum before a "
                                     "retrieve copies it; a corrupt one is dropped and its chunk "
                                     "answered missing (vLLM recomputes it); see "
@@ -130,6 +142,7 @@ DEFAULT_NOTES: dict[str, str] = {
     "server.quotas": "none",
     "server.tenant_quotas": "none",
     "remote.ttl_s": "none",
+    "remote.mooncake.metadata_server": "`http://<the master's host>:8080/metadata`",
 }
 
 SECTIONS = {
@@ -138,7 +151,11 @@ SECTIONS = {
     "server": ("`server`", "the server process"),
     "timeouts": ("`timeouts`", "every wait has one"),
     "disk": ("`disk`", "the optional L2 tier: off unless the section is given"),
-    "remote": ("`remote`", "the optional L3 tier (Redis, Valkey): off unless the section is given"),
+    "remote": ("`remote`", "the optional L3 tier (Redis, Valkey, or Mooncake Store): off unless "
+                           "the section is given"),
+    "remote.mooncake": ("`remote.mooncake`", "a Mooncake Store pool (`remote.url: mooncake://...`; "
+                                             "[operations](operations.md#mooncake-store)): this "
+                                             "server one of its nodes"),
     "integrity": ("`integrity`", "chunk checksums"),
 }
 

@@ -1,7 +1,8 @@
 """The real processes tests run beside them: ``lmcache serve`` (``FaultyServer``: one with a fault
-injected, ``faulty_server.py``), a stand-in vLLM worker (``kv_worker.py``) and ``redis-server``.
-Tests get them from the factory fixtures in ``tests/conftest.py`` (``make_server``,
-``module_server``, ``make_worker``, ``make_redis``), which stop them afterwards."""
+injected, ``faulty_server.py``), a stand-in vLLM worker (``kv_worker.py``), ``redis-server`` and a
+Mooncake Store master (``MooncakeMaster``). Tests get them from the factory fixtures in
+``tests/conftest.py`` (``make_server``, ``module_server``, ``make_worker``, ``make_redis``,
+``mooncake_master``), which stop them afterwards."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -345,3 +348,99 @@ def redis_binary() -> str:
             pytest.fail(message)
         pytest.skip(message)
     return binary
+
+
+# ---------------------------------------------------------------- Mooncake Store
+
+
+class MooncakeMaster:
+    """A ``mooncake_master`` on 127.0.0.1 (free ports) and its HTTP metadata server: Mooncake's
+    standalone one (``mooncake_http_metadata_server --host 127.0.0.1``), since the master's
+    co-located one listens on every interface whatever its host flag says. ``stop``/``start``
+    restart the master alone, on the same port (its index lost, as a real restart loses it).
+    ``client_ttl`` 2 s: a killed node's segment (and its replicas) is dropped that soon."""
+
+    def __init__(self, binaries: tuple[str, str], workdir: Path) -> None:
+        self.binary, self.metadata_binary = binaries
+        self.workdir = workdir
+        self.port, self.metadata_port, self.metrics_port = _free_port(), _free_port(), _free_port()
+        self.url = f"mooncake://127.0.0.1:{self.port}"
+        self.metadata_url = f"http://127.0.0.1:{self.metadata_port}/metadata"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.metadata: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> MooncakeMaster:
+        if self.metadata is None or self.metadata.poll() is not None:
+            self.metadata = self._spawn("metadata", [
+                self.metadata_binary, "--host", "127.0.0.1", "--port", str(self.metadata_port),
+                "--log-level", "WARNING"])
+            self._wait_listening(self.metadata, self.metadata_port, "metadata")
+        self.proc = self._spawn("master", [
+            self.binary, f"--rpc_port={self.port}", "--rpc_address=127.0.0.1",
+            "--enable_http_metadata_server=false", "--metrics_host=127.0.0.1",
+            f"--metrics_port={self.metrics_port}", "--client_ttl=2"])
+        self._wait_listening(self.proc, self.port, "master")
+        return self
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        with (self.workdir / f"mooncake-{name}-{self.port}.log").open("ab") as out:
+            return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+
+    def _wait_listening(self, proc: subprocess.Popen[bytes], port: int, name: str) -> None:
+        log = self.workdir / f"mooncake-{name}-{self.port}.log"
+
+        def listening() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"mooncake {name} exited:\n{log.read_text(errors='replace')[-2000:]}")
+            return not _bindable(port)
+
+        wait_until(listening, 20, lambda: f"mooncake {name} did not start:\n"
+                                          f"{log.read_text(errors='replace')[-2000:]}")
+
+    def active_clients(self) -> int:
+        """Nodes the master counts as alive (``master_active_clients`` of its metrics): a killed
+        one until ``client_ttl`` passed, and its segment with it."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2) as r:
+            text = r.read().decode()
+        for line in text.splitlines():
+            if line.startswith("master_active_clients "):
+                return int(float(line.split()[1]))
+        raise AssertionError(f"no master_active_clients in the master's metrics:\n{text[:2000]}")
+
+    def stop(self) -> None:
+        """Kill the master (the metadata server stays)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+
+    def close(self) -> None:
+        self.stop()
+        if self.metadata is not None and self.metadata.poll() is None:
+            self.metadata.kill()
+            self.metadata.wait(5)
+
+
+def mooncake_binaries() -> tuple[str, str]:
+    """``mooncake_master`` and ``mooncake_http_metadata_server`` (the ``mooncake`` extra's), after
+    checking ``mooncake.store`` imports; the test is skipped naming what is missing (failed when
+    ``CI`` is set)."""
+    here = Path(sys.executable).parent
+    found = [shutil.which(name) or (str(here / name) if (here / name).exists() else None)
+             for name in ("mooncake_master", "mooncake_http_metadata_server")]
+    problem = ""
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as exc:
+        problem = (f"mooncake.store cannot be imported ({exc}): pip install lmcache-toolkit[mooncake] "
+                   f"and, on Debian, apt-get install libibverbs1 librdmacm1 (scripts/setup --dev "
+                   f"does both)")
+    if not problem and None in found:
+        problem = ("mooncake_master or mooncake_http_metadata_server is not installed (pip install "
+                   "lmcache-toolkit[mooncake]; scripts/setup --dev installs it)")
+    if problem:
+        if os.environ.get("CI"):
+            pytest.fail(problem)
+        pytest.skip(problem)
+    master, metadata = found
+    assert master is not None and metadata is not None
+    return master, metadata

@@ -31,7 +31,8 @@ from lmcache_core.protocol import RequestType, decode_reply
 from lmcache_core.protocol import messages as m
 from lmcache_core.storage.disk import DiskTier
 from lmcache_core.storage.pool import MemoryPool
-from lmcache_core.storage.remote import RemoteTier, glob_escape
+from lmcache_core.storage.remote import RedisTier
+from lmcache_core.storage.remote_tier import glob_escape
 from lmcache_core.transport.client import MessageQueueClient
 from tests.harness import wait_until
 from tests.integration.cli import Result, cli
@@ -288,7 +289,7 @@ def test_peek_counts_each_chunk_in_the_slowest_tier_it_needs_and_touches_nothing
     """Chunk 0 in memory, 1 on disk, 2 half on disk (TP=2's rank 0) and half in Redis, 3 in Redis
     as TP=2 pieces, 4 nowhere, 5 in memory: the prefix is 4 chunks, 1 + 1 + 2 by tier."""
     redis_srv = make_redis()
-    remote = RemoteTier(redis_srv.url, timeout_ms=200, retry_interval_s=0.1)
+    remote = RedisTier(redis_srv.url, timeout_ms=200, retry_interval_s=0.1)
     disk = DiskTier(tmp_path / "disk", 1 << 20)
     e = CacheEngine(MemoryPool.slots(SLOT, 16, pin=False), chunk_size=16, disk=disk, remote=remote)
     try:
@@ -330,7 +331,7 @@ def test_peek_counts_each_chunk_in_the_slowest_tier_it_needs_and_touches_nothing
 def test_redis_count_is_by_pattern_and_cut_short_at_its_deadline(
         make_redis: Callable[..., RedisServer]) -> None:
     redis_srv = make_redis()
-    tier = RemoteTier(redis_srv.url, timeout_ms=500, key_prefix="lm*c")
+    tier = RedisTier(redis_srv.url, timeout_ms=500, key_prefix="lm*c")
     with redis_srv.client() as client:
         pipe = client.pipeline(transaction=False)
         for i in range(2500):
@@ -364,7 +365,7 @@ def test_redis_count_is_by_pattern_and_cut_short_at_its_deadline(
 @pytest.mark.redis
 def test_redis_count_on_a_cluster_scans_its_primaries(make_redis: Callable[..., RedisServer]) -> None:
     cluster = make_redis(cluster=True)
-    tier = RemoteTier(cluster.url, timeout_ms=500)
+    tier = RedisTier(cluster.url, timeout_ms=500)
     try:
         client = tier.client()
         for i in range(50):

@@ -28,7 +28,7 @@ from lmcache_core.protocol import messages as m
 from lmcache_core.storage import record
 from lmcache_core.storage.disk import SUFFIX, DiskTier, file_name
 from lmcache_core.storage.pool import MemoryPool
-from lmcache_core.storage.remote import RemoteTier
+from lmcache_core.storage.remote import RedisTier
 from lmcache_core.transport.client import MessageQueueClient
 from tests.harness import wait_until
 from tests.integration.chunks import CHUNK, blocks, lookup, stats, tokens
@@ -72,7 +72,7 @@ def payload(k: ChunkKey) -> memoryview:
     return pattern(k).numpy().data
 
 
-def engine(remote: RemoteTier | None = None, disk: DiskTier | None = None,
+def engine(remote: RedisTier | None = None, disk: DiskTier | None = None,
            slots: int = 40) -> CacheEngine:
     return CacheEngine(MemoryPool.slots(SLOT, slots, pin=False), chunk_size=16, disk=disk,
                        remote=remote)
@@ -105,10 +105,10 @@ def retrieve_ok(e: CacheEngine, keys: list[ChunkKey], lookup_id: str) -> bool:
     return True
 
 
-def tier(url: str, **kw: object) -> RemoteTier:
+def tier(url: str, **kw: object) -> RedisTier:
     kw.setdefault("timeout_ms", 200)
     kw.setdefault("retry_interval_s", 0.1)
-    return RemoteTier(url, **kw)  # type: ignore[arg-type]
+    return RedisTier(url, **kw)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -256,7 +256,7 @@ def test_full_queue_drops_writes_without_blocking(redis_up: RedisServer) -> None
 
 
 def test_redis_down_then_back(redis_up: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="lmcache_core.storage.remote")
+    caplog.set_level(logging.INFO, logger="lmcache_core.storage.remote_tier")
     t = tier(redis_up.url)
     e = engine(t)
     assert e.tiers is not None

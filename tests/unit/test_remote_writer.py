@@ -1,4 +1,4 @@
-"""The remote tier's writer batch (``RemoteTier._write_batch``) without Redis: the pipelined SET is
+"""The remote tier's writer batch (``RedisTier._write_batch``) without Redis: the pipelined SET is
 replaced by a recorder, so what each batch would send is seen (tests/integration/test_tiers.py runs
 the writer against a real redis-server)."""
 
@@ -12,7 +12,8 @@ import pytest
 
 from lmcache_core.keys import ChunkKey, opaque_layout
 from lmcache_core.storage import integrity, record
-from lmcache_core.storage.remote import MAX_BATCH_BYTES, RemoteTier
+from lmcache_core.storage.remote import RedisTier
+from lmcache_core.storage.remote_tier import MAX_BATCH_BYTES
 
 LAYOUT = opaque_layout(1)
 
@@ -22,13 +23,13 @@ def key(i: int, lo: int = 0, hi: int = 1) -> ChunkKey:
 
 
 @pytest.fixture
-def tier() -> Iterator[RemoteTier]:
-    t = RemoteTier("redis://127.0.0.1:1")  # never connects: _set_many is replaced below
+def tier() -> Iterator[RedisTier]:
+    t = RedisTier("redis://127.0.0.1:1")  # never connects: _set_many is replaced below
     yield t
     t.stop(drain_timeout_s=0)
 
 
-def serve(tier: RemoteTier, payloads: dict[ChunkKey, bytes]) -> list[tuple[bytes, bytes]]:
+def serve(tier: RedisTier, payloads: dict[ChunkKey, bytes]) -> list[tuple[bytes, bytes]]:
     """``payloads`` as the tier's source (what ``start`` gives its writer; the batches are written
     here by hand); the returned list gets each (redis key, value) SET."""
     @contextlib.contextmanager
@@ -47,7 +48,7 @@ def serve(tier: RemoteTier, payloads: dict[ChunkKey, bytes]) -> list[tuple[bytes
     return sent
 
 
-def test_growing_values_after_a_mid_batch_flush(tier: RemoteTier) -> None:
+def test_growing_values_after_a_mid_batch_flush(tier: RedisTier) -> None:
     # 9 MiB fills a batch (a flush mid-batch); the 10 MiB value after it reuses, and must grow, the
     # same buffer: a view of it kept past the flush made that a BufferError and lost the rest.
     payloads = {key(1): b"\x01" * (MAX_BATCH_BYTES + 2**20), key(2): b"\x02" * (MAX_BATCH_BYTES + 2**21),
@@ -61,7 +62,7 @@ def test_growing_values_after_a_mid_batch_flush(tier: RemoteTier) -> None:
     assert tier.stats().written_chunks == 3 and tier.stats().write_failed == 0
 
 
-def test_a_key_that_cannot_be_encoded_is_counted_and_the_batch_goes_on(tier: RemoteTier) -> None:
+def test_a_key_that_cannot_be_encoded_is_counted_and_the_batch_goes_on(tier: RedisTier) -> None:
     bad = key(2, lo=3, hi=1)  # no record holds an empty head range: encoding it raises
     payloads = {key(1): b"a" * 100, bad: b"b" * 100, key(3): b"c" * 100}
     sent = serve(tier, payloads)
@@ -70,7 +71,7 @@ def test_a_key_that_cannot_be_encoded_is_counted_and_the_batch_goes_on(tier: Rem
     assert tier.stats().write_failed == 1 and tier.stats().written_chunks == 2
 
 
-def test_evicted_keys_are_skipped_and_the_rest_flushed(tier: RemoteTier) -> None:
+def test_evicted_keys_are_skipped_and_the_rest_flushed(tier: RedisTier) -> None:
     sent = serve(tier, {key(1): b"a" * 100})
     tier._write_batch([key(1), key(2)])  # key(2) left memory before its turn
     assert [rkey for rkey, _ in sent] == [tier.redis_key(key(1))]
@@ -78,13 +79,13 @@ def test_evicted_keys_are_skipped_and_the_rest_flushed(tier: RemoteTier) -> None
 
 
 def test_refused_writes_are_rationed_and_the_dropped_lines_counted(
-        tier: RemoteTier, caplog: pytest.LogCaptureFixture) -> None:
+        tier: RedisTier, caplog: pytest.LogCaptureFixture) -> None:
     # Redis full (maxmemory, noeviction) refuses every batch: a LogBudget lets 20 lines through per
     # window and tells how many it dropped with the next line (no line is lost uncounted).
     payloads = {key(1): b"a" * 100}
     serve(tier, payloads)
     tier._set_many = lambda values: [Exception("OOM")] * len(values)  # type: ignore[method-assign]
-    with caplog.at_level("WARNING", logger="lmcache_core.storage.remote"):
+    with caplog.at_level("WARNING", logger="lmcache_core.storage.remote_tier"):
         for _ in range(25):
             tier._write_batch(list(payloads))
         lines = [r.getMessage() for r in caplog.records if "Redis refused" in r.getMessage()]

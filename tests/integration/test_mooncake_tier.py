@@ -1,0 +1,164 @@
+"""The Mooncake Store remote tier with real processes: a ``mooncake_master`` (the module's) and two
+``lmcache serve`` that each mount a segment of their memory into its pool, with ``kv_worker.py``
+workers. A store on one server is found and loaded byte-exact on the other; with two replicas a
+killed server loses nothing; a corrupted value is dropped, never loaded; with the master down
+lookups miss within their budget, the servers keep serving, and the tier comes back with it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from lmcache_core.keys import ChunkKey, chain_hashes, layout_key
+from lmcache_core.storage import record
+from lmcache_core.storage.remote_keys import redis_key
+from lmcache_core.transport.client import MessageQueueClient
+from tests.harness import wait_until
+from tests.integration.chunks import CHUNK, blocks, lookup, stats, tokens
+from tests.integration.servers import MooncakeMaster, ServerProcess, WorkerProcess
+
+TINY_LAYOUT = layout_key("float16", 2, 4, 32, False)  # the tiny model at TP=1
+LOOKUP_S = 1.0  # TINY's timeouts.lookup_ms
+
+
+def config(master: MooncakeMaster, replicas: int = 1) -> dict[str, Any]:
+    return {"remote": {"url": master.url, "timeout_ms": 300, "retry_interval_s": 0.2,
+                       "mooncake": {"metadata_server": master.metadata_url,
+                                    "segment_size": "16MiB", "replicas": replicas}}}
+
+
+def joined(server: ServerProcess) -> ServerProcess:
+    """``server`` once its tier has joined the pool (the client is set up behind the start)."""
+    with MessageQueueClient(server.url) as client:
+        wait_until(lambda: stats(client).remote.up == 1, 30,
+                   lambda: f"the tier never joined the pool:\n{server.log()[-3000:]}")
+    return server
+
+
+def pair(master: MooncakeMaster, make_server: Callable[..., ServerProcess],
+         replicas: int = 1) -> tuple[ServerProcess, ServerProcess]:
+    """Servers A and B in the pool. First the master forgets the nodes of earlier tests (killed
+    ones keep their segments placed until its client_ttl: a write to one fails)."""
+    wait_until(lambda: master.active_clients() == 0, 20, "earlier tests' nodes stay in the pool")
+    a = make_server(config(master, replicas), name="a", start=False)
+    b = make_server(config(master, replicas), name="b", start=False)
+    for server in (a, b):
+        server.spawn()
+    for server in (a, b):
+        server.wait_ready(120)
+    return joined(a), joined(b)
+
+
+def store_on(server: ServerProcess, worker: WorkerProcess, toks: list[int], seed: int) -> list[str]:
+    """Store ``toks``' chunks through ``worker`` and wait until the tier wrote them all; their
+    digests (one per chunk)."""
+    n = len(toks) // CHUNK
+    worker("fill", blocks=blocks(0, n), seed=seed)
+    digests = [worker("digest", blocks=blocks(i, 1))["digest"] for i in range(n)]
+    with MessageQueueClient(server.url) as client:
+        written = stats(client).remote.written_chunks
+        assert worker("store", req=f"s{seed}", keys=toks, blocks=blocks(0, n))["finished"]
+        wait_until(lambda: stats(client).remote.written_chunks == written + n, 20,
+                   lambda: f"{stats(client).remote}\n{server.log()[-3000:]}")
+    return digests
+
+
+def load_on(server: ServerProcess, worker: WorkerProcess, toks: list[int], hits: int) -> list[str]:
+    """Look ``toks`` up on ``server`` (``hits`` chunks expected, loaded from the pool), retrieve
+    them into zeroed blocks; their digests."""
+    with MessageQueueClient(server.url) as client:
+        assert lookup(client, toks, "L", lock=True) == hits
+    worker("zero", blocks=blocks(0, hits))
+    result = worker("retrieve", req="L", keys=toks[:hits * CHUNK], blocks=blocks(0, hits))
+    assert result["finished"] and not result["load_errors"]
+    return [worker("digest", blocks=blocks(i, 1))["digest"] for i in range(hits)]
+
+
+def test_a_store_on_one_server_is_loaded_byte_exact_on_another(
+        mooncake_master: MooncakeMaster, make_server, make_worker) -> None:
+    a, b = pair(mooncake_master, make_server)
+    toks = tokens(3, seed=11)
+    want = store_on(a, make_worker(a.url), toks, seed=4)
+    with MessageQueueClient(b.url) as client:
+        assert stats(client).engine.chunks == 0  # nothing in B's memory: the pool has it
+    assert load_on(b, make_worker(b.url), toks, 3) == want
+    with MessageQueueClient(b.url) as client:
+        s = stats(client).remote
+        assert s.loaded_chunks == 3 and s.corrupt == 0 and s.errors == 0
+
+
+def test_with_two_replicas_a_killed_server_loses_nothing(
+        mooncake_master: MooncakeMaster, make_server, make_worker) -> None:
+    a, b = pair(mooncake_master, make_server, replicas=2)
+    toks = tokens(3, seed=12)
+    want = store_on(a, make_worker(a.url), toks, seed=5)
+    a.kill()  # its segment (one replica of each chunk) goes with it
+    assert load_on(b, make_worker(b.url), toks, 3) == want
+    wait_until(lambda: mooncake_master.active_clients() == 1, 20)  # and the master drops it
+    assert load_on(b, make_worker(b.url), toks, 3) == want
+
+
+def test_a_corrupted_value_is_dropped_and_never_loaded(
+        mooncake_master: MooncakeMaster, make_server, make_worker) -> None:
+    from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+
+    a, b = pair(mooncake_master, make_server)
+    worker_b = make_worker(b.url)  # B learns the model's layout from it (a lookup needs one)
+    toks = tokens(3, seed=13)
+    want = store_on(a, make_worker(a.url), toks, seed=6)
+    bad = ChunkKey("tiny", TINY_LAYOUT, 0, 4, chain_hashes(toks, CHUNK)[2])
+    name = redis_key(f"lmcache:v{record.FORMAT_VERSION}:", bad).decode()
+    # Chunk 2's payload changes by one byte in the pool, behind the servers' backs (its header
+    # intact: only the store-time checksum, payload_xxh3, can tell).
+    tool = MooncakeDistributedStore()
+    assert tool.setup("127.0.0.1", mooncake_master.metadata_url, 16 * 2**20, 16 * 2**20, "tcp", "",
+                      mooncake_master.url.removeprefix("mooncake://")) == 0
+    try:
+        value = bytearray(tool.get(name))
+        assert value
+        value[-7] ^= 0x01
+        assert tool.remove(name, True) == 0
+        assert tool.put(name, bytes(value), ReplicateConfig()) == 0
+        with MessageQueueClient(b.url) as client:
+            assert lookup(client, toks, "x", lock=False) == 2  # stops before the bad chunk
+            assert stats(client).remote.corrupt == 1
+            assert tool.is_exist(name) == 0  # removed, so nobody loads it again
+            assert stats(client).engine.chunks == 2  # the bad one never became resident
+    finally:
+        tool.close()
+    assert load_on(b, worker_b, toks, 2) == want[:2]
+
+
+def test_the_master_down_makes_lookups_misses_within_budget_until_it_returns(
+        mooncake_master: MooncakeMaster, make_server, make_worker) -> None:
+    a, b = pair(mooncake_master, make_server)
+    worker_a, worker_b = make_worker(a.url), make_worker(b.url)
+    before = tokens(2, seed=14)
+    store_on(a, worker_a, before, seed=7)
+    mooncake_master.stop()
+    try:
+        with MessageQueueClient(b.url) as client:
+            for attempt in range(3):  # the first may find the tier up, and wait on the master
+                started = time.monotonic()
+                assert lookup(client, before, f"down{attempt}") == 0
+                assert time.monotonic() - started < LOOKUP_S + 1.0  # its budget, and some slack
+            wait_until(lambda: stats(client).remote.up == 0, 20)
+            s = stats(client).remote
+            assert s.outages >= 1
+        # A keeps serving: a new store lands in its memory and is found there.
+        with MessageQueueClient(a.url) as client:
+            during = tokens(2, seed=15)
+            worker_a("fill", blocks=blocks(0, 2), seed=8)
+            assert worker_a("store", req="d", keys=during, blocks=blocks(0, 2))["finished"]
+            assert lookup(client, during, "mem") == 2
+    finally:
+        mooncake_master.start()
+    for server in (a, b):
+        joined(server)
+    # Each node mounts its segment again by itself (its heartbeat finds the master new); until
+    # then the pool has no room and a write is refused.
+    wait_until(lambda: mooncake_master.active_clients() == 2, 30, "the nodes never came back")
+    after = tokens(2, seed=16)  # the restarted master's index is empty: what is stored now
+    want = store_on(a, worker_a, after, seed=9)
+    assert load_on(b, worker_b, after, 2) == want
