@@ -348,7 +348,7 @@ def render(report: dict[str, Any]) -> None:
               "vLLM's own cache")
         for kind, a in r["admissions"].items():
             if a:
-                print(f"admitted {kind}s: queued ms {p(a['queued_ms'])}; the admitting step's ms "
+                print(f"admitted ({kind}) queued ms {p(a['queued_ms'])}; the admitting step's ms "
                       f"{p(a.get('admitting_step_ms', {}))}")
         ld = r["loads"]
         print(f"loads    {ld['sync']} sync ({ld['sync_chunks']} chunks), the forward's wait ms "
