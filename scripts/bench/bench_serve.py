@@ -18,6 +18,10 @@ alone-x2   two replicas of ``alone`` (each with one core and its own KV cache); 
 ours-x2    the same two replicas sharing one ``lmcache serve``: the node-wide cache
 =========  ====================================================================================
 
+A cache's configuration may name its chunk size: ``ours@128`` (else ``--chunk-size``, 256). A hit
+is whole chunks where vLLM's own cache hits whole blocks, so a chunk the size of the block makes
+the two hit the same tokens.
+
 Each run of a configuration: a warm-up request, then a multi-turn **chat** (``--users`` x
 ``--turns``, each turn the user's whole history and a new message, ``--concurrency`` in flight,
 answer lengths varied per request, ``--disconnect`` of them closed by the client after their first
@@ -159,22 +163,24 @@ def distinct_args(args: argparse.Namespace) -> list[str]:
 
 def run_config(config: str, repeat: int, args: argparse.Namespace, model: Path,
                work: Path) -> Run:
-    replicas = 2 if config.endswith("-x2") else 1
-    base = config.removesuffix("-x2")
-    tag = f"{config}-{repeat}"
+    name, _, chunk = config.partition("@")
+    chunk_size = int(chunk) if chunk else args.chunk_size
+    replicas = 2 if name.endswith("-x2") else 1
+    base = name.removesuffix("-x2")
+    tag = f"{config.replace('@', '-c')}-{repeat}"
     servers: list[Any] = []
     try:
         connector = None
         pythonpath: list[Path] = []
         lmcache = None
         if base == "ours":
-            lmcache = LMCacheServe(work, f"{tag}-lmcache", server_model(), args.chunk_size,
+            lmcache = LMCacheServe(work, f"{tag}-lmcache", server_model(), chunk_size,
                                    args.pool,
                                    nice=cache_nice(args)).start()
             servers.append(lmcache)
             connector = our_connector(lmcache.url, heartbeat_s=args.heartbeat_s)
         elif base == "lmcache":
-            original = LMCache056Serve(work, f"{tag}-lmcache056", args.chunk_size,
+            original = LMCache056Serve(work, f"{tag}-lmcache056", chunk_size,
                                       nice=cache_nice(args)).start()
             servers.append(original)
             connector = lmcache_056_connector(original.port)
@@ -285,7 +291,7 @@ def summarize(runs: list[Run], configs: list[str]) -> dict[str, Any]:
         for key in figures[0]:
             values = [f[key] for f in figures if f[key] is not None]
             summary[key] = statistics.median(values) if values else None
-        base = "alone-x2" if config.endswith("-x2") else "alone"
+        base = "alone-x2" if config.partition("@")[0].endswith("-x2") else "alone"
         ratios: dict[str, list[float]] = {}
         for run in mine:
             for ref_name, ref_config in (("alone", base), ("floor", "floor")):
@@ -395,7 +401,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default="alone,ours,lmcache,floor",
-                        help=f"comma-separated, of {', '.join(CONFIGS)}")
+                        help=f"comma-separated, of {', '.join(CONFIGS)}; a cache's with @N: "
+                        "its chunk size N (ours@128), else --chunk-size")
     parser.add_argument("--repeat", type=int, default=1)
     add_workload_options(parser)
     parser.add_argument("--floor-kv-blocks", type=int, default=512)
@@ -412,7 +419,8 @@ def main() -> int:
     parser.add_argument("--work", type=Path, default=None, help="logs (default: a temp dir)")
     args = parser.parse_args()
     configs = [c for c in args.configs.split(",") if c]
-    unknown = sorted(set(configs) - set(CONFIGS))
+    unknown = sorted(c for c in configs if c.partition("@")[0] not in CONFIGS
+                     or (c.partition("@")[2] and not c.partition("@")[2].isdigit()))
     if unknown:
         parser.error(f"unknown configs {unknown}")
     if "lmcache" in configs and not lmcache_056_available():
