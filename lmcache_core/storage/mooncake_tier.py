@@ -116,6 +116,7 @@ class MooncakeTier(RemoteTier):
         self._replicate = self._api.ReplicateConfig()
         self._replicate.replica_num = replicas
         self._store: Any = None  # the client once set up (by the writer's first probe)
+        self._node = ""  # its name in the pool once set up (``node``)
         self._connect_lock = threading.Lock()
         self._arenas: queue.Queue[np.ndarray] = queue.Queue()
         self._arena_memory = [np.zeros(ARENA_BYTES, dtype=np.uint8) for _ in range(ARENAS)]
@@ -142,10 +143,17 @@ class MooncakeTier(RemoteTier):
                 raise RemoteTierError(f"register_buffer of {nbytes} bytes failed ({code})")
         for arena in self._arena_memory:
             self._arenas.put(arena)
+        self._node = str(store.get_hostname())
         logger.info("remote tier: joined Mooncake Store at %s as %s (segment %d MiB, %d "
                     "replica(s), %s)", self.master, store.get_hostname(), self.segment_bytes >> 20,
                     self.replicas, self.protocol)
         return store
+
+    @property
+    def node(self) -> str:
+        """This server's name in the pool (``HOST:PORT``, its segment's transfer endpoint, as
+        replica descriptors name it); "" until it joined."""
+        return self._node
 
     def _client(self) -> Any:
         """The client, when set up and its master answers its heartbeats; else RemoteTierError."""
