@@ -25,10 +25,12 @@ for exact keys and sees it.
 
 Faults: a master that is down makes each client call wait about 4 s before it fails (its RPC
 retries), so every call first asks the client's own view of the master (``health_check``, no round
-trip: its heartbeat thread keeps it) and fails at once while that is bad; the writer probes it every
-``retry_interval_s``. The client is set up on the writer thread (``setup`` waits for a master that is
-away), so a server starts at once and counts the tier down until it joined. When the master comes
-back (restarted: its index is empty) the client mounts its segment again by itself.
+trip: its heartbeat thread keeps it) and fails at once while that is bad; the writer probes the
+master every ``retry_interval_s`` with a real round trip (``health_check`` alone says 0 at times
+while its client reconnects to a master that is away). The client is set up on the writer thread
+(``setup`` waits for a master that is away), so a server starts at once and counts the tier down
+until it joined. When the master comes back (restarted: its index is empty) the client mounts its
+segment again by itself.
 
 Imports ``mooncake.store`` (the optional extra ``pip install lmcache-toolkit[mooncake]``) when
 made: a missing one is a ``ConfigError`` naming what to install.
@@ -166,13 +168,18 @@ class MooncakeTier(RemoteTier):
         return store
 
     def _ping(self) -> None:
+        """Join the pool if not yet; then one round trip to the master. Not ``health_check``
+        alone: while the client reconnects to a master that is away it reports 0 at times, and a
+        probe that believed it would put the tier up, each lookup then waiting on a dead master."""
         if self._store is None:
             with self._connect_lock:
                 if self._closed:
                     raise RemoteTierError("the remote tier is stopped")
                 if self._store is None:
                     self._store = self._connect()
-        self._client()
+        (code,) = self._client().batch_is_exist([self.key_prefix + "probe"])
+        if code < 0:
+            raise RemoteTierError(f"the master {self.master} does not answer ({code})")
 
     @contextlib.contextmanager
     def _arena(self) -> Iterator[np.ndarray]:

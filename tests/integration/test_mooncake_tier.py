@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lmcache_core.keys import ChunkKey, chain_hashes, layout_key
+from lmcache_core.protocol import messages as m
 from lmcache_core.storage import record
 from lmcache_core.storage.remote_keys import redis_key
 from lmcache_core.transport.client import MessageQueueClient
@@ -78,11 +79,20 @@ def load_on(server: ServerProcess, worker: WorkerProcess, toks: list[int], hits:
 def test_a_store_on_one_server_is_loaded_byte_exact_on_another(
         mooncake_master: MooncakeMaster, make_server, make_worker) -> None:
     a, b = pair(mooncake_master, make_server)
+    worker_b = make_worker(b.url)
     toks = tokens(3, seed=11)
     want = store_on(a, make_worker(a.url), toks, seed=4)
     with MessageQueueClient(b.url) as client:
+        # What lmcache lookup asks: B sees the chunks in the pool, loading nothing.
+        peek = client.request(m.PeekRequest(model_name="tiny", world_size=1,
+                                            chunk_hashes=chain_hashes(toks, CHUNK)))
+        assert (peek.hit_chunks, peek.remote_chunks, peek.remote) == (3, 3, "asked")
         assert stats(client).engine.chunks == 0  # nothing in B's memory: the pool has it
-    assert load_on(b, make_worker(b.url), toks, 3) == want
+        # What lmcache inspect-chunks asks: the pool lists no keys, and says so.
+        listing = client.request(m.ListChunksRequest(tiers=["memory", "remote"]))
+        remote = next(t for t in listing.tiers if t.tier == "remote")
+        assert not remote.complete and "cannot list" in remote.error
+    assert load_on(b, worker_b, toks, 3) == want
     with MessageQueueClient(b.url) as client:
         s = stats(client).remote
         assert s.loaded_chunks == 3 and s.corrupt == 0 and s.errors == 0
@@ -139,13 +149,19 @@ def test_the_master_down_makes_lookups_misses_within_budget_until_it_returns(
     mooncake_master.stop()
     try:
         with MessageQueueClient(b.url) as client:
-            for attempt in range(3):  # the first may find the tier up, and wait on the master
+            started = time.monotonic()  # this one may find the tier up, and wait on the master
+            assert lookup(client, before, "down") == 0
+            assert time.monotonic() - started < LOOKUP_S + 1.0  # its budget, and some slack
+            wait_until(lambda: stats(client).remote.up == 0, 20)
+            # The writer probes it every retry_interval_s: each probe fails (counted) while the
+            # master is away; one that took the tier for up would let lookups wait on it again.
+            wait_until(lambda: stats(client).remote.errors >= 3, 30, lambda: f"{stats(client).remote}")
+            for attempt in range(3):  # while down (its probes see it), the tier is skipped at once
                 started = time.monotonic()
                 assert lookup(client, before, f"down{attempt}") == 0
-                assert time.monotonic() - started < LOOKUP_S + 1.0  # its budget, and some slack
-            wait_until(lambda: stats(client).remote.up == 0, 20)
+                assert time.monotonic() - started < LOOKUP_S / 2
             s = stats(client).remote
-            assert s.outages >= 1
+            assert s.outages == 1 and s.up == 0  # one outage: no probe took it for up meanwhile
         # A keeps serving: a new store lands in its memory and is found there.
         with MessageQueueClient(a.url) as client:
             during = tokens(2, seed=15)
