@@ -76,6 +76,9 @@ SETUP_RETRIES = "1"
 
 def store_module() -> Any:
     """``mooncake.store``, or a ConfigError naming what is missing."""
+    # Its client logs every step of its life at INFO (~15 lines per join) into the server's
+    # output; this tier logs joins and outages itself. MC_LOG_LEVEL set by the operator wins.
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     try:
         import mooncake.store as store
     except ImportError as exc:
