@@ -206,19 +206,22 @@ class DiskStats(TierStats):
 
 
 class RemoteStats(TierStats):
-    """The remote (Redis/Valkey) tier's figures (``storage.remote.RemoteTier`` adds to them)."""
+    """The remote tier's figures, Redis/Valkey or Mooncake Store (``storage.remote_tier.RemoteTier``
+    adds to them)."""
 
     prefix: ClassVar[str] = "remote_"
     tier: ClassVar[str] = "remote"
 
     write_failed: Annotated[int, counter(
-        "Chunk writes Redis refused or timed out.", "remote_failed_writes")] = 0
+        "Chunk writes the remote store (Redis, Mooncake Store) refused or timed out.",
+        "remote_failed_writes")] = 0
     outages: Annotated[int, counter(
-        "Times Redis was found down (then skipped and probed).", "remote_outages")] = 0
+        "Times the remote store was found down (then skipped and probed).", "remote_outages")] = 0
     lookup_timeouts: Annotated[int, counter(
-        "Lookups that stopped waiting on Redis at their deadline.", "remote_lookup_timeouts")] = 0
+        "Lookups that stopped waiting on the remote store at their deadline.",
+        "remote_lookup_timeouts")] = 0
     up: Annotated[int, gauge(
-        "1 while Redis answers, 0 during an outage (lookups and writes skip it then).",
+        "1 while the remote store answers, 0 during an outage (lookups and writes skip it then).",
         "remote_up")] = 1
 
 

@@ -144,7 +144,8 @@ class MooncakeTier(RemoteTier):
             raise RemoteTierError(f"could not join the pool of master {self.master} (setup: {code})")
         for at, nbytes in [self._memory] + [(a.ctypes.data, a.nbytes) for a in self._arena_memory]:
             code = store.register_buffer(at, nbytes)
-            if code != 0:
+            if code != 0:  # leave the pool again: a node that cannot move bytes holds none
+                store.close()
                 raise RemoteTierError(f"register_buffer of {nbytes} bytes failed ({code})")
         for arena in self._arena_memory:
             self._arenas.put(arena)
