@@ -6,7 +6,6 @@ lookups miss within their budget, the servers keep serving, and the tier comes b
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -152,18 +151,20 @@ def test_the_master_down_makes_lookups_misses_within_budget_until_it_returns(
     mooncake_master.stop()
     try:
         with MessageQueueClient(b.url) as client:
-            started = time.monotonic()  # this one may find the tier up, and wait on the master
+            # This one may find the tier up and wait on the master: its lookup budget bounds it
+            # (the engine's, shared by both kinds: test_tiers' hung Redis tests it).
             assert lookup(client, before, "down") == 0
-            assert time.monotonic() - started < 10 * LOOKUP_S  # its budget (10x: a busy machine)
             wait_until(lambda: stats(client).remote.up == 0, 20)
             # The writer probes it every retry_interval_s: each probe fails (counted) while the
             # master is away; one that took the tier for up would let lookups wait on it again.
             wait_until(lambda: stats(client).remote.errors >= 3, 30, lambda: f"{stats(client).remote}")
-            for attempt in range(3):  # while down (its probes see it), the tier is skipped at once
-                started = time.monotonic()
+            # While down (its probes see it) the tier is skipped: a lookup never waits on the
+            # master, so none stops at its deadline (a lookup that asked it would, ~4 s a call).
+            waited = stats(client).remote.lookup_timeouts
+            for attempt in range(3):
                 assert lookup(client, before, f"down{attempt}") == 0
-                assert time.monotonic() - started < LOOKUP_S  # ~ms: 100x
             s = stats(client).remote
+            assert s.lookup_timeouts == waited, s
             assert s.outages == 1 and s.up == 0  # one outage: no probe took it for up meanwhile
         # A keeps serving: a new store lands in its memory and is found there.
         with MessageQueueClient(a.url) as client:
