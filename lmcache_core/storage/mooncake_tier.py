@@ -84,7 +84,8 @@ def store_module() -> Any:
     except ImportError as exc:
         raise ConfigError(
             f"remote.url is mooncake:// but mooncake.store cannot be imported ({exc}): install the "
-            "extra (pip install lmcache-toolkit[mooncake]) and, on Debian/Ubuntu, its libraries "
+            "extra (pip install lmcache-toolkit[mooncake]; GPU clusters: [mooncake-cuda]) and, on "
+            "Debian/Ubuntu, its libraries "
             "(apt-get install libibverbs1 librdmacm1)") from None
     return store
 
