@@ -21,20 +21,9 @@ from lmcache_core.client import worker as worker_module
 from lmcache_core.protocol import messages as m
 from lmcache_core.server import registry as registry_module
 from lmcache_core.server.registry import GPU_SILENCE_S, KVRegistry
+from tests.unit.mappings import FakeMapping
 
 SHAPE = [2, 8, 16, 2, 64]
-
-
-class FakeMapping:
-    """What the registry needs of a MappedKVCache."""
-
-    device = None
-
-    def __init__(self) -> None:
-        self.closed = False
-
-    def close(self) -> None:
-        self.closed = True
 
 
 def cuda_request(instance_id: int, pid: int, uuid: str = "GPU-0",
@@ -186,7 +175,6 @@ def test_copy_threads_grow_with_the_gpus_registered(
         handlers = CacheHandlers(load_config(None), engine, registry,  # type: ignore[arg-type]
                                  SimpleNamespace(), started=0.0,  # type: ignore[arg-type]
                                  add_copy_threads=server.add_workers)
-        FakeMapping.chunk_bytes, FakeMapping.blocks_per_chunk = 1, 1  # type: ignore[attr-defined]
         handlers.register_kv_cache(cuda_request(1, os.getpid(), "GPU-a"), b"")
         assert len(server._workers) == 2 + COPY_THREADS_PER_GPU
         handlers.register_kv_cache(cuda_request(2, os.getpid(), "GPU-a"), b"")  # same GPU

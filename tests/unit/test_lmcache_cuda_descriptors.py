@@ -19,6 +19,7 @@ from lmcache_core.kv.cuda_ipc import REF_COUNTERS_PER_FILE, check_ipc_handle
 from lmcache_core.protocol import lmcache_wire as w
 from lmcache_core.server.lmcache import translate as t
 from lmcache_core.server.lmcache.registrations import registration_request
+from tests.unit.mappings import FakeMapping
 
 enc = msgspec.msgpack.encode
 PID = os.getpid()
@@ -136,13 +137,6 @@ def test_a_cuda_registration_is_kept_and_reaped_as_our_gpu_workers_are(
     GPU workers get, its mapping closed and the server's CUDA cache emptied."""
     from lmcache_core.server import registry as registry_module
     from lmcache_core.server.registry import GPU_SILENCE_S, KVRegistry
-
-    class FakeMapping:
-        device = None
-        closed = False
-
-        def close(self) -> None:
-            self.closed = True
 
     emptied: list[int] = []
     monkeypatch.setattr(registry_module, "release_cached_cuda_memory", lambda: emptied.append(1))

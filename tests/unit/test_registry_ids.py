@@ -18,16 +18,7 @@ from lmcache_core.errors import IncompatibleError
 from lmcache_core.kv.shm import pid_namespace
 from lmcache_core.protocol import messages as m
 from lmcache_core.server.registry import KVRegistry
-
-
-class FakeMapping:
-    device = None
-
-    def __init__(self) -> None:
-        self.closed = False
-
-    def close(self) -> None:
-        self.closed = True
+from tests.unit.mappings import FakeMapping
 
 
 def request(instance_id: int, pid: int, hostname: str | None = None) -> m.RegisterKVCacheRequest:
