@@ -112,9 +112,10 @@ def _pcts(values: list[float]) -> dict[str, float | int | None]:
             "p90": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))], "max": ordered[-1]}
 
 
-def _after(events: list[Event], t: float) -> Event | None:
-    """The first of ``events`` (sorted by start) that starts at or after ``t``."""
-    i = bisect.bisect_left([e.start for e in events], t)
+def _after(events: list[Event], starts: list[float], t: float) -> Event | None:
+    """The first of ``events`` (sorted by start; ``starts`` their starts) starting at or after
+    ``t``."""
+    i = bisect.bisect_left(starts, t)
     return events[i] if i < len(events) else None
 
 
@@ -129,8 +130,14 @@ def steps(traces: Traces, start: float, end: float) -> dict[str, Any]:
     in the worker's and in the scheduler's calls (those that scheduled it)."""
     metas = [e for e in traces.connector if e.name == "meta"]
     meta_ends = [e.end for e in metas]
-    worker = [e for e in traces.connector if e.name in WORKER_CALLS]
-    binds = [e for e in worker if e.name == "bind"]
+    # the worker's calls of each step, a bind first
+    rounds: list[list[Event]] = []
+    for e in traces.connector:
+        if e.name == "bind":
+            rounds.append([e])
+        elif e.name in WORKER_CALLS and rounds:
+            rounds[-1].append(e)
+    bind_starts = [calls[0].start for calls in rounds]
     scheduler_ms = [0.0] * len(metas)
     for e in traces.connector:
         if e.name in SCHEDULER_CALLS:  # the calls that scheduled the step of the next meta
@@ -149,14 +156,11 @@ def steps(traces: Traces, start: float, end: float) -> dict[str, Any]:
         in_scheduler.append(scheduler_ms[i])
         if i + 1 < len(metas):
             step_ms.append((metas[i + 1].start - meta.start) * 1e3)
-        bind = _after(binds, meta.end)
-        if bind is None or (i + 1 < len(metas) and bind.start > metas[i + 1].start):
+        j = bisect.bisect_left(bind_starts, meta.end)
+        if j == len(rounds) or (i + 1 < len(metas) and bind_starts[j] > metas[i + 1].start):
             continue  # no worker calls of its own in the trace (vLLM steps one at a time here)
-        calls = [bind]
-        for e in worker[worker.index(bind) + 1:]:
-            if e.name == "bind":
-                break
-            calls.append(e)
+        calls = rounds[j]
+        bind = calls[0]
         if calls[-1].name != "results":
             continue  # the step's calls are cut short (the end of the trace)
         connector = sum(e.ms for e in calls)
@@ -220,6 +224,7 @@ def loads(traces: Traces, start: float, end: float) -> dict[str, Any]:
     meta_starts = [e.start for e in metas]
     results = [e for e in traces.connector if e.name == "results"]
     starts = [e for e in traces.connector if e.name == "start_load"]
+    start_times = [e.start for e in starts]
     sync_wait, sync_chunks, async_steps, async_ms, n_sync, n_async = [], 0, [], [], 0, 0
     for meta in metas:
         if not start <= meta.start < end:
@@ -229,7 +234,7 @@ def loads(traces: Traces, start: float, end: float) -> dict[str, Any]:
         if sync:
             n_sync += len(sync)
             sync_chunks += sum(r[1] for r in sync)
-            load = _after(starts, meta.end)
+            load = _after(starts, start_times, meta.end)
             if load is not None:
                 sync_wait.append(load.ms)
         for request, chunks, is_sync in sent:
