@@ -479,6 +479,7 @@ def profile(args: argparse.Namespace, work: Path) -> None:
         procs = {f"vllm {name}": pid for pid, name in descendants(engine.proc.pid).items()}
         procs["vllm api server"] = engine.proc.pid
         procs["lmcache serve"] = lmcache.proc.pid
+        always = {"vllm api server", "lmcache serve"}
         for phase, extra in (("chat", chat_args(args)), ("distinct", distinct_args(args))):
             if phase == "distinct" and not args.distinct:
                 continue
@@ -488,8 +489,10 @@ def profile(args: argparse.Namespace, work: Path) -> None:
             report = bench(args, [engine.url], *extra, lmcache_url=lmcache.url)
             end = time.perf_counter()
             after = {name: process_cpu_s(pid) for name, pid in procs.items()}
+            # vLLM's idle helpers (resource tracker...) are left out; the two servers never are,
+            # however little a short phase asked of them
             cpu_s = {name: (before[name], after[name]) for name in procs
-                     if after[name] - before[name] > 0.05}
+                     if name in always or after[name] - before[name] > 0.05}
             cpu_s["client (lmcache bench serve)"] = (client_before, _children_cpu_s())
             phases[phase] = {"window": [start, end], "cpu_s": cpu_s,
                              "bench": {"summary": summary_line(report),
