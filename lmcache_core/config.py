@@ -244,6 +244,11 @@ class MooncakeConfig(_Section):
     device_name: str = ""  # RDMA devices (e.g. "mlx5_0,mlx5_1"); "" for tcp
     segment_size: int | str = "1GiB"  # this host's memory mounted into the pool
     replicas: Annotated[int, msgspec.Meta(ge=1, le=8)] = 1  # copies of each chunk, on distinct nodes
+    # The first copy of each chunk in this node's own segment while it has room (a write is then
+    # a local copy, and the node that stored a prefix is the likeliest to ask for it again; other
+    # nodes read it over the transfer network); false: the master places every copy at random,
+    # each write crossing the network, memory use even across nodes.
+    prefer_local: bool = True
 
     def __post_init__(self) -> None:
         self.segment_size = size_of("segment_size", self.segment_size)

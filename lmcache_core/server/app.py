@@ -282,7 +282,8 @@ def build_tiers(config: LMCacheConfig, events: KVEventSink | None = None,
             f"{host}:{port}", mc.metadata_server or f"http://{host}:8080/metadata",
             memory=(pool.address, pool.nbytes), local_hostname=mc.local_hostname,
             protocol=mc.protocol, device_name=mc.device_name, segment_bytes=mc.segment_bytes,
-            replicas=mc.replicas, queue_size=cfg.queue_size, timeout_ms=cfg.timeout_ms,
+            replicas=mc.replicas, prefer_local=mc.prefer_local, queue_size=cfg.queue_size,
+            timeout_ms=cfg.timeout_ms,
             key_prefix=cfg.key_prefix, retry_interval_s=cfg.retry_interval_s, events=events)
     from lmcache_core.storage.remote import RedisTier  # imports redis: only when asked for
 

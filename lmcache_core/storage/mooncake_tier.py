@@ -11,7 +11,8 @@ chunk's bytes straight between its pool slot and the pool, never through Python 
 
 * **write** (the writer thread, pieces held): ``batch_put_from_multi_buffers``, one object per
   piece made of two registered buffers: its record header (written into a small registered arena)
-  and its payload, in place in the memory pool; ``replicas`` copies on distinct nodes.
+  and its payload, in place in the memory pool; ``replicas`` copies on distinct nodes, the first
+  in this node's own segment while it has room (``prefer_local``: a local copy, no network).
 * **read** (a lookup's load): ``batch_get_into_multi_buffers`` into the header arena and the
   reserved pool slot; then the header and the payload checksum are verified in place. The slot is
   only made visible by the engine's commit when the check passed: a bad value's bytes land in a
@@ -103,7 +104,8 @@ class MooncakeTier(RemoteTier):
 
     def __init__(self, master: str, metadata_server: str, *, memory: tuple[int, int],
                  local_hostname: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "",
-                 segment_bytes: int = 2**30, replicas: int = 1, queue_size: int = 256,
+                 segment_bytes: int = 2**30, replicas: int = 1, prefer_local: bool = True,
+                 queue_size: int = 256,
                  timeout_ms: int = 500, key_prefix: str = "lmcache", retry_interval_s: float = 1.0,
                  events: KVEventSink | None = None) -> None:
         """``master``: ``HOST:PORT``; ``memory``: ``(address, bytes)`` of the memory pool, the
@@ -118,6 +120,7 @@ class MooncakeTier(RemoteTier):
         self.device_name = device_name
         self.segment_bytes = segment_bytes
         self.replicas = replicas
+        self.prefer_local = prefer_local
         self._memory = memory
         self._replicate = self._api.ReplicateConfig()
         self._replicate.replica_num = replicas
@@ -151,6 +154,8 @@ class MooncakeTier(RemoteTier):
         for arena in self._arena_memory:
             self._arenas.put(arena)
         self._node = str(store.get_hostname())
+        if self.prefer_local:  # the master tries this segment first, the others once it is full
+            self._replicate.preferred_segment = self._node
         logger.info("remote tier: joined Mooncake Store at %s as %s (segment %d MiB, %d "
                     "replica(s), %s)", self.master, store.get_hostname(), self.segment_bytes >> 20,
                     self.replicas, self.protocol)

@@ -81,6 +81,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-mooncake", action="store_true",
                         help="leave Mooncake Store out (it is left out anyway when not installed)")
     parser.add_argument("--replicas", type=int, default=1, help="Mooncake replicas of each chunk")
+    parser.add_argument("--spread", action="store_true",
+                        help="Mooncake: replicas placed at random (remote.mooncake.prefer_local "
+                             "false), not the first in the writer's own segment")
     return parser.parse_args()
 
 
@@ -270,6 +273,8 @@ class RawMooncake:
         self.sizes = [nbytes] * n
         self.config = store.ReplicateConfig()
         self.config.replica_num = replicas
+        if tier_a.prefer_local:
+            self.config.preferred_segment = tier_a.node
         self.nbytes = nbytes
 
     def put(self) -> None:
@@ -311,12 +316,13 @@ def run(args: argparse.Namespace, url: str, master: tuple[str, str] | None) -> N
 
         def mooncake(pool: MemoryPool) -> RemoteTier:
             return MooncakeTier(master[0], master[1], memory=(pool.address, pool.nbytes),
-                                segment_bytes=segment, replicas=args.replicas, queue_size=4 * n,
-                                timeout_ms=5000)
+                                segment_bytes=segment, replicas=args.replicas,
+                                prefer_local=not args.spread, queue_size=4 * n, timeout_ms=5000)
 
         tiers["Mooncake Store"] = TierRounds(mooncake, data, keys)
         print(f"Mooncake Store at {master[0]}: two nodes (tcp), segments of {segment >> 20} MiB, "
-              f"{args.replicas} replica(s)")
+              f"{args.replicas} replica(s), "
+              + ("placed at random" if args.spread else "the first in the writer's segment"))
 
     # ---- store
     def raw_set() -> None:

@@ -126,6 +126,10 @@ MEANINGS: dict[str, str] = {
                                     "besides `server.pool_size`): the pool is the nodes' memory",
     "remote.mooncake.replicas": "copies of each chunk on distinct nodes (a dead node loses nothing "
                                 "replicated); fewer when fewer nodes have room",
+    "remote.mooncake.prefer_local": "the first copy of each chunk in this node's own segment while "
+                                    "it has room: a write is a local copy, other nodes read it over "
+                                    "the transfer network; `false`: the master places every copy "
+                                    "at random (writes cross the network, memory use even)",
     "integrity.verify_on_retrieve": "also check every piece against its store-time checksum before a "
                                     "retrieve copies it; a corrupt one is dropped and its chunk "
                                     "answered missing (vLLM recomputes it); see "

@@ -182,3 +182,34 @@ def test_the_master_down_makes_lookups_misses_within_budget_until_it_returns(
     after = tokens(2, seed=16)  # the restarted master's index is empty: what is stored now
     want = store_on(a, worker_a, after, seed=9)
     assert load_on(b, worker_b, after, 2) == want
+
+
+def test_each_server_writes_its_chunks_into_its_own_segment(
+        mooncake_master: MooncakeMaster, make_server, make_worker) -> None:
+    """remote.mooncake.prefer_local (the default): a write is a local copy, the reader's load
+    crosses the transfer network. (Placed at random, as without it, 4 chunks of each server all
+    on one node and the two servers' on different ones: about 1 in 128.)"""
+    from mooncake.store import MooncakeDistributedStore
+
+    a, b = pair(mooncake_master, make_server)
+    toks_a, toks_b = tokens(4, seed=17), tokens(4, seed=18)
+    want = store_on(a, make_worker(a.url), toks_a, seed=10)
+    store_on(b, make_worker(b.url), toks_b, seed=11)
+    tool = MooncakeDistributedStore()
+    assert tool.setup("127.0.0.1", mooncake_master.metadata_url, 16 * 2**20, 16 * 2**20, "tcp", "",
+                      mooncake_master.url.removeprefix("mooncake://")) == 0
+    try:
+        def nodes(toks: list[int]) -> list[str]:
+            names = [redis_key(f"lmcache:v{record.FORMAT_VERSION}:",
+                               ChunkKey("tiny", TINY_LAYOUT, 0, 4, h)).decode()
+                     for h in chain_hashes(toks, CHUNK)]
+            replicas = tool.batch_get_replica_desc(names)
+            return [r.get_memory_descriptor().buffer_descriptor.transport_endpoint
+                    for name in names for r in replicas[name]]
+
+        on_a, on_b = nodes(toks_a), nodes(toks_b)
+    finally:
+        tool.close()
+    assert len(on_a) == len(on_b) == 4  # one replica each
+    assert len(set(on_a)) == len(set(on_b)) == 1 and on_a[0] != on_b[0], (on_a, on_b)
+    assert load_on(b, make_worker(b.url), toks_a, 4) == want  # and B reads A's over TCP
