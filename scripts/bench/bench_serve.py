@@ -178,7 +178,7 @@ def run_config(config: str, repeat: int, args: argparse.Namespace, model: Path,
                                    args.pool,
                                    nice=cache_nice(args)).start()
             servers.append(lmcache)
-            connector = our_connector(lmcache.url, heartbeat_s=args.heartbeat_s)
+            connector = our_connector(lmcache.url, **connector_extra(args))
         elif base == "lmcache":
             original = LMCache056Serve(work, f"{tag}-lmcache056", chunk_size,
                                       nice=cache_nice(args)).start()
@@ -214,6 +214,13 @@ def run_config(config: str, repeat: int, args: argparse.Namespace, model: Path,
     finally:
         for server in reversed(servers):
             server.close()
+
+
+def connector_extra(args: argparse.Namespace) -> dict[str, Any]:
+    """Our connector's extra config from the options (only those given: the rest its defaults)."""
+    extra: dict[str, Any] = {"heartbeat_s": getattr(args, "heartbeat_s", None),
+                             "lookup_wait_us": args.lookup_wait_us}
+    return {key: value for key, value in extra.items() if value is not None}
 
 
 def cache_nice(args: argparse.Namespace) -> int:
@@ -393,6 +400,9 @@ def add_workload_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-size", type=int, default=256,
                         help="the cache servers' chunk, a multiple of vLLM's 128-token blocks "
                         "(a hit is whole chunks: vLLM's own cache hits whole blocks)")
+    parser.add_argument("--lookup-wait-us", type=int, default=None,
+                        help="our connector's lookup_wait_us: what a scheduler step may wait for "
+                        "its lookups' answers (default: the connector's, 2000)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=120.0)
 

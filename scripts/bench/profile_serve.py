@@ -446,6 +446,7 @@ def profile(args: argparse.Namespace, work: Path) -> None:
         bench,
         cache_nice,
         chat_args,
+        connector_extra,
         distinct_args,
         server_model,
     )
@@ -458,7 +459,8 @@ def profile(args: argparse.Namespace, work: Path) -> None:
                            nice=cache_nice(args))
     lmcache.command = [sys.executable, str(HERE / "server_trace.py"), str(work / "server.trace"),
                        *lmcache.command[3:]]  # in place of "-m lmcache_cli"
-    connector = dict(our_connector(lmcache.url), kv_connector="TracedLMCacheConnector",
+    connector = dict(our_connector(lmcache.url, **connector_extra(args)),
+                     kv_connector="TracedLMCacheConnector",
                      kv_connector_module_path="connector_trace")
     os.environ[ENV] = str(work)
     engine = VLLMServe(work, "vllm", model, served_name=SERVED, kv_blocks=args.kv_blocks,
