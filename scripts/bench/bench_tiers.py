@@ -14,11 +14,14 @@ redis-py and a raw copy of the same bytes, in the same run; print GB/s and ratio
 - Mooncake Store: the same store (until written) and lookup + load through a ``MooncakeTier``
   (a master, a metadata server and two nodes of its own: engine A writes, engine B reads, each
   with its memory pool registered and a segment in the pool), taking turns with the Redis tier's
-  rounds, beside the raw copy of the same bytes into pool slots (``copy_``, one torch thread).
+  rounds, beside the raw copy of the same bytes into pool slots (``copy_``, one torch thread)
+  and the transport alone (``batch_put_from``/``batch_get_into``, placed as the tier's: the first
+  copy in A's own segment, or at random with ``--spread``).
 
 Starts its own ``redis-server`` (no persistence) on a free port unless ``--url`` is given, and
 its own ``mooncake_master`` (loopback, free ports) unless ``--no-mooncake``.
 Usage: python scripts/bench/bench_tiers.py [--chunk-mib 4] [--chunks 16] [--rounds 5] [--url redis://...]
+       [--replicas N] [--spread] [--no-mooncake]
 """
 
 from __future__ import annotations
