@@ -98,6 +98,10 @@ def serve(
     timeout: Annotated[float, typer.Option(
         "--timeout", min=0.001, help="Seconds any one wait may take (connecting, "
         "the first token, each later chunk); past it the request fails.")] = 120.0,
+    request_timeout: Annotated[float, typer.Option(
+        "--request-timeout", min=0.001, help="Seconds one whole request may take, from its send "
+        "to the end of its stream; past it the request fails (a stream that trickles forever).")
+    ] = 600.0,
     lmcache_url: Annotated[str | None, typer.Option(
         "--lmcache-url", metavar="URL", help="An lmcache server (tcp://... or ipc://...) to read "
         "the lookup hit ratio over the run from.", show_default=False)] = None,
@@ -144,7 +148,8 @@ def serve(
     from lmcache_cli.bench_serve_workload import disconnects, poisson_arrivals
 
     settings = EndpointSettings(base_urls=tuple(_api_base(u) for u in url), model=model,
-                                api_key=api_key, timeout_s=timeout)
+                                api_key=api_key, timeout_s=timeout,
+                                request_timeout_s=request_timeout)
     where = ", ".join(settings.base_urls)
     if seed is None:
         seed = secrets.randbelow(2**31)
@@ -177,7 +182,8 @@ def serve(
 
     report = build_report(result, url=where, workload=name, workload_detail=detail,
                           turn_name=turn_name, seed=seed, concurrency=concurrency, rate=rate,
-                          timeout_s=timeout, lmcache=lmcache, notes=notes)
+                          timeout_s=timeout, request_timeout_s=request_timeout,
+                          lmcache=lmcache, notes=notes)
     if as_json:
         print_json(report)
     else:

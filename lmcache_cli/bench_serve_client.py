@@ -5,7 +5,9 @@ Every outcome is a :class:`Completion`: a request that could not connect, got a 
 200, a stream that is not server-sent events of completion chunks, one that stops before
 ``data: [DONE]``, or a wait past the timeout, is a failed completion whose ``error`` names the
 reason (``FAILURE_REASONS``), never an exception and never a hang: httpx bounds every wait
-(connecting, sending, each read of the stream) by the timeout.
+(connecting, sending, each read of the stream) by the timeout, the whole request is bounded by
+its own deadline (a stream that trickles forever, each piece within the timeout, fails by it), and
+a line of the stream by ``MAX_LINE_BYTES`` (one that never ends is malformed, not memory).
 
 Two request fields are vLLM's and OpenAI's extensions that some servers refuse with a 400:
 ``ignore_eos`` (answers as long as ``max_tokens``) and ``stream_options.include_usage`` (token
@@ -16,7 +18,9 @@ the run and sends the request again without it; :attr:`Endpoint.notes` says what
 from __future__ import annotations
 
 import json
+import math
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +35,9 @@ FAILURE_REASONS = (CONNECT, TIMEOUT, CONNECTION_LOST, MALFORMED, NO_DONE, STREAM
 
 IGNORE_EOS, INCLUDE_USAGE = "ignore_eos", "stream_options"
 ERROR_BODY_BYTES = 4096  # of a non-200 reply's body: enough for its message, bounded
+#: A line of the event stream: a completion chunk is a few hundred bytes (a token's text, its
+#: log-probs at most); a line past this is not a completion stream.
+MAX_LINE_BYTES = 1 << 20
 
 
 class EndpointError(Exception):
@@ -113,8 +120,12 @@ class Endpoint:
     """Completions from one model of one OpenAI-compatible server, through one shared client."""
 
     def __init__(self, client: httpx.AsyncClient, base_url: str, model: str,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, request_timeout_s: float = math.inf) -> None:
+        """``request_timeout_s``: what one whole request may take, from its send to
+        ``data: [DONE]`` (checked as each piece of the stream comes: a stall between pieces is the
+        client's per-wait timeout)."""
         self.client = client
+        self.request_timeout_s = request_timeout_s
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -181,6 +192,9 @@ class Endpoint:
             done.fail(CONNECTION_LOST, _describe(exc))
         except MalformedStream as exc:
             done.fail(MALFORMED, str(exc))
+        except RequestDeadline:
+            done.fail(TIMEOUT, f"the whole request took over {self.request_timeout_s:g} s "
+                      f"(--request-timeout), {done.chunks} chunk(s) in")
         done.ended = time.perf_counter()
         if not done.failed and done.ttft_s is None:
             done.fail(NO_TOKENS, "the stream ended without any token text")
@@ -188,7 +202,8 @@ class Endpoint:
 
     async def _read(self, response: httpx.Response, done: Completion, disconnect: bool) -> None:
         last = done.started
-        async for line in response.aiter_lines():
+        deadline = done.started + self.request_timeout_s
+        async for line in _lines(response, deadline):
             event = parse_event(line)
             if event is None:
                 continue
@@ -233,6 +248,30 @@ class Endpoint:
                 if name in body and (name in text or (name == INCLUDE_USAGE and "include_usage" in text)):
                     return Refused(name)
         return done.fail(f"http {response.status_code}", " ".join(text.split()))
+
+
+class RequestDeadline(Exception):
+    """The whole request took longer than its deadline."""
+
+
+async def _lines(response: httpx.Response, deadline: float) -> AsyncIterator[str]:
+    """The stream's lines (``\\n`` or ``\\r\\n`` ends one), each at most ``MAX_LINE_BYTES``
+    (:class:`MalformedStream` past it), until the body ends or ``deadline`` (perf_counter) passes
+    (:class:`RequestDeadline`)."""
+    pending = bytearray()
+    async for piece in response.aiter_bytes():
+        if time.perf_counter() > deadline:
+            raise RequestDeadline
+        pending += piece
+        start = 0
+        while (end := pending.find(b"\n", start)) >= 0:
+            yield pending[start:end].rstrip(b"\r").decode("utf-8", "replace")
+            start = end + 1
+        del pending[:start]
+        if len(pending) > MAX_LINE_BYTES:
+            raise MalformedStream(f"a line of over {MAX_LINE_BYTES} bytes")
+    if pending:
+        yield pending.rstrip(b"\r").decode("utf-8", "replace")
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,7 @@ class RunReport(msgspec.Struct, kw_only=True):
     concurrency: int | None
     rate: float | None
     timeout_s: float
+    request_timeout_s: float | None = None  # None in runs saved before it was an option
     ignore_eos: bool  # whether the server took the field (else answers may end early)
     include_usage: bool
     duration_s: float
@@ -158,7 +159,7 @@ def lmcache_figures(url: str, before: EngineStats, after: EngineStats) -> LMCach
 
 def build_report(result: RunResult, *, url: str, workload: str, workload_detail: str,
                  turn_name: str, seed: int, concurrency: int | None, rate: float | None,
-                 timeout_s: float, lmcache: LMCacheFigures | None,
+                 timeout_s: float, request_timeout_s: float, lmcache: LMCacheFigures | None,
                  notes: list[str]) -> RunReport:
     sent = result.sent
     duration = max(result.ended - result.started, 1e-9)
@@ -176,6 +177,7 @@ def build_report(result: RunResult, *, url: str, workload: str, workload_detail:
     return RunReport(
         url=url, model=result.model, workload=workload, workload_detail=workload_detail,
         turn_name=turn_name, seed=seed, concurrency=concurrency, rate=rate, timeout_s=timeout_s,
+        request_timeout_s=request_timeout_s,
         ignore_eos=IGNORE_EOS in result.sent_extras,
         include_usage=INCLUDE_USAGE in result.sent_extras,
         duration_s=round(duration, 6), requests=len(sent), ok=len(ok),

@@ -32,12 +32,13 @@ from lmcache_cli.bench_serve_workload import PlannedRequest, chat_prompt
 class EndpointSettings:
     """Where and how to send: the API base urls (``http://host:8000/v1``; several: replicas of
     one model, see ``replica``), the model (None: the first ``GET /models`` of the first url
-    lists), an API key, and the timeout of every wait."""
+    lists), an API key, the timeout of every wait and what one whole request may take."""
 
     base_urls: tuple[str, ...]
     model: str | None
     api_key: str | None
     timeout_s: float
+    request_timeout_s: float
 
 
 def replica(request: PlannedRequest, replicas: int) -> int:
@@ -81,7 +82,8 @@ async def run(settings: EndpointSettings, plan: list[PlannedRequest], concurrenc
                                                      max_keepalive_connections=None)) as client:
         model = settings.model or await Endpoint.served_model(client, settings.base_urls[0],
                                                               settings.api_key)
-        endpoints = [Endpoint(client, url, model, settings.api_key) for url in settings.base_urls]
+        endpoints = [Endpoint(client, url, model, settings.api_key, settings.request_timeout_s)
+                     for url in settings.base_urls]
         started = time.perf_counter()
         sent = await send_all(endpoints, plan, concurrency, arrivals, on_done, started)
         extras = frozenset.intersection(*(frozenset(e.extras) for e in endpoints))

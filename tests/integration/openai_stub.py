@@ -10,6 +10,9 @@ Each completion request takes the next behaviour of ``script`` (then ``"ok"``):
 - ``no_done``: two tokens, then the body ends properly but without ``data: [DONE]``
 - ``malformed``: one token, then a data line that is not JSON
 - ``stall``: one token, then nothing until the stub closes (a client must time out)
+- ``trickle``: a token every ``token_gap_s``, never ``[DONE]``, until the stub closes (each wait
+  short: only a deadline on the whole request ends it)
+- ``long_line``: one token, then a data line that never ends (a piece every ``token_gap_s``)
 
 Answers are unique per request (``" a<request>_<token>"``), so a test can find them in later prompts.
 Times are ``time.monotonic()``, compared only with one another.
@@ -150,8 +153,8 @@ def _handler(stub: OpenAIStub) -> type[BaseHTTPRequestHandler]:
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
             time.sleep(stub.first_token_s)
-            tokens = {"cut": 2, "no_done": 2, "malformed": 1, "stall": 1}.get(
-                request.behaviour, int(request.body["max_tokens"]))
+            tokens = {"cut": 2, "no_done": 2, "malformed": 1, "stall": 1, "long_line": 1,
+                      "trickle": 0}.get(request.behaviour, int(request.body["max_tokens"]))
             for i in range(tokens):
                 if i:
                     time.sleep(stub.token_gap_s)
@@ -169,6 +172,10 @@ def _handler(stub: OpenAIStub) -> type[BaseHTTPRequestHandler]:
                 stub.closing.wait(STALL_BOUND_S)
                 self.close_connection = True
                 return
+            elif request.behaviour in ("trickle", "long_line"):
+                self._endless(request)
+                self.close_connection = True
+                return
             elif request.behaviour == "ok":
                 if stub.usage and (request.body.get("stream_options") or {}).get("include_usage"):
                     self._event(json.dumps({"choices": [], "usage": {
@@ -177,9 +184,26 @@ def _handler(stub: OpenAIStub) -> type[BaseHTTPRequestHandler]:
                 self._event("[DONE]")
             self.wfile.write(b"0\r\n\r\n")
 
+        def _endless(self, request: StubRequest) -> None:
+            """Tokens (``trickle``) or pieces of one line (``long_line``) every ``token_gap_s``,
+            until the stub closes or the client leaves (bounded by ``STALL_BOUND_S``)."""
+            if request.behaviour == "long_line":
+                self._chunk(b"data: {\"choices\": [{\"text\": \"")
+            ends = time.monotonic() + STALL_BOUND_S
+            i = 0
+            while not stub.closing.wait(stub.token_gap_s) and time.monotonic() < ends:
+                if request.behaviour == "long_line":
+                    self._chunk(b"x" * 65536)
+                else:
+                    self._event(json.dumps({"choices": [{"index": 0, "text": f" t{i}"}]}))
+                i += 1
+
         def _event(self, data: str) -> None:
-            payload = f"data: {data}\n\n".encode()
+            self._chunk(f"data: {data}\n\n".encode())
+
+        def _chunk(self, payload: bytes) -> None:
             self.wfile.write(f"{len(payload):x}\r\n".encode() + payload + b"\r\n")
+            self.wfile.flush()
 
         def _reply(self, status: int, data: dict[str, Any]) -> None:
             payload = json.dumps(data).encode()

@@ -239,6 +239,22 @@ def test_failures_are_counted_by_reason_and_exit_1() -> None:
     assert errors["no [DONE]"]["output_tokens"] == 2  # what came before the end is counted
 
 
+def test_a_stream_that_never_ends_fails_by_the_whole_request_deadline() -> None:
+    # Each piece comes well within --timeout: only --request-timeout ends the trickle, and only
+    # the line bound ends the line that never ends (it would otherwise fill the client's memory).
+    with OpenAIStub(script=("trickle", "long_line"), token_gap_s=0.02) as stub:
+        data = bench_json("--url", stub.url, "--workload", "distinct", "--requests", "3",
+                          "--concurrency", "3", "--timeout", "5", "--request-timeout", "1",
+                          *small(), code=1)
+    assert data["failures"] == {"timeout": 1, "malformed stream": 1} and data["ok"] == 1, data
+    assert data["request_timeout_s"] == 1.0 and len(stub.requests) == 3
+    errors = {r["error"]: r for r in data["records"] if not r["ok"]}
+    trickled = errors["timeout"]
+    assert "--request-timeout" in trickled["detail"] and trickled["output_tokens"] > 1
+    assert 1.0 <= trickled["end_s"] - trickled["start_s"] < 10.0
+    assert "a line of over 1048576 bytes" in errors["malformed stream"]["detail"]
+
+
 def test_unreachable_endpoint_fails_every_request_with_its_reason() -> None:
     url = f"http://127.0.0.1:{closed_port()}/v1"
     result = bench("--url", url, "--model", "m", "--workload", "distinct", "--requests", "3",

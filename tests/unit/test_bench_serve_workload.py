@@ -135,7 +135,7 @@ def test_report_figures_per_turn_and_overall() -> None:
                        sent_extras=frozenset({"ignore_eos"}), notes=["n"])
     report = build_report(result, url="http://h/v1", workload="chat", workload_detail="d",
                           turn_name="turn", seed=1, concurrency=2, rate=None, timeout_s=1.0,
-                          lmcache=None, notes=[])
+                          request_timeout_s=60.0, lmcache=None, notes=[])
     assert (report.requests, report.ok, report.failed, report.failures) == (4, 3, 1, {"timeout": 1})
     assert report.overall.ttft_s.p50 == pytest.approx(0.2)
     assert report.overall.itl_s.p50 == pytest.approx(0.015)  # every gap of the ok requests, pooled
