@@ -193,7 +193,7 @@ def _handler(stub: OpenAIStub) -> type[BaseHTTPRequestHandler]:
             i = 0
             while not stub.closing.wait(stub.token_gap_s) and time.monotonic() < ends:
                 if request.behaviour == "long_line":
-                    self._chunk(b"x" * 65536)
+                    self._chunk(b"x" * 2**19)  # past the client's 1 MiB line in 3 pieces
                 else:
                     self._event(json.dumps({"choices": [{"index": 0, "text": f" t{i}"}]}))
                 i += 1
