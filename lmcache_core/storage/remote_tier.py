@@ -241,8 +241,10 @@ class RemoteTier:
         self.n.add(corrupt=1)
         self._corrupt.log(logging.WARNING, "remote tier: dropped bad value %s: %s",
                           self.remote_key(key).decode(errors="replace"), exc)
-        with contextlib.suppress(*self.faults):
+        try:
             self._delete(key)
+        except self.faults as exc:  # it stays in the store: the next reader drops it again
+            self._fault("delete", exc)
         if self.events is not None:
             self.events.removed((key,), REMOTE)
 

@@ -178,7 +178,8 @@ def run_config(config: str, repeat: int, args: argparse.Namespace, model: Path,
                                    args.pool,
                                    nice=cache_nice(args)).start()
             servers.append(lmcache)
-            connector = our_connector(lmcache.url, **connector_extra(args))
+            connector = our_connector(lmcache.url, heartbeat_s=args.heartbeat_s,
+                                      **connector_extra(args))
         elif base == "lmcache":
             original = LMCache056Serve(work, f"{tag}-lmcache056", chunk_size,
                                       nice=cache_nice(args)).start()
@@ -217,10 +218,8 @@ def run_config(config: str, repeat: int, args: argparse.Namespace, model: Path,
 
 
 def connector_extra(args: argparse.Namespace) -> dict[str, Any]:
-    """Our connector's extra config from the options (only those given: the rest its defaults)."""
-    extra: dict[str, Any] = {"heartbeat_s": getattr(args, "heartbeat_s", None),
-                             "lookup_wait_us": args.lookup_wait_us}
-    return {key: value for key, value in extra.items() if value is not None}
+    """Our connector's extra config from the workload options given (the rest its defaults)."""
+    return {} if args.lookup_wait_us is None else {"lookup_wait_us": args.lookup_wait_us}
 
 
 def cache_nice(args: argparse.Namespace) -> int:

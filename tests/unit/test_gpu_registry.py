@@ -9,7 +9,6 @@ freshly exported handles, never the ones it was sent before.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -21,7 +20,7 @@ from lmcache_core.client import worker as worker_module
 from lmcache_core.protocol import messages as m
 from lmcache_core.server import registry as registry_module
 from lmcache_core.server.registry import GPU_SILENCE_S, KVRegistry
-from tests.unit.mappings import FakeMapping
+from tests.unit.mappings import FakeMapping, register_request
 
 SHAPE = [2, 8, 16, 2, 64]
 
@@ -34,10 +33,7 @@ def cuda_request(instance_id: int, pid: int, uuid: str = "GPU-0",
     desc = m.TensorDescriptor(kind="cuda", dtype="float16", shape=SHAPE, stride=[1] * 5,
                               offset_bytes=0, segment_nbytes=1 << 20, cuda=handle,
                               device_uuid=uuid)
-    return m.RegisterKVCacheRequest(
-        instance_id=instance_id, model_name="tiny", world_size=1, kv_rank=0, block_size=16,
-        layout="flash_attn", layers=[desc], pid=pid,
-        hostname=socket.gethostname() if hostname is None else hostname)
+    return register_request(instance_id, pid, desc, hostname)
 
 
 @pytest.fixture

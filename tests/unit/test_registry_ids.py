@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import subprocess
 from collections.abc import Iterator
 
@@ -18,7 +17,7 @@ from lmcache_core.errors import IncompatibleError
 from lmcache_core.kv.shm import pid_namespace
 from lmcache_core.protocol import messages as m
 from lmcache_core.server.registry import KVRegistry
-from tests.unit.mappings import FakeMapping
+from tests.unit.mappings import FakeMapping, register_request
 
 
 def request(instance_id: int, pid: int, hostname: str | None = None) -> m.RegisterKVCacheRequest:
@@ -26,10 +25,7 @@ def request(instance_id: int, pid: int, hostname: str | None = None) -> m.Regist
                               stride=[16384, 2048, 128, 64, 1], offset_bytes=0,
                               segment_nbytes=1 << 20,
                               shm_name=f"lmcache-x-{pid}-{pid_namespace()}-0123456789ab")
-    return m.RegisterKVCacheRequest(
-        instance_id=instance_id, model_name="tiny", world_size=1, kv_rank=0, block_size=16,
-        layout="flash_attn", layers=[desc], pid=pid,
-        hostname=socket.gethostname() if hostname is None else hostname)
+    return register_request(instance_id, pid, desc, hostname)
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """The remote tier's writer batch (``RedisTier._write_batch``) without Redis: the pipelined SET is
 replaced by a recorder, so what each batch would send is seen (tests/integration/test_tiers.py runs
-the writer against a real redis-server)."""
+the writer against a real redis-server); and a bad value whose delete fails, with no Redis at all."""
 
 from __future__ import annotations
 
@@ -93,3 +93,10 @@ def test_refused_writes_are_rationed_and_the_dropped_lines_counted(
         tier._refused._window_start = float("-inf")  # the window has passed
         tier._write_batch(list(payloads))
     assert "(5 similar line(s) suppressed before this one)" in caplog.records[-1].getMessage()
+
+
+def test_a_bad_value_whose_delete_fails_is_counted_as_a_fault(tier: RedisTier) -> None:
+    # nothing listens on port 1: the delete fails at once, and is neither silent nor lost
+    tier._drop(key(1), record.RecordError("payload checksum mismatch"))
+    stats = tier.stats()
+    assert (stats.corrupt, stats.errors, stats.outages, stats.up) == (1, 1, 1, 0), stats
