@@ -260,8 +260,8 @@ class CacheServer:
             self.registry.reap()
 
 
-def build_tiers(config: LMCacheConfig, events: KVEventSink | None = None,
-                pool: MemoryPool | None = None) -> tuple[DiskTier | None, RemoteTier | None]:
+def build_tiers(config: LMCacheConfig, events: KVEventSink | None,
+                pool: MemoryPool) -> tuple[DiskTier | None, RemoteTier | None]:
     """The disk and remote tiers the config asks for (None for each it does not), each telling
     ``events`` of the pieces it writes and drops; ``pool``: the memory pool a Mooncake tier reads
     into and writes from in place (registered with its transfer engine)."""
@@ -276,15 +276,15 @@ def build_tiers(config: LMCacheConfig, events: KVEventSink | None = None,
         from lmcache_core.storage.mooncake_tier import MooncakeTier  # imports mooncake: if asked for
 
         mc = cfg.mooncake
-        assert mc is not None and pool is not None  # RemoteConfig fills it in; the server's pool
+        assert mc is not None  # RemoteConfig fills it in for a mooncake:// url
         host, port = parse_mooncake_url(cfg.url)
         return disk, MooncakeTier(
             f"{host}:{port}", mc.metadata_server or f"http://{host}:8080/metadata",
             memory=(pool.address, pool.nbytes), local_hostname=mc.local_hostname,
             protocol=mc.protocol, device_name=mc.device_name, segment_bytes=mc.segment_bytes,
             replicas=mc.replicas, prefer_local=mc.prefer_local, queue_size=cfg.queue_size,
-            timeout_ms=cfg.timeout_ms,
-            key_prefix=cfg.key_prefix, retry_interval_s=cfg.retry_interval_s, events=events)
+            timeout_ms=cfg.timeout_ms, key_prefix=cfg.key_prefix,
+            retry_interval_s=cfg.retry_interval_s, events=events)
     from lmcache_core.storage.remote import RedisTier  # imports redis: only when asked for
 
     return disk, RedisTier(cfg.url, cfg.queue_size, cfg.timeout_ms, cfg.key_prefix, cfg.ttl_s,
