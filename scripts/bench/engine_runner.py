@@ -11,7 +11,8 @@ arguments, e.g. ``mamba_cache_mode``), "trace_loads": bool (record the worker's
 "server_url": str | null, "steps": [...]}`` where a step is one of
 
 - ``{"op": "generate", "name", "prompts": [[ids]], "max_tokens", "salt"?, "kill_server_after_s"?,
-  "kv_transfer_params"?}`` (greedy; records tokens, num_cached_tokens and wall time; optionally
+  "kv_transfer_params"?, "logprobs"?}`` (greedy; records tokens, num_cached_tokens and wall time,
+  and with ``logprobs: k`` each position's top ``k`` as ``[[token, logprob], ...]``; optionally
   SIGKILLs the server from a timer while the batch runs; ``kv_transfer_params`` go to every
   request of the step, e.g. ``{"lmcache.pin": true}``);
 - ``{"op": "ttft", "name", "prompts": [[ids]], "salt"?, "flush_mib"?}``: one prompt at a time, one
@@ -275,6 +276,7 @@ def main(spec_path: str, out_path: str) -> int:
             kv_params = step.get("kv_transfer_params")
             params = SamplingParams(temperature=0.0, max_tokens=step["max_tokens"],
                                     ignore_eos=True, detokenize=False,
+                                    logprobs=step.get("logprobs"),
                                     extra_args=({"kv_transfer_params": dict(kv_params)}
                                                 if kv_params else None))
             timer = None
@@ -294,6 +296,11 @@ def main(spec_path: str, out_path: str) -> int:
                 "elapsed_s": elapsed,
                 "killed_at_s": killed_at[0] if killed_at else None,
             }
+            if step.get("logprobs"):
+                out["results"][step["name"]]["logprobs"] = [
+                    [sorted(([t, lp.logprob] for t, lp in position.items()),
+                            key=lambda pair: -pair[1]) for position in o.outputs[0].logprobs or []]
+                    for o in outputs]
         elif op == "ttft":
             params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
                                     detokenize=False)

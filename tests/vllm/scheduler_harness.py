@@ -44,7 +44,7 @@ import struct
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -672,6 +672,21 @@ def inflight_loads(s: Scenario, mode: str = "") -> dict[str, Any]:
     return runs
 
 
+def _busy_engines(s: Scenario, mode: str, stored: list[int]) -> Iterator[tuple[str, Engine]]:
+    """For ``sync_loads`` "auto", then "never": an engine with it, ``stored`` on the server (the
+    first engine stores it as S), running R (a 300-token prompt, 60 tokens to decode) until R
+    is answering: from then on, a request that arrives is admitted by a busy engine."""
+    busy = s.tokens(300)
+    for label in ("auto", "never"):
+        engine = s.engine(mode, connector={"sync_loads": label})
+        if label == "auto":
+            engine.add("S", stored, 4)
+            engine.run()
+        engine.add("R", busy, 60)
+        engine.steps_until(functools.partial(_all_answering, engine, ["R"]))
+        yield label, engine
+
+
 def busy_hit(s: Scenario, mode: str = "") -> dict[str, Any]:
     """A hit arriving while the engine is busy (R decodes): with ``sync_loads`` "auto" its load
     is synchronous, read by the forward pass of the step that admits it, so its first token
@@ -679,15 +694,9 @@ def busy_hit(s: Scenario, mode: str = "") -> dict[str, Any]:
     step's forward pass and is reported after the next one's). H2's synchronous load is made to
     fail (a chunk the server never saw): vLLM recomputes its blocks and drops the token sampled
     over them. Recorded per mode: steps from H's arrival to its first token."""
-    shared, busy = s.tokens(800), s.tokens(300)
+    shared = s.tokens(800)
     runs: dict[str, Any] = {}
-    for label in ("auto", "never"):
-        engine = s.engine(mode, connector={"sync_loads": label})
-        if label == "auto":
-            engine.add("S", shared, 4)
-            engine.run()
-        engine.add("R", busy, 60)
-        engine.steps_until(functools.partial(_all_answering, engine, ["R"]))
+    for label, engine in _busy_engines(s, mode, shared):
         arrived = engine.steps
         engine.add("H", shared[:768] + s.tokens(100), 10)
         engine.steps_until(functools.partial(_all_answering, engine, ["H"]))
@@ -697,6 +706,22 @@ def busy_hit(s: Scenario, mode: str = "") -> dict[str, Any]:
             engine.add("H2", shared[:768] + s.tokens(60), 10)
         engine.run()
         runs[label] = {**engine.result(s.url), "first_token_step": first_token}
+    return runs
+
+
+def whole_hit(s: Scenario, mode: str = "") -> dict[str, Any]:
+    """A prompt every token of which the server holds (1024 tokens: 4 whole chunks; a request
+    preempted at a chunk's end resumes the same way), arriving while the engine is busy (R
+    decodes). vLLM must compute at least one token in the step that admits a request: with
+    ``sync_loads`` "auto" the load is synchronous, brings all 4 chunks, and the last token is
+    computed over them; with "never" vLLM itself recomputes the last token once the
+    asynchronous load is in."""
+    shared = s.tokens(4 * CHUNK)
+    runs: dict[str, Any] = {}
+    for label, engine in _busy_engines(s, mode, shared):
+        engine.add("H", shared, 10)
+        engine.run()
+        runs[label] = engine.result(s.url)
     return runs
 
 
@@ -718,6 +743,7 @@ SCENARIOS: dict[str, tuple[Callable[..., dict[str, Any]], str]] = {
     "finish-before-store": (finish_before_store, ""),
     "inflight-loads": (inflight_loads, ""),
     "busy-hit": (busy_hit, ""),
+    "whole-hit": (whole_hit, ""),
 }
 
 

@@ -62,7 +62,8 @@ def _gen(name: str, max_tokens: int = 16, **extra: Any) -> dict[str, Any]:
 
 PROMPTS = _prompts()
 BASELINE_STEPS = [
-    _gen("A"), _gen("B"), _gen("C"), _gen("P"), _gen("D"), _gen("Y"), _gen("Z"), _gen("Q", 300),
+    _gen("A"), _gen("B"), _gen("C"), _gen("P"), _gen("D"), _gen("Y"), _gen("Z"),
+    _gen("Q", 300, logprobs=2),
     _gen("G", 128), _gen("E"), _gen("F"),
     {"op": "ttft", "name": "H_off", "prompts": PROMPTS["H"]},
     _gen("R1"), _gen("R2"), _gen("R3"),
@@ -80,7 +81,8 @@ CONNECTOR_STEPS = [
     {"op": "stats", "name": "after_D"},
 ]
 PREEMPT_STEPS = [
-    {"op": "stats", "name": "before_Q"}, _gen("Q", 300), {"op": "stats", "name": "after_Q"},
+    {"op": "stats", "name": "before_Q"}, _gen("Q", 300, logprobs=2),
+    {"op": "stats", "name": "after_Q"},
 ]
 RESTART_STEPS = [
     {**_gen("B"), "name": "B_restart"},
@@ -162,6 +164,33 @@ def _delta(run: dict[str, Any], before: str, after: str, key: str) -> int:
     return run["stats"][after][key] - run["stats"][before][key]
 
 
+#: Log-prob (nats) two computations of the same greedy step may differ by: the same KV computed
+#: in another batch shape, or recomputed in a prefill where it was decoded, differs in float32's
+#: last bits (measured: at most 2.5e-5 over Q's 900 positions, runs of 20 blocks against the
+#: baseline's room for all). 200 times that; a wrong block of KV moves log-probs by far more.
+NEAR_TIE = 5e-3
+
+
+def _same_greedy_answers(base: dict[str, Any], other: dict[str, Any], name: str) -> None:
+    """``other``'s answers to ``name`` are the baseline's, each token's log-prob within NEAR_TIE of
+    the baseline's, up to a position where the baseline's two best tokens lie within NEAR_TIE
+    of each other: there noise may pick either (CI saw Q's third answer part at its token 163,
+    where they lie 0.0015 apart), and the answers may differ from there on."""
+    answers = zip(_tokens(base, name), _tokens(other, name), base["results"][name]["logprobs"],
+                  other["results"][name]["logprobs"], strict=True)
+    for i, (mine, theirs, my_top, their_top) in enumerate(answers):
+        assert len(mine) == len(theirs), i
+        for pos, (a, b) in enumerate(zip(mine, theirs, strict=True)):
+            here, there = dict(map(tuple, my_top[pos])), dict(map(tuple, their_top[pos]))
+            if a != b:
+                assert b in here and here[a] - here[b] <= NEAR_TIE, (
+                    f"answer {i} parts from the baseline's at token {pos} ({a} there, {b} here), "
+                    f"no near tie: the baseline's two best there are {my_top[pos]}")
+                break
+            assert abs(here[a] - there[a]) <= NEAR_TIE, (
+                f"answer {i}, token {pos}: log-prob {there[a]:.5f}, the baseline's {here[a]:.5f}")
+
+
 def test_prompt_a_is_stored_and_matches(runs: dict[str, Any]) -> None:
     base, conn = runs["baseline"], runs["connector"]
     assert _tokens(conn, "A") == _tokens(base, "A")
@@ -217,7 +246,7 @@ def test_hits_survive_an_engine_restart_and_meet_vllm_prefix_cache(runs: dict[st
 
 def test_preempted_requests_resume_from_the_server(runs: dict[str, Any]) -> None:
     base, small = runs["baseline"], runs["preempt"]
-    assert _tokens(small, "Q") == _tokens(base, "Q")
+    _same_greedy_answers(base, small, "Q")
     # 3 requests growing to 1300 tokens (11 blocks each) in 20 blocks: vLLM preempts and resumes
     # them; a resumed request looks up again and loads the chunks it had stored.
     lookups = _delta(small, "before_Q", "after_Q", "lookups")

@@ -253,8 +253,24 @@ def test_a_hit_on_a_busy_engine_loads_in_the_step_that_admits_it(
     assert auto["first_token_step"] < never["first_token_step"], (auto, never)
 
 
+def test_a_prompt_held_whole_loads_every_chunk_and_computes_its_last_token(
+        harness: Callable[[str], dict[str, Any]], release: str) -> None:
+    """Every token of H is on the server: vLLM must still compute one in the step that admits
+    it. A synchronous load (busy engine) takes all 4 chunks and leaves the last token to the
+    forward pass (vLLM's scheduler asserted on a hit of every token: the engine died); an
+    asynchronous one leaves it to vLLM."""
+    outcome = harness(release)["scenarios"]["whole-hit"]
+    for label in ("auto", "never"):
+        _common(outcome[label])
+        assert outcome[label]["requests"]["H"]["load_tokens"] == [1024], label
+    auto, never = outcome["auto"], outcome["never"]
+    assert auto["sync_loads"] == ["H"] and never["sync_loads"] == []
+    # what vLLM counts as computed when it first runs H: all but the token it computes
+    assert auto["requests"]["H"]["cached"] == never["requests"]["H"]["cached"] == 1023
+
+
 def test_every_scenario_is_checked() -> None:
-    assert set(SCENARIOS) == set(CHECKS) | {"inflight-loads", "busy-hit"}
+    assert set(SCENARIOS) == set(CHECKS) | {"inflight-loads", "busy-hit", "whole-hit"}
 
 
 def test_the_tested_releases_ran(harness: Callable[[str], dict[str, Any]]) -> None:

@@ -32,6 +32,10 @@ class RequestTracker:
     load_invalid: list[int] = field(default_factory=list)
     load_fails: bool = False  # a hybrid load vLLM trimmed to a partial chunk: report it failed
     load_sync: bool = False  # loaded in the step that schedules it, before its forward pass
+    load_holds_last_token: bool = False
+    """A synchronous load of every token the request has: vLLM was told one token fewer (it
+    must compute one in the step that admits the request); the load still brings the last chunk
+    whole, and the forward pass computes that token's KV again over it."""
     async_promised: bool = False  # may_load_async said yes: vLLM queued it for an async load
     state: str = "lookup"  # lookup -> (load ->) ready
     stored_chunks: int = 0  # leading chunks present on the server or being stored

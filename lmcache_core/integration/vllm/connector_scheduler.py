@@ -124,7 +124,11 @@ class ConnectorSchedulerSide(KVConnectorBase_V1, SupportsHMA):
             return 0, False
         tracker.load = (num_computed_tokens // size, tracker.hit_chunks)
         tracker.load_sync = not tracker.async_promised and self._load_in_the_step()
-        return hit - num_computed_tokens, not tracker.load_sync
+        # vLLM computes at least one token in the step that admits a request (its scheduler
+        # asserts so): it trims an asynchronous hit of every token itself, a synchronous one is
+        # ours to trim.
+        tracker.load_holds_last_token = tracker.load_sync and hit == len(request.all_token_ids)
+        return hit - num_computed_tokens - tracker.load_holds_last_token, not tracker.load_sync
 
     def _load_in_the_step(self) -> bool:
         """Whether a hit is loaded in the step that schedules the request, before that step's
@@ -202,6 +206,9 @@ class ConnectorSchedulerSide(KVConnectorBase_V1, SupportsHMA):
         if num_external_tokens > 0 and tracker.load is not None:
             size = self._chunk_size
             start = tracker.load[0]
+            if (tracker.load_holds_last_token
+                    and start * size + num_external_tokens + 1 == tracker.load[1] * size):
+                num_external_tokens += 1  # the whole load, as told (less its last token)
             end = min(tracker.load[1], start + num_external_tokens // size)
             tracker.load = (start, end)
             # vLLM counts [start, start + num_external) as loaded; a tail that is not a whole
