@@ -253,6 +253,7 @@ def test_a_hit_on_a_busy_engine_loads_in_the_step_that_admits_it(
     assert auto["first_token_step"] < never["first_token_step"], (auto, never)
 
 
+@pytest.mark.parametrize("release", _releases())
 def test_a_prompt_held_whole_loads_every_chunk_and_computes_its_last_token(
         harness: Callable[[str], dict[str, Any]], release: str) -> None:
     """Every token of H is on the server: vLLM must still compute one in the step that admits
