@@ -4,8 +4,8 @@ Engine processes run once per session, each through a fixed list of steps (the t
 scripts/bench/engine_runner.py, run as a process): a baseline engine without the connector, and
 engines with it (one a fresh one with vLLM's prefix cache on, to show hits survive an engine
 restart; one that lives through a restart of the lmcache server). Every generation with the
-connector must equal the baseline's tokens exactly.
-"""
+connector must equal the baseline's tokens exactly; the long answers that live through
+preemptions, up to a near tie (``_same_greedy_answers``)."""
 
 from __future__ import annotations
 
