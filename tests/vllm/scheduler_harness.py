@@ -725,6 +725,26 @@ def whole_hit(s: Scenario, mode: str = "") -> dict[str, Any]:
     return runs
 
 
+def preempt_random(s: Scenario, mode: str = "") -> dict[str, Any]:
+    """Eight engines of seeded random shapes: 4-6 requests each, some sharing 256 or 512 tokens
+    of a prefix, prompts of 100-700 tokens and answers of 50-400 on 10-16 blocks, and
+    ``sync_loads`` and the step's lookup budget drawn too. vLLM preempts where the blocks run
+    out, at whatever token that falls on (a chunk's end among them, now and then), and the
+    requests resume with synchronous and asynchronous loads."""
+    runs = []
+    for _ in range(8):
+        engine = s.engine(mode, num_blocks=s.rng.randrange(10, 17), connector={
+            "sync_loads": s.rng.choice(["auto", "always", "never"]),
+            "lookup_wait_us": s.rng.choice([0, 2000, 100_000])})
+        shared = s.tokens(512)
+        for i in range(s.rng.randrange(4, 7)):
+            prompt = shared[:s.rng.choice([0, 256, 512])] + s.tokens(s.rng.randrange(100, 700))
+            engine.add(f"P{i}", prompt[:700], s.rng.randrange(50, 400))
+        engine.run()
+        runs.append(engine.result(s.url))
+    return {"runs": runs}
+
+
 #: name -> (function, mode). The prefix scenarios of each hybrid mode, and the engine's life on
 #: one group and on a hybrid model.
 SCENARIOS: dict[str, tuple[Callable[..., dict[str, Any]], str]] = {
@@ -744,6 +764,7 @@ SCENARIOS: dict[str, tuple[Callable[..., dict[str, Any]], str]] = {
     "inflight-loads": (inflight_loads, ""),
     "busy-hit": (busy_hit, ""),
     "whole-hit": (whole_hit, ""),
+    "preempt-random": (preempt_random, ""),
 }
 
 
