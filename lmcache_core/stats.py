@@ -116,6 +116,10 @@ class EngineStats(Stats):
     store_pin_refused: Annotated[int, counter(
         "Chunk pieces stored unpinned although their store asked for a pin: server.max_pinned "
         "would have been passed.", "store_pin_refused_chunks")] = 0
+    store_late: Annotated[int, counter(
+        "Chunks stores did not copy: the request reached a copy thread past its copy_by_ns (half "
+        "the worker's request timeout), when the worker may have given up on it and vLLM reused "
+        "its blocks.", "store_late_chunks")] = 0
     retrieves: Annotated[int, counter("Retrieve requests served.")] = 0
     retrieved_chunks: Annotated[int, counter("Chunks copied out of the pool by retrieves.")] = 0
     retrieved_bytes: Annotated[int, counter("Bytes copied out of the pool by retrieves.")] = 0

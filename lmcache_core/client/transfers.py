@@ -122,6 +122,8 @@ def transfer_failure(transfer: Transfer) -> str | None:
         return f"{len(reply.missing)} chunk(s) were no longer cached"
     if isinstance(reply, m.StoreReply) and reply.skipped_full:
         return f"{reply.skipped_full} chunk(s) skipped: the server's pool is full of locked chunks"
+    if isinstance(reply, m.StoreReply) and reply.late:
+        return f"{reply.late} chunk(s) not stored: the server took the store up past its copy_by_ns"
     return None
 
 

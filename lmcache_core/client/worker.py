@@ -136,6 +136,9 @@ class LMCacheMPWorkerAdapter:
         #: group), from its replies: what the engine's keys name beside the model.
         self.layouts: list[str] = []
         self._registrations: list[Registration] = []
+        #: Whether the server honours ``StoreRequest.copy_by_ns`` (its registration replies say
+        #: so; an older server refuses the field, so it is not sent there).
+        self._copy_by = False
         self._failed_recving: dict[str, None] = {}  # in failure order, bounded
         self._stores: dict[str, RequestTransfers] = {}
         self._retrieves: dict[str, RequestTransfers] = {}
@@ -182,6 +185,7 @@ class LMCacheMPWorkerAdapter:
         the caches and the layout fingerprint the server gave each."""
         wrapped: list[KVCache] = []
         layouts: list[str] = []
+        copy_by: list[bool] = []
         for instance_id, layers, group in registrations:
             cache, request = self._registration_request(layers, instance_id, group)
             try:
@@ -192,6 +196,8 @@ class LMCacheMPWorkerAdapter:
                 raise
             wrapped.append(cache)
             layouts.append(reply.layout)
+            copy_by.append(reply.copy_by)
+        self._copy_by = all(copy_by)
         return wrapped, layouts
 
     def _registration_request(self, kv_caches: dict[str, torch.Tensor], instance_id: int,
@@ -234,9 +240,11 @@ class LMCacheMPWorkerAdapter:
     def _register_again(self) -> None:
         """Register with a server that forgot us, with freshly exported handles (finding 6)."""
         try:
+            copy_by = []
             for instance_id, layers, group in self._registrations:
                 _, request = self._registration_request(layers, instance_id, group)
-                self.mq_client.request(request)
+                copy_by.append(self.mq_client.request(request).copy_by)
+            self._copy_by = all(copy_by)  # the server that restarted may be another version
         except LMCacheError as exc:
             logger.warning("re-registering the KV caches with %s failed: %s",
                            self.mq_client.server_url, exc)
@@ -265,13 +273,17 @@ class LMCacheMPWorkerAdapter:
             key = (op.retention, tenant_tag(op.cache_salt), store_hash_mode(op))
             groups.setdefault(key, []).append(i)
         handle = event_handle(event)
+        # The server copies nothing past half the timeout this waits for its reply: a store given
+        # up on lets vLLM reuse a preempted or finished request's blocks (StoreRequest.copy_by_ns)
+        copy_by_ns = (time.monotonic_ns() + int(self.mq_client.request_timeout_s * 1e9) // 2
+                      if self._copy_by else 0)
         for ((ttl_s, pin, priority), tenant, hash_mode), members in groups.items():
             ids = [request_ids[i] for i in members]
             for instance_id, hashes, blocks in self._parts([ops[i] for i in members], False):
                 payload = m.StoreRequest(instance_id=instance_id, chunk_hashes=hashes,
                                          block_ids=blocks, event_handle=handle, request_ids=ids,
                                          ttl_s=ttl_s, pin=pin, priority=priority, tenant=tenant,
-                                         hash_mode=hash_mode)
+                                         hash_mode=hash_mode, copy_by_ns=copy_by_ns)
                 self._submit(STORE, payload, ids, blocks, self._stores)
 
     def batched_submit_retrieve_requests(self, request_ids: list[str], ops: list[LoadStoreOp],

@@ -678,6 +678,12 @@ class PieceStore:
             self._events.removed(dropped, MEMORY_TIER)
         return len(dropped)
 
+    def count_late_store(self, chunks: int) -> None:
+        """A store of ``chunks`` came past its ``copy_by_ns`` and was not copied."""
+        with self._mutex:
+            self._counters.stores += 1
+            self._counters.store_late += chunks
+
     def count_verified(self, pieces: int) -> None:
         """``pieces`` were checked against their checksums and found intact."""
         with self._mutex:

@@ -56,6 +56,8 @@ EndedIds = Annotated[list[LookupId], msgspec.Meta(max_length=MAX_ENDED)]
 IpcHandle = Annotated[bytes, msgspec.Meta(max_length=256)]
 #: A load deadline: at most an hour (0: none).
 DeadlineMs = Annotated[int, msgspec.Meta(ge=0, le=3_600_000)]
+#: A time on the host's CLOCK_MONOTONIC, in ns (``time.monotonic_ns``; 0: none).
+MonotonicNs = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 #: A retrieve's first chunk's leading blocks left unwritten (fewer than a chunk's).
 SkipBlocks = Annotated[int, msgspec.Meta(ge=0, le=2**16)]
 #: Parts of one retrieve: a hybrid model has a registration per KV-cache group, a few, never
@@ -212,6 +214,13 @@ class StoreRequest(Message):
     #: chain over token ids), "" (not said). Only counted per model, for ``lmcache lookup
     #: --explain`` (a model stored in vLLM's hash mode never matches a tokens file).
     hash_mode: HashMode = ""
+    #: The worker's ``time.monotonic_ns()`` past which the server must not start the copy (the
+    #: worker maps its KV memory to this server, so both read one host's clock): the worker gives
+    #: up on the reply at its request timeout, and vLLM then reuses the blocks of a preempted or
+    #: finished request; a copy begun after that (a server stalled that long) would read another
+    #: request's KV under these keys. The worker sends half its request timeout from the
+    #: sending, leaving the copy the other half. 0: none (older clients).
+    copy_by_ns: MonotonicNs = 0
 
     def num_keys(self) -> int:
         return len(self.chunk_hashes)
@@ -397,6 +406,9 @@ class RegisterKVCacheReply(Reply):
     layout: str = ""  # the KV layout fingerprint the server files this cache's chunks under
     head_lo: int = 0  # the heads [head_lo, head_hi) of the model this rank holds
     head_hi: int = 0
+    #: This server honours ``StoreRequest.copy_by_ns`` (an older one refuses the field: a client
+    #: sends it only where this says so).
+    copy_by: bool = False
 
 
 class StoreReply(Reply):
@@ -405,6 +417,7 @@ class StoreReply(Reply):
     skipped_full: int = 0
     skipped_quota: int = 0  # not stored: the model or tenant is at its quota (server.quotas, ...)
     pin_refused: int = 0  # stored unpinned: pinning them would pass server.max_pinned
+    late: int = 0  # not copied: the request reached a copy thread past its ``copy_by_ns``
 
 
 class RetrieveReply(Reply):

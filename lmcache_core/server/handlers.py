@@ -10,6 +10,7 @@ tells about itself (SERVER_INFO, LIST_CHUNKS) is ``listing``'s.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import time
@@ -24,6 +25,7 @@ from lmcache_core.errors import CopiesStalledError, ProtocolError
 from lmcache_core.keys import ChunkKey, is_mla
 from lmcache_core.kv.copy import check_skip
 from lmcache_core.kv.cuda_events import open_ipc_event
+from lmcache_core.log_budget import LogBudget
 from lmcache_core.protocol import messages as m
 from lmcache_core.protocol.ops import RequestType
 from lmcache_core.server.explain import ExplainHandler, StoreModes
@@ -76,6 +78,8 @@ class _PartOutcome(NamedTuple):
     late: int
 
 
+logger = logging.getLogger(__name__)
+
 #: Under a load deadline a retrieve copies runs of chunks of at most this many bytes (at least
 #: one chunk), checking the deadline before each run: so a deadline is overrun by one run's copy
 #: at most, and small chunks are not copied one call each. Chunk by chunk, a hybrid model's 2 MiB
@@ -119,6 +123,8 @@ class CacheHandlers:
         self.copies_stalled = copies_stalled
         self.deadline_clock = deadline_clock
         self.store_modes = StoreModes()  # stores per model by hash mode, for EXPLAIN
+        # stores past their copy_by_ns come in floods (all queued behind one stall): a few lines
+        self._late_stores_log = LogBudget(lines=5, window_s=60.0, logger=logger)
 
     def routes(self) -> dict[RequestType, Route]:
         tiered = self.engine.tiers is not None
@@ -168,7 +174,7 @@ class CacheHandlers:
         return m.RegisterKVCacheReply(chunk_bytes=mapped.chunk_bytes,
                                       blocks_per_chunk=mapped.blocks_per_chunk,
                                       layout=registration.layout, head_lo=registration.heads[0],
-                                      head_hi=registration.heads[1])
+                                      head_hi=registration.heads[1], copy_by=True)
 
     def unregister_kv_cache(self, request: m.UnregisterKVCacheRequest,
                             _client: bytes) -> m.OkReply:
@@ -179,7 +185,17 @@ class CacheHandlers:
 
     def store(self, request: m.StoreRequest, _client: bytes) -> m.StoreReply | AfterReply:
         """Copy the request's chunks in and commit them. A store big enough to hash on a lane
-        returns its reply with the hash to start once that reply is out (``AfterReply``)."""
+        returns its reply with the hash to start once that reply is out (``AfterReply``). One
+        taken up past its ``copy_by_ns`` copies nothing (its worker may have given up on it, and
+        vLLM handed its blocks to another request): ``late``, counted, a warning logged."""
+        if request.copy_by_ns and self.deadline_clock() * 1e9 >= request.copy_by_ns:
+            late = len(request.chunk_hashes)
+            self._store.count_late_store(late)
+            self._late_stores_log.log(
+                logging.WARNING, "a store of %d chunk(s) reached a copy thread past its "
+                "copy_by_ns (the server stalled for half the worker's request timeout or more): "
+                "not copied, its blocks may hold other KV by now", late)
+            return m.StoreReply(stored=0, late=late)
         with self.registry.lease(request.instance_id) as reg:
             per_chunk = self._check_blocks(reg, request.chunk_hashes, request.block_ids)
             self.store_modes.count(reg.model_name, request.hash_mode)

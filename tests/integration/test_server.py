@@ -11,6 +11,7 @@ import pytest
 import zmq
 
 from lmcache_core.errors import RequestTooLargeError
+from lmcache_core.keys import chain_hashes
 from lmcache_core.protocol import messages as m
 from lmcache_core.transport.client import MessageQueueClient
 from tests.harness import wait_until
@@ -77,6 +78,30 @@ def test_two_ranks_count_a_chunk_only_when_both_stored(server, client, make_work
         worker("zero", blocks=blocks(4, 4))
         assert worker("retrieve", req="r", keys=toks, blocks=blocks(4, 4))["finished"]
         assert worker("digest", blocks=blocks(4, 4))["digest"] == want
+
+
+def test_a_store_taken_up_past_its_copy_by_copies_nothing(make_server, make_worker):
+    """A store the server takes up past its ``copy_by_ns`` (stalled that long: its worker may have
+    given up on it, and vLLM handed a preempted or finished request's blocks to another) copies
+    nothing: ``late``, counted, its chunks never visible; one still in time is stored."""
+    srv = make_server()
+    worker = make_worker(srv.url)
+    worker("fill", blocks=blocks(0, 8), seed=4)
+    late, on_time = tokens(4, seed=21), tokens(4, seed=22)
+
+    def store(toks: list[int], block_ids: list[int], copy_by_ns: int) -> m.StoreReply:
+        return client.request(m.StoreRequest(
+            instance_id=worker.hello["instance_id"], chunk_hashes=chain_hashes(toks, CHUNK),
+            block_ids=block_ids, copy_by_ns=copy_by_ns))
+
+    with MessageQueueClient(srv.url) as client:
+        assert store(late, blocks(0, 4), time.monotonic_ns() - 1) == m.StoreReply(stored=0,
+                                                                                 late=4)
+        assert lookup(client, late) == 0
+        assert info(client).stats.engine.store_late == 4
+        assert store(on_time, blocks(4, 4), time.monotonic_ns() + 60 * 10**9).stored == 4
+        assert lookup(client, on_time) == 4
+        assert "past its copy_by_ns" in srv.log()
 
 
 def test_eviction_never_takes_a_locked_chunk(tmp_path, make_server, make_worker):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -119,16 +120,26 @@ def test_a_lease_defers_the_unmap_of_a_reaped_gpu_worker(
 
 class FakeClient:
     server_url = "tcp://fake"
+    request_timeout_s = 30.0
 
-    def __init__(self) -> None:
+    def __init__(self, copy_by: bool = False) -> None:
         self.sent: list[Any] = []
+        self.copy_by = copy_by  # what its registration replies say
 
     def request(self, request: Any, **_kw: Any) -> Any:
         self.sent.append(request)
-        return m.RegisterKVCacheReply(chunk_bytes=1 << 20, blocks_per_chunk=16, layout="x")
+        return m.RegisterKVCacheReply(chunk_bytes=1 << 20, blocks_per_chunk=16, layout="x",
+                                      copy_by=self.copy_by)
+
+    def submit(self, _op: Any, payload: Any) -> Any:
+        self.sent.append(payload)
+        return SimpleNamespace()
 
 
-def test_registering_again_exports_fresh_handles(monkeypatch: pytest.MonkeyPatch) -> None:
+def fake_worker(monkeypatch: pytest.MonkeyPatch, client: FakeClient
+                ) -> worker_module.LMCacheMPWorkerAdapter:
+    """A worker adapter on ``client``, its KV caches registered (one CUDA layer, exported anew
+    each time)."""
     exports = iter(range(100))
 
     def wrap(kv_caches: dict[str, Any]) -> worker_module.KVCache:
@@ -146,13 +157,44 @@ def test_registering_again_exports_fresh_handles(monkeypatch: pytest.MonkeyPatch
     worker._conn = SimpleNamespace(vllm_block_size=16, model_name="tiny", world_size=1,
                                    kv_rank=0)  # type: ignore[assignment]
     worker.instance_id = 7
-    worker.mq_client = FakeClient()  # type: ignore[assignment]
+    worker.mq_client = client  # type: ignore[assignment]
     worker._heartbeat, worker._heartbeat_interval_s = None, 0.0
+    worker._stores = {}
     worker.register_kv_caches({"layer_0": object()})  # type: ignore[dict-item]
+    return worker
+
+
+def test_registering_again_exports_fresh_handles(monkeypatch: pytest.MonkeyPatch) -> None:
+    worker = fake_worker(monkeypatch, FakeClient())
     worker._register_again()  # the server restarted and forgot us
     first, again = worker.mq_client.sent  # type: ignore[attr-defined]
     assert first.instance_id == again.instance_id == 7
     assert first.layers[0].cuda.ref_counter_offset != again.layers[0].cuda.ref_counter_offset
+
+
+def test_a_store_carries_copy_by_only_to_a_server_that_honours_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``StoreRequest.copy_by_ns`` (half the request timeout from now) goes only to a server whose
+    registration replies say it honours it: an older one refuses unknown fields, and would refuse
+    every store. A restarted server's replies decide again."""
+    op = worker_module.LoadStoreOp([b"h" * 32], [0, 1])
+    for honours in (True, False):
+        client = FakeClient(copy_by=honours)
+        worker = fake_worker(monkeypatch, client)
+        # one chunk of the registration, as the connection would hash and block it
+        monkeypatch.setattr(worker, "_parts", lambda ops, retrieve: [(7, [b"h" * 32], [0, 1])])
+        before = time.monotonic_ns()
+        worker.batched_submit_store_requests(["r"], [op], None)
+        sent = client.sent[-1]
+        assert isinstance(sent, m.StoreRequest) and sent.chunk_hashes == [b"h" * 32]
+        if honours:
+            assert before + 15 * 10**9 <= sent.copy_by_ns <= time.monotonic_ns() + 15 * 10**9
+        else:
+            assert sent.copy_by_ns == 0
+        client.copy_by = not honours
+        worker._register_again()
+        worker.batched_submit_store_requests(["r"], [op], None)
+        assert (client.sent[-1].copy_by_ns > 0) is (not honours)
 
 
 # ---------------------------------------------------------------- finding 5: copy threads

@@ -590,8 +590,27 @@ def finish_before_store(s: Scenario, mode: str = "") -> dict[str, Any]:
     blocks freed early, Y would get them and write its KV into them, and the store, once the
     server thaws, would copy Y's KV under F's keys. W, F's prompt and more, then loads F's 4
     chunks: its tokens are right only if they hold F's KV."""
+    return _store_of_f_frozen(s, mode, given_up=False)
+
+
+def store_given_up(s: Scenario, mode: str = "") -> dict[str, Any]:
+    """``finish-before-store`` with the server frozen past the connector's request timeout (1 s
+    here): the store of F, finished, is given up on, so vLLM frees F's blocks and Y, admitted
+    into them, writes its KV there. Once the server thaws, the store it takes up would copy Y's
+    KV under F's keys, had it no ``copy_by_ns`` (half the timeout, long past): it copies nothing.
+    W, F's prompt and more, then finds none of F's chunks and computes everything, every token
+    right (with the copy, W loaded Y's KV as F's and its tokens were wrong)."""
+    return _store_of_f_frozen(s, mode, given_up=True)
+
+
+def _store_of_f_frozen(s: Scenario, mode: str, given_up: bool) -> dict[str, Any]:
+    """Z decodes in half the KV cache; F finishes in the step that sends its store, and the
+    server is frozen before that store goes out; Y arrives. The server stays frozen for 4 steps,
+    or (``given_up``, a 1 s request timeout) until F's store was given up on and Y ran in F's
+    blocks. Then W, F's prompt and more."""
     engine = s.engine(mode, num_blocks=17,  # 16 usable: Z's 8 and F's 8
-                      engine_args={"max_num_batched_tokens": 2048})
+                      engine_args={"max_num_batched_tokens": 2048},
+                      connector={"request_timeout_s": 1} if given_up else None)
     f = s.tokens(1024)
     freeze: dict[str, Any] = {}
 
@@ -609,8 +628,18 @@ def finish_before_store(s: Scenario, mode: str = "") -> dict[str, Any]:
         engine.steps_until(lambda: bool(freeze))
         engine.before_transfers = None
         engine.add("Y", s.tokens(200), 10)
-        for _ in range(4):  # F finished; its store waits on the frozen server
+        if given_up:
+            # F's blocks come free once its store is given up on (the request timeout, on the
+            # client's clock): step until Y runs in them, and once more (Y's KV written there)
+            given_up_by = time.monotonic() + 30
+            while engine.status("Y") not in ("RUNNING", "FINISHED_LENGTH_CAPPED"):
+                assert time.monotonic() < given_up_by, "F's store was never given up on"
+                engine.step()
+                time.sleep(0.01)
             engine.step()
+        else:
+            for _ in range(4):  # F finished; its store waits on the frozen server
+                engine.step()
         freeze["statuses"] = {rid: engine.status(rid) for rid in "FYZ"}
     finally:
         if "cm" in freeze:
@@ -765,6 +794,7 @@ SCENARIOS: dict[str, tuple[Callable[..., dict[str, Any]], str]] = {
     "busy-hit": (busy_hit, ""),
     "whole-hit": (whole_hit, ""),
     "preempt-random": (preempt_random, ""),
+    "store-given-up": (store_given_up, ""),
 }
 
 

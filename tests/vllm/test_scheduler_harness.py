@@ -168,6 +168,13 @@ def _finish_before_store(outcome: dict[str, Any]) -> None:
     assert _cached(outcome)["W"] == 1024
 
 
+def _store_given_up(outcome: dict[str, Any]) -> None:
+    # Y ran in F's freed blocks while F's store waited on the frozen server; the server, thawed,
+    # did not copy them under F's keys (copy_by_ns): W found nothing of F's and computed it all
+    assert outcome["statuses_while_frozen"]["Y"] in ("RUNNING", "FINISHED_LENGTH_CAPPED")
+    assert _cached(outcome)["W"] == 0
+
+
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "prefix": _prefix,
     "prefix-hybrid": lambda o: _prefix(o, hybrid=True),
@@ -182,6 +189,7 @@ CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "abort-load": _abort_load,
     "abort-load-hybrid": _abort_load,
     "finish-before-store": _finish_before_store,
+    "store-given-up": _store_given_up,
 }
 
 
