@@ -629,13 +629,15 @@ def _store_of_f_frozen(s: Scenario, mode: str, given_up: bool) -> dict[str, Any]
         engine.before_transfers = None
         engine.add("Y", s.tokens(200), 10)
         if given_up:
-            # F's blocks come free once its store is given up on (the request timeout, on the
-            # client's clock): step until Y runs in them, and once more (Y's KV written there)
-            given_up_by = time.monotonic() + 30
-            while engine.status("Y") not in ("RUNNING", "FINISHED_LENGTH_CAPPED"):
-                assert time.monotonic() < given_up_by, "F's store was never given up on"
-                engine.step()
-                time.sleep(0.01)
+            # The client fails F's store at its request timeout (its I/O thread does, at the
+            # deadline): wait for that, bounded; then vLLM frees F's blocks and Y runs in them
+            # (stepped until it does, and once more: Y's KV written there)
+            futures = engine.worker._worker.store_futures("F")  # (the connector's worker client)
+            assert futures, "F's store was not sent"
+            for future in futures:
+                assert future.exception(30) is not None, "F's store was answered while frozen"
+            engine.steps_until(
+                lambda: engine.status("Y") in ("RUNNING", "FINISHED_LENGTH_CAPPED"))
             engine.step()
         else:
             for _ in range(4):  # F finished; its store waits on the frozen server
